@@ -1,0 +1,1 @@
+"""orthosphere.analyze"""

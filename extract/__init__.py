@@ -1,0 +1,1 @@
+"""orthosphere.extract: models -> activations (model family, tasks, capture, batch jobs)."""

@@ -1,0 +1,30 @@
+"""The store: one Zarr v3 group of schema v1 per extraction job, opened lazily with xarray."""
+from .errors import (
+    IncompleteStoreError,
+    StoreError,
+    StoreExistsError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
+from .reader import format_info, info, open_store, read_attrs, validate
+from .schema import DEFAULT_SITES, SCHEMA_VERSION, SITES
+from .writer import StoreWriter, create_store, open_writer
+
+__all__ = [
+    "DEFAULT_SITES",
+    "SCHEMA_VERSION",
+    "SITES",
+    "IncompleteStoreError",
+    "StoreError",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "StoreWriter",
+    "create_store",
+    "format_info",
+    "info",
+    "open_store",
+    "open_writer",
+    "read_attrs",
+    "validate",
+]

@@ -1,0 +1,189 @@
+"""Open a store lazily as an xarray Dataset, check it against schema v1, describe it."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from . import schema
+from .errors import IncompleteStoreError, StoreError, StoreNotFoundError
+from .location import Location, as_location
+from .writer import PROGRESS_GROUP
+
+REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
+
+
+def open_group_checked(location: Location, mode: str = "r") -> zarr.Group:
+    """The store's root group, after checking that it exists and is an orthosphere store we can read."""
+    if not location.exists():
+        raise StoreNotFoundError(
+            f"no store at {location.url}: the path does not exist; check it, or create a store "
+            "with `orthosphere extract`"
+        )
+    if not location.is_zarr():
+        raise StoreError(
+            f"{location.url} is not a Zarr store (no zarr.json at its root): give the path of a store "
+            "written by orthosphere"
+        )
+    try:
+        group = zarr.open_group(location.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        raise StoreError(f"{location.url} is not a readable Zarr v3 group: {error}") from error
+    version = group.attrs.get("schema")
+    if version is None:
+        raise StoreError(
+            f"{location.url} is a Zarr store but not an orthosphere store (no 'schema' attribute); "
+            "open it with zarr or xarray directly"
+        )
+    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+        raise StoreError(
+            f"{location.url} has schema version {version!r}, newer than the {schema.SCHEMA_VERSION} "
+            "this orthosphere reads: upgrade orthosphere"
+        )
+    return group
+
+
+def read_attrs(url, storage_options: dict | None = None) -> dict:
+    """The store's root attributes (model, task, sites, ...), without opening the arrays."""
+    return dict(open_group_checked(as_location(url, storage_options)).attrs)
+
+
+def completeness(group: zarr.Group) -> dict:
+    """How many shards are complete, and whether the job finished."""
+    done = group[f"{PROGRESS_GROUP}/shard_complete"][:]
+    return {"complete": bool(group.attrs.get("complete")), "shards_done": int(done.sum()), "shards_total": int(done.size)}
+
+
+def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None) -> xr.Dataset:
+    """The store as a lazy, Dask-backed xarray Dataset chunked as on disk."""
+    location = as_location(url, storage_options)
+    group = open_group_checked(location)
+    state = completeness(group)
+    if not state["complete"] and not allow_incomplete:
+        missing = state["shards_total"] - state["shards_done"]
+        detail = (
+            f"{missing} of {state['shards_total']} shards are missing"
+            if missing
+            else "every shard was written but the job did not finish"
+        )
+        raise IncompleteStoreError(
+            f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
+            "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
+        )
+    return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks={})
+
+
+def validate(url, storage_options: dict | None = None) -> list[str]:
+    """Every way the store departs from schema v1; empty when valid."""
+    try:
+        group = open_group_checked(as_location(url, storage_options))
+    except StoreError as error:
+        return [str(error)]
+    attrs = dict(group.attrs)
+    problems = [f"root attribute {key!r} is missing" for key in REQUIRED_ATTRS if key not in attrs]
+    if problems:
+        return problems
+    try:
+        sites = schema.check_sites(attrs["sites"])
+        model = schema.check_model(attrs["model"])
+        schema.check_dtype(attrs["dtype"])
+    except StoreError as error:
+        return [str(error)]
+    sizes = schema.dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
+    for name, var in schema.variables_for(sites, attrs.get("with_weights", True)).items():
+        problems += _variable_problems(group, name, var.dims, schema.resolved_dtype(var, attrs["dtype"]), sizes)
+    for name in attrs["labels"]:
+        problems += _variable_problems(group, name, schema.PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
+    state = completeness(group)
+    if not state["complete"]:
+        problems.append(f"incomplete: {state['shards_done']} of {state['shards_total']} shards complete, job not finished")
+    return problems
+
+
+def _variable_problems(group, name, dims, dtype, sizes, kind="variable") -> list[str]:
+    array = group.get(name)
+    if not isinstance(array, zarr.Array):
+        return [f"{kind} {name!r} is missing"]
+    problems = []
+    found_dims = tuple(array.metadata.dimension_names or ())
+    if found_dims != tuple(dims):
+        problems.append(f"{kind} {name!r} has dims {found_dims}, expected {tuple(dims)}")
+    else:
+        expected = tuple(sizes[d] for d in dims)
+        if array.shape != expected:
+            problems.append(f"{kind} {name!r} has shape {array.shape}, expected {expected} from the model description")
+    if dtype is not None and np.dtype(array.dtype) != np.dtype(dtype):
+        problems.append(f"{kind} {name!r} has dtype {array.dtype}, expected {dtype}")
+    return problems
+
+
+def info(url, storage_options: dict | None = None) -> dict:
+    """A summary of the store: model, task, sites, shapes, dtype, chunking, size, completeness."""
+    location = as_location(url, storage_options)
+    group = open_group_checked(location)
+    attrs = dict(group.attrs)
+    arrays = {
+        name: {
+            "dims": list(array.metadata.dimension_names),
+            "shape": list(array.shape),
+            "chunks": list(array.chunks),
+            "dtype": str(array.dtype),
+            "chunk_mb": round(math.prod(array.chunks) * np.dtype(array.dtype).itemsize / 2**20, 3)
+            if np.dtype(array.dtype).kind not in "OTU"
+            else None,
+        }
+        for name, array in sorted(group.arrays())
+        if name not in schema.DIM_NAMES
+    }
+    return {
+        "url": location.url,
+        "schema": attrs["schema"],
+        "model": attrs.get("model"),
+        "task": attrs.get("task"),
+        "sites": attrs.get("sites"),
+        "layers": attrs.get("layers"),
+        "dtype": attrs.get("dtype"),
+        "labels": attrs.get("labels"),
+        "n_samples": attrs.get("n_samples"),
+        "n_pos": attrs.get("n_pos"),
+        "samples_per_chunk": attrs.get("samples_per_chunk"),
+        "codec": attrs.get("codec"),
+        "arrays": arrays,
+        "size_bytes": location.size_bytes(),
+        **completeness(group),
+        "provenance": attrs.get("provenance"),
+    }
+
+
+def format_info(summary: dict) -> str:
+    """The info summary as text for a terminal."""
+    model = summary["model"] or {}
+    state = "complete" if summary["complete"] else "INCOMPLETE"
+    lines = [
+        f"store     {summary['url']}  (schema {summary['schema']}, {state}: "
+        f"{summary['shards_done']}/{summary['shards_total']} shards)",
+        "model     " + ", ".join(f"{k}={v}" for k, v in model.items()),
+        "task      " + ", ".join(f"{k}={v}" for k, v in (summary["task"] or {}).items()),
+        f"sites     {', '.join(summary['sites'] or [])}",
+        f"layers    {summary['layers']}",
+        f"samples   {summary['n_samples']} x {summary['n_pos']} positions, "
+        f"{summary['samples_per_chunk']} samples per chunk",
+        f"dtype     {summary['dtype']} (codec {summary['codec']})",
+        f"labels    {', '.join(summary['labels'] or {}) or '-'}",
+        f"size      {summary['size_bytes'] / 2**20:.2f} MiB on disk",
+        "arrays:",
+    ]
+    for name, array in summary["arrays"].items():
+        chunk = f"{array['chunk_mb']:.3f} MB/chunk" if array["chunk_mb"] is not None else "strings"
+        lines.append(
+            f"  {name:<11} {array['dtype']:<8} ({', '.join(array['dims'])}) = {tuple(array['shape'])}, "
+            f"chunks {tuple(array['chunks'])}, {chunk}"
+        )
+    provenance = summary.get("provenance") or {}
+    lines.append(
+        f"made by   orthosphere {provenance.get('package_version')} (commit {provenance.get('git_commit')}), "
+        f"torch {provenance.get('torch_version')}, {provenance.get('created')}: {provenance.get('command')}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""Schema version 1: which arrays a store holds, their dims and dtypes (see SCHEMA.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import StoreError
+
+SCHEMA_VERSION = 1
+
+ACTIVATION_DTYPES = ("float16", "float32")
+
+# Model description keys that fix the sizes of the arrays.
+MODEL_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_head")
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One array of the schema: its dims and dtype ("activation" means the store's dtype)."""
+
+    dims: tuple[str, ...]
+    dtype: str
+
+
+# Always present, one value per token.
+TOKEN_VARIABLES = {
+    "tokens": Variable(("sample", "pos"), "int32"),
+    "valid": Variable(("sample", "pos"), "bool"),
+    "pred": Variable(("sample", "pos"), "int32"),
+    "target": Variable(("sample", "pos"), "int32"),
+    "scored": Variable(("sample", "pos"), "bool"),
+}
+
+# Selectable activation sites.
+SITE_VARIABLES = {
+    "resid_pre": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "resid_mid": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "resid_post": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "attn_in": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "q": Variable(("sample", "layer", "pos", "head", "d_head"), "activation"),
+    "k": Variable(("sample", "layer", "pos", "kv_head", "d_head"), "activation"),
+    "v": Variable(("sample", "layer", "pos", "kv_head", "d_head"), "activation"),
+    "pattern": Variable(("sample", "layer", "head", "qpos", "kpos"), "activation"),
+}
+SITES = tuple(SITE_VARIABLES)
+DEFAULT_SITES = tuple(site for site in SITES if site != "pattern")
+
+# Per-layer attention maps, float32, written once per store (q_h = attn_in @ w_q[h] + b_q[h]).
+WEIGHT_VARIABLES = {
+    "w_q": Variable(("layer", "head", "d_model", "d_head"), "float32"),
+    "w_k": Variable(("layer", "kv_head", "d_model", "d_head"), "float32"),
+    "w_v": Variable(("layer", "kv_head", "d_model", "d_head"), "float32"),
+    "w_o": Variable(("layer", "head", "d_head", "d_model"), "float32"),
+    "b_q": Variable(("layer", "head", "d_head"), "float32"),
+    "b_k": Variable(("layer", "kv_head", "d_head"), "float32"),
+    "b_v": Variable(("layer", "kv_head", "d_head"), "float32"),
+    "b_o": Variable(("layer", "d_model"), "float32"),
+}
+
+PER_SAMPLE_DIMS = ("sample", "pos")
+# Dims with an integer coordinate array of their own.
+DIM_NAMES = ("sample", "pos", "layer", "head", "kv_head")
+
+
+def check_sites(sites) -> tuple[str, ...]:
+    """The sites in schema order; an unknown name is an error that lists the known ones."""
+    sites = tuple(sites)
+    unknown = [s for s in sites if s not in SITE_VARIABLES]
+    if unknown:
+        raise StoreError(
+            f"unknown site(s) {unknown}: expected any of {list(SITES)}; "
+            "pick sites from that list (the default is all but 'pattern')"
+        )
+    if not sites:
+        raise StoreError("no sites given: expected at least one of " f"{list(SITES)}")
+    return tuple(s for s in SITES if s in sites)
+
+
+def check_dtype(dtype) -> str:
+    """The activation dtype's name; only float16 and float32 are allowed."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in ACTIVATION_DTYPES:
+        raise StoreError(
+            f"dtype {dtype!r} is not supported for activations: expected one of "
+            f"{list(ACTIVATION_DTYPES)} (Zarr v3 has no bfloat16; use float16 or float32)"
+        )
+    return name
+
+
+def check_model(model: dict) -> dict:
+    """The model description, checked for the size keys that the arrays need."""
+    missing = [key for key in MODEL_SIZE_KEYS if key not in model]
+    if missing:
+        raise StoreError(
+            f"model description lacks {missing}: expected integer entries {list(MODEL_SIZE_KEYS)}"
+        )
+    for key in MODEL_SIZE_KEYS:
+        value = model[key]
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise StoreError(f"model description {key}={value!r}: expected a positive integer")
+    if model["n_heads"] % model["n_kv_heads"]:
+        raise StoreError(
+            f"model description n_heads={model['n_heads']} is not a multiple of "
+            f"n_kv_heads={model['n_kv_heads']}: grouped-query attention needs whole groups"
+        )
+    return dict(model)
+
+
+def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> dict[str, int]:
+    """The length of every dim of the schema for one store."""
+    return {
+        "sample": n_samples,
+        "pos": n_pos,
+        "qpos": n_pos,
+        "kpos": n_pos,
+        "layer": n_layers_stored,
+        "head": model["n_heads"],
+        "kv_head": model["n_kv_heads"],
+        "d_model": model["d_model"],
+        "d_head": model["d_head"],
+    }
+
+
+def variables_for(sites, with_weights: bool) -> dict[str, Variable]:
+    """Every array that a store with these sites holds (labels aside)."""
+    variables = dict(TOKEN_VARIABLES)
+    variables.update({site: SITE_VARIABLES[site] for site in sites})
+    if with_weights:
+        variables.update(WEIGHT_VARIABLES)
+    return variables
+
+
+def resolved_dtype(variable: Variable, activation_dtype: str) -> str:
+    return activation_dtype if variable.dtype == "activation" else variable.dtype
+
+
+LABEL_DTYPES = ("str", "int16", "int32")
+
+
+def check_labels(labels: dict) -> dict[str, str]:
+    """Label name -> storage dtype: "str" (variable-length) or int16/int32 (-1 = not applicable)."""
+    labels = dict(labels)
+    for name, dtype in labels.items():
+        if dtype not in LABEL_DTYPES:
+            raise StoreError(
+                f"label {name!r} has dtype {dtype!r}: expected one of {list(LABEL_DTYPES)}; "
+                "encode other labels as integer codes"
+            )
+        if name in TOKEN_VARIABLES or name in SITE_VARIABLES or name in WEIGHT_VARIABLES:
+            raise StoreError(f"label name {name!r} clashes with a variable of the schema; rename it")
+    return labels
