@@ -1,7 +1,9 @@
 """Where a store lives: a local path or any fsspec URL (memory://, s3://, ...)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import fsspec
@@ -67,3 +69,12 @@ def as_location(url, storage_options: dict | None = None) -> Location:
     if isinstance(url, Location):
         return url
     return Location(os.fspath(url), dict(storage_options or {}))
+
+
+@contextlib.contextmanager
+def zarr_quietly():
+    """Silence zarr's warnings about consolidated metadata (not yet in the v3 spec) and our lock file."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata")
+        warnings.filterwarnings("ignore", message="Object at .orthosphere-lock")
+        yield

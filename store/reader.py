@@ -9,14 +9,18 @@ import zarr
 
 from . import schema
 from .errors import IncompleteStoreError, StoreError, StoreNotFoundError
-from .location import Location, as_location
+from .location import Location, as_location, zarr_quietly
 from .writer import PROGRESS_GROUP
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
 
 
-def open_group_checked(location: Location, mode: str = "r") -> zarr.Group:
-    """The store's root group, after checking that it exists and is an orthosphere store we can read."""
+def open_group_checked(location: Location, mode: str = "r", consolidated: bool | None = None) -> zarr.Group:
+    """The store's root group, after checking that it exists and is an orthosphere store we can read.
+
+    consolidated=False reads every array's own metadata (what validate needs); None uses the
+    consolidated copy when there is one.
+    """
     if not location.exists():
         raise StoreNotFoundError(
             f"no store at {location.url}: the path does not exist; check it, or create a store "
@@ -28,7 +32,10 @@ def open_group_checked(location: Location, mode: str = "r") -> zarr.Group:
             "written by orthosphere"
         )
     try:
-        group = zarr.open_group(location.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+        with zarr_quietly():
+            group = zarr.open_group(
+                location.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3, use_consolidated=consolidated
+            )
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise StoreError(f"{location.url} is not a readable Zarr v3 group: {error}") from error
     version = group.attrs.get("schema")
@@ -72,13 +79,14 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
             "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
         )
-    return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks={})
+    with zarr_quietly():
+        return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks={})
 
 
 def validate(url, storage_options: dict | None = None) -> list[str]:
     """Every way the store departs from schema v1; empty when valid."""
     try:
-        group = open_group_checked(as_location(url, storage_options))
+        group = open_group_checked(as_location(url, storage_options), consolidated=False)
     except StoreError as error:
         return [str(error)]
     attrs = dict(group.attrs)
@@ -134,7 +142,7 @@ def info(url, storage_options: dict | None = None) -> dict:
             if np.dtype(array.dtype).kind not in "OTU"
             else None,
         }
-        for name, array in sorted(group.arrays())
+        for name, array in sorted(_arrays(group))
         if name not in schema.DIM_NAMES
     }
     return {
@@ -155,6 +163,11 @@ def info(url, storage_options: dict | None = None) -> dict:
         **completeness(group),
         "provenance": attrs.get("provenance"),
     }
+
+
+def _arrays(group: zarr.Group) -> list:
+    with zarr_quietly():
+        return list(group.arrays())
 
 
 def format_info(summary: dict) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import zarr
@@ -10,7 +9,7 @@ from zarr.codecs import ZstdCodec
 
 from . import schema
 from .errors import IncompleteStoreError, StoreError, StoreExistsError
-from .location import Location, as_location
+from .location import Location, as_location, zarr_quietly
 from .lock import acquire_lock, release_lock
 from .provenance import provenance
 
@@ -18,8 +17,11 @@ PROGRESS_GROUP = "_progress"
 TARGET_CHUNK_BYTES = 4 * 2**20
 CODECS = ("none", "zstd")
 
-warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
-warnings.filterwarnings("ignore", message="Object at .orthosphere-lock is not recognized")
+
+
+def consolidate(group: zarr.Group) -> None:
+    with zarr_quietly():
+        zarr.consolidate_metadata(group.store)
 
 
 def samples_per_chunk_for(variables: dict, sizes: dict, dtype: str) -> int:
@@ -118,7 +120,7 @@ def create_store(
             "provenance": provenance(command),
         }
     )
-    zarr.consolidate_metadata(group.store)
+    consolidate(group)
     return StoreWriter(location, group, holds_lock=True)
 
 
@@ -215,7 +217,7 @@ class StoreWriter:
             raise IncompleteStoreError(f"cannot finish {self.url}: the attention maps were never written (write_weights)")
         self.group.attrs["complete"] = True
         self.attrs["complete"] = True
-        zarr.consolidate_metadata(self.group.store)
+        consolidate(self.group)
         self.close()
 
     def close(self) -> None:
@@ -239,11 +241,9 @@ class StoreWriter:
         return array
 
     def per_sample_names(self) -> list[str]:
-        return sorted(
-            name
-            for name, array in self.group.arrays()
-            if name != "sample" and array.metadata.dimension_names[0] == "sample"
-        )
+        with zarr_quietly():
+            arrays = list(self.group.arrays())
+        return sorted(name for name, array in arrays if name != "sample" and array.metadata.dimension_names[0] == "sample")
 
 
 def _check_count(name: str, value) -> None:

@@ -1,0 +1,362 @@
+"""The store: round trips, completeness, locking, URLs, validation and every bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+import zarr
+
+from orthosphere.store import (
+    IncompleteStoreError,
+    StoreError,
+    StoreExistsError,
+    StoreLockedError,
+    StoreNotFoundError,
+    create_store,
+    format_info,
+    info,
+    open_store,
+    open_writer,
+    read_attrs,
+    validate,
+)
+from orthosphere.store.schema import WEIGHT_VARIABLES
+
+MODEL = {"family": "test", "n_layers": 3, "d_model": 8, "n_heads": 4, "n_kv_heads": 2, "d_head": 2, "attn_scale": 0.7, "causal": True}
+TASK = {"name": "synthetic", "seed": 0}
+LABELS = {"role": "str", "operand": "int16"}
+N_SAMPLES, N_POS = 11, 5
+
+
+def make_store(url, **overrides):
+    arguments = dict(
+        model=MODEL, task=TASK, n_samples=N_SAMPLES, n_pos=N_POS, labels=LABELS,
+        samples_per_chunk=2, n_shards=3, dtype="float32",
+    )
+    arguments.update(overrides)
+    return create_store(url, **arguments)
+
+
+def sample_block(start, stop, layers=3):
+    """Deterministic contents of samples [start, stop): every value encodes its sample index."""
+    n = stop - start
+    base = np.arange(start, stop, dtype=np.float32)[:, None, None, None]
+    rng = np.random.default_rng(start)
+    roles = np.where(rng.random((n, N_POS)) < 0.5, "digit", "operator")
+    return {
+        "tokens": np.tile(np.arange(start, stop, dtype=np.int32)[:, None], (1, N_POS)),
+        "valid": np.ones((n, N_POS), bool),
+        "resid_pre": base + rng.normal(size=(n, layers, N_POS, 8)).astype(np.float32),
+        "q": rng.normal(size=(n, layers, N_POS, 4, 2)).astype(np.float32),
+        "k": rng.normal(size=(n, layers, N_POS, 2, 2)).astype(np.float32),
+        "role": roles,
+        "operand": rng.integers(-1, 3, size=(n, N_POS)).astype(np.int16),
+    }
+
+
+def weights(writer):
+    return {name: np.full(writer.group[name].shape, 0.5, np.float32) for name in WEIGHT_VARIABLES}
+
+
+def fill(writer, order=None):
+    """Write every shard (in the given order) and finish; returns what was written."""
+    written = {}
+    for index in order if order is not None else range(len(writer.shards)):
+        start, stop = writer.shards[index]
+        block = sample_block(start, stop)
+        writer.write(start, block)
+        writer.mark_shard_complete(index)
+        written[start] = block
+    writer.write_weights(weights(writer))
+    writer.finish()
+    return written
+
+
+def assert_round_trip(dataset, written):
+    for start, block in written.items():
+        stop = start + len(block["tokens"])
+        for name, values in block.items():
+            stored = dataset[name].isel(sample=slice(start, stop)).values
+            if name == "role":
+                assert stored.tolist() == values.tolist()
+            else:
+                np.testing.assert_array_equal(stored, values)
+
+
+def test_round_trip_out_of_order(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    assert writer.shards == [(0, 4), (4, 8), (8, 11)]
+    written = fill(writer, order=[2, 0, 1])
+    dataset = open_store(url)
+    assert_round_trip(dataset, written)
+    assert dict(dataset.sizes) == {"sample": 11, "layer": 3, "pos": 5, "d_model": 8, "head": 4, "kv_head": 2, "d_head": 2}
+    assert set(dataset.coords) >= {"sample", "layer", "pos", "head", "kv_head", "role", "operand"}
+    assert dataset.resid_pre.chunks[0] == (2, 2, 2, 2, 2, 1)
+    assert dataset.resid_pre.chunks[1] == (1, 1, 1)
+    assert float(dataset.w_o.sum()) == pytest.approx(0.5 * 3 * 4 * 2 * 8)
+    assert validate(url) == []
+
+
+def test_dataset_is_lazy_and_selectable(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    dataset = open_store(url)
+    assert dataset.resid_pre.data.__class__.__name__ == "Array"
+    digits = dataset.tokens.where(dataset.role == "digit")
+    assert int(digits.count()) == int((dataset.role.values == "digit").sum())
+
+
+def test_root_attributes_and_provenance(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url, layers=[0, 2], n_shards=1, command="orthosphere extract test")
+    writer.write(0, {name: values for name, values in sample_block(0, N_SAMPLES, layers=2).items()})
+    writer.mark_shard_complete(0)
+    writer.write_weights({name: np.zeros(writer.group[name].shape, np.float32) for name in WEIGHT_VARIABLES})
+    writer.finish()
+    attrs = read_attrs(url)
+    assert attrs["schema"] == 1 and attrs["model"] == MODEL and attrs["task"] == TASK
+    assert attrs["sites"] == ["resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v"]
+    assert attrs["layers"] == [0, 2] and attrs["dtype"] == "float32" and attrs["complete"] is True
+    provenance = attrs["provenance"]
+    assert provenance["command"] == "orthosphere extract test"
+    assert provenance["package_version"] and provenance["torch_version"] and provenance["created"]
+    assert open_store(url).layer.values.tolist() == [0, 2]
+
+
+def test_float16_store_and_chunk_size(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    model = dict(MODEL, d_model=512, n_heads=8, n_kv_heads=8, d_head=64)
+    writer = create_store(url, model=model, task=TASK, n_samples=4000, n_pos=32, dtype="float16")
+    chunk = writer.group["resid_pre"].chunks
+    chunk_bytes = np.prod(chunk) * 2
+    assert chunk[1] == 1 and 2**20 <= chunk_bytes <= 16 * 2**20
+    assert writer.group["q"].dtype == np.float16
+    writer.close()
+
+
+def test_incomplete_store_is_refused_until_finished(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    start, stop = writer.shards[1]
+    writer.write(start, sample_block(start, stop))
+    writer.mark_shard_complete(1)
+    with pytest.raises(IncompleteStoreError, match="2 of 3 shards are missing.*--resume"):
+        open_store(url)
+    with pytest.raises(IncompleteStoreError, match="2 of 3 shards are not complete"):
+        writer.finish()
+    partial = open_store(url, allow_incomplete=True)
+    np.testing.assert_array_equal(partial.tokens.isel(sample=slice(start, stop)).values, sample_block(start, stop)["tokens"])
+    assert any("incomplete" in problem for problem in validate(url))
+    writer.close()
+
+    resumed = open_writer(url)
+    assert resumed.pending_shards() == [0, 2]
+    fill(resumed, order=resumed.pending_shards())
+    assert open_store(url).attrs["complete"] is True
+
+
+def test_finish_requires_weights(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"))
+    for index, (start, stop) in enumerate(writer.shards):
+        writer.write(start, sample_block(start, stop))
+        writer.mark_shard_complete(index)
+    with pytest.raises(IncompleteStoreError, match="attention maps were never written"):
+        writer.finish()
+    writer.close()
+
+
+def test_block_may_not_straddle_shards(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"))
+    with pytest.raises(StoreError, match=r"samples \[2, 6\) do not lie inside one shard"):
+        writer.write(2, sample_block(2, 6))
+    writer.close()
+
+
+def test_memory_url_round_trip():
+    url = f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
+    written = fill(make_store(url))
+    assert_round_trip(open_store(url), written)
+    assert validate(url) == []
+
+
+def test_s3_round_trip(s3_bucket):
+    url = f"{s3_bucket}/runs/store.zarr"
+    written = fill(make_store(url))
+    assert_round_trip(open_store(url), written)
+    assert validate(url) == []
+    assert info(url)["size_bytes"] > 0
+
+
+# Locking -------------------------------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from orthosphere.store import create_store
+from tests.test_store import MODEL, TASK
+writer = create_store(sys.argv[1], model=MODEL, task=TASK, n_samples=4, n_pos=3)
+print("locked", flush=True)
+if sys.argv[2] == "die":
+    import os; os._exit(0)
+time.sleep(60)
+"""
+
+
+def hold_lock(url, mode):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, url, mode], cwd=root, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
+def test_lock_names_a_running_holder(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    holder = hold_lock(url, "wait")
+    try:
+        with pytest.raises(StoreLockedError, match=f"running writer: pid {holder.pid}"):
+            open_writer(url)
+        with pytest.raises(StoreLockedError, match="running writer"):
+            create_store(url, model=MODEL, task=TASK, n_samples=4, n_pos=3, overwrite=True)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_lock_is_detected_and_can_be_broken(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    holder = hold_lock(url, "die")
+    holder.wait()
+    with pytest.raises(StoreLockedError, match="stale lock.*break_lock=True"):
+        open_writer(url)
+    writer = open_writer(url, break_lock=True)
+    lock = json.loads((tmp_path / "store.zarr" / ".orthosphere-lock").read_text())
+    assert lock["pid"] == os.getpid()
+    writer.close()
+    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+
+
+def test_finish_releases_the_lock(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+
+
+# Bad input -----------------------------------------------------------------------------
+
+def test_existing_store_is_not_overwritten_unless_asked(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    with pytest.raises(StoreExistsError, match="already exists.*overwrite=True"):
+        make_store(url)
+    writer = make_store(url, overwrite=True, n_samples=4)
+    assert read_attrs(url)["n_samples"] == 4 and read_attrs(url)["complete"] is False
+    writer.close()
+
+
+def test_non_store_directory_is_never_overwritten(tmp_path):
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(StoreError, match="not a Zarr store; refusing"):
+        make_store(str(folder), overwrite=True)
+    assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(StoreNotFoundError, match="does not exist"):
+        open_store(str(tmp_path / "nowhere.zarr"))
+
+
+def test_directory_that_is_not_zarr(tmp_path):
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(StoreError, match="is not a Zarr store"):
+        open_store(str(tmp_path / "plain"))
+
+
+def test_zarr_store_that_is_not_orthosphere(tmp_path):
+    url = str(tmp_path / "foreign.zarr")
+    zarr.open_group(url, mode="w", zarr_format=3).create_array("x", shape=(2,), dtype="f4")
+    with pytest.raises(StoreError, match="not an orthosphere store"):
+        open_store(url)
+    assert "not an orthosphere store" in validate(url)[0]
+
+
+def test_newer_schema_version(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    zarr.open_group(url, mode="r+").attrs["schema"] = 2
+    with pytest.raises(StoreError, match="schema version 2, newer.*upgrade orthosphere"):
+        open_store(url)
+
+
+def test_validate_reports_missing_variables_and_mismatched_shapes(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    group = zarr.open_group(url, mode="r+")
+    del group["k"]
+    del group["operand"]
+    group.attrs["model"] = dict(MODEL, d_model=16)
+    problems = validate(url)
+    assert "variable 'k' is missing" in problems
+    assert "label coordinate 'operand' is missing" in problems
+    assert any("'resid_pre' has shape (11, 3, 5, 8), expected (11, 3, 5, 16)" in p for p in problems)
+
+
+def test_validate_reports_wrong_dtype(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    group = zarr.open_group(url, mode="r+")
+    del group["v"]
+    group.create_array("v", shape=(11, 3, 5, 2, 2), dtype="float64", dimension_names=("sample", "layer", "pos", "kv_head", "d_head"))
+    assert any("'v' has dtype float64, expected float32" in p for p in validate(url))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"sites": ["resid_pre", "attn_out"]}, r"unknown site\(s\) \['attn_out'\]: expected any of"),
+        ({"n_samples": 0}, r"n_samples=0: expected a positive integer"),
+        ({"n_pos": -1}, r"n_pos=-1: expected a positive integer"),
+        ({"dtype": "bfloat16"}, r"dtype 'bfloat16' is not supported"),
+        ({"layers": [0, 5]}, r"layer\(s\) \[5\] out of range: the model has 3 layers"),
+        ({"labels": {"role": "float32"}}, r"label 'role' has dtype 'float32'"),
+        ({"labels": {"tokens": "str"}}, r"label name 'tokens' clashes"),
+        ({"model": {"n_layers": 2}}, r"model description lacks"),
+        ({"model": dict(MODEL, n_kv_heads=3)}, r"not a multiple of n_kv_heads=3"),
+        ({"codec": "gzip"}, r"codec 'gzip'"),
+    ],
+)
+def test_bad_create_arguments(tmp_path, overrides, message):
+    with pytest.raises(StoreError, match=message):
+        make_store(str(tmp_path / "store.zarr"), **overrides)
+    assert not (tmp_path / "store.zarr").exists()
+
+
+def test_bad_writes(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"))
+    with pytest.raises(StoreError, match=r"'resid_pre' has shape \(4, 3, 5, 7\): expected \(4, 3, 5, 8\)"):
+        writer.write(0, {"resid_pre": np.zeros((4, 3, 5, 7))})
+    with pytest.raises(StoreError, match="no per-sample array 'pattern'"):
+        writer.write(0, {"pattern": np.zeros((4, 3, 4, 5, 5))})
+    with pytest.raises(StoreError, match="missing"):
+        writer.write_weights({"w_q": np.zeros((3, 4, 8, 2))})
+    writer.close()
+
+
+# info ----------------------------------------------------------------------------------
+
+def test_info_summary_and_text(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    summary = info(url)
+    assert summary["complete"] and summary["shards_done"] == summary["shards_total"] == 3
+    assert summary["arrays"]["q"]["shape"] == [11, 3, 5, 4, 2]
+    assert summary["arrays"]["q"]["chunks"] == [2, 1, 5, 4, 2]
+    assert summary["size_bytes"] > 11 * 3 * 5 * 8 * 4
+    text = format_info(summary)
+    assert "complete: 3/3 shards" in text and "q           float32" in text and "labels    role, operand" in text
