@@ -1,0 +1,582 @@
+"""Norm-perturbation replay: circuit collapse of sparse heads, measured from the stored q, k, v.
+
+The paper's stability study (Menary et al. 2024, section on stability) without the model:
+each head's attention is recomputed from the stored queries and keys, the L2 norms of
+queries, keys and messages are perturbed multiplicatively, and the change is counted.
+
+Definitions (every count below is over these instances and draws):
+
+- **Scores and attention.** w_ij = q_i . k_j for query position i and key position j of one
+  head (head h reads kv_head h // (n_heads / n_kv_heads)); a_i = softmax_j(attn_scale * w_ij)
+  over the *allowed* keys: valid (not padding) and, in a causal model, j <= i.
+- **Instance.** (sample, layer, head, query position) with a valid query and at least two
+  allowed keys (a single allowed key is attended fully and can never switch).
+- **Sparse instance.** An instance whose clean max_j a_ij >= ``sparse_threshold`` (0.95 in
+  the paper); t* is its arg-max.
+- **Noise.** q_i -> (1 + kq_i) q_i, k_j -> (1 + kk_j) k_j, m_j -> (1 + km_j) m_j with
+  messages m_j = W_O v_j per head. kq has one value per (sample, query position, head),
+  kk and km one per (sample, key position, kv_head); every value is independent. Uniform
+  noise of RMS s is U(-sqrt(3) s, sqrt(3) s) (the paper's choice); Gaussian is N(0, s^2).
+  Draw d at level s is s times a unit-RMS draw that depends only on (seed, target, layer,
+  sample, draw, position, head) (`unit_noise`): the same seed gives the same draws for any
+  chunking and any number of workers, the online check injects exactly these values, and
+  every level reuses the draw's direction (common random numbers), so an instance that
+  collapses at one level collapses at every larger one (each pairwise score comparison is
+  linear in s) and the collapse-rate curve is monotone.
+- **Collapse.** A sparse instance whose arg-max over allowed keys moves to another token
+  under the noise. **Strict collapse**: the new arg-max also holds >= ``sparse_threshold``.
+  Query noise multiplies a query's scores by one positive factor, so it never moves the
+  arg-max; message noise leaves the scores alone.
+- **Theorem 7 (first order).** Collapse onto t is predicted when
+  w_t* / w_t < lambda_w = (1 + kq + kk_t) / (1 + kq + kk_t*), the inequality flipped when
+  w_t (1 + kq + kk_t*) < 0; evaluated on each draw, in the equivalent form
+  w_t* (1 + kq + kk_t*) < w_t (1 + kq + kk_t) for some allowed t != t* (which also covers
+  w_t = 0). The exact condition is w_t* (1 + kq)(1 + kk_t*) < w_t (1 + kq)(1 + kk_t); the two
+  differ only by the second-order cross term kq (w_t* kk_t* - w_t kk_t) (and, for
+  Gaussian noise, when 1 + kq <= 0 turns the arg-max into an arg-min). The attention scale
+  multiplies both sides and never matters. ``theory_missed`` counts measured collapses the
+  theorem did not predict, ``theory_false_alarm`` predicted ones that did not happen.
+- **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and draws.
+- **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
+  change sqrt(sum |o'_i - o_i|^2 / sum |o_i|^2) over instances and draws (pooled, so that
+  outputs of near-zero norm do not dominate). Computed through the per-head Gram matrix
+  G_jk = v_j . (W_O W_O^T) v_k, never the d_model-sized messages.
+- **Collapse level.** The noise level at which ``collapse_target`` (1 %) of sparse instances
+  collapse: linear interpolation of the rate curve through (0, 0) and the swept levels; inf
+  when the sweep never reaches it, NaN without sparse instances. Its confidence interval
+  comes from a seeded bootstrap over samples (per-sample counts resampled with replacement).
+- **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
+  all instances of the clean attention.
+
+Work is split per (layer, sample chunk) into Dask tasks that return small partial sums
+(float64), reduced and computed once. This module never imports torch or the extraction code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import dask
+import numpy as np
+import xarray as xr
+
+TARGETS = ("q", "k", "m")
+DISTRIBUTIONS = ("uniform", "gaussian")
+DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
+DEFINITIONS = ("collapse", "strict")
+INSTANCE_SETS = ("sparse", "all")
+_TARGET_CODE = {"q": 1, "k": 2, "m": 3}
+
+
+class ReplayError(ValueError):
+    """Bad input to the replay: the message names the input, what was expected and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Noise draws: a counter-based hash (SplitMix64's finaliser), a pure function of the indices.
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _absorb(state: np.ndarray, key) -> np.ndarray:
+    """Fold one more index (scalar or array) into the hash state."""
+    key = np.asarray(key, dtype=np.int64).astype(np.uint64)
+    return _mix(state ^ _mix(key + _GOLDEN))
+
+
+def _uniform_bits(seed: int, keys: tuple, samples, n_pos: int, n_heads: int) -> np.ndarray:
+    """Uniform [0, 1) floats of shape (len(samples), n_pos, n_heads) hashed from the indices."""
+    with np.errstate(over="ignore"):
+        state = _mix(np.asarray(seed, dtype=np.int64).astype(np.uint64) + _GOLDEN)
+        for key in keys:
+            state = _absorb(state, key)
+        state = _absorb(state, np.asarray(samples).reshape(-1, 1, 1))
+        state = _absorb(state, np.arange(n_pos).reshape(1, -1, 1))
+        state = _absorb(state, np.arange(n_heads).reshape(1, 1, -1))
+    return (state >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def unit_noise(seed: int, target: str, layer: int, samples, draw: int, n_pos: int, n_heads: int,
+               distribution: str = "uniform") -> np.ndarray:
+    """Unit-RMS noise of shape (len(samples), n_pos, n_heads) for one target, layer and draw.
+
+    ``samples`` are the samples' global indices; the value at (sample, pos, head) depends only
+    on (seed, target, layer, sample, draw, pos, head).
+    """
+    keys = (_TARGET_CODE[target], layer, draw)
+    uniform = _uniform_bits(seed, keys + (0,), samples, n_pos, n_heads)
+    if distribution == "uniform":
+        return math.sqrt(3.0) * (2.0 * uniform - 1.0)
+    angle = _uniform_bits(seed, keys + (1,), samples, n_pos, n_heads)
+    return np.sqrt(-2.0 * np.log1p(-uniform)) * np.cos(2.0 * np.pi * angle)
+
+
+def noise_draws(seed: int, target: str, layer: int, samples, draw: int, level: float, n_pos: int,
+                n_heads: int, distribution: str = "uniform") -> np.ndarray:
+    """kappa for one target at one noise level (RMS): level * unit_noise(...).
+
+    Shape (len(samples), n_pos, n_heads); heads are kv_heads for the targets k and m.
+    """
+    return level * unit_noise(seed, target, layer, samples, draw, n_pos, n_heads, distribution)
+
+
+# ---------------------------------------------------------------------------------------------
+# The study's settings, checked once.
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What to perturb and how; every field is checked on construction."""
+
+    levels: tuple[float, ...] = DEFAULT_LEVELS
+    n_draws: int = 32
+    seed: int = 0
+    distribution: str = "uniform"
+    targets: tuple[str, ...] = TARGETS
+    sparse_threshold: float = 0.95
+
+    def __post_init__(self):
+        levels = np.atleast_1d(np.asarray(self.levels, dtype=float))
+        if levels.size == 0 or not np.all((levels > 0) & (levels < 1)):
+            raise ReplayError(
+                f"noise levels {list(levels)}: expected RMS values strictly between 0 and 1 "
+                "(0.01 is 1 % noise), at least one"
+            )
+        object.__setattr__(self, "levels", tuple(float(x) for x in np.unique(levels)))
+        if isinstance(self.n_draws, bool) or not isinstance(self.n_draws, (int, np.integer)) or self.n_draws < 1:
+            raise ReplayError(f"n_draws = {self.n_draws!r}: expected a positive number of noise draws per level")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ReplayError(f"noise distribution {self.distribution!r}: expected one of {list(DISTRIBUTIONS)}")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown or not targets:
+            raise ReplayError(
+                f"noise targets {list(targets)}: expected a non-empty selection of {list(TARGETS)} "
+                "(q: queries, k: keys, m: messages W_O v)"
+            )
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
+        if not 0 < self.sparse_threshold <= 1:
+            raise ReplayError(
+                f"sparse threshold {self.sparse_threshold!r}: expected a maximum attention in (0, 1] "
+                "(the paper uses 0.95)"
+            )
+
+    def kappa(self, target: str, layer: int, samples, draw: int, n_pos: int, n_heads: int) -> np.ndarray:
+        """Unit-RMS noise for this target (zeros when the target is not perturbed)."""
+        if target not in self.targets:
+            return np.zeros((len(samples), n_pos, n_heads))
+        return unit_noise(self.seed, target, layer, samples, draw, n_pos, n_heads, self.distribution)
+
+
+# ---------------------------------------------------------------------------------------------
+# One block of samples of one layer: the clean attention and its perturbations.
+
+
+def allowed_keys(valid: np.ndarray, causal: bool) -> np.ndarray:
+    """(sample, 1, qpos, kpos) mask of the keys each query may attend to."""
+    n_pos = valid.shape[1]
+    allowed = np.broadcast_to(valid[:, None, None, :], (valid.shape[0], 1, n_pos, n_pos))
+    if causal:
+        allowed = allowed & np.tril(np.ones((n_pos, n_pos), bool))
+    return allowed
+
+
+def masked_softmax(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis restricted to allowed keys (rows with none give zeros)."""
+    logits = np.where(allowed, logits, -np.inf)
+    peak = logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+
+
+def head_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Raw scores q . k (sample, head, qpos, kpos) in float64; heads share kv_heads in groups."""
+    group = q.shape[2] // k.shape[2]
+    k = np.repeat(k, group, axis=2) if group > 1 else k
+    return np.einsum("sihd,sjhd->shij", q.astype(np.float64), k.astype(np.float64))
+
+
+def recompute_attention(q, k, valid, attn_scale: float, causal: bool) -> np.ndarray:
+    """The model's attention (sample, head, qpos, kpos) from stored q, k and valid (numpy)."""
+    valid = np.asarray(valid, bool)
+    return masked_softmax(attn_scale * head_scores(np.asarray(q), np.asarray(k)), allowed_keys(valid, causal))
+
+
+def _per_head(kappa: np.ndarray, n_heads: int) -> np.ndarray:
+    """(sample, pos, kv_head) -> (sample, head, pos) with heads sharing their group's value."""
+    group = n_heads // kappa.shape[2]
+    return np.repeat(kappa, group, axis=2).transpose(0, 2, 1) if group > 1 else kappa.transpose(0, 2, 1)
+
+
+class HeadBlock:
+    """Clean attention of one layer for a block of samples, ready to be perturbed."""
+
+    def __init__(self, q, k, valid, attn_scale: float, causal: bool, sparse_threshold: float,
+                 v=None, w_o_gram=None):
+        valid = np.asarray(valid, bool)
+        self.scale = attn_scale
+        self.threshold = sparse_threshold
+        self.n_heads, self.n_kv_heads = q.shape[2], k.shape[2]
+        self.scores = head_scores(q, k)
+        self.allowed = allowed_keys(valid, causal)
+        self.attention = masked_softmax(attn_scale * self.scores, self.allowed)
+        n_allowed = self.allowed.sum(axis=-1)  # (sample, 1, qpos)
+        self.instance = np.broadcast_to(valid[:, None, :] & (n_allowed >= 2), self.attention.shape[:3])
+        self.max_attention = self.attention.max(axis=-1)
+        self.winner = self.attention.argmax(axis=-1)
+        self.sparse = self.instance & (self.max_attention >= sparse_threshold)
+        self.winner_score = np.take_along_axis(self.scores, self.winner[..., None], axis=-1)[..., 0]
+        self.gram = None
+        if v is not None and w_o_gram is not None:
+            self.gram = _message_gram(np.asarray(v), w_o_gram)
+            self.output_sq = _quadratic(self.attention, self.gram)
+
+    def entropy(self) -> np.ndarray:
+        a = self.attention
+        return -np.sum(np.where(a > 0, a * np.log(np.where(a > 0, a, 1.0)), 0.0), axis=-1)
+
+    def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
+
+        Returns collapse, strict, predicted (Theorem 7) as bools, and tv, output change
+        squared as floats, all (sample, head, qpos).
+        """
+        fq = kq.transpose(0, 2, 1)[..., None]  # (sample, head, qpos, 1)
+        fk = _per_head(kk, self.n_heads)[:, :, None, :]  # (sample, head, 1, kpos)
+        noisy_scores = self.scores * (1.0 + fq) * (1.0 + fk)
+        logits = np.where(self.allowed, self.scale * noisy_scores, -np.inf)
+        new_winner = logits.argmax(axis=-1)
+        attention = masked_softmax(logits, self.allowed)
+        collapse = self.sparse & (new_winner != self.winner)
+        new_max = np.take_along_axis(attention, new_winner[..., None], axis=-1)[..., 0]
+        first_order = self.scores * (1.0 + fq + fk)
+        winner_first_order = np.take_along_axis(first_order, self.winner[..., None], axis=-1)
+        beats = self.allowed & (first_order > winner_first_order)
+        effects = {
+            "collapse": collapse,
+            "strict": collapse & (new_max >= self.threshold),
+            "predicted": self.sparse & beats.any(axis=-1),
+            "tv": 0.5 * np.abs(attention - self.attention).sum(axis=-1),
+        }
+        if self.gram is not None:
+            weighted = attention * (1.0 + _per_head(km, self.n_heads)[:, :, None, :])
+            effects["output_change_sq"] = _quadratic(weighted - self.attention, self.gram)
+        return effects
+
+
+def _message_gram(v: np.ndarray, w_o_gram: np.ndarray) -> np.ndarray:
+    """G[s, h, j, k] = m_j . m_k for messages m = W_O[h] v (w_o_gram[h] = W_O[h] W_O[h]^T)."""
+    group = w_o_gram.shape[0] // v.shape[2]
+    v = np.repeat(v, group, axis=2) if group > 1 else v
+    v = v.astype(np.float64).transpose(0, 2, 1, 3)  # (sample, head, pos, d_head)
+    return (v @ w_o_gram[None]) @ v.transpose(0, 1, 3, 2)
+
+
+def _quadratic(weights: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """|sum_j weights_ij m_j|^2 for every (sample, head, i)."""
+    return np.sum((weights @ gram) * weights, axis=-1)
+
+
+def w_o_gram(w_o: np.ndarray) -> np.ndarray:
+    """Per-head W_O W_O^T (head, d_head, d_head) in float64."""
+    w_o = np.asarray(w_o, dtype=np.float64)
+    return w_o @ w_o.transpose(0, 2, 1)
+
+
+def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: float,
+                        settings: ReplaySettings, attn_scale: float, causal: bool) -> dict[str, np.ndarray]:
+    """Per-instance sparse mask, clean and new arg-max, collapse and strict collapse for one draw.
+
+    Arrays (sample, head, qpos) for one layer's block of samples (global indices ``samples``);
+    what the online check compares with the model's own attention under the same draw.
+    """
+    block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal, settings.sparse_threshold)
+    n_pos = block.scores.shape[-1]
+    kq, kk = (level * settings.kappa(t, layer, samples, draw, n_pos, n)
+              for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
+    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
+            "collapse": effects["collapse"], "strict": effects["strict"]}
+
+
+def replay_block(q, k, v, valid, gram, *, samples, layer: int, settings: ReplaySettings,
+                 attn_scale: float, causal: bool, n_bins: int) -> dict[str, np.ndarray]:
+    """Partial sums of the whole study for one layer and one block of samples.
+
+    Head-level sums (float64) and per-sample collapse counts for the bootstrap.
+    """
+    block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal,
+                      settings.sparse_threshold, None if v is None else np.asarray(v), gram)
+    n_samples, n_heads, n_pos = block.instance.shape
+    n_levels = len(settings.levels)
+    instance, sparse = block.instance, block.sparse
+    sets = np.stack([sparse, instance])  # INSTANCE_SETS order
+    sums = {
+        "n_instances": instance.sum(axis=(0, 2)).astype(np.float64),
+        "n_sparse": sparse.sum(axis=(0, 2)).astype(np.float64),
+        "entropy": np.where(instance, block.entropy(), 0.0).sum(axis=(0, 2)),
+        "max_attention_hist": _histogram(block.max_attention, instance, n_bins),
+        "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
+        "predicted": np.zeros((n_levels, n_heads)),
+        "theory_missed": np.zeros((n_levels, n_heads)),
+        "theory_false_alarm": np.zeros((n_levels, n_heads)),
+        "tv": np.zeros((len(INSTANCE_SETS), n_levels, n_heads)),
+        "sample_sparse": sparse.sum(axis=(1, 2)).astype(np.float64),
+        "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
+    }
+    if block.gram is not None:
+        sums["output_sq"] = settings.n_draws * (sets * block.output_sq).sum(axis=(1, 3))
+        sums["output_change_sq"] = np.zeros((len(INSTANCE_SETS), n_levels, n_heads))
+    for draw in range(settings.n_draws):
+        unit = {t: settings.kappa(t, layer, samples, draw, n_pos, n)
+                for t, n in (("q", n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
+        for index, level in enumerate(settings.levels):
+            effects = block.perturb(level * unit["q"], level * unit["k"], level * unit["m"])
+            for d, name in enumerate(DEFINITIONS):
+                sums["collapses"][d, index] += effects[name].sum(axis=(0, 2))
+                sums["sample_collapses"][:, d, index] += effects[name].sum(axis=(1, 2))
+            measured, predicted = effects["collapse"], effects["predicted"]
+            sums["predicted"][index] += predicted.sum(axis=(0, 2))
+            sums["theory_missed"][index] += (measured & ~predicted).sum(axis=(0, 2))
+            sums["theory_false_alarm"][index] += (predicted & ~measured).sum(axis=(0, 2))
+            sums["tv"][:, index] += (sets * effects["tv"]).sum(axis=(1, 3))
+            if block.gram is not None:
+                sums["output_change_sq"][:, index] += (sets * effects["output_change_sq"]).sum(axis=(1, 3))
+    return sums
+
+
+def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
+    """(head, bin) counts of max attention over instances; bins split [0, 1] evenly."""
+    n_heads = max_attention.shape[1]
+    bins = np.minimum((max_attention * n_bins).astype(np.int64), n_bins - 1)
+    heads = np.broadcast_to(np.arange(n_heads)[None, :, None], bins.shape)
+    flat = (heads * n_bins + bins)[instance]
+    return np.bincount(flat, minlength=n_heads * n_bins).reshape(n_heads, n_bins).astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# The study over a store: Dask tasks per (layer, sample chunk), reduced, computed once.
+
+
+def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
+           distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
+           collapse_target: float = 0.01, n_bootstrap: int = 1000, confidence: float = 0.95,
+           layers=None, n_bins: int = 20) -> xr.Dataset:
+    """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
+
+    ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
+    schema). Returns small xarray results (see the module docstring for the definitions).
+    """
+    settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
+                              targets=targets, sparse_threshold=sparse_threshold)
+    _check_study(collapse_target, n_bootstrap, confidence, n_bins)
+    model = store_model(ds)
+    with_messages = _check_variables(ds, settings)
+    layers = _select_layers(ds, layers)
+    graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
+    (per_layer,) = dask.compute(graphs)
+    result = _assemble(per_layer, ds, layers, settings, n_bins)
+    _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
+    result.attrs.update({
+        "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
+        "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
+        "collapse_target": collapse_target, "n_bootstrap": n_bootstrap, "confidence": confidence,
+        "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
+        "n_samples": int(ds.sizes["sample"]),
+    })
+    return result
+
+
+def store_model(ds: xr.Dataset) -> dict:
+    """The store's model description, checked for what the replay needs."""
+    model = ds.attrs.get("model")
+    if not isinstance(model, dict):
+        raise ReplayError("the dataset has no 'model' attribute: open the store with orthosphere.store.open_store")
+    missing = [key for key in ("attn_scale", "causal", "n_heads", "n_kv_heads") if key not in model]
+    if missing:
+        raise ReplayError(
+            f"the store's model description lacks {missing}: the replay needs the attention scale and "
+            "whether attention is causal; re-extract the store with a current orthosphere"
+        )
+    return model
+
+
+def _check_study(collapse_target, n_bootstrap, confidence, n_bins) -> None:
+    if not 0 < collapse_target < 1:
+        raise ReplayError(f"collapse target {collapse_target!r}: expected a rate in (0, 1), e.g. 0.01 for 1 %")
+    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, (int, np.integer)) or n_bootstrap < 1:
+        raise ReplayError(f"n_bootstrap = {n_bootstrap!r}: expected a positive number of bootstrap resamples")
+    if not 0 < confidence < 1:
+        raise ReplayError(f"confidence {confidence!r}: expected a level in (0, 1), e.g. 0.95")
+    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
+        raise ReplayError(f"n_bins = {n_bins!r}: expected a positive number of histogram bins")
+
+
+def _check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:
+    """Raise if the store lacks what the targets need; True when messages can be replayed."""
+    needed = ["q", "k", "valid"] + (["v", "w_o"] if "m" in settings.targets else [])
+    missing = [name for name in needed if name not in ds.variables]
+    if missing:
+        raise ReplayError(
+            f"the store lacks {missing}, needed to replay noise on {list(settings.targets)}: "
+            "extract with the sites q, k and v and with weights (w_o), or drop the target 'm'"
+        )
+    return "v" in ds.variables and "w_o" in ds.variables
+
+
+def _select_layers(ds: xr.Dataset, layers) -> list[int]:
+    stored = [int(layer) for layer in ds["layer"].values]
+    if layers is None:
+        return stored
+    layers = [int(layer) for layer in np.atleast_1d(layers)]
+    absent = [layer for layer in layers if layer not in stored]
+    if absent or not layers:
+        raise ReplayError(f"layer(s) {absent or 'none'} requested: the store holds layers {stored}; pick from those")
+    return layers
+
+
+def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
+    """Delayed numpy blocks of a (sample, ...) array, split along sample as ``chunks``."""
+    import dask.array as darray
+
+    array = data.data if isinstance(data.data, darray.Array) else darray.from_array(data.values)
+    array = array.rechunk({0: chunks, **{axis: -1 for axis in range(1, array.ndim)}})
+    return list(array.to_delayed().ravel())
+
+
+def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
+    """A delayed dict of one layer's reduced partial sums."""
+    q = ds["q"].sel(layer=layer)
+    chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
+    blocks = {name: _sample_blocks(ds[name].sel(layer=layer) if name != "valid" else ds[name], chunks)
+              for name in (("q", "k", "v") if with_messages else ("q", "k")) + ("valid",)}
+    gram = dask.delayed(w_o_gram)(ds["w_o"].sel(layer=layer).values) if with_messages else None
+    sample_ids = ds["sample"].values
+    starts = np.concatenate([[0], np.cumsum(chunks)])
+    partials = [
+        dask.delayed(replay_block, pure=True)(
+            blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
+            blocks["valid"][i], gram, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer,
+            settings=settings, attn_scale=float(model["attn_scale"]), causal=bool(model["causal"]),
+            n_bins=n_bins)
+        for i in range(len(chunks))
+    ]
+    return dask.delayed(_combine)(partials)
+
+
+def _combine(partials: list[dict]) -> dict:
+    """Sum head-level partial sums; concatenate per-sample ones in sample order."""
+    return {name: np.concatenate([p[name] for p in partials]) if name.startswith("sample_")
+            else np.sum([p[name] for p in partials], axis=0)
+            for name in partials[0]}
+
+
+def _rate(count, total):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, count / np.where(total > 0, total, 1), np.nan)
+
+
+def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
+    """The head-level results: counts, rates, means over instances and draws."""
+    def stack(name):
+        return np.stack([part[name] for part in per_layer], axis=-2)  # (..., layer, head)
+
+    draws = settings.n_draws
+    n_sparse, n_instances = stack("n_sparse"), stack("n_instances")
+    sparse_draws = n_sparse * draws
+    totals = np.stack([n_sparse, n_instances]) * draws  # (set, layer, head)
+    collapses = stack("collapses")
+    missed, false_alarm = stack("theory_missed"), stack("theory_false_alarm")
+    lh, llh = ("layer", "head"), ("level", "layer", "head")
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    variables = {
+        "n_instances": (lh, n_instances.astype(np.int64)),
+        "n_sparse": (lh, n_sparse.astype(np.int64)),
+        "sparse_fraction": (lh, _rate(n_sparse, n_instances)),
+        "collapses": (("definition",) + llh, collapses.astype(np.int64)),
+        "collapse_rate": (("definition",) + llh, _rate(collapses, sparse_draws)),
+        "predicted_collapse_rate": (llh, _rate(stack("predicted"), sparse_draws)),
+        "theory_agreement": (llh, _rate(sparse_draws - missed - false_alarm, sparse_draws)),
+        "theory_missed": (llh, missed.astype(np.int64)),
+        "theory_false_alarm": (llh, false_alarm.astype(np.int64)),
+        "tv_distance": (("instances",) + llh, _rate(stack("tv"), totals[:, None])),
+        "entropy": (lh, _rate(stack("entropy"), n_instances)),
+        "max_attention_hist": (("layer", "head", "max_attention_bin"),
+                               np.stack([part["max_attention_hist"] for part in per_layer]).astype(np.int64)),
+    }
+    if "output_change_sq" in per_layer[0]:
+        variables["output_change"] = (("instances",) + llh,
+                                      np.sqrt(_rate(stack("output_change_sq"), stack("output_sq")[:, None])))
+    result = xr.Dataset(variables, coords={
+        "definition": list(DEFINITIONS), "level": list(settings.levels), "layer": layers,
+        "head": np.arange(n_sparse.shape[-1]), "instances": list(INSTANCE_SETS),
+        "max_attention_bin": 0.5 * (edges[:-1] + edges[1:]),
+    })
+    result["max_attention_bin"].attrs["edges"] = edges.tolist()
+    return result
+
+
+def level_at_rate(levels, rates: np.ndarray, target: float) -> np.ndarray:
+    """Noise level where the rate curve (last axis over ``levels``) first reaches ``target``.
+
+    Linear interpolation through (0, 0) and the swept points; inf when the curve stays below
+    the target, NaN where the rates are NaN (no sparse instances).
+    """
+    grid = np.concatenate([[0.0], np.asarray(levels, float)])
+    rates = np.asarray(rates, float)
+    curve = np.concatenate([np.zeros(rates.shape[:-1] + (1,)), rates], axis=-1)
+    reached = curve >= target
+    above = np.argmax(reached, axis=-1)
+    below = np.maximum(above - 1, 0)
+    r_low = np.take_along_axis(curve, below[..., None], axis=-1)[..., 0]
+    r_high = np.take_along_axis(curve, above[..., None], axis=-1)[..., 0]
+    step = np.where(r_high > r_low, r_high - r_low, 1.0)
+    level = grid[below] + (target - r_low) / step * (grid[above] - grid[below])
+    level = np.where(reached.any(axis=-1), level, np.inf)
+    return np.where(np.isnan(rates).any(axis=-1), np.nan, level)
+
+
+def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confidence) -> None:
+    """Per layer and pooled over layers: the level of ``target`` collapse rate and its bootstrap CI."""
+    sparse = np.stack([part["sample_sparse"] for part in per_layer], axis=1) * settings.n_draws  # (sample, layer)
+    collapses = np.stack([part["sample_collapses"] for part in per_layer], axis=1)  # (sample, layer, def, level)
+
+    def levels_for(weights):
+        """(replicate, def, layer) and (replicate, def) levels for sample weights (replicate, sample)."""
+        num = np.einsum("bs,sldv->bdlv", weights, collapses)
+        den = weights @ sparse  # (replicate, layer)
+        by_layer = level_at_rate(settings.levels, _rate(num, den[:, None, :, None]), target)
+        pooled = level_at_rate(settings.levels, _rate(num.sum(axis=2), den.sum(axis=1)[:, None, None]), target)
+        return by_layer, pooled
+
+    by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
+    rng = np.random.default_rng(settings.seed)
+    n = sparse.shape[0]
+    replicates = [levels_for(rng.multinomial(n, np.full(n, 1.0 / n), size=size).astype(float))
+                  for size in _batches(n_bootstrap, 100)]
+    boot_layer = np.concatenate([r[0] for r in replicates])
+    boot_pooled = np.concatenate([r[1] for r in replicates])
+    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
+    with np.errstate(invalid="ignore"):
+        ci_layer = np.moveaxis(np.nanquantile(boot_layer, tails, axis=0, method="inverted_cdf"), 0, -1)
+        ci_pooled = np.moveaxis(np.nanquantile(boot_pooled, tails, axis=0, method="inverted_cdf"), 0, -1)
+    result.coords["bound"] = ["low", "high"]
+    result["collapse_level"] = (("definition", "layer"), by_layer[0])
+    result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
+    result["collapse_level_pooled"] = (("definition",), pooled[0])
+    result["collapse_level_pooled_ci"] = (("definition", "bound"), ci_pooled)
+    result["collapse_rate_pooled"] = (("definition", "level"),
+                                      _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
+
+
+def _batches(total: int, size: int) -> list[int]:
+    return [min(size, total - start) for start in range(0, total, size)]

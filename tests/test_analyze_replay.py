@@ -1,0 +1,322 @@
+"""Offline norm-perturbation replay: hand-built heads with known answers, theory, draws, bad input."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from orthosphere.analyze.replay import (
+    HeadBlock, ReplayError, ReplaySettings, level_at_rate, noise_draws, recompute_attention, replay,
+    unit_noise, w_o_gram)
+from orthosphere.store import create_store, open_store
+
+WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def write_store(path, *, q, k, v=None, w_o=None, valid=None, pattern=None, attn_scale=1.0, causal=True,
+                samples_per_chunk=4):
+    """A complete store holding the given (sample, layer, pos, head, d_head) arrays."""
+    n_samples, n_layers, n_pos, n_heads, d_head = q.shape
+    d_model = w_o.shape[-1] if w_o is not None else n_heads * d_head
+    model = {"family": "synthetic", "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
+             "n_kv_heads": k.shape[3], "d_head": d_head, "attn_scale": attn_scale, "causal": causal}
+    sites = ("q", "k") + (("v",) if v is not None else ()) + (("pattern",) if pattern is not None else ())
+    writer = create_store(path, model=model, task={"name": "synthetic"}, n_samples=n_samples, n_pos=n_pos,
+                          sites=sites, with_weights=w_o is not None, samples_per_chunk=samples_per_chunk)
+    arrays = {"q": q, "k": k, "valid": np.ones((n_samples, n_pos), bool) if valid is None else valid}
+    arrays |= {name: value for name, value in (("v", v), ("pattern", pattern)) if value is not None}
+    writer.write(0, arrays)
+    if w_o is not None:
+        weights = {name: np.zeros(writer.group[name].shape, np.float32) for name in WEIGHT_NAMES}
+        writer.write_weights(weights | {"w_o": w_o})
+    writer.mark_shard_complete(0)
+    writer.finish()
+    return open_store(path)
+
+
+def margin_head(ratios, second_score=200.0):
+    """One layer, one head, two positions seen by both queries (non-causal): key 0 scores
+    ratios[s] * second_score, key 1 second_score, so the margin w*/w_1 of sample s is ratios[s]."""
+    n = len(ratios)
+    q = np.zeros((n, 1, 2, 1, 2), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((n, 1, 2, 1, 2), np.float32)
+    k[:, 0, 0, 0, 0] = np.asarray(ratios) * second_score
+    k[:, 0, 1, 0, 0] = second_score
+    return q, k
+
+
+def random_heads(n_samples=12, n_pos=8, n_heads=4, n_kv_heads=2, d_head=4, d_model=6, scale=3.0, seed=0):
+    """Random q, k, v, w_o with large scores, so that many instances are sparse."""
+    rng = np.random.default_rng(seed)
+    q = (scale * rng.normal(size=(n_samples, 2, n_pos, n_heads, d_head))).astype(np.float32)
+    k = (scale * rng.normal(size=(n_samples, 2, n_pos, n_kv_heads, d_head))).astype(np.float32)
+    v = rng.normal(size=(n_samples, 2, n_pos, n_kv_heads, d_head)).astype(np.float32)
+    w_o = rng.normal(size=(2, n_heads, d_head, d_model)).astype(np.float32)
+    return q, k, v, w_o
+
+
+def analytic_two_key_rate(ratio, level):
+    """P((1 + k1) > ratio (1 + k0)) for k0, k1 ~ U(-a, a) iid, a = sqrt(3) level, ratio > 1."""
+    a = math.sqrt(3) * level
+    low, high = 1 - a, (1 + a) / ratio
+    if high <= low:
+        return 0.0
+    return ((1 + a) * (high - low) - ratio / 2 * (high**2 - low**2)) / (2 * a) ** 2
+
+
+# --- noise draws ------------------------------------------------------------------------------
+
+
+def test_draws_are_a_pure_function_of_the_indices_with_the_requested_rms():
+    full = unit_noise(7, "k", 3, np.arange(400), 5, 16, 4)
+    subset = unit_noise(7, "k", 3, np.array([399, 2, 17]), 5, 16, 4)
+    np.testing.assert_array_equal(subset, full[[399, 2, 17]])
+    assert np.abs(full).max() <= math.sqrt(3)
+    assert np.sqrt(np.mean(full**2)) == pytest.approx(1.0, abs=0.02)
+    assert abs(full.mean()) < 0.02
+    for other in (unit_noise(8, "k", 3, np.arange(400), 5, 16, 4), unit_noise(7, "m", 3, np.arange(400), 5, 16, 4),
+                  unit_noise(7, "k", 4, np.arange(400), 5, 16, 4), unit_noise(7, "k", 3, np.arange(400), 6, 16, 4)):
+        assert abs(np.corrcoef(full.ravel(), other.ravel())[0, 1]) < 0.02
+    gaussian = unit_noise(7, "q", 0, np.arange(400), 0, 16, 4, "gaussian")
+    assert gaussian.std() == pytest.approx(1.0, abs=0.02) and np.abs(gaussian).max() > math.sqrt(3)
+    np.testing.assert_allclose(noise_draws(7, "k", 3, np.arange(400), 5, 0.04, 16, 4), 0.04 * full)
+
+
+# --- recomputed attention ---------------------------------------------------------------------
+
+
+def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_path):
+    torch = pytest.importorskip("torch")
+    from orthosphere.extract.model import ArithmeticTransformer, ModelConfig
+
+    torch.manual_seed(0)
+    model = ArithmeticTransformer(ModelConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, norm_placement="qkv")).eval()
+    tokens = torch.randint(0, 16, (6, 9))
+    seen = {}
+    for layer, block in enumerate(model.blocks):
+        for name in ("q", "k", "v", "pattern"):
+            getattr(block.attn, f"hook_{name}").register_forward_hook(
+                lambda _m, _i, out, key=(name, layer): seen.__setitem__(key, out.detach().numpy()))
+    with torch.no_grad():
+        model(tokens)
+    stack = lambda name: np.stack([seen[name, layer] for layer in range(2)], axis=1)  # noqa: E731
+    valid = np.ones((6, 9), bool)
+    valid[:3, 6:] = False  # right padding: a causal model never lets a valid query see it
+    ds = write_store(tmp_path / "s", q=stack("q"), k=stack("k"), v=stack("v"), pattern=stack("pattern"),
+                     valid=valid, attn_scale=model.config.attn_scale)
+    for layer in range(2):
+        recomputed = recompute_attention(ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values,
+                                         ds.valid.values, ds.attrs["model"]["attn_scale"], True)
+        stored = ds.pattern.sel(layer=layer).values
+        query_valid = np.broadcast_to(valid[:, None, :, None], stored.shape)
+        np.testing.assert_allclose(recomputed[query_valid], stored[query_valid], atol=2e-6)
+        assert np.all(recomputed[:3, :, :, 6:] == 0)
+
+
+# --- hand-built heads with known answers ------------------------------------------------------
+
+
+def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
+    ratios = np.linspace(1.1, 2.0, 10)
+    q, k = margin_head(ratios)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((10, 2), bool), 1.0, False, 0.95)
+    assert block.sparse.all() and np.all(block.winner == 0)
+    # Worst case for uniform noise of bound a: k0 -> 1 - a, k1 -> 1 + a; collapse iff (1+a)/(1-a) > ratio.
+    critical = (ratios - 1) / (ratios + 1)
+    zeros = np.zeros((10, 2, 1))
+    for factor, expected in ((0.99, False), (1.01, True)):
+        kk = np.stack([-factor * critical, factor * critical], axis=1)[:, :, None]
+        effects = block.perturb(zeros, kk, zeros)
+        assert np.all(effects["collapse"] == expected) and np.all(effects["predicted"] == expected)
+    # The study: uniform noise whose bound sqrt(3) * level stays below the smallest margin never collapses.
+    settings = ReplaySettings(levels=(0.9 * critical.min() / math.sqrt(3),), n_draws=200, targets=("k",))
+    below = _study(block, settings)
+    assert below["collapse"] == 0 and below["instances"] == 20 * 200
+
+
+def _study(block, settings, layer=0):
+    """Collapse and strict counts of a HeadBlock over every draw at the first level."""
+    counts = {"collapse": 0, "strict": 0, "instances": 0}
+    n_samples, _, n_pos = block.instance.shape
+    samples = np.arange(n_samples)
+    for draw in range(settings.n_draws):
+        kappa = {t: settings.levels[0] * settings.kappa(t, layer, samples, draw, n_pos, n)
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+        counts["collapse"] += int(effects["collapse"].sum())
+        counts["strict"] += int(effects["strict"].sum())
+        counts["instances"] += int(block.sparse.sum())
+    return counts
+
+
+def test_measured_collapse_rate_matches_the_analytic_rate_for_a_known_margin_distribution(tmp_path):
+    ratios = np.random.default_rng(1).uniform(1.02, 1.3, size=64)
+    q, k = margin_head(ratios)
+    ds = write_store(tmp_path / "s", q=q, k=k, causal=False, samples_per_chunk=16)
+    levels = (0.03, 0.08, 0.15)
+    result = replay(ds, levels=levels, n_draws=150, targets=("k",), n_bootstrap=50)
+    measured = result.collapse_rate.sel(definition="collapse", layer=0, head=0).values
+    for level, rate in zip(levels, measured):
+        expected = np.mean([analytic_two_key_rate(r, level) for r in ratios])
+        error = math.sqrt(max(expected * (1 - expected), 1e-4) / (len(ratios) * 150))
+        assert abs(rate - expected) < 4 * error, (level, rate, expected)
+    assert measured[0] < measured[1] < measured[2] and measured[2] > 0.2
+    # Keys only: the first-order theorem is exact, so prediction and measurement agree everywhere.
+    assert np.all(result.theory_agreement.values == 1.0)
+    np.testing.assert_allclose(result.predicted_collapse_rate.sel(layer=0, head=0), measured)
+
+
+def test_query_noise_never_collapses_a_head(tmp_path):
+    q, k, v, w_o = random_heads()
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5)
+    result = replay(ds, levels=(0.1, 0.3, 0.55), n_draws=10, targets=("q",), n_bootstrap=10)
+    assert result.n_sparse.sum() > 50
+    assert result.collapses.sum() == 0 and result.predicted_collapse_rate.max() == 0
+    assert result.tv_distance.sel(instances="all").min() > 0  # the temperature changes, the winner does not
+    assert np.all(np.isinf(result.collapse_level.values))
+
+
+def test_value_noise_changes_the_output_linearly_and_never_the_pattern(tmp_path):
+    q, k, v, w_o = random_heads()
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5)
+    levels = (0.01, 0.05, 0.2)
+    result = replay(ds, levels=levels, n_draws=40, targets=("m",), n_bootstrap=10)
+    assert result.collapses.sum() == 0 and result.tv_distance.max() == 0
+    change = result.output_change.values  # (instances, level, layer, head)
+    per_unit_noise = change / np.asarray(levels)[:, None, None]
+    np.testing.assert_allclose(per_unit_noise, np.broadcast_to(per_unit_noise[:, :1], change.shape), rtol=1e-9)
+    # A sparse head's output is its winner's message, so the relative change is the noise's RMS.
+    sparse = result.output_change.sel(instances="sparse", level=0.2)
+    assert float(sparse.mean()) == pytest.approx(0.2, rel=0.1)
+
+
+def test_output_change_through_the_gram_matrix_equals_the_direct_messages():
+    q, k, v, w_o = random_heads(n_samples=3)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), 0.5, True, 0.95, v[:, 0], w_o_gram(w_o[0]))
+    rng = np.random.default_rng(3)
+    kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
+    effects = block.perturb(kq, kk, km)
+    heads_kv = np.arange(4) // 2
+    messages = np.einsum("sjhd,hdm->shjm", v[:, 0][:, :, heads_kv].astype(np.float64), w_o[0].astype(np.float64))
+    noisy = recompute_attention(q[:, 0] * (1 + kq[..., None]), k[:, 0] * (1 + kk[..., None]), np.ones((3, 8), bool), 0.5, True)
+    clean_out = np.einsum("shij,shjm->shim", block.attention, messages)
+    noisy_out = np.einsum("shij,shjm->shim", noisy, messages * (1 + km[:, :, heads_kv].transpose(0, 2, 1))[..., None])
+    np.testing.assert_allclose(effects["output_change_sq"], ((noisy_out - clean_out) ** 2).sum(-1), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(block.output_sq, (clean_out**2).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(effects["tv"], 0.5 * np.abs(noisy - block.attention).sum(-1), atol=1e-6)
+
+
+def test_entropy_and_max_attention_histogram_of_known_heads(tmp_path):
+    # Head 0 attends uniformly (all scores equal), head 1 one-hot on key 0 (huge score).
+    n_pos = 5
+    q = np.zeros((2, 1, n_pos, 2, 1), np.float32)
+    q[..., 1, 0] = 1.0
+    k = np.zeros((2, 1, n_pos, 2, 1), np.float32)
+    k[:, 0, 0, 1, 0] = 1000.0
+    ds = write_store(tmp_path / "s", q=q, k=k, causal=True)
+    result = replay(ds, levels=(0.1,), n_draws=2, targets=("k",), n_bootstrap=5)
+    entropy = result.entropy.sel(layer=0).values
+    assert entropy[0] == pytest.approx(np.mean(np.log(np.arange(2, n_pos + 1))))  # query i sees i+1 keys
+    assert entropy[1] == pytest.approx(0.0, abs=1e-9)
+    hist = result.max_attention_hist.sel(layer=0).values
+    assert hist.sum(axis=1).tolist() == [2 * (n_pos - 1)] * 2  # position 0 has one key: no instance
+    assert hist[1, -1] == 2 * (n_pos - 1)
+    assert result.n_sparse.sel(layer=0).values.tolist() == [0, 2 * (n_pos - 1)]
+
+
+# --- Theorem 7, draws, chunking ----------------------------------------------------------------
+
+
+def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_term():
+    # w* = 1.0, w_1 = 0.9: exact collapse iff 1.0 (1 + k*) < 0.9 (1 + k1); q noise cancels.
+    q, k = margin_head([1.0 / 0.9], second_score=0.9)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), 40.0, False, 0.95)
+    kk = np.array([[[-0.05], [0.05]]])  # exact: 0.95 < 0.945 is false -> no collapse
+    kq = np.full((1, 2, 1), -0.5)  # first order: 1.0 (0.45) < 0.9 (0.55) = 0.495 -> predicted
+    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    assert not effects["collapse"].any() and effects["predicted"].all()
+    assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["predicted"].any()
+
+
+def test_theory_agrees_to_first_order_and_collapse_grows_monotonically(tmp_path):
+    q, k, v, w_o = random_heads(n_samples=16)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5)
+    result = replay(ds, levels=(0.005, 0.05, 0.3), n_draws=20, n_bootstrap=100)
+    collapses = result.collapses.values
+    assert np.all(np.diff(collapses, axis=1) >= 0) and collapses[0, -1].sum() > 0
+    assert np.all(collapses[1] <= collapses[0])  # strict collapses are collapses
+    disagreement = 1 - result.theory_agreement.mean(("layer", "head")).values
+    assert disagreement[0] == 0 and disagreement[-1] < 0.05
+    pooled = result.collapse_level_pooled.sel(definition="collapse").item()
+    low, high = result.collapse_level_pooled_ci.sel(definition="collapse").values
+    assert 0.05 < pooled < 0.3 and low <= pooled <= high
+    rates = result.collapse_rate_pooled.sel(definition="collapse").values
+    assert rates[1] < 0.01 <= rates[2]
+
+
+def test_same_seed_same_results_for_any_chunking(tmp_path):
+    q, k, v, w_o = random_heads(n_samples=10)
+    results = [replay(write_store(tmp_path / f"s{size}", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=size),
+                      levels=(0.1, 0.3), n_draws=5, seed=3, n_bootstrap=20)
+               for size in (3, 10)]
+    for name in ("collapses", "theory_missed", "collapse_level_ci"):
+        np.testing.assert_array_equal(results[0][name].values, results[1][name].values)
+    np.testing.assert_allclose(results[0].tv_distance, results[1].tv_distance, rtol=1e-12)
+    other_seed = replay(open_store(tmp_path / "s3"), levels=(0.1, 0.3), n_draws=5, seed=4, n_bootstrap=20)
+    assert not np.array_equal(other_seed.tv_distance.values, results[0].tv_distance.values)
+
+
+def test_level_at_rate_interpolates_through_zero_and_flags_what_the_sweep_misses():
+    levels = (0.1, 0.2, 0.4)
+    rates = np.array([[0.005, 0.02, 0.5], [0.02, 0.5, 0.9], [0.0, 0.001, 0.002], [np.nan] * 3])
+    found = level_at_rate(levels, rates, 0.01)
+    np.testing.assert_allclose(found[:2], [0.1 + 0.1 * (0.005 / 0.015), 0.05])
+    assert np.isinf(found[2]) and np.isnan(found[3])
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    q, k, v, w_o = random_heads(n_samples=4)
+    return write_store(tmp_path_factory.mktemp("bad") / "s", q=q, k=k, v=v, w_o=w_o)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"levels": (0.0, 0.1)}, "strictly between 0 and 1"),
+    ({"levels": (0.1, 1.0)}, "strictly between 0 and 1"),
+    ({"levels": ()}, "at least one"),
+    ({"sparse_threshold": 0.0}, "in \\(0, 1\\]"),
+    ({"sparse_threshold": 1.2}, "in \\(0, 1\\]"),
+    ({"n_draws": 0}, "positive number of noise draws"),
+    ({"distribution": "cauchy"}, "uniform"),
+    ({"targets": ("q", "x")}, "non-empty selection"),
+    ({"targets": ()}, "non-empty selection"),
+    ({"collapse_target": 1.5}, "collapse target"),
+    ({"n_bootstrap": 0}, "bootstrap"),
+    ({"layers": [5]}, "holds layers \\[0, 1\\]"),
+])
+def test_bad_settings_are_clear_errors(small_store, options, message):
+    with pytest.raises(ReplayError, match=message):
+        replay(small_store, **({"n_draws": 1} | options))
+
+
+def test_a_store_without_what_the_targets_need_is_a_clear_error(tmp_path):
+    q, k, v, w_o = random_heads(n_samples=4)
+    without_weights = write_store(tmp_path / "a", q=q, k=k, v=v)
+    with pytest.raises(ReplayError, match=r"lacks \['w_o'\].*drop the target 'm'"):
+        replay(without_weights, n_draws=1)
+    result = replay(without_weights, n_draws=1, targets=("q", "k"), n_bootstrap=5)
+    assert "output_change" not in result
+    without_v = write_store(tmp_path / "b", q=q, k=k, w_o=w_o)
+    with pytest.raises(ReplayError, match=r"lacks \['v'\]"):
+        replay(without_v, n_draws=1, targets=("m",))
+    with pytest.raises(ReplayError, match=r"lacks \['k'\]"):
+        replay(without_v.drop_vars("k"), n_draws=1, targets=("q",))
+    described = without_v.copy()
+    described.attrs = {"model": {key: val for key, val in without_v.attrs["model"].items() if key != "attn_scale"}}
+    with pytest.raises(ReplayError, match="attn_scale"):
+        replay(described, n_draws=1, targets=("k",))
