@@ -60,6 +60,8 @@ import dask
 import numpy as np
 import xarray as xr
 
+from .errors import AnalysisError
+
 TARGETS = ("q", "k", "m")
 DISTRIBUTIONS = ("uniform", "gaussian")
 DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
@@ -68,7 +70,7 @@ INSTANCE_SETS = ("sparse", "all")
 _TARGET_CODE = {"q": 1, "k": 2, "m": 3}
 
 
-class ReplayError(ValueError):
+class ReplayError(AnalysisError):
     """Bad input to the replay: the message names the input, what was expected and what to do."""
 
 
@@ -380,7 +382,7 @@ def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: in
                               targets=targets, sparse_threshold=sparse_threshold)
     _check_study(collapse_target, n_bootstrap, confidence, n_bins)
     model = store_model(ds)
-    with_messages = _check_variables(ds, settings)
+    with_messages = check_variables(ds, settings)
     layers = _select_layers(ds, layers)
     graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
     (per_layer,) = dask.compute(graphs)
@@ -421,7 +423,7 @@ def _check_study(collapse_target, n_bootstrap, confidence, n_bins) -> None:
         raise ReplayError(f"n_bins = {n_bins!r}: expected a positive number of histogram bins")
 
 
-def _check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:
+def check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:
     """Raise if the store lacks what the targets need; True when messages can be replayed."""
     needed = ["q", "k", "valid"] + (["v", "w_o"] if "m" in settings.targets else [])
     missing = [name for name in needed if name not in ds.variables]

@@ -1,0 +1,151 @@
+"""The replay's online check: the same draws in the model's forward pass, for the arithmetic
+family and Hugging Face models; exact agreement with the offline replay; model mismatch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orthosphere.analyze.replay import ReplayError, ReplaySettings, replay, unit_noise
+from orthosphere.extract import tasks
+from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.model import ArithmeticTransformer, ModelConfig, save_model
+from orthosphere.extract.sources import load_source
+from orthosphere.store import create_store, open_store
+from orthosphere.workflows.online_check import ModelMismatchError, noise_edit, online_check
+
+SETTINGS = ReplaySettings(levels=(0.1, 0.3), n_draws=3, seed=5)
+
+
+def sharpen(*weights, std=0.5, seed=0):
+    """Large query and key weights, so that a random model has many sparse heads."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in weights:
+            weight.copy_(std * torch.randn(weight.shape, generator=generator))
+
+
+def arithmetic_model(n_layers=2, seed=0):
+    torch.manual_seed(seed)
+    model = ArithmeticTransformer(ModelConfig(n_layers=n_layers, d_model=32, n_heads=4, d_ff=64, norm_placement="pre"))
+    for block in model.blocks:
+        sharpen(block.attn.q_proj.weight, block.attn.k_proj.weight, seed=seed)
+    return model.eval()
+
+
+def extract(path, adapter, tokens, valid, description=None):
+    """A store of q, k, v, pattern and weights; targets are the model's own clean predictions."""
+    tokens, valid = torch.as_tensor(tokens, dtype=torch.long), torch.as_tensor(valid, dtype=torch.bool)
+    with torch.no_grad(), adapter.capture(("q", "k", "v", "pattern")) as recording:
+        pred = adapter.forward(tokens, valid).argmax(-1).numpy().astype(np.int32)
+        activations = {name: value.numpy() for name, value in recording.take().items()}
+    n_samples, n_pos = tokens.shape
+    writer = create_store(path, model=description or adapter.describe(), task={"name": "test"}, n_samples=n_samples,
+                          n_pos=n_pos, sites=("q", "k", "v", "pattern"), samples_per_chunk=8)
+    writer.write(0, {"tokens": tokens.numpy().astype(np.int32), "valid": valid.numpy(), "pred": pred,
+                     "target": pred, "scored": valid.numpy(), **activations})
+    writer.write_weights(adapter.all_head_weights(range(adapter.n_layers)))
+    writer.mark_shard_complete(0)
+    writer.finish()
+    return open_store(path)
+
+
+def arithmetic_tokens(n=16):
+    batch = tasks.generate("test", n, seed=0)
+    return batch.tokens, batch.valid
+
+
+def assert_agrees_with_offline(ds, online, settings):
+    """Online collapse indicators equal the offline ones instance by instance, and rates match."""
+    assert online.sparse_mismatches.sum() == 0 and online.offline_mismatches.sum() == 0
+    assert online.offline_collapses.sum() > 0  # the comparison is not vacuous
+    offline = replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=10)
+    np.testing.assert_array_equal(online.n_sparse, offline.n_sparse)
+    np.testing.assert_allclose(online.collapse_rate, offline.collapse_rate, rtol=1e-12)
+
+
+def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
+    model = arithmetic_model()
+    adapter = adapter_for(model)
+    ds = extract(tmp_path / "s", adapter, *arithmetic_tokens())
+    online = online_check(ds, model, settings=SETTINGS, all_layers=True, batch_size=10)
+    assert_agrees_with_offline(ds, online, SETTINGS)
+    assert online.clean_accuracy == 1.0 and online.clean_pred_agreement == 1.0  # targets: clean predictions
+    accuracy = online.accuracy.values
+    assert np.all(accuracy <= 1.0) and accuracy[-1, -1] < 1.0  # 30 % noise in every layer
+    np.testing.assert_allclose(online.accuracy_drop, 1.0 - accuracy)
+    assert list(online.perturbation.values) == ["layer 0", "layer 1", "all layers"]
+    all_layers = online.collapse_rate_all_layers.sel(definition="collapse", layer=0)
+    np.testing.assert_allclose(all_layers, online.collapse_rate.sel(definition="collapse", layer=0))  # layer 0 sees no upstream noise
+
+
+def test_the_injected_noise_is_the_replays_draw(tmp_path):
+    model = arithmetic_model()
+    adapter = adapter_for(model)
+    tokens, valid = arithmetic_tokens(4)
+    ds = extract(tmp_path / "s", adapter, tokens, valid)
+    samples = np.arange(4)
+    with torch.no_grad(), adapter.edit_qkv(noise_edit(SETTINGS, [1], samples, draw=2, level=0.3)), \
+            adapter.capture(("q", "k", "v"), [0, 1]) as recording:
+        adapter.forward(torch.as_tensor(tokens, dtype=torch.long))
+        noisy = {name: value.numpy() for name, value in recording.take().items()}
+    n_pos = tokens.shape[1]
+    for site, target in (("q", "q"), ("k", "k"), ("v", "m")):
+        kappa = 0.3 * unit_noise(5, target, 1, samples, 2, n_pos, 4)
+        np.testing.assert_allclose(noisy[site][:, 1], ds[site].sel(layer=1).values * (1 + kappa[..., None]), rtol=1e-6)
+        np.testing.assert_array_equal(noisy[site][:, 0], ds[site].sel(layer=0).values)
+
+
+def hugging_face_model(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=40, n_positions=16)
+        model = transformers.GPT2LMHeadModel(config)
+        for block in model.transformer.h:
+            sharpen(block.attn.c_attn.weight[:, :64])
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=40, max_position_embeddings=16)
+        model = transformers.LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            sharpen(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_model_online_equals_offline(tmp_path, kind):
+    model = hugging_face_model(kind)
+    generator = np.random.default_rng(0)
+    tokens = generator.integers(0, 40, size=(12, 12))
+    valid = np.ones((12, 12), bool)
+    valid[:4, 9:] = False  # right padding, masked by the model's attention mask
+    ds = extract(tmp_path / "s", adapter_for(model), tokens, valid)
+    online = online_check(ds, model, settings=SETTINGS, batch_size=12)
+    assert_agrees_with_offline(ds, online, SETTINGS)
+    assert online.clean_accuracy == 1.0
+
+
+def test_a_model_that_is_not_the_stores_is_a_clear_error(tmp_path):
+    tokens, valid = arithmetic_tokens(4)
+    model = arithmetic_model()
+    ds = extract(tmp_path / "s", adapter_for(model), tokens, valid)
+    with pytest.raises(ModelMismatchError, match="n_layers: store 2, model 3"):
+        online_check(ds, arithmetic_model(n_layers=3), settings=SETTINGS)
+    # Same architecture, other weights: the weights' checksum in the store's description tells them apart.
+    first, second = save_model(model, tmp_path / "a"), save_model(arithmetic_model(seed=1), tmp_path / "b")
+    described = extract(tmp_path / "t", adapter_for(model), tokens, valid, load_source(first, "cpu").describe())
+    assert online_check(described, first, settings=ReplaySettings(levels=(0.1,), n_draws=1)).offline_mismatches.sum() == 0
+    with pytest.raises(ModelMismatchError, match="weights_sha256"):
+        online_check(described, second, settings=SETTINGS)
+
+
+def test_bad_online_options_are_clear_errors(tmp_path):
+    model = arithmetic_model()
+    ds = extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(4))
+    with pytest.raises(ReplayError, match=r"holds layers \[0, 1\]"):
+        online_check(ds, model, settings=SETTINGS, layers=[2])
+    with pytest.raises(ReplayError, match="expected positive numbers"):
+        online_check(ds, model, settings=SETTINGS, max_samples=0)
+    with pytest.raises(ReplayError, match=r"lacks \['w_o'\]"):
+        online_check(ds.drop_vars("w_o"), model, settings=SETTINGS)
