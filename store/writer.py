@@ -95,6 +95,8 @@ def create_store(
             dimension_names=var.dims,
             fill_value=0,
             compressors=compressors,
+            # Activations are never all zero: skip zarr's scan for empty chunks on every write.
+            config={"write_empty_chunks": True},
         )
     _create_labels(group, labels, sizes, samples_per_chunk)
     _create_index_coords(group, sizes, layers)
