@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import click
 
 from orthosphere.store import StoreError, format_info, info
 
-from .backend import Backend
+from .backend import Backend, dask_client
 
 
 class CleanErrors(click.Group):
@@ -40,3 +41,41 @@ def info_command(store, as_json):
     """Describe STORE (a path or fsspec URL): model, task, sites, shapes, chunking, size, completeness."""
     summary = info(store)
     click.echo(json.dumps(summary, indent=2, default=str) if as_json else format_info(summary))
+
+
+@main.command("extract")
+@click.argument("model")
+@click.option("--task", "task_spec", required=True, metavar="SPEC",
+              help="arithmetic:split=test,seed=0[,...] or text:path=FILE[,max_length=N].")
+@click.option("--samples", type=int, default=None, help="Number of samples (text: default every non-blank line).")
+@click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
+@click.option("--sites", default=None, metavar="LIST",
+              help="Comma-separated sites, default all but pattern: resid_pre,resid_mid,resid_post,attn_in,q,k,v,pattern.")
+@click.option("--layers", default=None, metavar="LIST", help="Layers to store, e.g. 0,2,5-7 (default: all).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
+@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--shards", type=int, default=1, show_default=True,
+              help="Chunk-aligned shards: the unit of Dask tasks and of resuming.")
+@click.option("--samples-per-chunk", type=int, default=None, help="Samples per chunk (default: about 4 MB chunks).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--workers", type=int, default=None, help="Run the shards on a LocalCluster of N worker processes.")
+@click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.pass_context
+def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
+                    samples_per_chunk, device, workers, scheduler, resume, overwrite):
+    """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
+    from orthosphere.extract.job import ExtractJob, extract, parse_layers
+
+    backend = Backend(workers=workers or ctx.obj.workers, scheduler=scheduler or ctx.obj.scheduler)
+    job = ExtractJob(
+        model=model, task=task_spec, out=out, n_samples=samples,
+        sites=None if sites is None else tuple(filter(None, sites.split(","))),
+        layers=None if layers is None else parse_layers(layers),
+        dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
+        resume=resume, overwrite=overwrite, device=device, command=" ".join(sys.argv),
+    )
+    with dask_client(backend) as client:
+        result = extract(job, client=client)
+    click.echo(result.summary())

@@ -1,0 +1,499 @@
+"""The extraction job: run a model over a data set and stream its activations into a store.
+
+``extract(ExtractJob(...), client=None)`` is what ``orthosphere extract`` runs:
+
+1. parse the task spec, refuse an existing store unless resuming or overwriting;
+2. load the model, check sites and layers, open the data set;
+3. create the store (chunk-aligned shards), or, when resuming, check that the store was
+   made by the same job (model, task, sites, layers, dtype, sample count) and pick up its
+   unfinished shards; a complete store is left alone;
+4. write the attention maps, run every unfinished shard, then finish the store.
+
+Each shard runs its samples in batches starting at the shard's first sample, so a shard's
+values never depend on which process runs it or when: a resumed job is bitwise identical to
+an uninterrupted one. Writes happen behind compute: the forward pass hands each batch to a
+bounded queue that one writer thread drains, regrouping batches into whole chunks, and the
+thread marks a shard complete only after its last chunk is written. Memory is bounded by the
+queue depth, whatever the number of samples.
+
+Without a Dask client the shards run one after another in this process; with one, each shard
+is a Dask task that loads the model (once per worker), writes its own chunks and records
+itself complete.
+
+For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with SIGKILL the
+N-th time it reaches POINT (store-created, chunk-written, shard-complete, before-finish).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from orthosphere.store import StoreError, StoreExistsError, StoreNotFoundError, create_store, open_writer, read_attrs
+from orthosphere.store.location import as_location
+from orthosphere.store.lock import is_stale, read_lock
+from orthosphere.store.schema import check_dtype
+
+from .data import open_dataset, parse_task
+from .model import ConfigError
+from .sources import LoadedModel, load_source
+
+log = logging.getLogger("orthosphere.extract")
+
+QUEUE_DEPTH = 2
+"""Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
+CRASH_VARIABLE = "ORTHOSPHERE_CRASH_AT"
+IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
+"""Store attributes that must match for a job to resume a store."""
+IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
+"""Where a model or file lives may change between runs; its SHA-256 may not."""
+
+
+class JobMismatchError(StoreError):
+    """A store made by a different job than the one asked to resume it."""
+
+
+@dataclass(frozen=True)
+class ExtractJob:
+    """Everything `orthosphere extract` is asked to do."""
+
+    model: str
+    task: str
+    out: str
+    n_samples: int | None = None
+    sites: tuple[str, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    dtype: str = "float32"
+    batch_size: int = 32
+    n_shards: int = 1
+    samples_per_chunk: int | None = None
+    resume: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    storage_options: dict | None = None
+    command: str | None = None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What a worker needs to run any shard of a job (small and picklable)."""
+
+    model: str
+    device: str
+    task: str
+    n_samples: int
+    n_pos: int
+    causal: bool
+    sites: tuple[str, ...]
+    layers: tuple[int, ...]
+    dtype: str
+    batch_size: int
+    url: str
+    storage_options: dict | None
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    url: str
+    n_samples: int
+    shards_run: int
+    shards_total: int
+    tokens: int
+    seconds: float
+    already_complete: bool = False
+
+    def summary(self) -> str:
+        if self.already_complete:
+            return f"store {self.url} is already complete ({self.n_samples} samples): nothing to do"
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"store {self.url} complete: {self.n_samples} samples; ran {self.shards_run} of {self.shards_total} "
+            f"shards, {self.tokens} tokens in {self.seconds:.1f} s ({rate:,.0f} tokens/s)"
+        )
+
+
+def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResult:
+    """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
+    data = parse_task(job.task)
+    _check_job(job)
+    existing = _existing_store(job)
+    loaded = load_source(job.model, job.device)
+    adapter = loaded.adapter
+    sites, layers = adapter.check_sites(job.sites), adapter.check_layers(job.layers)
+    description = loaded.describe()
+    dataset = open_dataset(data, n_samples=job.n_samples, tokenizer=loaded.tokenizer, causal=description["causal"])
+    identity = {
+        "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
+        "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
+    }
+    if existing is not None and job.resume:
+        _check_same_job(job.out, existing, identity)
+        if existing.get("complete"):
+            log.info("store %s is already complete: nothing to do", job.out)
+            return ExtractResult(job.out, dataset.n_samples, 0, len(existing["shards"]), 0, 0.0, already_complete=True)
+        writer = open_writer(job.out, lock=True, break_lock=_stale_lock(job), storage_options=job.storage_options)
+        log.info("resuming the extraction into %s", writer.url)
+    else:
+        writer = create_store(
+            job.out, model=description, task=identity["task"], n_samples=dataset.n_samples, n_pos=dataset.n_pos,
+            sites=sites, layers=layers, dtype=job.dtype, labels=dataset.labels, n_shards=job.n_shards,
+            samples_per_chunk=job.samples_per_chunk,
+            overwrite=job.overwrite, break_lock=existing is not None and _stale_lock(job), command=job.command,
+            storage_options=job.storage_options,
+        )
+        log.info("writing the store at %s", writer.url)
+    crash_point("store-created")
+    with writer:
+        writer.write_weights(adapter.all_head_weights(layers))
+        pending = writer.pending_shards()
+        plan = ShardPlan(
+            job.model, job.device, job.task, dataset.n_samples, dataset.n_pos, bool(description["causal"]),
+            sites, layers, job.dtype, job.batch_size, writer.url, job.storage_options,
+        )
+        n_pending = sum(writer.shards[i][1] - writer.shards[i][0] for i in pending)
+        log.info(
+            "extracting %d samples (%d of %d shards) of %s with %s: sites %s, layers %s, %s",
+            n_pending, len(pending), len(writer.shards), job.task, job.model, ",".join(sites),
+            _layer_text(layers), job.dtype,
+        )
+        started = time.perf_counter()
+        with tqdm(total=n_pending, unit="sample", desc="extract", disable=not progress, dynamic_ncols=True) as bar:
+            meter = Meter(bar)
+            if client is None:
+                _run_in_process(loaded, dataset, plan, writer, pending, meter)
+            else:
+                _run_on_dask(client, plan, pending, meter)
+        crash_point("before-finish")
+        writer.finish()
+    seconds = time.perf_counter() - started
+    log.info("store complete at %s", writer.url)
+    return ExtractResult(writer.url, dataset.n_samples, len(pending), len(writer.shards), meter.tokens, seconds)
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """Layer indices from "0,2,5-7"; anything else is a ConfigError."""
+    layers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        first, dash, last = item.partition("-")
+        try:
+            layers.extend(range(int(first), int(last) + 1) if dash else [int(first)])
+        except ValueError:
+            raise ConfigError(f"--layers {text!r}: {item!r} is not a layer index or range; expected e.g. 0,2,5-7") from None
+    if not layers:
+        raise ConfigError(f"--layers {text!r}: no layers given; expected e.g. 0,2,5-7")
+    return tuple(layers)
+
+
+def _check_job(job: ExtractJob) -> None:
+    check_dtype(job.dtype)
+    for name, value in (("batch size", job.batch_size), ("shard count", job.n_shards)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} {value!r}: expected a positive integer")
+    if job.resume and job.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: resume keeps the store, overwrite replaces it; pick one")
+
+
+def _existing_store(job: ExtractJob) -> dict | None:
+    """The attributes of the store at job.out, or None; an existing store needs --resume or --overwrite."""
+    try:
+        attrs = read_attrs(job.out, job.storage_options)
+    except StoreNotFoundError:
+        return None
+    if not (job.resume or job.overwrite):
+        state = "complete" if attrs.get("complete") else "incomplete"
+        raise StoreExistsError(
+            f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
+            "or --overwrite to replace it"
+        )
+    return attrs
+
+
+def _stale_lock(job: ExtractJob) -> bool:
+    """Whether the store's lock was left by a process of this host that no longer runs (a crash)."""
+    holder = read_lock(as_location(job.out, job.storage_options))
+    stale = holder is not None and is_stale(holder)
+    if stale:
+        log.warning("breaking the stale lock of %s left by pid %s", job.out, holder.get("pid"))
+    return stale
+
+
+def _normalised(value):
+    return json.loads(json.dumps(value))
+
+
+def _check_same_job(url: str, attrs: dict, identity: dict) -> None:
+    """Refuse to resume a store made by another job, naming the first attribute that differs."""
+    for key in IDENTITY_KEYS:
+        stored, wanted = _normalised(attrs.get(key)), _normalised(identity[key])
+        for ignored in IDENTITY_IGNORED.get(key, ()):
+            if isinstance(stored, dict) and isinstance(wanted, dict):
+                stored.pop(ignored, None)
+                wanted.pop(ignored, None)
+        difference = _first_difference(stored, wanted, key)
+        if difference is not None:
+            name, old, new = difference
+            raise JobMismatchError(
+                f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is "
+                f"{_short(new)}; resume with the original model, task, sites, layers, dtype and --samples, "
+                "or pass --overwrite to replace the store"
+            )
+
+
+def _first_difference(old, new, name):
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            difference = _first_difference(old.get(key), new.get(key), f"{name}.{key}")
+            if difference is not None:
+                return difference
+        return None
+    return None if old == new else (name, old, new)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _layer_text(layers) -> str:
+    layers = list(layers)
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+_crash_counts: Counter = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for the crash tests (see the module docstring); a no-op unless asked for."""
+    wanted = os.environ.get(CRASH_VARIABLE)
+    if not wanted or wanted.partition(":")[0] != name:
+        return
+    _crash_counts[name] += 1
+    if _crash_counts[name] == int(wanted.partition(":")[2] or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- computing batches ------------------------------------------------------------------
+
+
+class Meter:
+    """Progress: samples on the bar, tokens per second beside it."""
+
+    def __init__(self, bar: tqdm):
+        self.bar, self.tokens, self.started = bar, 0, time.perf_counter()
+
+    def update(self, n_samples: int, n_tokens: int) -> None:
+        self.tokens += n_tokens
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        self.bar.update(n_samples)
+
+
+def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, emit) -> int:
+    """Run samples [start, stop) in batches from `start`; emit(batch_start, arrays) per batch.
+    Returns the number of real tokens."""
+    dtype = getattr(torch, plan.dtype)
+    device = adapter.device
+    tokens_seen = 0
+    with torch.inference_mode(), adapter.capture(plan.sites, plan.layers, dtype) as recording:
+        for first in range(start, stop, plan.batch_size):
+            arrays = dataset.batch(first, min(first + plan.batch_size, stop))
+            tokens = torch.from_numpy(arrays["tokens"]).to(device=device, dtype=torch.long)
+            valid = torch.from_numpy(arrays["valid"]).to(device)
+            logits = adapter.forward(tokens, valid)
+            arrays["pred"] = logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+            arrays.update({site: values.numpy() for site, values in recording.take().items()})
+            tokens_seen += int(arrays["valid"].sum())
+            emit(first, arrays)
+    return tokens_seen
+
+
+def _run_in_process(loaded: LoadedModel, dataset, plan: ShardPlan, writer, pending, meter: Meter) -> None:
+    """Every pending shard in this process, behind one writer thread."""
+    sink = WriteBehind(writer)
+    try:
+        for index in pending:
+            start, stop = writer.shards[index]
+
+            def emit(first, arrays):
+                sink.put(first, arrays)
+                meter.update(len(arrays["tokens"]), int(arrays["valid"].sum()))
+
+            compute_range(loaded.adapter, dataset, plan, start, stop, emit)
+            sink.end_shard(index)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    index: int
+    n_samples: int
+    tokens: int
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_model(path: str, device: str) -> LoadedModel:
+    """A Dask worker loads the job's model once and keeps it for the job's other shards."""
+    return load_source(path, device)
+
+
+def run_shard(plan: ShardPlan, index: int) -> ShardReport:
+    """A Dask task: run one shard, write its chunks (without the store's lock, which the
+    coordinating process holds) and record it complete."""
+    loaded = _worker_model(plan.model, plan.device)
+    dataset = open_dataset(
+        parse_task(plan.task), n_samples=plan.n_samples, tokenizer=loaded.tokenizer, causal=plan.causal, n_pos=plan.n_pos
+    )
+    writer = open_writer(plan.url, lock=False, storage_options=plan.storage_options)
+    start, stop = writer.shards[index]
+    sink = WriteBehind(writer)
+    try:
+        tokens = compute_range(loaded.adapter, dataset, plan, start, stop, sink.put)
+        sink.end_shard(index)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
+    return ShardReport(index, stop - start, tokens)
+
+
+def _run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
+    from distributed import as_completed
+
+    futures = [client.submit(run_shard, plan, index, pure=False) for index in pending]
+    try:
+        for future in as_completed(futures):
+            report = future.result()
+            meter.update(report.n_samples, report.tokens)
+    except BaseException:
+        client.cancel(futures)
+        raise
+
+
+# --- writing behind compute ---------------------------------------------------------------
+
+
+class ChunkAligner:
+    """Regroups consecutive blocks of samples into blocks that cover whole chunks."""
+
+    def __init__(self, samples_per_chunk: int):
+        self.chunk = samples_per_chunk
+        self.pieces: list[tuple[int, dict]] = []
+
+    @property
+    def start(self) -> int:
+        return self.pieces[0][0]
+
+    @property
+    def stop(self) -> int:
+        first, arrays = self.pieces[-1]
+        return first + _length(arrays)
+
+    def add(self, first: int, arrays: dict) -> list[tuple[int, dict]]:
+        """Take a block; return the whole chunks now complete (as one block, or none)."""
+        if self.pieces and first != self.stop:
+            raise RuntimeError(f"block at sample {first} does not follow the previous one, which ends at {self.stop}")
+        self.pieces.append((first, arrays))
+        boundary = self.stop // self.chunk * self.chunk
+        return [self._take(boundary)] if boundary > self.start else []
+
+    def flush(self) -> list[tuple[int, dict]]:
+        """Everything held (the shard's end, which is chunk-aligned or the store's end)."""
+        return [self._take(self.stop)] if self.pieces else []
+
+    def _take(self, boundary: int) -> tuple[int, dict]:
+        start, before, after = self.start, [], []
+        for first, arrays in self.pieces:
+            n = _length(arrays)
+            if first + n <= boundary:
+                before.append(arrays)
+            elif first >= boundary:
+                after.append((first, arrays))
+            else:
+                cut = boundary - first
+                before.append({name: values[:cut] for name, values in arrays.items()})
+                after.append((boundary, {name: values[cut:] for name, values in arrays.items()}))
+        self.pieces = after
+        if len(before) == 1:
+            return start, before[0]
+        return start, {name: np.concatenate([block[name] for block in before]) for name in before[0]}
+
+
+def _length(arrays: dict) -> int:
+    return len(next(iter(arrays.values())))
+
+
+class WriteBehind:
+    """A bounded queue of batches, drained into the store by one writer thread in whole chunks."""
+
+    def __init__(self, writer, depth: int = QUEUE_DEPTH):
+        self.writer = writer
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, name="orthosphere-store-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, first: int, arrays: dict) -> None:
+        """Queue a batch of samples starting at `first`; blocks only while the queue is full."""
+        self._send(("block", first, arrays))
+
+    def end_shard(self, index: int) -> None:
+        """Write what the shard still holds, then mark it complete."""
+        self._send(("end", index))
+
+    def close(self) -> None:
+        """Wait until everything is written; raise the writer thread's error, if any."""
+        self._send(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        """Stop after a failure of the producer; shards it did not end stay incomplete."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _send(self, item) -> None:
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _drain(self) -> None:
+        aligner = ChunkAligner(self.writer.attrs["samples_per_chunk"])
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                if item[0] == "block":
+                    self._write(aligner.add(item[1], item[2]))
+                else:
+                    self._write(aligner.flush())
+                    self.writer.mark_shard_complete(item[1])
+                    crash_point("shard-complete")
+            except BaseException as error:  # handed to the producer by _send / close
+                self.error = error
+
+    def _write(self, blocks) -> None:
+        for first, arrays in blocks:
+            self.writer.write(first, arrays)
+            crash_point("chunk-written")

@@ -1,0 +1,264 @@
+"""Load a model for extraction: the project's checkpoints, Hugging Face directories, GGUF files.
+
+``load_source(path, device)`` returns a ``LoadedModel``: the model's adapter (capture.py), its
+tokenizer (or None) and, from ``describe()``, its description for the store, which adds where
+the model came from and a SHA-256 of its weights so that a resumed job can tell a different
+model apart.
+
+- A directory whose ``config.json`` says ``"family": "arithmetic"``: the project's own
+  arithmetic transformer (``config.json`` + ``model.safetensors``); its tokenizer maps the
+  task's characters to ids.
+- Any other directory: a Hugging Face checkpoint of a supported ``model_type`` (GPT-2, Llama,
+  BERT) with safetensors weights, loaded with its language-model head in float32.
+- A ``.gguf`` file: loaded by transformers (``gguf_file=``); it must carry its tokenizer.
+
+Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import tasks
+from .capture import HUGGING_FACE_ADAPTERS, Adapter, UnsupportedModelError, adapter_for, unsupported_message
+from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+GGUF_MAGIC = b"GGUF"
+
+
+class Tokenizer:
+    """Text to token ids, and ids back to token strings (for the `token_str` label)."""
+
+    name = ""
+    pad_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def token_strings(self, ids) -> list[str]:
+        raise NotImplementedError
+
+
+class CharacterTokenizer(Tokenizer):
+    """The arithmetic task's: one character a token."""
+
+    name = "arithmetic-characters"
+    pad_id = tasks.PAD_ID
+
+    def encode(self, text):
+        return tasks.token_ids(text)
+
+    def token_strings(self, ids):
+        return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A transformers tokenizer, with the special tokens it adds by default (BOS, [CLS]...)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.name = type(tokenizer).__name__
+        candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0)
+        self.pad_id = next(i for i in candidates if i is not None)
+
+    def encode(self, text):
+        return list(self.tokenizer(text)["input_ids"])
+
+    def token_strings(self, ids):
+        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for extraction; describe() hashes its weights (once) for the store."""
+
+    adapter: Adapter
+    tokenizer: Tokenizer | None
+    path: Path
+    source_format: str
+    weight_files: list[Path]
+    _description: dict | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.adapter.model
+
+    def describe(self) -> dict:
+        """The store's `model` attribute: the adapter's description, the source and its weights' SHA-256."""
+        if self._description is None:
+            self._description = {
+                **self.adapter.describe(),
+                "source": os.path.abspath(self.path),
+                "format": self.source_format,
+                "weights_sha256": weights_sha256(self.weight_files),
+            }
+        return dict(self._description)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """"auto" means CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"device {device!r}: {error}; expected auto, cpu, cuda or cuda:N") from None
+
+
+def load_source(path, device: str = "auto") -> LoadedModel:
+    """Load the model at `path` (directory or .gguf file) in eval mode on `device`."""
+    path = Path(path)
+    device = resolve_device(device)
+    if not path.exists():
+        raise ConfigError(
+            f"model {path} not found: expected a model directory (config.json and model.safetensors) "
+            "or a .gguf file"
+        )
+    if path.is_file():
+        if not is_gguf(path):
+            raise ConfigError(f"model {path} is a file but not a GGUF file (no GGUF magic): give a .gguf file or a model directory")
+        loaded = _load_gguf(path, device)
+    else:
+        config = _read_config(path)
+        if config.get("family") == "arithmetic":
+            loaded = _load_arithmetic(path, device)
+        else:
+            loaded = _load_hugging_face(path, config, device)
+    loaded.adapter.model.eval()
+    return loaded
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == GGUF_MAGIC
+
+
+def weights_sha256(paths) -> str:
+    """SHA-256 over the weight files' bytes, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(2**24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_config(directory: Path) -> dict:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"model directory {directory} has no {CONFIG_FILE}: expected a model directory holding "
+            f"{CONFIG_FILE} and {WEIGHTS_FILE} (or a .gguf file)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}): expected the model's configuration") from None
+
+
+def _load_arithmetic(directory: Path, device: torch.device) -> LoadedModel:
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ConfigError(f"model directory {directory} has no {WEIGHTS_FILE}: expected the weights beside {CONFIG_FILE}")
+    adapter = adapter_for(load_model(directory, device=device))
+    return LoadedModel(adapter, CharacterTokenizer(), directory, "orthosphere", [weights])
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    single = directory / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    pickled = [name for name in PICKLED_WEIGHTS if (directory / name).is_file()]
+    if pickled:
+        raise ConfigError(
+            f"model directory {directory} holds only pickled weights ({pickled[0]}); orthosphere never "
+            "unpickles: convert them to safetensors (model.safetensors) first"
+        )
+    raise ConfigError(
+        f"model directory {directory} has no weights: expected {WEIGHTS_FILE} (or {SAFETENSORS_INDEX} "
+        "with its shards) beside config.json"
+    )
+
+
+def _model_class(model_type):
+    if model_type not in HUGGING_FACE_ADAPTERS:
+        raise UnsupportedModelError(unsupported_message(f"architecture {model_type!r}"))
+    import transformers
+
+    return getattr(transformers, HUGGING_FACE_ADAPTERS[model_type][1])
+
+
+def _load_hugging_face(directory: Path, config: dict, device: torch.device) -> LoadedModel:
+    model_class = _model_class(config.get("model_type"))
+    weight_files = _safetensors_files(directory)
+    model = model_class.from_pretrained(
+        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=torch.float32
+    ).to(device)
+    adapter = adapter_for(model)
+    return LoadedModel(adapter, _directory_tokenizer(directory), directory, "safetensors", weight_files)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def _directory_tokenizer(directory: Path) -> HuggingFaceTokenizer | None:
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return _auto_tokenizer(directory)
+
+
+def _auto_tokenizer(directory: Path, **options) -> HuggingFaceTokenizer:
+    from transformers import AutoTokenizer
+
+    return HuggingFaceTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **options))
+
+
+def _gguf_metadata(path: Path) -> dict:
+    """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"{path} is not a readable GGUF file: {error}") from None
+    wanted = ("general.architecture", "tokenizer.ggml.model")
+    metadata = {}
+    for key in wanted:
+        field = reader.get_field(key)
+        if field is not None:
+            metadata[key] = field.contents()
+    metadata["has_tokens"] = reader.get_field("tokenizer.ggml.tokens") is not None
+    return metadata
+
+
+def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
+    metadata = _gguf_metadata(path)
+    architecture = metadata.get("general.architecture")
+    if architecture not in ("llama", "gpt2"):
+        raise UnsupportedModelError(
+            unsupported_message(f"GGUF architecture {architecture!r}") + "; GGUF files load for llama and gpt2"
+        )
+    if "tokenizer.ggml.model" not in metadata or not metadata["has_tokens"]:
+        raise ConfigError(
+            f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens metadata): "
+            "transformers needs it to build the model's vocabulary; use a GGUF file converted with its tokenizer"
+        )
+    model_class = _model_class(architecture)
+    model = model_class.from_pretrained(
+        path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False, dtype=torch.float32
+    ).to(device)
+    adapter = adapter_for(model)
+    tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
+    return LoadedModel(adapter, tokenizer, path, "gguf", [path])
