@@ -1,0 +1,164 @@
+"""Training: the loss falls, a killed run resumes exactly, bad configs and outputs are errors."""
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from orthosphere.extract import tasks
+from orthosphere.extract.model import ArithmeticTransformer, ConfigError, load_model
+from orthosphere.workflows import train as training
+
+CONFIGS = Path(training.__file__).parent / "configs"
+TINY = CONFIGS / "tiny.toml"
+
+
+def write_config(path: Path, text: str = TINY.read_text(), **changes) -> Path:
+    """The tiny config with ``table.key = value`` lines replaced (changes as table__key=...)."""
+    lines = text.splitlines()
+    for name, value in changes.items():
+        table, key = name.split("__")
+        start = lines.index(f"[{table}]")
+        for index in range(start + 1, len(lines)):
+            if lines[index].startswith(f"{key} ="):
+                lines[index] = f"{key} = {value}"
+                break
+        else:
+            lines.insert(start + 1, f"{key} = {value}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_loss_falls_and_the_model_is_saved(tmp_path):
+    config = training.load_config(TINY)
+    torch.manual_seed(config.seed)
+    untrained = ArithmeticTransformer(config.model)
+    batch = tasks.generate("test", 64, config.seed, config.task)
+    before = training.evaluate(untrained, batch)
+    metrics = training.train(TINY, tmp_path / "run", progress=False, threads=1)
+    after = training.evaluate(load_model(tmp_path / "run"), batch)
+    assert after["loss"] < 0.8 * before["loss"]
+    assert metrics["final"]["test"]["loss"] == pytest.approx(after["loss"], rel=1e-5)
+    assert [r["step"] for r in metrics["history"]] == [20, 40]
+    assert metrics["history"][-1]["train_loss"] < 0.8 * before["loss"]
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["final"]["test"]["token_accuracy"] == after["token_accuracy"]
+    assert set(saved["final"]) == {"test", "interpolation", "extrapolation"}
+    assert (tmp_path / "run" / "train.toml").read_text() == TINY.read_text()
+    assert not (tmp_path / "run" / training.CHECKPOINT_FILE).exists()
+
+
+class Killed(Exception):
+    """Stands in for the process being killed right after a checkpoint."""
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_exactly(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "c.toml", train__steps=12, train__checkpoint_every=5,
+                          train__eval_every=6)
+    training.train(config, tmp_path / "whole", progress=False)
+
+    save = training._save_checkpoint
+
+    def save_then_die(*args):
+        save(*args)
+        raise Killed
+
+    monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        training.train(config, tmp_path / "killed", progress=False)
+    assert (tmp_path / "killed" / training.CHECKPOINT_FILE).is_file()
+    assert not (tmp_path / "killed" / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match="holds a checkpoint of this config; resume it"):
+        training.train(config, tmp_path / "killed", progress=False)
+
+    monkeypatch.setattr(training, "_save_checkpoint", save)
+    steps_run = []
+    make_batch = training._batch
+    monkeypatch.setattr(training, "_batch", lambda c, step, d: steps_run.append(step) or make_batch(c, step, d))
+    resumed = training.train(config, tmp_path / "killed", resume=True, progress=False)
+    assert steps_run == list(range(5, 12))  # continued from step 5, not from the start
+
+    whole, killed = load_model(tmp_path / "whole"), load_model(tmp_path / "killed")
+    for (name, a), (_, b) in zip(whole.state_dict().items(), killed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    expected = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert resumed["history"] == expected["history"]
+    assert resumed["final"] == expected["final"]
+    # resuming a finished run changes nothing
+    assert training.train(config, tmp_path / "killed", resume=True, progress=False)["final"] == expected["final"]
+
+
+def test_learning_rate_warms_up_then_decays():
+    settings = training.TrainConfig(steps=100, batch_size=1, learning_rate=1.0,
+                                    warmup_steps=10, min_lr_ratio=0.1)
+    assert settings.learning_rate_at(0) == pytest.approx(0.1)
+    assert settings.learning_rate_at(9) == pytest.approx(1.0)
+    assert settings.learning_rate_at(55) == pytest.approx(0.55)
+    assert settings.learning_rate_at(100) == pytest.approx(0.1)
+
+
+def test_shipped_configs_are_valid_and_differ_only_in_placement():
+    family = {name: training.load_config(CONFIGS / f"{name}.toml") for name in ("pre", "qkv", "none", "post")}
+    for name, config in family.items():
+        assert config.model.norm_placement == name
+        reference = family["pre"].to_dict()
+        reference["model"]["norm_placement"] = name
+        assert config.to_dict() == reference
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model__norm_placement": '"sandwich"'}, "unknown norm_placement 'sandwich'"),
+    ({"model__norm_type": '"batch"'}, "unknown norm_type 'batch'"),
+    ({"model__d_model": "33"}, "d_model = 33 is not divisible by n_heads = 2"),
+    ({"model__dropout": "0.1"}, "unknown model keys \\['dropout'\\]"),
+    ({"train__optimiser": '"sgd"'}, "unknown train keys \\['optimiser'\\]"),
+    ({"task__max_digits": "3"}, "unknown task keys \\['max_digits'\\]"),
+    ({"model__vocab_size": "20"}, "vocab_size = 20"),
+    ({"train__warmup_steps": "100"}, "warmup_steps = 100"),
+    ({"model__positions": '"learned"', "model__max_position_offset": "0", "model__max_len": "20"},
+     "max_len = 20 is shorter than the task's longest sequence"),
+])
+def test_bad_configs_are_config_errors(tmp_path, changes, message):
+    config = write_config(tmp_path / "bad.toml", **changes)
+    with pytest.raises(ConfigError, match=message):
+        training.train(config, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_top_level_keys_and_missing_files_are_config_errors(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("epochs = 3\n" + TINY.read_text())
+    with pytest.raises(ConfigError, match="unknown top-level keys \\['epochs'\\]"):
+        training.load_config(config)
+    with pytest.raises(ConfigError, match="not found"):
+        training.load_config(tmp_path / "missing.toml")
+    config.write_text("seed = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        training.load_config(config)
+    config.write_text("seed = 0\n[task]\n[model]\n")
+    with pytest.raises(ConfigError, match="no \\[train\\] table"):
+        training.load_config(config)
+
+
+def test_an_output_directory_holding_something_else_is_refused(tmp_path):
+    config = write_config(tmp_path / "c.toml", train__steps=2, train__warmup_steps=1)
+    training.train(config, tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="already holds the finished model of this config"):
+        training.train(config, tmp_path / "run", progress=False)
+    other = write_config(tmp_path / "other.toml", train__steps=2, train__warmup_steps=1,
+                         model__norm_placement='"qkv"')
+    with pytest.raises(ConfigError, match="already holds a different model .*model.norm_placement"):
+        training.train(other, tmp_path / "run", resume=True, progress=False)
+    (tmp_path / "stranger").mkdir()
+    (tmp_path / "stranger" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no train.toml"):
+        training.train(config, tmp_path / "stranger", progress=False)
+    with pytest.raises(ConfigError, match="unknown device 'tpu'"):
+        training.train(config, tmp_path / "new", device="tpu", progress=False)
+
+
+def test_the_tiny_config_parses_to_the_documented_task():
+    values = tomllib.loads(TINY.read_text())
+    assert training.parse_config(values).task == tasks.DEFAULT_SPEC
