@@ -213,38 +213,60 @@ def recompute_attention(q, k, valid, attn_scale: float, causal: bool) -> np.ndar
     return masked_softmax(attn_scale * head_scores(np.asarray(q), np.asarray(k)), allowed_keys(valid, causal))
 
 
-def _per_head(kappa: np.ndarray, n_heads: int) -> np.ndarray:
-    """(sample, pos, kv_head) -> (sample, head, pos) with heads sharing their group's value."""
-    group = n_heads // kappa.shape[2]
-    return np.repeat(kappa, group, axis=2).transpose(0, 2, 1) if group > 1 else kappa.transpose(0, 2, 1)
-
-
 class HeadBlock:
-    """Clean attention of one layer for a block of samples, ready to be perturbed."""
+    """Clean attention of one layer for a block of samples, ready to be perturbed.
+
+    The perturbation kernel works in float32, in place where it can, on arrays laid out
+    (kpos, qpos, sample, head): every reduction over keys is then an element-wise pass over
+    contiguous memory. Scores are bilinear, so noisy logits are the clean ones times
+    (1 + kq_i)(1 + kk_j); the new arg-max and its attention come from the row maximum and the
+    softmax denominator. Rows with no allowed key (never an instance) are left unmasked so
+    that no NaN arises. Per-instance results are (sample, head, qpos).
+    """
 
     def __init__(self, q, k, valid, attn_scale: float, causal: bool, sparse_threshold: float,
                  v=None, w_o_gram=None):
         valid = np.asarray(valid, bool)
-        self.scale = attn_scale
         self.threshold = sparse_threshold
         self.n_heads, self.n_kv_heads = q.shape[2], k.shape[2]
-        self.scores = head_scores(q, k)
-        self.allowed = allowed_keys(valid, causal)
-        self.attention = masked_softmax(attn_scale * self.scores, self.allowed)
-        n_allowed = self.allowed.sum(axis=-1)  # (sample, 1, qpos)
-        self.instance = np.broadcast_to(valid[:, None, :] & (n_allowed >= 2), self.attention.shape[:3])
-        self.max_attention = self.attention.max(axis=-1)
-        self.winner = self.attention.argmax(axis=-1)
-        self.sparse = self.instance & (self.max_attention >= sparse_threshold)
-        self.winner_score = np.take_along_axis(self.scores, self.winner[..., None], axis=-1)[..., 0]
+        allowed = allowed_keys(valid, causal)[:, 0]  # (sample, qpos, kpos)
+        n_allowed = allowed.sum(axis=-1)
+        allowed = (allowed | (n_allowed == 0)[..., None]).transpose(2, 1, 0)[..., None]  # (kpos, qpos, sample, 1)
+        shape = (allowed.shape[0], allowed.shape[1], allowed.shape[2], self.n_heads)
+        self.mask = np.ascontiguousarray(np.broadcast_to(np.where(allowed, np.float32(0), np.float32(-np.inf)), shape))
+        scores = head_scores(q, k).transpose(3, 2, 0, 1)  # (kpos, qpos, sample, head)
+        self.base = np.ascontiguousarray(np.where(allowed, attn_scale * scores, 0.0), dtype=np.float32)
+        self.attention, _, total = self._attend(self.base + self.mask)
+        instance = (valid & (n_allowed >= 2)).T[:, :, None]  # (qpos, sample, 1)
+        self._sparse = instance & (1.0 / total >= sparse_threshold)
+        self._winner = self.attention.argmax(axis=0)[None]
+        self.instance = _by_head(np.broadcast_to(instance, total.shape))
+        self.max_attention = _by_head(1.0 / total)
+        self.sparse = _by_head(self._sparse)
+        self.winner = _by_head(self._winner[0])
         self.gram = None
         if v is not None and w_o_gram is not None:
             self.gram = _message_gram(np.asarray(v), w_o_gram)
-            self.output_sq = _quadratic(self.attention, self.gram)
+            self.output_sq = _by_head(_quadratic(self.attention, self.gram))
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """The clean attention as (sample, head, qpos, kpos)."""
+        return self.attention.transpose(2, 3, 1, 0)
+
+    @staticmethod
+    def _attend(logits: np.ndarray):
+        """Softmax over keys (axis 0), in place; also the maxima and denominators (qpos, sample, head)."""
+        peak = logits.max(axis=0)
+        logits -= peak
+        np.exp(logits, out=logits)
+        total = logits.sum(axis=0)
+        logits /= total
+        return logits, peak, total
 
     def entropy(self) -> np.ndarray:
-        a = self.attention
-        return -np.sum(np.where(a > 0, a * np.log(np.where(a > 0, a, 1.0)), 0.0), axis=-1)
+        a = self.attention.astype(np.float64)
+        return _by_head(-np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0))
 
     def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
@@ -252,27 +274,42 @@ class HeadBlock:
         Returns collapse, strict, predicted (Theorem 7) as bools, and tv, output change
         squared as floats, all (sample, head, qpos).
         """
-        fq = kq.transpose(0, 2, 1)[..., None]  # (sample, head, qpos, 1)
-        fk = _per_head(kk, self.n_heads)[:, :, None, :]  # (sample, head, 1, kpos)
-        noisy_scores = self.scores * (1.0 + fq) * (1.0 + fk)
-        logits = np.where(self.allowed, self.scale * noisy_scores, -np.inf)
-        new_winner = logits.argmax(axis=-1)
-        attention = masked_softmax(logits, self.allowed)
-        collapse = self.sparse & (new_winner != self.winner)
-        new_max = np.take_along_axis(attention, new_winner[..., None], axis=-1)[..., 0]
-        first_order = self.scores * (1.0 + fq + fk)
-        winner_first_order = np.take_along_axis(first_order, self.winner[..., None], axis=-1)
-        beats = self.allowed & (first_order > winner_first_order)
+        fq = np.ascontiguousarray((1.0 + kq).transpose(1, 0, 2), dtype=np.float32)[None]  # (1, qpos, sample, head)
+        fk = _key_major(1.0 + kk, self.n_heads)  # (kpos, 1, sample, head)
+        first_order = (fq - 1) + fk  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is zero
+        first_order *= self.base
+        first_order += self.mask
+        beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, self._winner, axis=0)[0]
+        logits = fq * fk
+        logits *= self.base
+        logits += self.mask
+        at_winner = np.take_along_axis(logits, self._winner, axis=0)[0]
+        attention, peak, total = self._attend(logits)
+        collapse = self._sparse & (peak > at_winner)
+        change = np.subtract(attention, self.attention, out=first_order)
         effects = {
             "collapse": collapse,
-            "strict": collapse & (new_max >= self.threshold),
-            "predicted": self.sparse & beats.any(axis=-1),
-            "tv": 0.5 * np.abs(attention - self.attention).sum(axis=-1),
+            "strict": collapse & (1.0 / total >= self.threshold),
+            "predicted": self._sparse & beats_first_order,
+            "tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64),
         }
         if self.gram is not None:
-            weighted = attention * (1.0 + _per_head(km, self.n_heads)[:, :, None, :])
-            effects["output_change_sq"] = _quadratic(weighted - self.attention, self.gram)
-        return effects
+            attention *= _key_major(km, self.n_heads)
+            change += attention  # a'_j (1 + km_j) - a_j
+            effects["output_change_sq"] = _quadratic(change, self.gram)
+        return {name: _by_head(value) for name, value in effects.items()}
+
+
+def _by_head(values: np.ndarray) -> np.ndarray:
+    """(qpos, sample, head) -> (sample, head, qpos), a view."""
+    return values.transpose(1, 2, 0)
+
+
+def _key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
+    """(sample, kpos, kv_head) -> float32 (kpos, 1, sample, head), heads sharing their group's value."""
+    group = n_heads // kappa.shape[2]
+    kappa = np.repeat(kappa, group, axis=2) if group > 1 else kappa
+    return np.ascontiguousarray(kappa.transpose(1, 0, 2), dtype=np.float32)[:, None]
 
 
 def _message_gram(v: np.ndarray, w_o_gram: np.ndarray) -> np.ndarray:
@@ -280,12 +317,13 @@ def _message_gram(v: np.ndarray, w_o_gram: np.ndarray) -> np.ndarray:
     group = w_o_gram.shape[0] // v.shape[2]
     v = np.repeat(v, group, axis=2) if group > 1 else v
     v = v.astype(np.float64).transpose(0, 2, 1, 3)  # (sample, head, pos, d_head)
-    return (v @ w_o_gram[None]) @ v.transpose(0, 1, 3, 2)
+    return ((v @ w_o_gram[None]) @ v.transpose(0, 1, 3, 2)).astype(np.float32)
 
 
 def _quadratic(weights: np.ndarray, gram: np.ndarray) -> np.ndarray:
-    """|sum_j weights_ij m_j|^2 for every (sample, head, i)."""
-    return np.sum((weights @ gram) * weights, axis=-1)
+    """|sum_j weights_j m_j|^2 for weights (kpos, qpos, sample, head) -> (qpos, sample, head)."""
+    by_head = np.ascontiguousarray(weights.transpose(2, 3, 0, 1))  # (sample, head, kpos, qpos)
+    return np.sum((gram @ by_head) * by_head, axis=2, dtype=np.float64).transpose(2, 0, 1)
 
 
 def w_o_gram(w_o: np.ndarray) -> np.ndarray:
@@ -302,11 +340,11 @@ def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: f
     what the online check compares with the model's own attention under the same draw.
     """
     block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal, settings.sparse_threshold)
-    n_pos = block.scores.shape[-1]
+    n_pos = block.base.shape[0]
     kq, kk = (level * settings.kappa(t, layer, samples, draw, n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
     effects = block.perturb(kq, kk, np.zeros_like(kk))
-    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
+    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner[0],
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 

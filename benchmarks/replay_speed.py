@@ -1,0 +1,87 @@
+"""The perturbation study offline (from the store) beside online (through the model).
+
+For one arithmetic checkpoint: extract q, k, v of the test split into a store, then run the
+same study -- every stored layer perturbed one at a time, the same noise levels and draws --
+with ``orthosphere.analyze.replay.replay`` (offline, from the stored tensors) and with
+``orthosphere.workflows.online_check.online_check`` (online, forward passes of the model with
+the draws injected). Prints both times, the ratio online / offline (target: at least 10x),
+and checks that the two give the same sparse instances and the same collapse rates.
+
+Usage: python benchmarks/replay_speed.py [--model DIR] [--samples N] [--draws N] [--dir DIR]
+Without --model it uses the first shipped checkpoint under workflows/models/, or else trains
+the tiny config for a few seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from orthosphere.analyze.replay import DEFAULT_LEVELS, ReplaySettings, replay
+from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.store import open_store
+from orthosphere.workflows import train as training
+from orthosphere.workflows.online_check import online_check
+
+WORKFLOWS = Path(training.__file__).parent
+
+
+def checkpoint(directory: Path) -> Path:
+    """A shipped checkpoint, or the tiny config trained into `directory`."""
+    shipped = sorted(path.parent for path in (WORKFLOWS / "models").glob("*/model.safetensors"))
+    if shipped:
+        return shipped[0]
+    training.train(WORKFLOWS / "configs" / "tiny.toml", directory / "tiny", device="cpu", threads=1, progress=False)
+    return directory / "tiny"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    arguments = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=arguments.dir) as scratch:
+        scratch = Path(scratch)
+        model = arguments.model or checkpoint(scratch)
+        store = str(scratch / "store.zarr")
+        extract(ExtractJob(model=str(model), task="arithmetic:split=test,seed=0", out=store, n_samples=arguments.samples,
+                           sites=("q", "k", "v"), device="cpu"), progress=False)
+        ds = open_store(store)
+        settings = ReplaySettings(levels=DEFAULT_LEVELS, n_draws=arguments.draws, seed=0)
+
+        began = time.perf_counter()
+        offline = replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=200)
+        offline_seconds = time.perf_counter() - began
+        began = time.perf_counter()
+        online = online_check(ds, model, settings=settings, compare_offline=False, batch_size=64)
+        online_seconds = time.perf_counter() - began
+
+        same_sparse = np.array_equal(online.n_sparse.values, offline.n_sparse.values)
+        difference = float(np.nanmax(np.abs(online.collapse_rate.values - offline.collapse_rate.values), initial=0.0))
+        described = ds.attrs["model"]
+        print(f"machine   {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} (1 thread)")
+        print(f"model     {model.name}: {described['n_layers']} layers, d_model {described['d_model']}, "
+              f"{described['n_heads']} heads, {described['norm_placement']}-norm")
+        print(f"study     {arguments.samples} samples x {ds.sizes['pos']} positions, {len(settings.levels)} levels "
+              f"x {settings.n_draws} draws, layers {list(offline.layer.values)} one at a time")
+        print(f"sparse    {int(offline.n_sparse.sum())} instances; pooled collapse rate at 30 % noise "
+              f"{float(offline.collapse_rate_pooled.sel(definition='collapse').values[-1]):.4f}")
+        print(f"offline   {offline_seconds:8.2f} s  (replay from the store, incl. theory, TV, output change, bootstrap)")
+        print(f"online    {online_seconds:8.2f} s  (forward passes with the draws injected, incl. accuracy)")
+        print(f"ratio     {online_seconds / offline_seconds:8.1f} x  online / offline (target >= 10)")
+        print(f"agree     sparse instances identical: {same_sparse}; max |collapse rate online - offline| = {difference:.2e}")
+        if not same_sparse or difference > 0:
+            raise SystemExit("online and offline disagree")
+
+
+if __name__ == "__main__":
+    main()
