@@ -1,0 +1,57 @@
+"""Streaming reductions over sample chunks: one small float64 vector per chunk, summed as a tree."""
+from __future__ import annotations
+
+import dask.array as da
+import numpy as np
+
+from .inputs import align
+
+
+def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
+    """Lazy (size,) float64 sum over sample chunks of kernel(*blocks).
+
+    Every input has the sample axis first; they are aligned to the first input's sample chunks
+    and taken whole along every other axis, so the kernel sees matching blocks of samples.
+    """
+    first = inputs[0]
+    pattern = []
+    for number, array in enumerate(inputs):
+        array = align(array, first)
+        pattern += [array, ("sample",) + tuple(f"{number}.{axis}" for axis in range(1, array.ndim))]
+
+    def block_vector(*blocks):
+        return np.asarray(kernel(*blocks), dtype="float64").reshape(1, size)
+
+    partials = da.blockwise(
+        block_vector,
+        ("sample", "value"),
+        *pattern,
+        new_axes={"value": size},
+        adjust_chunks={"sample": 1},
+        concatenate=True,
+        dtype="float64",
+        meta=np.empty((0, 0), dtype="float64"),
+    )
+    return partials.sum(axis=0, split_every=8)
+
+
+class Packer:
+    """Names and shapes of the arrays a kernel packs into one flat vector, and their unpacking."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = dict(shapes)
+        self.offsets = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += int(np.prod(shape, dtype=int))
+        self.size = offset
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([np.asarray(arrays[name], dtype="float64").ravel() for name in self.shapes])
+
+    def unpack(self, vector: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            name: vector[self.offsets[name] : self.offsets[name] + int(np.prod(shape, dtype=int))].reshape(shape)
+            for name, shape in self.shapes.items()
+        }

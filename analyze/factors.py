@@ -1,0 +1,181 @@
+"""Factors: label coordinates (or the position) whose classes define subspaces of the stream.
+
+A factor is written ``LABEL`` or ``LABEL[KEY=V1|V2,KEY2=V]``: the classes are the values of
+LABEL over the analysed tokens where LABEL applies (not "" for string labels, not -1 or the
+type's minimum for integer ones), restricted to the tokens whose label KEY is V1 or V2 (and so
+on). ``pos`` is the position, always available. Examples: ``digit_value[role=digit]``,
+``operand[role=digit|sign]``, ``pos``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import dask
+import dask.array as da
+import numpy as np
+import xarray as xr
+
+from .errors import AnalysisError
+from .inputs import align, store_url
+
+POSITION = "pos"
+_SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*$")
+
+
+@dataclass(frozen=True)
+class Factor:
+    """A label and the restriction of the tokens it is read on."""
+
+    label: str
+    where: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def name(self) -> str:
+        if not self.where:
+            return self.label
+        conditions = ",".join(f"{key}={'|'.join(values)}" for key, values in self.where)
+        return f"{self.label}[{conditions}]"
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Every label the factor reads."""
+        return (self.label,) + tuple(key for key, _ in self.where)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Factor":
+        match = _SPEC.match(spec)
+        if match is None:
+            raise AnalysisError(
+                f"factor {spec!r} is not understood: expected LABEL or LABEL[KEY=V1|V2,...], "
+                "e.g. digit_value[role=digit]"
+            )
+        label, conditions = match.groups()
+        where = []
+        for condition in filter(None, (c.strip() for c in (conditions or "").split(","))):
+            key, _, values = condition.partition("=")
+            values = tuple(v.strip() for v in values.split("|") if v.strip())
+            if not key.strip() or not values:
+                raise AnalysisError(
+                    f"factor {spec!r}: condition {condition!r} is not KEY=V1|V2 (e.g. role=digit)"
+                )
+            where.append((key.strip(), values))
+        return cls(label, tuple(where))
+
+
+def store_labels(dataset: xr.Dataset) -> list[str]:
+    """The label coordinates of a store: non-index coords on (sample, pos)."""
+    return [name for name, coord in dataset.coords.items() if coord.dims == ("sample", "pos") and name not in dataset.dims]
+
+
+def parse_factors(dataset: xr.Dataset, specs) -> list[Factor]:
+    """The factors named by `specs` (default: every label of the store, and the position)."""
+    if specs is None:
+        specs = store_labels(dataset) + [POSITION]
+    factors = [Factor.parse(spec) for spec in specs]
+    names = [factor.name for factor in factors]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise AnalysisError(f"factor(s) {repeated} given more than once: name each factor once")
+    available = store_labels(dataset)
+    for factor in factors:
+        for label in factor.labels:
+            if label != POSITION and label not in available:
+                task = dataset.attrs.get("task", {})
+                task_name = ", ".join(f"{k}={task[k]}" for k in ("name", "split") if k in task) or "no task description"
+                raise AnalysisError(
+                    f"factor {factor.name!r} needs label {label!r}, which store {store_url(dataset)} does not "
+                    f"hold: its labels are {available} (and {POSITION!r}, always there). Labels are written at "
+                    f"extraction by the task ({task_name}); extract with a task that labels {label!r}, "
+                    "or choose factors from the labels present"
+                )
+    return factors
+
+
+def label_data(dataset: xr.Dataset, label: str, like: da.Array) -> da.Array:
+    """A label (or the position) as a (sample, pos) Dask array chunked like `like` along sample."""
+    if label == POSITION:
+        positions = np.asarray(dataset[POSITION].values)
+        return da.broadcast_to(da.from_array(positions, chunks=-1), (like.shape[0], positions.size), chunks=(like.chunks[0], -1))
+    return align(dataset[label].data, like)
+
+
+def applies(values: np.ndarray) -> np.ndarray:
+    """Where a label has a value (not its not-applicable code)."""
+    if values.dtype.kind in "iu":
+        return (values != -1) & (values != np.iinfo(values.dtype).min)
+    return values != ""
+
+
+def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray]) -> np.ndarray:
+    selected = mask & applies(blocks[factor.label])
+    for key, values in factor.where:
+        selected &= np.isin(blocks[key].astype(str), np.asarray(values, dtype=str))
+    return selected
+
+
+def _block_classes(factors, mask, names, *label_blocks):
+    blocks = dict(zip(names, label_blocks))
+    found = []
+    for factor in factors:
+        values = blocks[factor.label][_selected(factor, mask, blocks)]
+        found.append(np.unique(values, return_counts=True))
+    return found
+
+
+def _merge_classes(per_block):
+    merged = []
+    for per_factor in zip(*per_block):
+        values = np.concatenate([values for values, _ in per_factor])
+        counts = np.concatenate([counts for _, counts in per_factor])
+        classes, inverse = np.unique(values, return_inverse=True)
+        merged.append((classes, np.bincount(inverse.ravel(), weights=counts, minlength=len(classes)).astype("int64")))
+    return merged
+
+
+def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array) -> dict[str, np.ndarray]:
+    """Each factor's classes (sorted values) over the analysed tokens: a cheap pass over the labels only.
+    A factor with no tokens or a single class is an error."""
+    names = sorted({label for factor in factors for label in factor.labels})
+    arrays = [label_data(dataset, name, mask) for name in names]
+    per_block = [
+        dask.delayed(_block_classes)(factors, mask_block, names, *blocks)
+        for mask_block, *blocks in zip(*(array.to_delayed().ravel() for array in [mask, *arrays]))
+    ]
+    (merged,) = dask.compute(dask.delayed(_merge_classes)(per_block))
+    classes = {}
+    for factor, (values, counts) in zip(factors, merged):
+        if len(values) < 2:
+            found = f"a single class ({values[0]!r}, {counts[0]} tokens)" if len(values) else "no tokens"
+            raise AnalysisError(
+                f"factor {factor.name!r} has {found} among the analysed tokens of store {store_url(dataset)}: "
+                "a factor subspace needs at least two classes; choose another factor or widen its restriction"
+            )
+        classes[factor.name] = values
+    return classes
+
+
+def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Array:
+    """Lazy (sample, pos) mask of the tokens the factor is read on."""
+    names = list(dict.fromkeys(factor.labels))
+    arrays = [label_data(dataset, name, mask) for name in names]
+
+    def block(mask_block, *label_blocks):
+        return _selected(factor, mask_block, dict(zip(names, label_blocks)))
+
+    return da.map_blocks(block, mask, *arrays, dtype=bool, meta=np.empty((0, 0), dtype=bool))
+
+
+def factor_codes(dataset: xr.Dataset, factor: Factor, classes: np.ndarray, mask: da.Array) -> da.Array:
+    """Lazy (sample, pos) int32 class index of each token, -1 where the factor does not count it."""
+    names = list(dict.fromkeys(factor.labels))
+    arrays = [label_data(dataset, name, mask) for name in names]
+
+    def block(mask_block, *label_blocks):
+        blocks = dict(zip(names, label_blocks))
+        selected = _selected(factor, mask_block, blocks)
+        codes = np.full(mask_block.shape, -1, dtype="int32")
+        codes[selected] = np.searchsorted(classes, blocks[factor.label][selected])
+        return codes
+
+    return da.map_blocks(block, mask, *arrays, dtype="int32", meta=np.empty((0, 0), dtype="int32"))

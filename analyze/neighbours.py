@@ -1,0 +1,86 @@
+"""Neighbouring quantities from the same tensors, per layer (cheap streaming passes).
+
+- Rank collapse (Dong et al. 2021): per sequence, ||X - 1 xbar^T|| / ||X|| (Frobenius) over its
+  analysed tokens at `site`; 0 when every token is the same vector. Mean and spread over sequences.
+- Angular step (Karagodin et al. 2025): per token, the angle between its direction at `site`
+  (the stream a block reads) and at `step_site` (the stream it writes), and the log of the ratio of
+  their norms; mean and spread over tokens.
+"""
+from __future__ import annotations
+
+import dask
+import numpy as np
+import xarray as xr
+
+from .blocks import Packer, sample_block_sums
+from .inputs import FiniteCheck, check_layers, layer_data, token_mask
+from .options import check_options
+from .subspaces import d_model_site
+
+PACKER = Packer({
+    "sequences": (), "collapse_sum": (), "collapse_square_sum": (),
+    "tokens": (), "angle_sum": (), "angle_square_sum": (), "log_ratio_sum": (), "log_ratio_square_sum": (),
+})
+
+
+def _neighbour_sums(x, y, mask):
+    x = x.astype("float64")
+    y = y.astype("float64")
+    weights = mask.astype("float64")
+    count = weights.sum(axis=1)
+    square_norms = np.einsum("spd,spd->sp", x, x)
+    total = (square_norms * weights).sum(axis=1)
+    mean = np.einsum("spd,sp->sd", x, weights) / np.maximum(count, 1)[:, None]
+    spread = total - count * np.einsum("sd,sd->s", mean, mean)
+    sequences = (count > 0) & (total > 0)
+    collapse = np.sqrt(np.maximum(spread[sequences], 0.0) / total[sequences])
+    x_norm, y_norm = np.sqrt(square_norms), np.linalg.norm(y, axis=-1)
+    counted = mask & (x_norm > 0) & (y_norm > 0)
+    cosine = np.einsum("spd,spd->sp", x, y)[counted] / (x_norm[counted] * y_norm[counted])
+    angle = np.degrees(np.arccos(np.clip(cosine, -1.0, 1.0)))
+    log_ratio = np.log(y_norm[counted] / x_norm[counted])
+    return PACKER.pack({
+        "sequences": sequences.sum(), "collapse_sum": collapse.sum(), "collapse_square_sum": (collapse**2).sum(),
+        "tokens": counted.sum(), "angle_sum": angle.sum(), "angle_square_sum": (angle**2).sum(),
+        "log_ratio_sum": log_ratio.sum(), "log_ratio_square_sum": (log_ratio**2).sum(),
+    })
+
+
+def _mean_and_spread(total, square_total, count):
+    mean = total / count if count else np.nan
+    return mean, np.sqrt(max(square_total / count - mean**2, 0.0)) if count else np.nan
+
+
+def neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str = "resid_post", layers=None,
+               exclude_start: bool = True) -> xr.Dataset:
+    """Rank collapse at `site` (the stream a block reads) and the angular step from `site` to
+    `step_site` (the stream it writes), per layer."""
+    check_options(site=site, step_site=step_site, layers=layers, exclude_start=exclude_start)
+    start = d_model_site(dataset, site, "rank collapse and the angular step")
+    end = d_model_site(dataset, step_site, "the angular step")
+    layers = check_layers(dataset, layers)
+    mask = token_mask(dataset, exclude_start)
+    finite = FiniteCheck(dataset)
+    lazy = {}
+    for layer in layers:
+        x, y = layer_data(start, layer), layer_data(end, layer)
+        finite.watch(site, layer, x)
+        finite.watch(step_site, layer, y)
+        lazy[layer] = sample_block_sums(_neighbour_sums, PACKER.size, x, y, mask)
+    sums, flags = dask.compute(lazy, finite.flags)
+    finite.raise_if_any(flags)
+    names = ("rank_collapse", "rank_collapse_std", "angular_step", "angular_step_std", "log_norm_ratio",
+             "log_norm_ratio_std", "n_sequences", "n_tokens")
+    values = {name: [] for name in names}
+    for layer in layers:
+        s = PACKER.unpack(sums[layer])
+        collapse = _mean_and_spread(s["collapse_sum"], s["collapse_square_sum"], s["sequences"])
+        angle = _mean_and_spread(s["angle_sum"], s["angle_square_sum"], s["tokens"])
+        log_ratio = _mean_and_spread(s["log_ratio_sum"], s["log_ratio_square_sum"], s["tokens"])
+        for name, value in zip(names, (*collapse, *angle, *log_ratio, int(s["sequences"]), int(s["tokens"]))):
+            values[name].append(value)
+    return xr.Dataset(
+        {name: (("layer",), np.asarray(value)) for name, value in values.items()},
+        coords={"layer": layers},
+        attrs={"site": site, "step_site": step_site, "angle_unit": "degrees", "exclude_start": exclude_start},
+    )

@@ -1,0 +1,148 @@
+"""Norm spread: how tightly the norms of a vector site are spread around their median.
+
+For each site, layer and group (the layer; each head for q, k, v or when weighted by attention)
+the distribution of |x| / median(|x|): quantiles, a histogram, and the half-width p of the band
+[1 - p, 1 + p] that holds `mass` of it (the paper's "90 % within +-20 %"). Weighted by attention
+(the paper's choice), a key token counts with the attention it receives from the analysed
+queries of the head (head h reads kv_head h // (n_heads // n_kv_heads)); a query (site q) counts
+once, as it hands out one unit of attention. One streaming pass: per block of samples, fine
+log-spaced histograms (see histogram.py), summed.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import dask
+import dask.array as da
+import numpy as np
+import xarray as xr
+
+from .attention import attention_source, layer_attention
+from .blocks import sample_block_sums
+from .errors import AnalysisError
+from .histogram import N_SLOTS, log_histogram, spread_variables
+from .inputs import (HEAD_SITES, VECTOR_SITES, FiniteCheck, align, check_layers, layer_data, require_site,
+                     store_url, token_mask)
+from .options import check_options
+
+QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
+
+
+def received_attention(pattern: da.Array, mask: da.Array) -> da.Array:
+    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries."""
+    mask = align(mask, pattern)
+
+    def block(pattern_block, mask_block):
+        weights = mask_block.astype("float64")
+        return np.einsum("shqk,sq->shk", pattern_block, weights) * weights[:, None, :]
+
+    return da.blockwise(block, "shk", pattern, "shqk", mask, "sq", concatenate=True, dtype="float64",
+                        meta=np.empty((0, 0, 0), dtype="float64"))
+
+
+def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
+    """Histograms (group, slot) of one block's norms: group = head when weighted, else layer or head."""
+    norms = np.sqrt(np.einsum("...d,...d->...", x.astype("float64"), x.astype("float64")))
+    weights = mask.astype("float64")
+    if site_kind == "d_model" and not attention:
+        return log_histogram(norms, weights, np.zeros(norms.shape, dtype="int64"), 1)
+    if site_kind == "d_model":
+        values = np.broadcast_to(norms[:, None, :], attention[0].shape)
+        return log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
+    values = np.moveaxis(norms, -1, 1)  # (sample, head or kv_head, pos)
+    if site_kind == "q" or not attention:
+        weights = np.broadcast_to(weights[:, None, :], values.shape)
+        return log_histogram(values, weights, _head_index(values.shape, 1), n_groups)
+    values = np.repeat(values, n_heads // values.shape[1], axis=1)
+    return log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
+
+
+def _head_index(shape, axis):
+    index = np.arange(shape[axis]).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    return np.broadcast_to(index, shape)
+
+
+def _group_dim(site: str, weighted: bool) -> str | None:
+    if weighted:
+        return "head"
+    return HEAD_SITES.get(site)
+
+
+def _site_summary(dataset, site, layers, counts, group_dim, spread) -> xr.Dataset:
+    stacked = np.stack([counts[layer] for layer in layers])
+    group_dims = ("layer",) + ((group_dim,) if group_dim else ())
+    coords = {"layer": layers}
+    if group_dim:
+        coords[group_dim] = dataset[group_dim].values
+    data = spread_variables(stacked if group_dim else stacked[:, 0], group_dims=group_dims, coords=coords,
+                            median_name="median_norm", **spread)
+    return xr.Dataset(data, coords=coords,
+                      attrs={"site": site, "group": group_dim or "layer", "ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
+
+
+def _sites(dataset: xr.Dataset, sites) -> list[str]:
+    if sites is not None:
+        for site in sites:
+            require_site(dataset, site, "norm spread")
+            if site not in VECTOR_SITES:
+                raise AnalysisError(f"norm spread reads vector sites, one of {list(VECTOR_SITES)}; got {site!r}")
+        return list(sites)
+    sites = [site for site in VECTOR_SITES if site in dataset.data_vars]
+    if not sites:
+        raise AnalysisError(f"store {store_url(dataset)} holds no vector site ({list(VECTOR_SITES)}) for norm spread")
+    return sites
+
+
+def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
+                exclude_start: bool = True, mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0,
+                ratio_bins: int = 100) -> xr.DataTree:
+    """Norm spread of every chosen site (default: every vector site stored): one child group per site.
+
+    weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
+    per layer, or per head for q, k, v); exclude_start: leave out each sequence's start token;
+    mass: the share of the mass the band holds; quantiles of |x| / median; a histogram of
+    |x| / median with ratio_bins bins on [0, ratio_max].
+    """
+    spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
+    check_options(sites=sites, layers=layers, weight_by_attention=weight_by_attention, exclude_start=exclude_start)
+    sites = _sites(dataset, sites)
+    layers = check_layers(dataset, layers)
+    weighted = weight_by_attention
+    source = attention_source(dataset) if weighted and any(site != "q" for site in sites) else None
+    mask = token_mask(dataset, exclude_start)
+    n_heads = dataset.sizes["head"]
+    finite = FiniteCheck(dataset)
+    lazy = {site: {} for site in sites}
+    for layer in layers:
+        attention = ()
+        if source is not None:
+            pattern = layer_attention(dataset, layer)
+            for name in ("pattern",) if source == "pattern" else ("q", "k"):
+                finite.watch(name, layer, layer_data(dataset[name], layer))
+            attention = (received_attention(pattern, mask),)
+        for site in sites:
+            x = layer_data(dataset[site], layer)
+            finite.watch(site, layer, x)
+            kind = site if site in HEAD_SITES else "d_model"
+            group_dim = _group_dim(site, weighted)
+            n_groups = dataset.sizes[group_dim] if group_dim else 1
+            kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
+            inputs = (x, mask) + (attention if weighted and site != "q" else ())
+            lazy[site][layer] = sample_block_sums(kernel, n_groups * N_SLOTS, *inputs)
+    counts, flags = dask.compute(lazy, finite.flags)
+    finite.raise_if_any(flags)
+    children = {}
+    for site in sites:
+        group_dim = _group_dim(site, weighted)
+        n_groups = dataset.sizes[group_dim] if group_dim else 1
+        per_layer = {layer: counts[site][layer].reshape(n_groups, N_SLOTS) for layer in layers}
+        summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
+        summary.attrs.update({
+            "weighting": "attention" if weighted else "uniform",
+            "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
+            if weighted and site != "q" else "none",
+            "mass": mass,
+            "exclude_start": exclude_start,
+        })
+        children[site] = xr.DataTree(dataset=summary)
+    return xr.DataTree(children=children)

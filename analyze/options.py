@@ -1,0 +1,97 @@
+"""Options of the analyses (keyword arguments), checked by name: one rule per option name."""
+from __future__ import annotations
+
+import json
+
+from .errors import AnalysisError
+
+
+def _ints(name, value):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise AnalysisError(f"option {name}={list(value)!r}: expected a list of integers")
+
+
+def _strings(name, value):
+    if not all(isinstance(v, str) and v for v in value):
+        raise AnalysisError(f"option {name}={list(value)!r}: expected a list of names")
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise AnalysisError(f"option {name}={value!r}: expected true or false")
+
+
+def _fraction(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise AnalysisError(f"option {name}={value!r}: expected a number in (0, 1]")
+
+
+def _fractions(name, value):
+    if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in value):
+        raise AnalysisError(f"option {name}={list(value)!r}: expected a list of numbers in [0, 1]")
+
+
+def _count(minimum):
+    def check(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise AnalysisError(f"option {name}={value!r}: expected an integer >= {minimum}")
+
+    return check
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise AnalysisError(f"option {name}={value!r}: expected a positive number")
+
+
+def _degrees(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 90:
+        raise AnalysisError(f"option {name}={value!r}: expected an angle in degrees from 0 to 90")
+
+
+def _name(name, value):
+    if not isinstance(value, str) or not value:
+        raise AnalysisError(f"option {name}={value!r}: expected a name")
+
+
+RULES = {
+    "layers": _ints,
+    "sites": _strings,
+    "factors": _strings,
+    "site": _name,
+    "step_site": _name,
+    "exclude_start": _flag,
+    "weight_by_attention": _flag,
+    "mass": _fraction,
+    "rank_threshold": _fraction,
+    "confidence": _fraction,
+    "quantiles": _fractions,
+    "ratio_max": _positive,
+    "ratio_bins": _count(1),
+    "rank": _count(1),
+    "n_bootstrap": _count(0),
+    "bootstrap_groups": _count(2),
+    "seed": _count(0),
+    "independence_deg": _degrees,
+    "orthogonality_deg": _degrees,
+}
+
+
+def check_options(**values) -> dict:
+    """Check each option by the rule of its name (None means the default); lists become tuples."""
+    checked = {}
+    for name, value in values.items():
+        if isinstance(value, list):
+            value = tuple(value)
+        rule = RULES.get(name)
+        if isinstance(value, str) and rule in (_ints, _strings, _fractions):
+            raise AnalysisError(f"option {name}={value!r}: expected a list, not a single string")
+        if rule is not None and value is not None:
+            rule(name, value)
+        checked[name] = value
+    return checked
+
+
+def as_attrs(values: dict) -> dict:
+    """Option values as plain JSON values, for the attrs of a results group."""
+    return json.loads(json.dumps(values, default=lambda value: value.tolist() if hasattr(value, "tolist") else str(value)))

@@ -1,0 +1,175 @@
+"""The registry of analyses, the run of several over one store, and the results DataTree on disk."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import xarray as xr
+
+from orthosphere.store.location import as_location
+from orthosphere.store.provenance import provenance
+
+from .errors import AnalysisError
+from .inputs import open_for_analysis
+from .options import as_attrs
+
+RESULTS_FORMAT = 1
+ANALYSES = {
+    "norms": "orthosphere.analyze.norms:norm_spread",
+    "subspaces": "orthosphere.analyze.subspaces:factor_subspaces",
+    "spheres": "orthosphere.analyze.spheres:sphere_structure",
+    "neighbours": "orthosphere.analyze.neighbours:neighbours",
+    "replay": "orthosphere.analyze.replay:replay",
+}
+"""The registry, in the order the analyses run: name -> "module:function". An analysis is a function
+f(dataset, *, option=default, ...) -> xr.Dataset or xr.DataTree; its keyword parameters are its
+options, except one named after an analysis that runs before it, which receives that result."""
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """A registered analysis: its name, function, options (name -> default) and the earlier results it takes."""
+
+    name: str
+    function: Callable
+    defaults: dict
+    takes: tuple[str, ...]
+
+
+def get_analysis(name: str) -> Analysis:
+    """The analysis registered as `name`."""
+    if name not in ANALYSES:
+        raise AnalysisError(f"unknown analysis {name!r}: expected any of {list(ANALYSES)}")
+    module_name, function_name = ANALYSES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        raise AnalysisError(f"analysis {name!r} is not part of this installation of orthosphere") from error
+    function = getattr(module, function_name)
+    parameters = [p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    earlier = tuple(p.name for p in parameters if p.name in ANALYSES)
+    defaults = {p.name: p.default for p in parameters if p.name not in earlier}
+    return Analysis(name, function, defaults, earlier)
+
+
+def split_options(analyses: list[Analysis], values: dict | None) -> dict[str, dict]:
+    """Each analysis's options from one dict: a plain key goes to every chosen analysis that has the
+    option, a key "analysis.option" to that analysis only; a key no chosen analysis takes is an error."""
+    given = {analysis.name: {} for analysis in analyses}
+    unknown = []
+    for key, value in (values or {}).items():
+        target, _, option = key.rpartition(".")
+        takers = [a for a in analyses if option in a.defaults and (not target or a.name == target)]
+        if not takers:
+            unknown.append(key)
+        for analysis in takers:
+            given[analysis.name][option] = value
+    if unknown:
+        known = "; ".join(f"{a.name}: {', '.join(a.defaults)}" for a in analyses)
+        raise AnalysisError(f"option(s) {unknown} are not options of the chosen analyses ({known})")
+    return given
+
+
+def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) -> dict[str, xr.DataTree]:
+    """Run the chosen analyses (all by default, in registry order) on an opened store."""
+    names = list(ANALYSES) if only is None else list(only)
+    if not names:
+        raise AnalysisError(f"no analysis chosen: expected any of {list(ANALYSES)}")
+    chosen = {name: get_analysis(name) for name in names}
+    analyses = [chosen[name] for name in ANALYSES if name in chosen]
+    given = split_options(analyses, options)
+    results: dict[str, xr.DataTree] = {}
+    for analysis in analyses:
+        log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
+        inputs = {name: results[name].to_dataset() for name in analysis.takes if name in results}
+        result = analysis.function(dataset, **given[analysis.name], **inputs)
+        tree = result if isinstance(result, xr.DataTree) else xr.DataTree(dataset=result)
+        tree.attrs.update({
+            "analysis": analysis.name,
+            "options": as_attrs(analysis.defaults | given[analysis.name]),
+            "store": dataset.attrs.get("url"),
+            "provenance": provenance(),
+        })
+        results[analysis.name] = tree
+    return results
+
+
+def results_tree(dataset: xr.Dataset, results: dict[str, xr.DataTree], command: str | None = None) -> xr.DataTree:
+    """One DataTree: root attrs describe the store and this run; one child group per analysis."""
+    model, task = dataset.attrs.get("model", {}), dataset.attrs.get("task", {})
+    root = xr.DataTree(
+        dataset=xr.Dataset(
+            attrs={
+                "orthosphere_results": RESULTS_FORMAT,
+                "store": dataset.attrs.get("url"),
+                "model": model,
+                "task": task,
+                "store_provenance": dataset.attrs.get("provenance", {}),
+                "provenance": provenance(command),
+            }
+        )
+    )
+    for name, tree in results.items():
+        root[name] = tree
+    root.attrs["analyses"] = [name for name in ANALYSES if name in root.children]
+    return root
+
+
+def analyze(store, out=None, *, only=None, options: dict | None = None, storage_options: dict | None = None,
+            out_storage_options: dict | None = None, overwrite: bool = False, command: str | None = None) -> xr.DataTree:
+    """Run analyses on the complete store at `store` and return their results as one DataTree;
+    with `out`, also write it there (a path or fsspec URL), replacing the groups of these analyses
+    in results already there for the same store."""
+    dataset = open_for_analysis(store, storage_options)
+    tree = results_tree(dataset, run_analyses(dataset, only, options), command)
+    if out is not None:
+        tree = write_results(tree, out, storage_options=out_storage_options, overwrite=overwrite)
+    return tree
+
+
+def _is_results(location) -> bool:
+    try:
+        return location.is_zarr() and "orthosphere_results" in open_results(location.url, location.storage_options).attrs
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None, overwrite: bool = False) -> xr.DataTree:
+    """Write results to `out`; groups already there from other analyses of the same store are kept.
+    Refuses to write over anything that is not orthosphere results, or results of another store
+    unless `overwrite`. Returns the tree as written."""
+    location = as_location(out, storage_options)
+    if location.exists() and not location.is_empty_dir():
+        if not _is_results(location):
+            raise AnalysisError(
+                f"{location.url} exists and is not an orthosphere results tree: refusing to write over it; "
+                "choose a new path for the results"
+            )
+        existing = open_results(location.url, storage_options).load()
+        if existing.attrs.get("store") != tree.attrs.get("store") and not overwrite:
+            raise AnalysisError(
+                f"{location.url} holds results of store {existing.attrs.get('store')!r}, not of "
+                f"{tree.attrs.get('store')!r}: choose another path, or overwrite them (CLI: --overwrite)"
+            )
+        if not overwrite:
+            for name, child in existing.children.items():
+                if name not in tree.children:
+                    tree[name] = child.copy()
+            tree.attrs["analyses"] = [name for name in ANALYSES if name in tree.children]
+    tree.to_zarr(location.zarr_store(read_only=False), mode="w", consolidated=True)
+    return tree
+
+
+def open_results(url, storage_options: dict | None = None) -> xr.DataTree:
+    """The results tree at `url` (lazy), as written by `analyze`."""
+    location = as_location(url, storage_options)
+    if not location.is_zarr():
+        raise AnalysisError(f"no results at {location.url}: run `orthosphere analyze STORE --out {location.url}` first")
+    return xr.open_datatree(location.zarr_store(read_only=True), engine="zarr")

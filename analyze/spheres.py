@@ -1,0 +1,242 @@
+"""Sphere structure: how far the representation is from orthogonal spheres (the paper's Theorem 2).
+
+With the factor subspaces of a layer (bases U_a, from /subspaces of the same run or fitted here),
+every analysed token x splits uniquely into components x_a = U_a c_a in the factor subspaces and
+a rest x_r orthogonal to all of them (c = pinv([U_1 ... U_k]) x; x_a is the orthogonal projection
+P_a x when the subspaces are orthogonal). Then |x|^2 = sum_a |x_a|^2 + |x_r|^2 + c, with cross
+terms c = 2 sum_{a<b} x_a . x_b. Orthogonal spheres mean every |x_a| (and |x_r|) is constant and
+c = 0, so the deviation
+
+    D = sqrt(sum_parts Var(|x_part|^2) + E[c^2]) / E[|x|^2]
+
+is 0 for a perfect orthogonal-spheres representation; radius_share and cross_term_share split its
+square into the parts' radius variation and the cross terms. Per factor also: the radius |x_a|
+(mean, coefficient of variation, band holding `mass` around the median, quantiles, histogram) and
+an algebraic sphere fit of the points c_a (centre, radius, residual, centre offset from the origin).
+The analysed tokens are those on which every factor is read (their restrictions intersected).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import dask
+import numpy as np
+import xarray as xr
+
+from .blocks import Packer, sample_block_sums
+from .errors import AnalysisError
+from .factors import factor_tokens, parse_factors
+from .histogram import N_SLOTS, log_histogram, spread_variables
+from .inputs import FiniteCheck, check_layers, layer_data, store_url, token_mask
+from .norms import QUANTILES
+from .options import as_attrs, check_options
+from .subspaces import d_model_site, fit_subspaces
+
+def _bases(dataset, fit: dict, subspaces: xr.Dataset | None) -> tuple[dict, str]:
+    """Per layer, each factor's orthonormal basis (d, rank): from `subspaces` when it was fitted the same way."""
+    if subspaces is not None and subspaces.attrs.get("fit") == as_attrs(fit):
+        bases = {
+            layer: {
+                name: subspaces["basis"].sel(layer=layer, factor=name).values[
+                    :, : int(subspaces["subspace_rank"].sel(layer=layer, factor=name))]
+                for name in fit["factors"]
+            }
+            for layer in fit["layers"]
+        }
+        return bases, "from the subspaces results"
+    fitted = fit_subspaces(dataset, **fit)
+    return {layer: {name: f.basis for name, f in fitted.fits[layer].items()} for layer in fitted.layers}, "fitted here"
+
+
+class LayerGeometry:
+    """One layer's stacked bases: coordinates of a token in them, and the Gram blocks between factors."""
+
+    def __init__(self, bases: list[np.ndarray]):
+        self.ranks = [basis.shape[1] for basis in bases]
+        self.stops = np.cumsum(self.ranks)
+        self.starts = self.stops - self.ranks
+        self.stacked = np.concatenate(bases, axis=1)
+        self.coordinates = np.linalg.pinv(self.stacked)
+        self.gram = self.stacked.T @ self.stacked
+
+    def part(self, coordinates, a):
+        return coordinates[:, self.starts[a]: self.stops[a]]
+
+    def block(self, a, b):
+        return self.gram[self.starts[a]: self.stops[a], self.starts[b]: self.stops[b]]
+
+
+def _packer(ranks: list[int]) -> Packer:
+    n = len(ranks)
+    shapes = {
+        "count": (), "part_sum": (n + 1,), "part_square_sum": (n + 1,), "radius_sum": (n,),
+        "cross_sum": (n, n), "cross_square_sum": (n, n), "total_cross_square_sum": (),
+        "norm_sq_sum": (), "norm_sq_square_sum": (), "histogram": (n, N_SLOTS),
+    }
+    for a, rank in enumerate(ranks):
+        shapes[f"fit_zz{a}"] = (rank + 1, rank + 1)
+        shapes[f"fit_za{a}"] = (rank + 1,)
+    return Packer(shapes)
+
+
+def _sphere_moments(x, tokens, *, geometry: LayerGeometry, packer: Packer):
+    vectors = x.reshape(-1, x.shape[-1])[tokens.ravel()].astype("float64")
+    n_factors = len(geometry.ranks)
+    coordinates = vectors @ geometry.coordinates.T
+    rest = vectors - coordinates @ geometry.stacked.T
+    parts = [geometry.part(coordinates, a) for a in range(n_factors)]
+    squares = np.stack([np.einsum("nr,nr->n", p, p) for p in parts] + [np.einsum("nd,nd->n", rest, rest)], axis=1)
+    radii = np.sqrt(squares[:, :n_factors])
+    cross = np.zeros((len(vectors), n_factors, n_factors))
+    for a in range(n_factors):
+        for b in range(a + 1, n_factors):
+            cross[:, a, b] = np.einsum("nr,nr->n", parts[a] @ geometry.block(a, b), parts[b])
+    total_cross = 2 * cross.sum(axis=(1, 2))
+    norm_sq = np.einsum("nd,nd->n", vectors, vectors)
+    out = {
+        "count": len(vectors), "part_sum": squares.sum(0), "part_square_sum": (squares**2).sum(0),
+        "radius_sum": radii.sum(0), "cross_sum": cross.sum(0), "cross_square_sum": (cross**2).sum(0),
+        "total_cross_square_sum": (total_cross**2).sum(), "norm_sq_sum": norm_sq.sum(),
+        "norm_sq_square_sum": (norm_sq**2).sum(),
+        "histogram": log_histogram(radii, np.ones(radii.shape), np.broadcast_to(np.arange(n_factors), radii.shape), n_factors),
+    }
+    for a, part in enumerate(parts):
+        z = np.concatenate([2 * part, np.ones((len(part), 1))], axis=1)
+        out[f"fit_zz{a}"] = z.T @ z
+        out[f"fit_za{a}"] = z.T @ squares[:, a]
+    return packer.pack(out)
+
+
+def _sphere_fit(zz, za, square_sum, count, basis):
+    """Algebraic fit |y - centre|^2 = radius^2 to a factor's coordinates y: centre (in d_model), radius,
+    relative residual sqrt(mean (|y|^2 - 2 centre . y - k)^2) / radius^2, centre offset |centre| / radius."""
+    theta = np.linalg.lstsq(zz, za, rcond=None)[0]
+    centre, k = theta[:-1], theta[-1]
+    radius = np.sqrt(max(k + centre @ centre, 0.0))
+    mean_square = (square_sum - 2 * theta @ za + theta @ zz @ theta) / count
+    residual = np.sqrt(max(mean_square, 0.0)) / radius**2 if radius > 0 else np.nan
+    offset = np.linalg.norm(centre) / radius if radius > 0 else np.nan
+    return basis @ centre, radius, residual, offset
+
+
+def sphere_structure(dataset: xr.Dataset, *, site: str = "resid_pre", factors=None, layers=None,
+                     exclude_start: bool = True, rank_threshold: float = 0.95, rank: int | None = None,
+                     mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0, ratio_bins: int = 100,
+                     subspaces: xr.Dataset | None = None) -> xr.Dataset:
+    """Radii, sphere fits, cross terms and the deviation from orthogonal spheres, per layer.
+
+    site, factors, layers, exclude_start, rank_threshold, rank: as for factor_subspaces, whose
+    results (`subspaces`) provide the bases when fitted the same way (else they are fitted here);
+    mass, quantiles, ratio_max, ratio_bins: as for norm_spread, applied to each radius |x_a|.
+    """
+    spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
+    fit = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,
+                        rank_threshold=rank_threshold, rank=rank)
+    array = d_model_site(dataset, site, "sphere structure")
+    layers = check_layers(dataset, layers)
+    factors = parse_factors(dataset, factors)
+    names = [factor.name for factor in factors]
+    bases, source = _bases(dataset, fit | {"layers": layers, "factors": names}, subspaces)
+    mask = token_mask(dataset, exclude_start)
+    tokens = mask
+    for factor in factors:
+        tokens = tokens & factor_tokens(dataset, factor, mask)
+    finite = FiniteCheck(dataset)
+    lazy, packers, geometries = {}, {}, {}
+    for layer in layers:
+        geometries[layer] = LayerGeometry([bases[layer][name] for name in names])
+        packers[layer] = _packer(geometries[layer].ranks)
+        x = layer_data(array, layer)
+        finite.watch(site, layer, x)
+        kernel = partial(_sphere_moments, geometry=geometries[layer], packer=packers[layer])
+        lazy[layer] = sample_block_sums(kernel, packers[layer].size, x, tokens)
+    sums, flags = dask.compute(lazy, finite.flags)
+    finite.raise_if_any(flags)
+    count = packers[layers[0]].unpack(sums[layers[0]])["count"]
+    if count == 0:
+        raise AnalysisError(
+            f"no token of store {store_url(dataset)} is read by every factor {names}: their restrictions do not "
+            "intersect; choose factors that apply to common tokens"
+        )
+    result = _sphere_dataset(layers, names, bases, {layer: packers[layer].unpack(sums[layer]) for layer in layers},
+                             spread)
+    result.attrs.update({"site": site, "factors": names, "bases": source, "mass": mass,
+                         "exclude_start": exclude_start})
+    return result
+
+
+def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:
+    n_factors = len(names)
+    per_layer = {name: [] for name in (
+        "radius_mean", "radius_cv", "sphere_radius", "fit_residual", "centre_offset", "sphere_centre", "rank",
+        "cross_term_mean", "cross_term_rms", "part_norm_sq_mean", "part_norm_sq_variance", "cross_term_second_moment",
+        "norm_sq_mean", "norm_sq_variance", "deviation", "cross_term_share", "radius_share")}
+    for layer in layers:
+        m = moments[layer]
+        n = m["count"]
+        part_mean = m["part_sum"] / n
+        part_variance = np.maximum(m["part_square_sum"] / n - part_mean**2, 0.0)
+        radius_mean = m["radius_sum"] / n
+        radius_variance = np.maximum(part_mean[:n_factors] - radius_mean**2, 0.0)
+        cross_mean = m["cross_sum"] / n
+        cross_rms = np.sqrt(m["cross_square_sum"] / n)
+        cross_second = m["total_cross_square_sum"] / n
+        norm_sq_mean = m["norm_sq_sum"] / n
+        budget = part_variance.sum() + cross_second
+        fits = [_sphere_fit(m[f"fit_zz{a}"], m[f"fit_za{a}"], m["part_square_sum"][a], n, bases[layer][name])
+                for a, name in enumerate(names)]
+        values = {
+            "radius_mean": radius_mean,
+            "radius_cv": np.divide(np.sqrt(radius_variance), radius_mean, out=np.full(n_factors, np.nan), where=radius_mean > 0),
+            "sphere_centre": np.stack([fit[0] for fit in fits]),
+            "sphere_radius": np.array([fit[1] for fit in fits]),
+            "fit_residual": np.array([fit[2] for fit in fits]),
+            "centre_offset": np.array([fit[3] for fit in fits]),
+            "rank": np.array([bases[layer][name].shape[1] for name in names]),
+            "cross_term_mean": cross_mean + cross_mean.T,
+            "cross_term_rms": np.sqrt(cross_rms**2 + cross_rms.T**2),
+            "part_norm_sq_mean": part_mean,
+            "part_norm_sq_variance": part_variance,
+            "cross_term_second_moment": cross_second,
+            "norm_sq_mean": norm_sq_mean,
+            "norm_sq_variance": max(m["norm_sq_square_sum"] / n - norm_sq_mean**2, 0.0),
+            "deviation": np.sqrt(budget) / norm_sq_mean,
+            "cross_term_share": cross_second / budget if budget > 0 else np.nan,
+            "radius_share": part_variance / budget if budget > 0 else np.full(n_factors + 1, np.nan),
+        }
+        for name, value in values.items():
+            per_layer[name].append(value)
+    stacked = {name: np.stack(value) for name, value in per_layer.items()}
+    for a in range(n_factors):
+        stacked["cross_term_mean"][:, a, a] = np.nan
+        stacked["cross_term_rms"][:, a, a] = np.nan
+    lf = ("layer", "factor")
+    coords = {
+        "layer": layers,
+        "factor": np.array(names, dtype=object),
+        "other": np.array(names, dtype=object),
+        "part": np.array(names + ["rest"], dtype=object),
+    }
+    data = spread_variables(np.stack([moments[layer]["histogram"] for layer in layers]), group_dims=lf,
+                            coords=coords, median_name="radius_median", **spread)
+    data.update({
+        "n_tokens": ((), int(moments[layers[0]]["count"])),
+        "subspace_rank": (lf, stacked["rank"]),
+        "radius_mean": (lf, stacked["radius_mean"]),
+        "radius_cv": (lf, stacked["radius_cv"]),
+        "sphere_radius": (lf, stacked["sphere_radius"]),
+        "sphere_centre": (lf + ("d_model",), stacked["sphere_centre"]),
+        "centre_offset": (lf, stacked["centre_offset"]),
+        "fit_residual": (lf, stacked["fit_residual"]),
+        "cross_term_mean": (lf + ("other",), stacked["cross_term_mean"]),
+        "cross_term_rms": (lf + ("other",), stacked["cross_term_rms"]),
+        "part_norm_sq_mean": (("layer", "part"), stacked["part_norm_sq_mean"]),
+        "part_norm_sq_variance": (("layer", "part"), stacked["part_norm_sq_variance"]),
+        "cross_term_second_moment": (("layer",), stacked["cross_term_second_moment"]),
+        "norm_sq_mean": (("layer",), stacked["norm_sq_mean"]),
+        "norm_sq_variance": (("layer",), stacked["norm_sq_variance"]),
+        "deviation": (("layer",), stacked["deviation"]),
+        "cross_term_share": (("layer",), stacked["cross_term_share"]),
+        "radius_share": (("layer", "part"), stacked["radius_share"]),
+    })
+    return xr.Dataset(data, coords=coords, attrs={"ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
