@@ -1,0 +1,276 @@
+"""The extraction job: task specs, text data, shards on Dask, resuming, the write queue, bad input."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from orthosphere.extract import tasks
+from orthosphere.extract.data import ArithmeticData, TextData, parse_task
+from orthosphere.extract.job import ChunkAligner, ExtractJob, JobMismatchError, WriteBehind, extract, parse_layers
+from orthosphere.extract.model import ConfigError
+from orthosphere.store import StoreExistsError, open_store, read_attrs
+from orthosphere.workflows.cli import main
+from tests.test_extract_models import write_arithmetic_model, write_hf_model, write_text
+
+
+@pytest.fixture(scope="module")
+def arithmetic_dir(tmp_path_factory):
+    return write_arithmetic_model(tmp_path_factory.mktemp("models") / "arithmetic")
+
+
+def job(model, out, **options) -> ExtractJob:
+    options = {"task": "arithmetic:split=test,seed=1", "n_samples": 10, "batch_size": 3, "device": "cpu", **options}
+    return ExtractJob(model=str(model), out=str(out), **options)
+
+
+def arrays_of(url) -> dict[str, np.ndarray]:
+    store = open_store(str(url)).load()
+    return {name: store[name].values for name in store.variables}
+
+
+def assert_same_arrays(left: dict, right: dict):
+    assert left.keys() == right.keys()
+    for name in left:
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+
+
+# --- task specs ----------------------------------------------------------------------------------
+
+
+def test_task_specs_parse():
+    assert parse_task("arithmetic") == ArithmeticData("test", 0, tasks.DEFAULT_SPEC)
+    parsed = parse_task("arithmetic:split=extrapolation,seed=7,digit_lengths=1/2/3,extrapolation_counts=8/9")
+    assert (parsed.split, parsed.seed) == ("extrapolation", 7)
+    assert parsed.spec.digit_lengths == (1, 2, 3) and parsed.spec.extrapolation_counts == (8, 9)
+    assert parse_task("text:path=lines.txt,max_length=16") == TextData("lines.txt", 16)
+    assert parse_layers("0,2,5-7") == (0, 2, 5, 6, 7)
+
+
+@pytest.mark.parametrize("spec,detail", [
+    ("images:path=x", "unknown task 'images'"),
+    ("arithmetic:split=holdout", "unknown split 'holdout'"),
+    ("arithmetic:seed=one", "seed='one' is not an integer"),
+    ("arithmetic:split", "at 'split': expected key=value pairs"),
+    ("arithmetic:seed=1,seed=2", "each key once"),
+    ("arithmetic:colour=red", r"unknown arithmetic option\(s\) \['colour'\]"),
+    ("arithmetic:interpolation_counts=3", "interpolation_counts"),
+    ("text:max_length=9", "text needs path=FILE"),
+    ("text:path=a.txt,max_length=0", "must be positive"),
+])
+def test_task_spec_that_does_not_parse(spec, detail):
+    with pytest.raises(ConfigError, match=rf"task spec .* does not parse.*{detail}"):
+        parse_task(spec)
+
+
+def test_layers_that_do_not_parse():
+    with pytest.raises(ConfigError, match="'x' is not a layer index or range"):
+        parse_layers("0,x")
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+def test_arithmetic_samples_and_labels_are_the_tasks(tmp_path, arithmetic_dir):
+    extract(job(arithmetic_dir, tmp_path / "s.zarr", task="arithmetic:split=interpolation,seed=5", n_samples=7),
+            progress=False)
+    store = open_store(str(tmp_path / "s.zarr"))
+    generated = tasks.generate("interpolation", 7, 5)
+    np.testing.assert_array_equal(store["tokens"].values, generated.tokens)
+    np.testing.assert_array_equal(store["scored"].values, generated.scored)
+    np.testing.assert_array_equal(store["target"].values, generated.target)
+    for name in ("role", "token_str", "digit_value", "carry"):
+        np.testing.assert_array_equal(store[name].values.astype(generated.labels[name].dtype), generated.labels[name])
+    assert store.attrs["task"]["split"] == "interpolation" and store.attrs["task"]["seed"] == 5
+
+
+def test_text_lines_are_tokenised_padded_and_labelled(tmp_path):
+    model_dir = write_hf_model(tmp_path / "gpt2", "gpt2")
+    text = write_text(tmp_path / "lines.txt", ["the cat sat", "", "a dog ran on the mat", "cat"])
+    extract(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text},max_length=4", n_samples=None), progress=False)
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert store.sizes["sample"] == 3 and store.sizes["pos"] == 4
+    np.testing.assert_array_equal(store["valid"].values, [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    assert list(store["token_str"].values[1]) == ["a", "dog", "ran", "on"]
+    np.testing.assert_array_equal(store["position"].values[0], [0, 1, 2, -1])
+    np.testing.assert_array_equal(store["target"].values[0, :2], store["tokens"].values[0, 1:3])
+    np.testing.assert_array_equal(store["scored"].values[0], [1, 1, 0, 0])
+    assert store.attrs["task"]["target"] == "next token" and len(store.attrs["task"]["sha256"]) == 64
+
+
+def test_empty_text_file_and_too_few_lines(tmp_path):
+    model_dir = write_hf_model(tmp_path / "gpt2", "gpt2")
+    empty = write_text(tmp_path / "empty.txt", ["", "   "])
+    with pytest.raises(ConfigError, match="is empty"):
+        extract(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
+    short = write_text(tmp_path / "short.txt", ["the cat", "a dog"])
+    with pytest.raises(ConfigError, match="has 2 non-blank lines, fewer than --samples 5"):
+        extract(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
+    with pytest.raises(ConfigError, match="not found"):
+        extract(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
+    assert not any(tmp_path.glob("*.zarr"))
+
+
+def test_text_needs_a_tokenizer(tmp_path):
+    model_dir = write_hf_model(tmp_path / "bare", "llama", with_tokenizer=False)
+    text = write_text(tmp_path / "lines.txt")
+    with pytest.raises(ConfigError, match="text data needs the model's tokenizer"):
+        extract(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text}"), progress=False)
+
+
+# --- bad input to the job ---------------------------------------------------------------------------
+
+
+def test_layer_out_of_range_and_missing_site_leave_no_store(tmp_path, arithmetic_dir):
+    with pytest.raises(ConfigError, match=r"layer\(s\) \[5\] out of range: the model has 2 layers"):
+        extract(job(arithmetic_dir, tmp_path / "a.zarr", layers=(0, 5)), progress=False)
+    with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_out'\] cannot be provided"):
+        extract(job(arithmetic_dir, tmp_path / "b.zarr", sites=("q", "mlp_out")), progress=False)
+    with pytest.raises(ConfigError, match="needs a sample count"):
+        extract(job(arithmetic_dir, tmp_path / "c.zarr", n_samples=None), progress=False)
+    with pytest.raises(ConfigError, match="contradict"):
+        extract(job(arithmetic_dir, tmp_path / "d.zarr", resume=True, overwrite=True), progress=False)
+    assert not any(tmp_path.glob("*.zarr"))
+
+
+def test_existing_store_needs_resume_or_overwrite(tmp_path, arithmetic_dir):
+    out = tmp_path / "s.zarr"
+    extract(job(arithmetic_dir, out), progress=False)
+    with pytest.raises(StoreExistsError, match="already exists .*complete.*--resume.*--overwrite"):
+        extract(job(arithmetic_dir, out), progress=False)
+    before = read_attrs(str(out))["provenance"]["created"]
+    extract(job(arithmetic_dir, out, overwrite=True, task="arithmetic:seed=9"), progress=False)
+    assert read_attrs(str(out))["task"]["seed"] == 9 and read_attrs(str(out))["complete"]
+    assert read_attrs(str(out))["provenance"]["created"] >= before
+
+
+def test_resume_of_a_complete_store_is_a_no_op(tmp_path, arithmetic_dir, caplog):
+    out = tmp_path / "s.zarr"
+    first = extract(job(arithmetic_dir, out), progress=False)
+    written = arrays_of(out)
+    with caplog.at_level(logging.INFO, logger="orthosphere.extract"):
+        again = extract(job(arithmetic_dir, out, resume=True), progress=False)
+    assert again.already_complete and "already complete" in again.summary() and "nothing to do" in caplog.text
+    assert not first.already_complete and first.shards_run == 1
+    assert_same_arrays(arrays_of(out), written)
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"task": "arithmetic:split=test,seed=2"}, "task.seed"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"sites": ("q", "k")}, "sites"),
+    ({"layers": (1,)}, "layers"),
+    ({"n_samples": 11}, "n_samples"),
+])
+def test_resume_refuses_a_store_made_by_another_job(tmp_path, arithmetic_dir, change, key):
+    out = tmp_path / "s.zarr"
+    extract(job(arithmetic_dir, out), progress=False)
+    with pytest.raises(JobMismatchError, match=rf"made by a different job: its {key} is .*--overwrite"):
+        extract(job(arithmetic_dir, out, resume=True, **change), progress=False)
+
+
+def test_resume_refuses_a_different_model(tmp_path, arithmetic_dir):
+    out = tmp_path / "s.zarr"
+    extract(job(arithmetic_dir, out), progress=False)
+    other = write_arithmetic_model(tmp_path / "other", seed=1)
+    with pytest.raises(JobMismatchError, match="its model.weights_sha256 is"):
+        extract(job(other, out, resume=True), progress=False)
+
+
+# --- shards, Dask, the CLI ------------------------------------------------------------------------
+
+
+def test_shards_on_dask_workers_equal_the_in_process_run(tmp_path, arithmetic_dir, caplog):
+    """The CLI with --workers 2: each shard a Dask task in a worker process; bitwise the same store."""
+    reference = tmp_path / "in-process.zarr"
+    extract(job(arithmetic_dir, reference, n_samples=23, samples_per_chunk=4, n_shards=4, batch_size=3), progress=False)
+    out = tmp_path / "dask.zarr"
+    arguments = ["extract", str(arithmetic_dir), "--task", "arithmetic:split=test,seed=1", "--samples", "23",
+                 "--out", str(out), "--samples-per-chunk", "4", "--shards", "4", "--batch-size", "3",
+                 "--device", "cpu", "--workers", "2"]
+    with caplog.at_level(logging.INFO, logger="orthosphere.extract"):
+        result = CliRunner().invoke(main, arguments, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"store {out} complete: 23 samples; ran 4 of 4 shards" in result.output
+    assert f"writing the store at {out}" in caplog.text
+    assert read_attrs(str(out))["shards"] == [[0, 8], [8, 12], [12, 16], [16, 23]]
+    assert_same_arrays(arrays_of(out), arrays_of(reference))
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, arithmetic_dir):
+    result = CliRunner().invoke(main, ["extract", str(arithmetic_dir), "--task", "arithmetic:split=nowhere",
+                                       "--samples", "3", "--out", str(tmp_path / "s.zarr")])
+    assert result.exit_code != 0
+    assert "Error: task spec 'arithmetic:split=nowhere' does not parse" in result.output
+    assert "Traceback" not in result.output
+
+
+# --- writing behind compute -------------------------------------------------------------------------
+
+
+def block(start, stop):
+    return {"x": np.arange(start, stop)}
+
+
+def test_chunk_aligner_writes_whole_chunks_only():
+    aligner = ChunkAligner(samples_per_chunk=4)
+    written = []
+    for start in range(8, 19, 3):  # a shard [8, 19): batches of 3
+        written += aligner.add(start, block(start, min(start + 3, 19)))
+    written += aligner.flush()
+    assert [(first, list(arrays["x"])) for first, arrays in written] == [
+        (8, [8, 9, 10, 11]), (12, [12, 13, 14, 15]), (16, [16, 17, 18])]
+    with pytest.raises(RuntimeError, match="does not follow"):
+        aligner.add(0, block(0, 3))
+        aligner.add(5, block(5, 6))
+
+
+class SlowWriter:
+    """A store writer whose writes wait for a signal, to watch the queue fill."""
+
+    attrs = {"samples_per_chunk": 1}
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.written, self.complete = [], []
+
+    def write(self, first, arrays):
+        self.release.wait()
+        self.written.append(first)
+
+    def mark_shard_complete(self, index):
+        self.complete.append(index)
+
+
+def test_write_queue_is_bounded_and_blocks_the_producer_only_when_full():
+    writer = SlowWriter()
+    sink = WriteBehind(writer, depth=2)
+    sink.put(0, block(0, 1))  # taken by the writer thread, which now waits
+    time.sleep(0.2)
+    sink.put(1, block(1, 2))
+    sink.put(2, block(2, 3))  # the queue holds two batches
+    third = threading.Thread(target=sink.put, args=(3, block(3, 4)))
+    third.start()
+    third.join(timeout=0.5)
+    assert third.is_alive(), "a put into a full queue must wait for the writer"
+    writer.release.set()
+    third.join(timeout=5)
+    sink.end_shard(0)
+    sink.close()
+    assert writer.written == [0, 1, 2, 3] and writer.complete == [0]
+
+
+def test_writer_failure_reaches_the_producer():
+    class FailingWriter(SlowWriter):
+        def write(self, first, arrays):
+            raise OSError("disk full")
+
+    sink = WriteBehind(FailingWriter(), depth=1)
+    with pytest.raises(OSError, match="disk full"):
+        for start in range(100):
+            sink.put(start, block(start, start + 1))
+            time.sleep(0.01)
