@@ -54,6 +54,7 @@ Work is split per (layer, sample chunk) into Dask tasks that return small partia
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import dask
@@ -61,6 +62,8 @@ import numpy as np
 import xarray as xr
 
 from .errors import AnalysisError
+from .inputs import FiniteCheck, check_layers, layer_data
+from .options import check_options
 
 TARGETS = ("q", "k", "m")
 DISTRIBUTIONS = ("uniform", "gaussian")
@@ -191,26 +194,11 @@ def allowed_keys(valid: np.ndarray, causal: bool) -> np.ndarray:
     return allowed
 
 
-def masked_softmax(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis restricted to allowed keys (rows with none give zeros)."""
-    logits = np.where(allowed, logits, -np.inf)
-    peak = logits.max(axis=-1, keepdims=True)
-    weights = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
-    total = weights.sum(axis=-1, keepdims=True)
-    return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
-
-
 def head_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Raw scores q . k (sample, head, qpos, kpos) in float64; heads share kv_heads in groups."""
     group = q.shape[2] // k.shape[2]
     k = np.repeat(k, group, axis=2) if group > 1 else k
     return np.einsum("sihd,sjhd->shij", q.astype(np.float64), k.astype(np.float64))
-
-
-def recompute_attention(q, k, valid, attn_scale: float, causal: bool) -> np.ndarray:
-    """The model's attention (sample, head, qpos, kpos) from stored q, k and valid (numpy)."""
-    valid = np.asarray(valid, bool)
-    return masked_softmax(attn_scale * head_scores(np.asarray(q), np.asarray(k)), allowed_keys(valid, causal))
 
 
 class HeadBlock:
@@ -397,7 +385,7 @@ def replay_block(q, k, v, valid, gram, *, samples, layer: int, settings: ReplayS
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
     """(head, bin) counts of max attention over instances; bins split [0, 1] evenly."""
     n_heads = max_attention.shape[1]
-    bins = np.minimum((max_attention * n_bins).astype(np.int64), n_bins - 1)
+    bins = np.clip(np.nan_to_num(max_attention * n_bins), 0, n_bins - 1).astype(np.int64)  # NaN: refused later
     heads = np.broadcast_to(np.arange(n_heads)[None, :, None], bins.shape)
     flat = (heads * n_bins + bins)[instance]
     return np.bincount(flat, minlength=n_heads * n_bins).reshape(n_heads, n_bins).astype(np.float64)
@@ -418,12 +406,17 @@ def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: in
     """
     settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
                               targets=targets, sparse_threshold=sparse_threshold)
-    _check_study(collapse_target, n_bootstrap, confidence, n_bins)
+    _check_study(collapse_target, n_bootstrap, confidence, n_bins, seed, layers)
     model = store_model(ds)
     with_messages = check_variables(ds, settings)
-    layers = _select_layers(ds, layers)
+    layers = check_layers(ds, layers)
+    finite = FiniteCheck(ds)
+    for layer in layers:
+        for name in ("q", "k", "v") if with_messages else ("q", "k"):
+            finite.watch(name, layer, layer_data(ds[name], layer))
     graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
-    (per_layer,) = dask.compute(graphs)
+    per_layer, flags = dask.compute(graphs, finite.flags)
+    finite.raise_if_any(flags)
     result = _assemble(per_layer, ds, layers, settings, n_bins)
     _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
     result.attrs.update({
@@ -450,13 +443,10 @@ def store_model(ds: xr.Dataset) -> dict:
     return model
 
 
-def _check_study(collapse_target, n_bootstrap, confidence, n_bins) -> None:
-    if not 0 < collapse_target < 1:
+def _check_study(collapse_target, n_bootstrap, confidence, n_bins, seed, layers) -> None:
+    check_options(n_bootstrap=n_bootstrap, confidence=confidence, seed=seed, layers=layers)
+    if isinstance(collapse_target, bool) or not isinstance(collapse_target, (int, float)) or not 0 < collapse_target < 1:
         raise ReplayError(f"collapse target {collapse_target!r}: expected a rate in (0, 1), e.g. 0.01 for 1 %")
-    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, (int, np.integer)) or n_bootstrap < 1:
-        raise ReplayError(f"n_bootstrap = {n_bootstrap!r}: expected a positive number of bootstrap resamples")
-    if not 0 < confidence < 1:
-        raise ReplayError(f"confidence {confidence!r}: expected a level in (0, 1), e.g. 0.95")
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
         raise ReplayError(f"n_bins = {n_bins!r}: expected a positive number of histogram bins")
 
@@ -471,17 +461,6 @@ def check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:
             "extract with the sites q, k and v and with weights (w_o), or drop the target 'm'"
         )
     return "v" in ds.variables and "w_o" in ds.variables
-
-
-def _select_layers(ds: xr.Dataset, layers) -> list[int]:
-    stored = [int(layer) for layer in ds["layer"].values]
-    if layers is None:
-        return stored
-    layers = [int(layer) for layer in np.atleast_1d(layers)]
-    absent = [layer for layer in layers if layer not in stored]
-    if absent or not layers:
-        raise ReplayError(f"layer(s) {absent or 'none'} requested: the store holds layers {stored}; pick from those")
-    return layers
 
 
 def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
@@ -599,16 +578,8 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
         return by_layer, pooled
 
     by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
-    rng = np.random.default_rng(settings.seed)
-    n = sparse.shape[0]
-    replicates = [levels_for(rng.multinomial(n, np.full(n, 1.0 / n), size=size).astype(float))
-                  for size in _batches(n_bootstrap, 100)]
-    boot_layer = np.concatenate([r[0] for r in replicates])
-    boot_pooled = np.concatenate([r[1] for r in replicates])
-    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
-    with np.errstate(invalid="ignore"):
-        ci_layer = np.moveaxis(np.nanquantile(boot_layer, tails, axis=0, method="inverted_cdf"), 0, -1)
-        ci_pooled = np.moveaxis(np.nanquantile(boot_pooled, tails, axis=0, method="inverted_cdf"), 0, -1)
+    ci_layer = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, by_layer[0])
+    ci_pooled = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, pooled[0], 1)
     result.coords["bound"] = ["low", "high"]
     result["collapse_level"] = (("definition", "layer"), by_layer[0])
     result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
@@ -618,5 +589,18 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
                                       _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
 
 
-def _batches(total: int, size: int) -> list[int]:
-    return [min(size, total - start) for start in range(0, total, size)]
+def _bootstrap_interval(levels_for, n_samples, n_bootstrap, confidence, seed, point, which=0) -> np.ndarray:
+    """(..., bound) percentile interval of levels_for(weights)[which] over resampled samples
+    (NaN without resamples); inf bounds mean the resamples' curves stay below the target."""
+    if n_bootstrap == 0:
+        return np.full(point.shape + (2,), np.nan)
+    rng = np.random.default_rng(seed)
+    batches = [min(100, n_bootstrap - start) for start in range(0, n_bootstrap, 100)]
+    replicates = np.concatenate([
+        levels_for(rng.multinomial(n_samples, np.full(n_samples, 1.0 / n_samples), size=size).astype(float))[which]
+        for size in batches
+    ])
+    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN where a layer has no sparse instance
+        return np.moveaxis(np.nanquantile(replicates, tails, axis=0, method="inverted_cdf"), 0, -1)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze.replay import (
-    HeadBlock, ReplayError, ReplaySettings, level_at_rate, noise_draws, recompute_attention, replay,
-    unit_noise, w_o_gram)
+    HeadBlock, ReplayError, ReplaySettings, level_at_rate, noise_draws, replay, unit_noise, w_o_gram)
+from orthosphere.analyze.attention import attention_from_qk
+from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.store import create_store, open_store
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
@@ -107,8 +108,8 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
     ds = write_store(tmp_path / "s", q=stack("q"), k=stack("k"), v=stack("v"), pattern=stack("pattern"),
                      valid=valid, attn_scale=model.config.attn_scale)
     for layer in range(2):
-        recomputed = recompute_attention(ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values,
-                                         ds.valid.values, ds.attrs["model"]["attn_scale"], True)
+        recomputed = HeadBlock(ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values, ds.valid.values,
+                               ds.attrs["model"]["attn_scale"], True, 0.95).pattern
         stored = ds.pattern.sel(layer=layer).values
         query_valid = np.broadcast_to(valid[:, None, :, None], stored.shape)
         np.testing.assert_allclose(recomputed[query_valid], stored[query_valid], atol=2e-6)
@@ -200,7 +201,8 @@ def test_output_change_through_the_gram_matrix_equals_the_direct_messages():
     effects = block.perturb(kq, kk, km)
     heads_kv = np.arange(4) // 2
     messages = np.einsum("sjhd,hdm->shjm", v[:, 0][:, :, heads_kv].astype(np.float64), w_o[0].astype(np.float64))
-    noisy = recompute_attention(q[:, 0] * (1 + kq[..., None]), k[:, 0] * (1 + kk[..., None]), np.ones((3, 8), bool), 0.5, True)
+    noisy = attention_from_qk(q[:, 0] * (1 + kq[..., None]), k[:, 0] * (1 + kk[..., None]), np.ones((3, 8), bool),
+                              attn_scale=0.5, causal=True)
     clean_out = np.einsum("shij,shjm->shim", block.pattern, messages)
     noisy_out = np.einsum("shij,shjm->shim", noisy, messages * (1 + km[:, :, heads_kv].transpose(0, 2, 1))[..., None])
     np.testing.assert_allclose(effects["output_change_sq"], ((noisy_out - clean_out) ** 2).sum(-1), rtol=1e-4, atol=1e-6)
@@ -268,6 +270,15 @@ def test_same_seed_same_results_for_any_chunking(tmp_path):
     assert not np.array_equal(other_seed.tv_distance.values, results[0].tv_distance.values)
 
 
+def test_without_resamples_the_interval_is_unknown_and_nan_activations_are_refused(tmp_path):
+    q, k, v, w_o = random_heads(n_samples=4)
+    result = replay(write_store(tmp_path / "a", q=q, k=k, v=v, w_o=w_o), levels=(0.3,), n_draws=2, n_bootstrap=0)
+    assert np.isnan(result.collapse_level_ci).all() and not np.isnan(result.collapse_level).any()
+    q[2, 1, 3, 0, 0] = np.nan
+    with pytest.raises(NonFiniteError, match="'q' at layer\\(s\\) \\[1\\] in 1 sample\\(s\\) \\[2\\]"):
+        replay(write_store(tmp_path / "b", q=q, k=k, v=v, w_o=w_o), n_draws=1)
+
+
 def test_level_at_rate_interpolates_through_zero_and_flags_what_the_sweep_misses():
     levels = (0.1, 0.2, 0.4)
     rates = np.array([[0.005, 0.02, 0.5], [0.02, 0.5, 0.9], [0.0, 0.001, 0.002], [np.nan] * 3])
@@ -296,11 +307,12 @@ def small_store(tmp_path_factory):
     ({"targets": ("q", "x")}, "non-empty selection"),
     ({"targets": ()}, "non-empty selection"),
     ({"collapse_target": 1.5}, "collapse target"),
-    ({"n_bootstrap": 0}, "bootstrap"),
+    ({"n_bootstrap": -1}, "n_bootstrap=-1: expected an integer >= 0"),
+    ({"confidence": 1.5}, "confidence=1.5"),
     ({"layers": [5]}, "holds layers \\[0, 1\\]"),
 ])
 def test_bad_settings_are_clear_errors(small_store, options, message):
-    with pytest.raises(ReplayError, match=message):
+    with pytest.raises(AnalysisError, match=message):
         replay(small_store, **({"n_draws": 1} | options))
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.replay import ReplayError, ReplaySettings, replay, unit_noise
 from orthosphere.extract import tasks
 from orthosphere.extract.capture import adapter_for
@@ -143,7 +144,7 @@ def test_a_model_that_is_not_the_stores_is_a_clear_error(tmp_path):
 def test_bad_online_options_are_clear_errors(tmp_path):
     model = arithmetic_model()
     ds = extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(4))
-    with pytest.raises(ReplayError, match=r"holds layers \[0, 1\]"):
+    with pytest.raises(AnalysisError, match=r"holds layers \[0, 1\]"):
         online_check(ds, model, settings=SETTINGS, layers=[2])
     with pytest.raises(ReplayError, match="expected positive numbers"):
         online_check(ds, model, settings=SETTINGS, max_samples=0)

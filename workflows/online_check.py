@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
     DEFINITIONS, ReplayError, ReplaySettings, allowed_keys, check_variables, collapse_indicators, store_model)
 from orthosphere.extract.capture import Adapter, adapter_for
@@ -58,7 +59,7 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     missing = [name for name in TOKEN_VARIABLES if name not in ds.variables]
     if missing:
         raise ReplayError(f"the store lacks {missing}: the online check feeds the stored tokens and scores the targets")
-    layers = _layers(ds, layers)
+    layers = check_layers(ds, layers)
     n_samples = ds.sizes["sample"] if max_samples is None else min(int(max_samples), ds.sizes["sample"])
     if n_samples < 1 or batch_size < 1:
         raise ReplayError(f"max_samples = {max_samples!r}, batch_size = {batch_size!r}: expected positive numbers")
@@ -118,18 +119,6 @@ def _adapter(model, device) -> tuple[Adapter, dict]:
         return loaded.adapter, loaded.describe()
     adapter = model if isinstance(model, Adapter) else adapter_for(model)
     return adapter, adapter.describe()
-
-
-def _layers(ds, layers) -> list[int]:
-    stored = [int(layer) for layer in ds["layer"].values]
-    chosen = stored if layers is None else [int(layer) for layer in np.atleast_1d(layers)]
-    absent = [layer for layer in chosen if layer not in stored]
-    if absent or not chosen:
-        raise ReplayError(
-            f"layer(s) {absent or 'none'} requested: the online check compares with the store, which holds "
-            f"layers {stored}; pick from those"
-        )
-    return chosen
 
 
 class _Clean:
