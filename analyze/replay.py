@@ -48,8 +48,8 @@ Definitions (every count below is over these instances and draws):
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
 
-Work is split per (layer, sample chunk) into Dask tasks that return small partial sums
-(float64), reduced and computed once. This module never imports torch or the extraction code.
+Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
+partial sums (float64), reduced and computed once. This module never imports torch or the extraction code.
 """
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ DISTRIBUTIONS = ("uniform", "gaussian")
 DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 DEFINITIONS = ("collapse", "strict")
 INSTANCE_SETS = ("sparse", "all")
+DRAWS_PER_TASK = 8
+"""Draws per Dask task: tasks are (layer, sample chunk, range of draws)."""
 _TARGET_CODE = {"q": 1, "k": 2, "m": 3}
 
 
@@ -336,11 +338,13 @@ def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: f
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(q, k, v, valid, gram, *, samples, layer: int, settings: ReplaySettings,
+def replay_block(q, k, v, valid, gram, *, samples, layer: int, draws: range, settings: ReplaySettings,
                  attn_scale: float, causal: bool, n_bins: int) -> dict[str, np.ndarray]:
-    """Partial sums of the whole study for one layer and one block of samples.
+    """Partial sums of the study for one layer, one block of samples and a range of draws.
 
-    Head-level sums (float64) and per-sample collapse counts for the bootstrap.
+    Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
+    counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
+    so that the partial sums of every range add up.
     """
     block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal,
                       settings.sparse_threshold, None if v is None else np.asarray(v), gram)
@@ -348,23 +352,24 @@ def replay_block(q, k, v, valid, gram, *, samples, layer: int, settings: ReplayS
     n_levels = len(settings.levels)
     instance, sparse = block.instance, block.sparse
     sets = np.stack([sparse, instance])  # INSTANCE_SETS order
+    once = float(draws.start == 0)
     sums = {
-        "n_instances": instance.sum(axis=(0, 2)).astype(np.float64),
-        "n_sparse": sparse.sum(axis=(0, 2)).astype(np.float64),
-        "entropy": np.where(instance, block.entropy(), 0.0).sum(axis=(0, 2)),
-        "max_attention_hist": _histogram(block.max_attention, instance, n_bins),
+        "n_instances": once * instance.sum(axis=(0, 2)),
+        "n_sparse": once * sparse.sum(axis=(0, 2)),
+        "entropy": once * np.where(instance, block.entropy(), 0.0).sum(axis=(0, 2)),
+        "max_attention_hist": once * _histogram(block.max_attention, instance, n_bins),
         "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
         "predicted": np.zeros((n_levels, n_heads)),
         "theory_missed": np.zeros((n_levels, n_heads)),
         "theory_false_alarm": np.zeros((n_levels, n_heads)),
         "tv": np.zeros((len(INSTANCE_SETS), n_levels, n_heads)),
-        "sample_sparse": sparse.sum(axis=(1, 2)).astype(np.float64),
+        "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
     }
     if block.gram is not None:
-        sums["output_sq"] = settings.n_draws * (sets * block.output_sq).sum(axis=(1, 3))
+        sums["output_sq"] = len(draws) * (sets * block.output_sq).sum(axis=(1, 3))
         sums["output_change_sq"] = np.zeros((len(INSTANCE_SETS), n_levels, n_heads))
-    for draw in range(settings.n_draws):
+    for draw in draws:
         unit = {t: settings.kappa(t, layer, samples, draw, n_pos, n)
                 for t, n in (("q", n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
         for index, level in enumerate(settings.levels):
@@ -392,7 +397,7 @@ def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# The study over a store: Dask tasks per (layer, sample chunk), reduced, computed once.
+# The study over a store: Dask tasks per (layer, sample chunk, range of draws), reduced, computed once.
 
 
 def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
@@ -481,22 +486,27 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     gram = dask.delayed(w_o_gram)(ds["w_o"].sel(layer=layer).values) if with_messages else None
     sample_ids = ds["sample"].values
     starts = np.concatenate([[0], np.cumsum(chunks)])
+    draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
+                   for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
     partials = [
-        dask.delayed(replay_block, pure=True)(
+        [dask.delayed(replay_block, pure=True)(
             blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
-            blocks["valid"][i], gram, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer,
+            blocks["valid"][i], gram, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
             settings=settings, attn_scale=float(model["attn_scale"]), causal=bool(model["causal"]),
             n_bins=n_bins)
+         for draws in draw_ranges]
         for i in range(len(chunks))
     ]
     return dask.delayed(_combine)(partials)
 
 
-def _combine(partials: list[dict]) -> dict:
-    """Sum head-level partial sums; concatenate per-sample ones in sample order."""
-    return {name: np.concatenate([p[name] for p in partials]) if name.startswith("sample_")
-            else np.sum([p[name] for p in partials], axis=0)
-            for name in partials[0]}
+def _combine(partials: list[list[dict]]) -> dict:
+    """Partial sums per sample block and draw range -> one layer's: every count summed over draw
+    ranges and sample blocks, per-sample counts concatenated in sample order."""
+    by_block = [{name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]} for ranges in partials]
+    return {name: np.concatenate([p[name] for p in by_block]) if name.startswith("sample_")
+            else np.sum([p[name] for p in by_block], axis=0)
+            for name in by_block[0]}
 
 
 def _rate(count, total):

@@ -8,6 +8,7 @@ import pytest
 
 from orthosphere.analyze.replay import (
     HeadBlock, ReplayError, ReplaySettings, level_at_rate, noise_draws, replay, unit_noise, w_o_gram)
+from orthosphere.analyze import replay as replay_module
 from orthosphere.analyze.attention import attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.store import create_store, open_store
@@ -58,8 +59,11 @@ def random_heads(n_samples=12, n_pos=8, n_heads=4, n_kv_heads=2, d_head=4, d_mod
     return q, k, v, w_o
 
 
-def analytic_two_key_rate(ratio, level):
-    """P((1 + k1) > ratio (1 + k0)) for k0, k1 ~ U(-a, a) iid, a = sqrt(3) level, ratio > 1."""
+def analytic_two_key_rate(ratio, level, distribution="uniform"):
+    """P((1 + k1) > ratio (1 + k0)) for iid k0, k1 of RMS `level`, ratio > 1: uniform on
+    (-a, a) with a = sqrt(3) level, or Gaussian (then k1 - ratio k0 ~ N(0, level^2 (1 + ratio^2)))."""
+    if distribution == "gaussian":
+        return 0.5 * math.erfc((ratio - 1) / (level * math.sqrt(1 + ratio**2)) / math.sqrt(2))
     a = math.sqrt(3) * level
     low, high = 1 - a, (1 + a) / ratio
     if high <= low:
@@ -152,15 +156,16 @@ def _study(block, settings, layer=0):
     return counts
 
 
-def test_measured_collapse_rate_matches_the_analytic_rate_for_a_known_margin_distribution(tmp_path):
+@pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
+def test_measured_collapse_rate_matches_the_analytic_rate_for_a_known_margin_distribution(tmp_path, distribution):
     ratios = np.random.default_rng(1).uniform(1.02, 1.3, size=64)
     q, k = margin_head(ratios)
     ds = write_store(tmp_path / "s", q=q, k=k, causal=False, samples_per_chunk=16)
     levels = (0.03, 0.08, 0.15)
-    result = replay(ds, levels=levels, n_draws=150, targets=("k",), n_bootstrap=50)
+    result = replay(ds, levels=levels, n_draws=150, targets=("k",), n_bootstrap=50, distribution=distribution)
     measured = result.collapse_rate.sel(definition="collapse", layer=0, head=0).values
     for level, rate in zip(levels, measured):
-        expected = np.mean([analytic_two_key_rate(r, level) for r in ratios])
+        expected = np.mean([analytic_two_key_rate(r, level, distribution) for r in ratios])
         error = math.sqrt(max(expected * (1 - expected), 1e-4) / (len(ratios) * 150))
         assert abs(rate - expected) < 4 * error, (level, rate, expected)
     assert measured[0] < measured[1] < measured[2] and measured[2] > 0.2
@@ -258,14 +263,18 @@ def test_theory_agrees_to_first_order_and_collapse_grows_monotonically(tmp_path)
     assert rates[1] < 0.01 <= rates[2]
 
 
-def test_same_seed_same_results_for_any_chunking(tmp_path):
+def test_same_seed_same_results_for_any_chunking_of_samples_and_draws(tmp_path, monkeypatch):
     q, k, v, w_o = random_heads(n_samples=10)
     results = [replay(write_store(tmp_path / f"s{size}", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=size),
                       levels=(0.1, 0.3), n_draws=5, seed=3, n_bootstrap=20)
                for size in (3, 10)]
-    for name in ("collapses", "theory_missed", "collapse_level_ci"):
-        np.testing.assert_array_equal(results[0][name].values, results[1][name].values)
-    np.testing.assert_allclose(results[0].tv_distance, results[1].tv_distance, rtol=1e-12)
+    monkeypatch.setattr(replay_module, "DRAWS_PER_TASK", 2)
+    results.append(replay(open_store(tmp_path / "s3"), levels=(0.1, 0.3), n_draws=5, seed=3, n_bootstrap=20))
+    for other in results[1:]:
+        for name in ("n_sparse", "collapses", "theory_missed", "collapse_level_ci", "max_attention_hist"):
+            np.testing.assert_array_equal(results[0][name].values, other[name].values)
+        for name in ("tv_distance", "output_change", "entropy"):
+            np.testing.assert_allclose(results[0][name], other[name], rtol=1e-12)
     other_seed = replay(open_store(tmp_path / "s3"), levels=(0.1, 0.3), n_draws=5, seed=4, n_bootstrap=20)
     assert not np.array_equal(other_seed.tv_distance.values, results[0].tv_distance.values)
 
