@@ -13,7 +13,7 @@ from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.model import ArithmeticTransformer, ModelConfig, save_model
 from orthosphere.extract.sources import load_source
 from orthosphere.store import create_store, open_store
-from orthosphere.workflows.online_check import ModelMismatchError, noise_edit, online_check
+from orthosphere.workflows.online_check import ModelMismatchError, noise_edit, online_check, online_check_like
 
 SETTINGS = ReplaySettings(levels=(0.1, 0.3), n_draws=3, seed=5)
 
@@ -56,21 +56,26 @@ def arithmetic_tokens(n=16):
     return batch.tokens, batch.valid
 
 
-def assert_agrees_with_offline(ds, online, settings):
+def assert_agrees_with_offline(online, offline):
     """Online collapse indicators equal the offline ones instance by instance, and rates match."""
     assert online.sparse_mismatches.sum() == 0 and online.offline_mismatches.sum() == 0
     assert online.offline_collapses.sum() > 0  # the comparison is not vacuous
-    offline = replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=10)
     np.testing.assert_array_equal(online.n_sparse, offline.n_sparse)
     np.testing.assert_allclose(online.collapse_rate, offline.collapse_rate, rtol=1e-12)
+
+
+def offline_replay(ds, settings):
+    return replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=10)
 
 
 def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     model = arithmetic_model()
     adapter = adapter_for(model)
     ds = extract(tmp_path / "s", adapter, *arithmetic_tokens())
-    online = online_check(ds, model, settings=SETTINGS, all_layers=True, batch_size=10)
-    assert_agrees_with_offline(ds, online, SETTINGS)
+    offline = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=5, distribution="gaussian", targets=("q", "k"), n_bootstrap=10)
+    online = online_check_like(offline, ds, model, all_layers=True, batch_size=10)
+    assert online.attrs["distribution"] == "gaussian" and online.attrs["targets"] == ["q", "k"]
+    assert_agrees_with_offline(online, offline)
     assert online.clean_accuracy == 1.0 and online.clean_pred_agreement == 1.0  # targets: clean predictions
     accuracy = online.accuracy.values
     assert np.all(accuracy <= 1.0) and accuracy[-1, -1] < 1.0  # 30 % noise in every layer
@@ -123,7 +128,7 @@ def test_hugging_face_model_online_equals_offline(tmp_path, kind):
     valid[:4, 9:] = False  # right padding, masked by the model's attention mask
     ds = extract(tmp_path / "s", adapter_for(model), tokens, valid)
     online = online_check(ds, model, settings=SETTINGS, batch_size=12)
-    assert_agrees_with_offline(ds, online, SETTINGS)
+    assert_agrees_with_offline(online, offline_replay(ds, SETTINGS))
     assert online.clean_accuracy == 1.0
 
 

@@ -74,6 +74,16 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     return tally.result(ds, adapter, all_layers)
 
 
+def online_check_like(replay_result: xr.Dataset, store, model, **options) -> xr.Dataset:
+    """The online check with exactly the noise of an offline replay result (its levels, layers,
+    seed, draws, distribution, targets and sparse threshold, read from the result itself)."""
+    attrs = replay_result.attrs
+    settings = ReplaySettings(levels=tuple(replay_result["level"].values), n_draws=attrs["n_draws"], seed=attrs["seed"],
+                              distribution=attrs["distribution"], targets=tuple(attrs["targets"]),
+                              sparse_threshold=attrs["sparse_threshold"])
+    return online_check(store, model, settings=settings, layers=[int(x) for x in replay_result["layer"].values], **options)
+
+
 def check_model_matches(stored: dict, live: dict) -> None:
     """Raise ModelMismatchError unless every attribute both descriptions hold is the same."""
     differences = [
