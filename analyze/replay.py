@@ -17,8 +17,8 @@ Definitions (every count below is over these instances and draws):
   messages m_j = W_O v_j per head. kq has one value per (sample, query position, head),
   kk and km one per (sample, key position, kv_head); every value is independent. Uniform
   noise of RMS s is U(-sqrt(3) s, sqrt(3) s) (the paper's choice); Gaussian is N(0, s^2).
-  Draw d at level s is s times a unit-RMS draw that depends only on (seed, target, layer,
-  sample, draw, position, head) (`unit_noise`): the same seed gives the same draws for any
+  Draw d at level s is kappa = s * unit_noise(seed, target, layer, sample, draw, ...), a value
+  per (position, head) that depends only on those indices: the same seed gives the same draws for any
   chunking and any number of workers, the online check injects exactly these values, and
   every level reuses the draw's direction (common random numbers), so an instance that
   collapses at one level collapses at every larger one (each pairwise score comparison is
@@ -26,7 +26,9 @@ Definitions (every count below is over these instances and draws):
 - **Collapse.** A sparse instance whose arg-max over allowed keys moves to another token
   under the noise. **Strict collapse**: the new arg-max also holds >= ``sparse_threshold``.
   Query noise multiplies a query's scores by one positive factor, so it never moves the
-  arg-max; message noise leaves the scores alone.
+  arg-max; message noise leaves the scores alone. (Only a factor 1 + kappa <= 0, which uniform
+  noise reaches above s = 1/sqrt(3) and Gaussian noise rarely, reverses a norm: then query
+  noise turns the arg-max into an arg-min.)
 - **Theorem 7 (first order).** Collapse onto t is predicted when
   w_t* / w_t < lambda_w = (1 + kq + kk_t) / (1 + kq + kk_t*), the inequality flipped when
   w_t (1 + kq + kk_t*) < 0; evaluated on each draw, in the equivalent form
@@ -48,8 +50,15 @@ Definitions (every count below is over these instances and draws):
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
 
+Results (``replay``; dims definition = collapse/strict, level, layer, head, instances =
+sparse/all): n_instances, n_sparse, sparse_fraction, entropy, max_attention_hist (per layer and
+head); collapses and collapse_rate, predicted_collapse_rate, theory_agreement, theory_missed,
+theory_false_alarm, tv_distance, output_change (per level, layer and head); collapse_rate_pooled
+over layers and heads; collapse_level (per layer) and collapse_level_pooled with their *_ci.
+
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
-partial sums (float64), reduced and computed once. This module never imports torch or the extraction code.
+partial sums (float64), reduced and computed once. This module never imports torch or the
+extraction code.
 """
 from __future__ import annotations
 
@@ -126,15 +135,6 @@ def unit_noise(seed: int, target: str, layer: int, samples, draw: int, n_pos: in
     return np.sqrt(-2.0 * np.log1p(-uniform)) * np.cos(2.0 * np.pi * angle)
 
 
-def noise_draws(seed: int, target: str, layer: int, samples, draw: int, level: float, n_pos: int,
-                n_heads: int, distribution: str = "uniform") -> np.ndarray:
-    """kappa for one target at one noise level (RMS): level * unit_noise(...).
-
-    Shape (len(samples), n_pos, n_heads); heads are kv_heads for the targets k and m.
-    """
-    return level * unit_noise(seed, target, layer, samples, draw, n_pos, n_heads, distribution)
-
-
 # ---------------------------------------------------------------------------------------------
 # The study's settings, checked once.
 
@@ -151,8 +151,11 @@ class ReplaySettings:
     sparse_threshold: float = 0.95
 
     def __post_init__(self):
-        levels = np.atleast_1d(np.asarray(self.levels, dtype=float))
-        if levels.size == 0 or not np.all((levels > 0) & (levels < 1)):
+        try:
+            levels = np.atleast_1d(np.asarray(self.levels, dtype=float))
+        except (TypeError, ValueError):
+            levels = np.array([np.nan])
+        if levels.size == 0 or levels.ndim != 1 or not np.all((levels > 0) & (levels < 1)):
             raise ReplayError(
                 f"noise levels {list(levels)}: expected RMS values strictly between 0 and 1 "
                 "(0.01 is 1 % noise), at least one"
@@ -160,6 +163,8 @@ class ReplaySettings:
         object.__setattr__(self, "levels", tuple(float(x) for x in np.unique(levels)))
         if isinstance(self.n_draws, bool) or not isinstance(self.n_draws, (int, np.integer)) or self.n_draws < 1:
             raise ReplayError(f"n_draws = {self.n_draws!r}: expected a positive number of noise draws per level")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ReplayError(f"seed = {self.seed!r}: expected a non-negative integer")
         if self.distribution not in DISTRIBUTIONS:
             raise ReplayError(f"noise distribution {self.distribution!r}: expected one of {list(DISTRIBUTIONS)}")
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
@@ -170,7 +175,8 @@ class ReplaySettings:
                 "(q: queries, k: keys, m: messages W_O v)"
             )
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
-        if not 0 < self.sparse_threshold <= 1:
+        threshold = self.sparse_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
             raise ReplayError(
                 f"sparse threshold {self.sparse_threshold!r}: expected a maximum attention in (0, 1] "
                 "(the paper uses 0.95)"
@@ -409,9 +415,9 @@ def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: in
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
     schema). Returns small xarray results (see the module docstring for the definitions).
     """
+    _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers)
     settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
                               targets=targets, sparse_threshold=sparse_threshold)
-    _check_study(collapse_target, n_bootstrap, confidence, n_bins, seed, layers)
     model = store_model(ds)
     with_messages = check_variables(ds, settings)
     layers = check_layers(ds, layers)
@@ -448,8 +454,8 @@ def store_model(ds: xr.Dataset) -> dict:
     return model
 
 
-def _check_study(collapse_target, n_bootstrap, confidence, n_bins, seed, layers) -> None:
-    check_options(n_bootstrap=n_bootstrap, confidence=confidence, seed=seed, layers=layers)
+def _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers) -> None:
+    check_options(n_bootstrap=n_bootstrap, confidence=confidence, layers=layers)
     if isinstance(collapse_target, bool) or not isinstance(collapse_target, (int, float)) or not 0 < collapse_target < 1:
         raise ReplayError(f"collapse target {collapse_target!r}: expected a rate in (0, 1), e.g. 0.01 for 1 %")
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:

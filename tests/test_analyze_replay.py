@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze.replay import (
-    HeadBlock, ReplayError, ReplaySettings, level_at_rate, noise_draws, replay, unit_noise, w_o_gram)
+    HeadBlock, ReplayError, ReplaySettings, level_at_rate, replay, unit_noise, w_o_gram)
 from orthosphere.analyze import replay as replay_module
 from orthosphere.analyze.attention import attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
@@ -86,7 +86,6 @@ def test_draws_are_a_pure_function_of_the_indices_with_the_requested_rms():
         assert abs(np.corrcoef(full.ravel(), other.ravel())[0, 1]) < 0.02
     gaussian = unit_noise(7, "q", 0, np.arange(400), 0, 16, 4, "gaussian")
     assert gaussian.std() == pytest.approx(1.0, abs=0.02) and np.abs(gaussian).max() > math.sqrt(3)
-    np.testing.assert_allclose(noise_draws(7, "k", 3, np.arange(400), 5, 0.04, 16, 4), 0.04 * full)
 
 
 # --- recomputed attention ---------------------------------------------------------------------
@@ -309,6 +308,9 @@ def small_store(tmp_path_factory):
     ({"levels": (0.0, 0.1)}, "strictly between 0 and 1"),
     ({"levels": (0.1, 1.0)}, "strictly between 0 and 1"),
     ({"levels": ()}, "at least one"),
+    ({"levels": ("a",)}, "strictly between 0 and 1"),
+    ({"seed": -1}, "non-negative integer"),
+    ({"sparse_threshold": "high"}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 0.0}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 1.2}, "in \\(0, 1\\]"),
     ({"n_draws": 0}, "positive number of noise draws"),
