@@ -146,7 +146,7 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array)
     classes = {}
     for factor, (values, counts) in zip(factors, merged):
         if len(values) < 2:
-            found = f"a single class ({values[0]!r}, {counts[0]} tokens)" if len(values) else "no tokens"
+            found = f"a single class ({str(values[0])!r}, {counts[0]} tokens)" if len(values) else "no tokens"
             raise AnalysisError(
                 f"factor {factor.name!r} has {found} among the analysed tokens of store {store_url(dataset)}: "
                 "a factor subspace needs at least two classes; choose another factor or widen its restriction"

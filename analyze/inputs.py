@@ -12,6 +12,7 @@ from .errors import AnalysisError, NonFiniteError
 D_MODEL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in")
 HEAD_SITES = {"q": "head", "k": "kv_head", "v": "kv_head"}
 VECTOR_SITES = D_MODEL_SITES + tuple(HEAD_SITES)
+SITES = VECTOR_SITES + ("pattern",)
 
 
 def open_for_analysis(url, storage_options: dict | None = None) -> xr.Dataset:
@@ -26,14 +27,13 @@ def store_url(dataset: xr.Dataset) -> str:
 
 
 def stored_sites(dataset: xr.Dataset) -> list[str]:
-    return [name for name in (*VECTOR_SITES, "pattern") if name in dataset.data_vars]
+    return [name for name in SITES if name in dataset.data_vars]
 
 
 def require_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
     """The site's array; a site that is unknown or not stored is an error naming the stored ones."""
-    known = (*VECTOR_SITES, "pattern")
-    if site not in known:
-        raise AnalysisError(f"unknown site {site!r} for {purpose}: expected one of {list(known)}")
+    if site not in SITES:
+        raise AnalysisError(f"unknown site {site!r} for {purpose}: expected one of {list(SITES)}")
     if site not in dataset.data_vars:
         raise AnalysisError(
             f"store {store_url(dataset)} has no site {site!r}, which {purpose} needs; it holds "

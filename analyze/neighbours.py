@@ -24,6 +24,11 @@ PACKER = Packer({
 
 
 def _neighbour_sums(x, y, mask):
+    with np.errstate(invalid="ignore", divide="ignore"):  # NaN or Inf: reported by the finite check
+        return _neighbour_sums_of(x, y, mask)
+
+
+def _neighbour_sums_of(x, y, mask):
     x = x.astype("float64")
     y = y.astype("float64")
     weights = mask.astype("float64")

@@ -95,3 +95,14 @@ def check_options(**values) -> dict:
 def as_attrs(values: dict) -> dict:
     """Option values as plain JSON values, for the attrs of a results group."""
     return json.loads(json.dumps(values, default=lambda value: value.tolist() if hasattr(value, "tolist") else str(value)))
+
+
+def parse_assignment(text: str) -> tuple[str, object]:
+    """An option given as text, KEY=VALUE (VALUE read as JSON when it is JSON, else kept as text)."""
+    key, separator, value = text.partition("=")
+    if not separator or not key.strip():
+        raise AnalysisError(f"option {text!r}: expected KEY=VALUE, e.g. confidence=0.95 or replay.levels=[0.01,0.1]")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value

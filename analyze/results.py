@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -163,7 +164,9 @@ def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None
                 if name not in tree.children:
                     tree[name] = child.copy()
             tree.attrs["analyses"] = [name for name in ANALYSES if name in tree.children]
-    tree.to_zarr(location.zarr_store(read_only=False), mode="w", consolidated=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        tree.to_zarr(location.zarr_store(read_only=False), mode="w", consolidated=True)
     return tree
 
 

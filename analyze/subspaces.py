@@ -20,7 +20,7 @@ from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
 from .factors import Factor, discover_classes, factor_codes, parse_factors
 from .geometry import between_class_svd, choose_rank, column_space, overlap_fraction, principal_angles
-from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, require_site, sample_values, token_mask
+from .inputs import D_MODEL_SITES, SITES, FiniteCheck, check_layers, layer_data, require_site, sample_values, token_mask
 from .options import as_attrs, check_options
 
 BOUNDS = ("low", "high")
@@ -66,10 +66,10 @@ def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray
 
 
 def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
-    array = require_site(dataset, site, purpose)
-    if site not in D_MODEL_SITES:
+    """A residual-stream site (sample, layer, pos, d_model) of the store."""
+    if site not in D_MODEL_SITES and site in SITES:
         raise AnalysisError(f"{purpose} reads a residual-stream site, one of {list(D_MODEL_SITES)}; got {site!r}")
-    return array
+    return require_site(dataset, site, purpose)
 
 
 def _class_sums(x, groups, *codes, packer, n_classes, n_groups):

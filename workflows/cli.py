@@ -79,3 +79,45 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
     with dask_client(backend) as client:
         result = extract(job, client=client)
     click.echo(result.summary())
+
+
+@main.command("analyze")
+@click.argument("store")
+@click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
+@click.option("--only", default=None, metavar="LIST",
+              help="Comma-separated analyses, default all: norms,subspaces,spheres,neighbours,replay.")
+@click.option("--layers", default=None, metavar="LIST", help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
+@click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
+@click.option("--site", default=None, help="subspaces, spheres, neighbours: the residual site (default resid_pre).")
+@click.option("--factor", "factors", multiple=True, metavar="SPEC",
+              help="A factor, LABEL or LABEL[KEY=V1|V2] (repeat; default: every label and pos).")
+@click.option("--rank", type=int, default=None, help="Fixed rank of every factor subspace.")
+@click.option("--rank-threshold", type=float, default=None, help="Share of between-class variance the rank holds (0.95).")
+@click.option("--bootstrap", "n_bootstrap", type=int, default=None, help="Bootstrap replicates.")
+@click.option("--seed", type=int, default=None, help="Seed of the bootstrap (and of the replay's noise).")
+@click.option("--uniform", is_flag=True, help="norms: weight tokens uniformly, not by the attention they receive.")
+@click.option("--include-start", is_flag=True, help="Keep each sequence's start token.")
+@click.option("--option", "extra", multiple=True, metavar="KEY=VALUE",
+              help="Any other option, e.g. mass=0.8 or replay.levels=[0.01,0.1] (repeat).")
+@click.option("--overwrite", is_flag=True, help="Replace results of another store at RESULTS.")
+@click.pass_context
+def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
+                    uniform, include_start, extra, overwrite):
+    """Analyse STORE (norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
+    from orthosphere.analyze import analyze
+    from orthosphere.analyze.options import parse_assignment
+    from orthosphere.extract.job import parse_layers
+
+    options = {
+        "layers": None if layers is None else list(parse_layers(layers)),
+        "sites": None if sites is None else sites.split(","),
+        "site": site, "factors": list(factors) or None, "rank": rank, "rank_threshold": rank_threshold,
+        "n_bootstrap": n_bootstrap, "seed": seed,
+        "weight_by_attention": False if uniform else None, "exclude_start": False if include_start else None,
+    }
+    options = {key: value for key, value in options.items() if value is not None}
+    options.update(parse_assignment(text) for text in extra)
+    with dask_client(ctx.obj):
+        tree = analyze(store, out, only=None if only is None else only.split(","), options=options,
+                       overwrite=overwrite, command=" ".join(sys.argv))
+    click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")

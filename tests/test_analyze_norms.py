@@ -1,0 +1,111 @@
+"""Norm spread on stores with planted norm distributions and planted attention."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
+
+from tests.synthetic import plant_norm_spread, weighted_band, write_store
+
+N_SAMPLES, N_POS = 400, 9
+EVEN, ODD = 0.2 / 0.9, 0.5 / 0.9  # half-widths: 90 % within +-20 % (even positions), +-50 % (odd)
+
+
+def planted_pattern(n_samples, n_pos, start_share=0.5):
+    """Head 0 gives each query's attention to the start token (start_share) and evenly to the even
+    positions >= 2 it sees; head 1 likewise to the odd positions >= 1."""
+    pattern = np.zeros((n_samples, 1, 2, n_pos, n_pos), "float32")
+    for head, first in ((0, 2), (1, 1)):
+        for query in range(n_pos):
+            keys = list(range(first, query + 1, 2))
+            pattern[:, 0, head, query, 0] = start_share if keys else 1.0
+            if keys:
+                pattern[:, 0, head, query, keys] = (1 - start_share) / len(keys)
+    return pattern
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """Layer 0 of resid_pre and k: norms spread +-EVEN at even positions, +-ODD at odd ones; one
+    kv_head read by both heads (grouped-query attention); the planted pattern."""
+    half_widths = [0.0] + [EVEN if p % 2 == 0 else ODD for p in range(1, N_POS)]
+    resid = plant_norm_spread(N_SAMPLES, N_POS, 8, half_widths, seed=1)
+    k = plant_norm_spread(N_SAMPLES, N_POS, 4, half_widths, median=2.0, seed=2)
+    sites = {"resid_pre": resid[:, None].astype("float32"), "k": k[:, None, :, None].astype("float32"),
+             "pattern": planted_pattern(N_SAMPLES, N_POS)}
+    url = write_store(tmp_path_factory.mktemp("norms") / "store.zarr", sites,
+                      model={"n_heads": 2, "n_kv_heads": 1, "d_head": 4}, samples_per_chunk=150)
+    return open_for_analysis(url), resid, k
+
+
+def test_attention_weighted_spread_per_head_recovers_the_planted_bands(planted):
+    dataset, _, _ = planted
+    tree = norm_spread(dataset)
+    for site in ("resid_pre", "k"):
+        result = tree[site].to_dataset()
+        assert result.attrs["weighting"] == "attention" and result.attrs["attention_source"] == "stored pattern"
+        assert result["band"].sel(layer=0, head=0).item() == pytest.approx(0.2, abs=0.01)
+        assert result["band"].sel(layer=0, head=1).item() == pytest.approx(0.5, abs=0.01)
+    resid = tree["resid_pre"].to_dataset()
+    assert resid["median_norm"].sel(layer=0).values == pytest.approx([3.0, 3.0], rel=0.01)
+    assert tree["k"]["median_norm"].sel(layer=0).values == pytest.approx([2.0, 2.0], rel=0.01)
+    quantiles = resid["ratio_quantile"].sel(layer=0, head=0)
+    assert quantiles.sel(quantile=0.05).item() == pytest.approx(1 - 0.9 * EVEN, abs=0.01)
+    assert quantiles.sel(quantile=0.95).item() == pytest.approx(1 + 0.9 * EVEN, abs=0.01)
+    histogram = resid["histogram"].sel(layer=0, head=0)
+    assert histogram.sum().item() == pytest.approx(1.0)
+    inside = histogram.sel(ratio=slice(1 - EVEN, 1 + EVEN)).sum().item()
+    assert inside == pytest.approx(1.0, abs=0.03)
+
+
+def test_uniform_spread_per_layer_and_per_kv_head(planted):
+    dataset, resid, k = planted
+    tree = norm_spread(dataset, weight_by_attention=False, mass=0.5)
+    norms = np.linalg.norm(resid[:, 1:], axis=-1)
+    expected = weighted_band(norms, np.ones_like(norms), mass=0.5)
+    result = tree["resid_pre"].to_dataset()
+    assert result.attrs["group"] == "layer" and result["band"].dims == ("layer",)
+    assert result["band"].item() == pytest.approx(expected, abs=0.01)
+    assert result["weight_total"].item() == N_SAMPLES * (N_POS - 1)
+    key_norms = np.linalg.norm(k[:, 1:], axis=-1)
+    assert tree["k"]["band"].dims == ("layer", "kv_head")
+    assert tree["k"]["band"].item() == pytest.approx(weighted_band(key_norms, np.ones_like(key_norms), 0.5), abs=0.01)
+
+
+def test_the_start_token_is_excluded_unless_asked(planted):
+    dataset, _, _ = planted
+    with_start = norm_spread(dataset, sites=["resid_pre"], exclude_start=False)["resid_pre"]
+    # the start token (norm 100) takes half of every head's attention: the median moves onto it
+    assert with_start["median_norm"].sel(layer=0, head=0).item() > 10
+    without = norm_spread(dataset, sites=["resid_pre"])["resid_pre"]
+    assert without["median_norm"].sel(layer=0, head=0).item() == pytest.approx(3.0, rel=0.01)
+
+
+def test_attention_recomputed_from_q_k_matches_the_model_softmax(tmp_path):
+    rng = np.random.default_rng(5)
+    n_samples, n_pos = 40, 7
+    q = rng.normal(size=(n_samples, 1, n_pos, 4, 3)).astype("float32")
+    k = rng.normal(size=(n_samples, 1, n_pos, 2, 3)).astype("float32")
+    valid = np.ones((n_samples, n_pos), bool)
+    valid[::3, 5:] = False
+    scale = 0.7
+    scores = torch.einsum("sqhd,skhd->shqk", torch.tensor(q[:, 0]), torch.tensor(k[:, 0]).repeat_interleave(2, dim=2))
+    allowed = torch.tensor(valid)[:, None, None, :] & torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
+    reference = (scores * scale).masked_fill(~allowed, float("-inf")).softmax(-1).numpy()
+    pattern = attention_from_qk(q[:, 0], k[:, 0], valid, attn_scale=scale, causal=True)
+    np.testing.assert_allclose(pattern, reference, atol=1e-6)
+    resid = rng.normal(size=(n_samples, 1, n_pos, 6)).astype("float32")
+    model = {"attn_scale": scale, "n_heads": 4, "n_kv_heads": 2, "d_head": 3}
+    recomputed = open_for_analysis(write_store(tmp_path / "qk.zarr", {"resid_pre": resid, "q": q, "k": k},
+                                               valid=valid, model=model, samples_per_chunk=16))
+    stored = open_for_analysis(write_store(tmp_path / "pattern.zarr", {"resid_pre": resid,
+                                                                      "pattern": reference[:, None]},
+                                           valid=valid, model=model, samples_per_chunk=16))
+    np.testing.assert_allclose(store_attention(recomputed).values, reference[:, None], atol=1e-6)
+    from_qk = norm_spread(recomputed, sites=["resid_pre"])["resid_pre"]
+    from_pattern = norm_spread(stored, sites=["resid_pre"])["resid_pre"]
+    assert from_qk.attrs["attention_source"] == "recomputed from q, k"
+    np.testing.assert_allclose(from_qk["band"].values, from_pattern["band"].values, rtol=1e-5)
+    np.testing.assert_allclose(from_qk["weight_total"].values, from_pattern["weight_total"].values, rtol=1e-5)

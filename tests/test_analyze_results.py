@@ -1,0 +1,105 @@
+"""The results DataTree on disk (local, memory://, s3://), its attrs, merging, and the analyze verb."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner
+
+from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results
+from orthosphere.workflows.cli import main
+
+from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    resid, labels, _ = plant_factors(60, 6, [PlantedFactor("alpha", 5, plane(8), as_strings=True),
+                                             PlantedFactor("beta", 4, plane(8, (2, 3)))], noise=0.1)
+    resid = np.stack([resid, 2 * resid], axis=1).astype("float32")
+    q = np.random.default_rng(0).normal(size=(60, 2, 6, 2, 4)).astype("float32")
+    return write_store(tmp_path_factory.mktemp("results") / "store.zarr",
+                       {"resid_pre": resid, "resid_post": resid[:, ::-1], "q": q, "k": q}, labels=labels,
+                       samples_per_chunk=20)
+
+
+def test_results_round_trip_with_provenance_and_options(store, tmp_path):
+    out = tmp_path / "results.zarr"
+    tree = analyze(store, out, only=["norms", "neighbours"], options={"layers": [1], "norms.mass": 0.5},
+                   command="orthosphere analyze test")
+    written = open_results(out)
+    assert written.attrs["orthosphere_results"] == 1 and written.attrs["store"] == store
+    assert written.attrs["analyses"] == ["norms", "neighbours"]
+    assert written.attrs["model"]["family"] == "synthetic" and written.attrs["provenance"]["command"] == "orthosphere analyze test"
+    assert set(written["norms"].children) == {"resid_pre", "resid_post", "q", "k"}
+    norms = written["norms"]
+    assert norms.attrs["options"]["mass"] == 0.5 and norms.attrs["options"]["layers"] == [1]
+    assert norms.attrs["options"]["weight_by_attention"] is True
+    assert written["neighbours"].attrs["options"]["layers"] == [1]
+    xr.testing.assert_allclose(written["neighbours"].to_dataset(), tree["neighbours"].to_dataset())
+    direct = neighbours(open_for_analysis(store), layers=[1])
+    np.testing.assert_allclose(written["neighbours"]["rank_collapse"].values, direct["rank_collapse"].values)
+    assert written["norms/resid_pre"]["band"].dims == ("layer", "head")
+
+
+def test_writing_again_replaces_only_the_groups_just_computed(store):
+    out = f"memory://results-{uuid.uuid4().hex}"
+    analyze(store, out, only=["neighbours"], options={"layers": [0]})
+    analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "n_bootstrap": 10})
+    merged = open_results(out)
+    assert merged.attrs["analyses"] == ["subspaces", "neighbours"]
+    assert merged["subspaces"].attrs["classes"]["alpha"] == ["c0", "c1", "c2", "c3", "c4"]
+    assert merged["subspaces"]["factor"].values.tolist() == ["alpha", "beta"]
+    analyze(store, out, only=["neighbours"], options={"layers": [1]})
+    assert open_results(out)["neighbours"]["layer"].values.tolist() == [1]
+    assert "subspaces" in open_results(out).children
+
+
+def test_results_never_overwrite_what_is_not_theirs(store, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(AnalysisError, match="exists and is not an orthosphere results tree"):
+        analyze(store, tmp_path / "notes", only=["neighbours"])
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+    other = write_store(tmp_path / "other.zarr", {"resid_pre": np.ones((4, 1, 3, 8), "float32"),
+                                                  "resid_post": np.ones((4, 1, 3, 8), "float32")})
+    out = tmp_path / "results.zarr"
+    analyze(store, out, only=["neighbours"])
+    with pytest.raises(AnalysisError, match="holds results of store"):
+        analyze(other, out, only=["neighbours"])
+    analyze(other, out, only=["neighbours"], overwrite=True)
+    assert open_results(out).attrs["store"] == other
+    with pytest.raises(AnalysisError, match="no results at"):
+        open_results(tmp_path / "missing.zarr")
+
+
+def test_results_on_s3(store, s3_bucket):
+    out = f"{s3_bucket}/results.zarr"
+    analyze(store, out, only=["neighbours"])
+    assert open_results(out)["neighbours"]["n_sequences"].values.tolist() == [60, 60]
+
+
+def test_the_analyze_verb(store, tmp_path):
+    out = str(tmp_path / "cli.zarr")
+    runner = CliRunner()
+    result = runner.invoke(main, ["analyze", store, "--out", out, "--only", "subspaces,spheres",
+                                  "--factor", "alpha", "--factor", "beta", "--layers", "0",
+                                  "--bootstrap", "20", "--option", "spheres.mass=0.8"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"wrote /subspaces, /spheres to {out}"
+    written = open_results(out)
+    assert written["spheres"].attrs["options"]["mass"] == 0.8 and written["spheres"].attrs["bases"] == "from the subspaces results"
+    assert written["subspaces"].attrs["n_bootstrap"] == 20
+    failed = runner.invoke(main, ["analyze", store, "--out", out, "--only", "norms", "--sites", "v"])
+    assert failed.exit_code == 1 and failed.output.startswith("Error: store ") and "no site 'v'" in failed.output
+
+
+def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
+    out = str(tmp_path / "cluster.zarr")
+    result = CliRunner().invoke(main, ["--workers", "1", "analyze", store, "--out", out, "--only", "norms,subspaces",
+                                       "--factor", "alpha", "--bootstrap", "10", "--sites", "resid_pre,k"])
+    assert result.exit_code == 0, result.output
+    local = analyze(store, only=["norms"], options={"sites": ["resid_pre", "k"]})
+    np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)

@@ -1,0 +1,118 @@
+"""Factor subspaces and principal angles on stores with planted subspaces at known angles."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orthosphere.analyze import factor_subspaces, open_for_analysis
+from orthosphere.analyze.geometry import principal_angles
+from orthosphere.analyze.subspaces import bootstrap_group
+
+from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
+
+PLANTED_ANGLES = (0.0, 30.0, 60.0, 90.0)
+D_MODEL = 16
+
+
+def planted_angle_store(url, *, noise=0.05, n_samples=300, n_pos=21):
+    """Layer l holds factor alpha (5 classes, radius 2) in the plane of axes 0, 1 and factor beta
+    (4 classes, radius 1) in that plane tilted by PLANTED_ANGLES[l] towards axes 2, 3. Head 0 of every
+    layer reads exactly alpha's plane (and two axes no factor uses); head 1 reads axes alpha never
+    touches."""
+    layers = []
+    for angle in PLANTED_ANGLES:
+        x, labels, _ = plant_factors(n_samples, n_pos, [
+            PlantedFactor("alpha", 5, plane(D_MODEL, (0, 1)), radius=2.0, as_strings=True),
+            PlantedFactor("beta", 4, plane(D_MODEL, (0, 1), angle, (2, 3)), radius=1.0),
+        ], noise=noise, seed=len(layers))
+        layers.append(x)
+    w_q = np.zeros((len(PLANTED_ANGLES), 2, D_MODEL, 4), "float32")
+    w_q[:, 0, [0, 1, 8, 9], [0, 1, 2, 3]] = [1.0, 2.0, 1.0, 1.0]
+    w_q[:, 1, [4, 5, 6, 7], [0, 1, 2, 3]] = 1.0
+    w_k = np.zeros((len(PLANTED_ANGLES), 2, D_MODEL, 4), "float32")
+    w_k[:, :, [2, 3, 10, 11], [0, 1, 2, 3]] = 1.0
+    resid = np.stack(layers, axis=1).astype("float32")
+    return write_store(url, {"resid_pre": resid}, labels=labels, weights={"w_q": w_q, "w_k": w_k},
+                       model={"n_heads": 2, "n_kv_heads": 2, "d_head": 4}, samples_per_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    url = planted_angle_store(tmp_path_factory.mktemp("angles") / "store.zarr")
+    dataset = open_for_analysis(url)
+    return dataset, factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=100, seed=3)
+
+
+def test_planted_principal_angles_are_recovered_within_one_degree(planted):
+    _, result = planted
+    angles = result["angles"].sel(factor="alpha", other="beta")
+    for layer, planted_angle in enumerate(PLANTED_ANGLES):
+        np.testing.assert_allclose(angles.sel(layer=layer).values[:2], planted_angle, atol=1.0)
+    np.testing.assert_allclose(result["angles"].sel(factor="beta", other="alpha").values, angles.values)
+    assert result["subspace_rank"].values.tolist() == [[2, 2]] * 4
+
+
+def test_bootstrap_intervals_bracket_the_planted_angles_and_the_relation_is_named(planted):
+    _, result = planted
+    interval = result["min_angle_ci"].sel(factor="alpha", other="beta").values
+    planted_angles = np.array(PLANTED_ANGLES)
+    assert np.all(interval[:, 0] <= interval[:, 1])
+    assert np.all(interval[:, 0] <= planted_angles + 0.5) and np.all(interval[:, 1] >= planted_angles - 0.5)
+    assert np.all(interval[:, 1] - interval[:, 0] < 1.0)
+    relation = result["relation"].sel(factor="alpha", other="beta").values.tolist()
+    assert relation == ["dependent", "independent", "independent", "orthogonal"]
+    assert result["relation"].sel(factor="alpha", other="alpha").values.tolist() == [""] * 4
+    np.testing.assert_allclose(result["overlap"].sel(factor="alpha", other="beta").values,
+                               np.cos(np.radians(planted_angles)) ** 2, atol=0.01)
+
+
+def test_explained_variance_rank_and_between_fraction(planted):
+    _, result = planted
+    explained = result["explained"].sel(factor="alpha")
+    assert np.all(explained.sel(component=1) > 0.999)
+    np.testing.assert_allclose(explained.sel(component=0), 0.5, atol=0.01)  # a circle: two equal directions
+    # alpha holds radius 2 of |x|^2 = 4 + 1 + 16 * 0.05^2: its share of the variance
+    np.testing.assert_allclose(result["between_fraction"].sel(factor="alpha", layer=3), 4 / (4 + 1 + 16 * 0.0025),
+                               atol=0.01)
+    assert result["n_classes"].values.tolist() == [5, 4]
+    assert result.attrs["classes"]["alpha"] == ["c0", "c1", "c2", "c3", "c4"]
+    basis = result["basis"].sel(layer=0, factor="alpha").values
+    np.testing.assert_allclose(np.abs(basis[:2]).sum(), np.abs(basis).sum(), rtol=0.01)
+
+
+def test_angles_with_each_heads_read_subspace(planted):
+    _, result = planted
+    q_alpha = result["q_angles"].sel(factor="alpha")
+    np.testing.assert_allclose(q_alpha.sel(head=0).values[:, :2], 0.0, atol=1.0)
+    np.testing.assert_allclose(q_alpha.sel(head=1).values[:, :2], 90.0, atol=1.0)
+    np.testing.assert_allclose(result["q_overlap"].sel(factor="alpha", head=0), 1.0, atol=0.01)
+    # keys read axes 2, 3, where beta leans by the planted angle: angles 90 - planted
+    k_beta = result["k_min_angle"].sel(factor="beta", kv_head=0).values
+    np.testing.assert_allclose(k_beta, 90.0 - np.array(PLANTED_ANGLES), atol=1.0)
+
+
+def test_fixed_rank_and_restricted_factors(planted):
+    dataset, _ = planted
+    result = factor_subspaces(dataset, factors=["alpha[beta=0|1]", "pos"], rank=1, n_bootstrap=0, layers=[3])
+    assert result["subspace_rank"].values.tolist() == [[1, 1]]
+    assert result["n_tokens"].sel(factor="alpha[beta=0|1]").item() == 300 * 20 // 2
+    assert result["n_classes"].sel(factor="pos").item() == 20
+    assert np.isnan(result["angles_ci"].values).all()
+
+
+def test_bootstrap_is_seeded_and_groups_do_not_depend_on_chunking():
+    samples = np.arange(1000)
+    groups = bootstrap_group(samples, 7, 32)
+    np.testing.assert_array_equal(groups[500:], bootstrap_group(samples[500:], 7, 32))
+    assert not np.array_equal(groups, bootstrap_group(samples, 8, 32))
+    assert np.bincount(groups, minlength=32).min() > 10
+
+
+def test_principal_angles_are_accurate_at_both_ends():
+    rng = np.random.default_rng(0)
+    base = np.linalg.qr(rng.normal(size=(6, 6)))[0]
+    for angle in (1e-5, 0.3, 45.0, 89.9999):
+        theta = np.radians(angle)
+        tilted = np.cos(theta) * base[:, :2] + np.sin(theta) * base[:, 2:4]
+        np.testing.assert_allclose(principal_angles(base[:, :2], tilted), [angle, angle], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(principal_angles(base[:, :3], base[:, 3:4]), [90.0], rtol=1e-12)
