@@ -89,6 +89,13 @@ def parse_factors(dataset: xr.Dataset, specs) -> list[Factor]:
                     f"extraction by the task ({task_name}); extract with a task that labels {label!r}, "
                     "or choose factors from the labels present"
                 )
+        for key, values in factor.where:
+            integers = key == POSITION or dataset[key].dtype.kind in "iu"
+            if integers and not all(re.fullmatch(r"-?\d+", value) for value in values):
+                raise AnalysisError(
+                    f"factor {factor.name!r}: label {key!r} holds integers, but the condition gives {list(values)}; "
+                    "give integer values"
+                )
     return factors
 
 
@@ -107,10 +114,18 @@ def applies(values: np.ndarray) -> np.ndarray:
     return values != ""
 
 
+def _matches(labels: np.ndarray, values: tuple[str, ...]) -> np.ndarray:
+    """Where labels (integers or strings) equal one of the values (given as text)."""
+    if labels.dtype.kind in "iu":
+        return np.isin(labels, [int(value) for value in values])
+    wanted = np.asarray(values, dtype=labels.dtype) if labels.dtype.kind == "T" else np.asarray(values, dtype=object)
+    return np.isin(labels, wanted)
+
+
 def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray]) -> np.ndarray:
     selected = mask & applies(blocks[factor.label])
     for key, values in factor.where:
-        selected &= np.isin(blocks[key].astype(str), np.asarray(values, dtype=str))
+        selected &= _matches(blocks[key], values)
     return selected
 
 

@@ -52,6 +52,8 @@ def test_factor_specs_and_option_values_are_checked(dataset):
         factor_subspaces(dataset, factors=["alpha[beta"], n_bootstrap=0)
     with pytest.raises(AnalysisError, match="condition 'beta' is not KEY=V1"):
         factor_subspaces(dataset, factors=["alpha[beta]"], n_bootstrap=0)
+    with pytest.raises(AnalysisError, match="label 'beta' holds integers, but the condition gives \\['c1'\\]"):
+        factor_subspaces(dataset, factors=["alpha[beta=c1]"], n_bootstrap=0)
     with pytest.raises(AnalysisError, match="given more than once"):
         factor_subspaces(dataset, factors=["alpha", "alpha"], n_bootstrap=0)
     with pytest.raises(AnalysisError, match=r"mass=1.5: expected a number in \(0, 1\]"):

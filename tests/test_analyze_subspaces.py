@@ -93,9 +93,11 @@ def test_angles_with_each_heads_read_subspace(planted):
 
 def test_fixed_rank_and_restricted_factors(planted):
     dataset, _ = planted
-    result = factor_subspaces(dataset, factors=["alpha[beta=0|1]", "pos"], rank=1, n_bootstrap=0, layers=[3])
-    assert result["subspace_rank"].values.tolist() == [[1, 1]]
+    result = factor_subspaces(dataset, factors=["alpha[beta=0|1]", "beta[alpha=c0|c3]", "pos"], rank=1,
+                              n_bootstrap=0, layers=[3])
+    assert result["subspace_rank"].values.tolist() == [[1, 1, 1]]
     assert result["n_tokens"].sel(factor="alpha[beta=0|1]").item() == 300 * 20 // 2
+    assert result["n_tokens"].sel(factor="beta[alpha=c0|c3]").item() == 300 * 20 * 2 // 5
     assert result["n_classes"].sel(factor="pos").item() == 20
     assert np.isnan(result["angles_ci"].values).all()
 

@@ -1,0 +1,85 @@
+"""End to end: a store extracted from a shipped checkpoint goes through every analysis; the
+attention recomputed from the stored q, k equals the model's own, and the results agree with
+direct numpy computations on the same tensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import orthosphere.workflows
+from orthosphere.analyze import analyze, norm_spread, open_for_analysis, open_results, store_attention
+
+from tests.synthetic import weighted_band
+
+MODEL = Path(orthosphere.workflows.__file__).parent / "models" / "pre"
+FACTORS = ["digit_value[role=digit]", "operand[role=digit]", "pos"]
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    if not (MODEL / "model.safetensors").exists():
+        pytest.skip("the shipped checkpoints (workflows/models/) are not there yet")
+    from orthosphere.extract.job import ExtractJob, extract
+
+    url = str(tmp_path_factory.mktemp("e2e") / "store.zarr")
+    extract(ExtractJob(model=str(MODEL), task="arithmetic:split=test,seed=0", out=url, n_samples=96,
+                       sites=("resid_pre", "resid_post", "attn_in", "q", "k", "v", "pattern"), device="cpu",
+                       samples_per_chunk=32), progress=False)
+    return url
+
+
+def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
+    out = tmp_path / "results.zarr"
+    analyze(extracted, out, only=["norms", "subspaces", "spheres", "neighbours"],
+            options={"factors": FACTORS, "n_bootstrap": 20})
+    results = open_results(out)
+    dataset = open_for_analysis(extracted)
+    valid = dataset["valid"].values
+    counted = valid & (np.cumsum(valid, axis=1) > 1)  # without each start token
+
+    for site in ("resid_pre", "attn_in", "q", "k", "v"):
+        band = results[f"norms/{site}"]["band"].values
+        assert band.shape == (dataset.sizes["layer"], dataset.sizes["head"]) and np.all(band > 0)
+    uniform = analyze(extracted, only=["norms"], options={"sites": ["resid_pre"], "weight_by_attention": False})
+    norms = np.linalg.norm(dataset["resid_pre"].values, axis=-1)  # (sample, layer, pos)
+    for layer in range(dataset.sizes["layer"]):
+        expected = weighted_band(norms[:, layer], counted)
+        assert uniform["norms/resid_pre"]["band"].values[layer] == pytest.approx(expected, abs=0.005)
+
+    subspaces = results["subspaces"]
+    basis = subspaces["basis"].sel(factor="digit_value[role=digit]").values
+    for layer in range(dataset.sizes["layer"]):
+        rank = int(subspaces["subspace_rank"].sel(layer=layer, factor="digit_value[role=digit]"))
+        assert 1 <= rank <= 9
+        np.testing.assert_allclose(basis[layer, :, :rank].T @ basis[layer, :, :rank], np.eye(rank), atol=1e-8)
+    angles = subspaces["angles"].values
+    assert np.nanmin(angles) >= 0 and np.nanmax(angles) <= 90
+    assert subspaces["n_classes"].sel(factor="digit_value[role=digit]").item() == 10
+
+    spheres = results["spheres"]
+    cross_mean = np.triu(np.nan_to_num(spheres["cross_term_mean"].values)).sum(axis=(1, 2))
+    # |x|^2 = sum of the parts' |x_part|^2 plus the cross terms, exactly, on average too
+    np.testing.assert_allclose(spheres["norm_sq_mean"].values,
+                               spheres["part_norm_sq_mean"].sum("part").values + 2 * cross_mean, rtol=1e-6)
+    assert np.all(spheres["deviation"].values > 0)
+
+    pre, post = dataset["resid_pre"].values, dataset["resid_post"].values
+    cosine = np.einsum("slpd,slpd->slp", pre, post) / (np.linalg.norm(pre, axis=-1) * np.linalg.norm(post, axis=-1))
+    step = np.degrees(np.arccos(np.clip(cosine, -1, 1)))
+    expected_step = [step[:, layer][counted].mean() for layer in range(dataset.sizes["layer"])]
+    np.testing.assert_allclose(results["neighbours"]["angular_step"].values, expected_step, rtol=1e-4)
+
+
+def test_attention_recomputed_from_stored_q_k_is_the_models_own(extracted):
+    dataset = open_for_analysis(extracted)
+    recomputed = store_attention(dataset.drop_vars("pattern")).values
+    model = dataset["pattern"].values
+    valid_queries = dataset["valid"].values[:, None, None, :, None]
+    np.testing.assert_allclose(np.where(valid_queries, recomputed, 0), np.where(valid_queries, model, 0), atol=2e-6)
+    from_pattern = norm_spread(dataset, sites=["k"])["k"]
+    from_q_k = norm_spread(dataset.drop_vars("pattern"), sites=["k"])["k"]
+    assert from_pattern.attrs["attention_source"] == "stored pattern"
+    assert from_q_k.attrs["attention_source"] == "recomputed from q, k"
+    np.testing.assert_allclose(from_q_k["band"].values, from_pattern["band"].values, rtol=1e-4)
