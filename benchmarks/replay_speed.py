@@ -72,7 +72,7 @@ def main() -> None:
         print(f"model     {model.name}: {described['n_layers']} layers, d_model {described['d_model']}, "
               f"{described['n_heads']} heads, {described['norm_placement']}-norm")
         print(f"study     {arguments.samples} samples x {ds.sizes['pos']} positions, {len(settings.levels)} levels "
-              f"x {settings.n_draws} draws, layers {list(offline.layer.values)} one at a time")
+              f"x {settings.n_draws} draws, layers {[int(x) for x in offline.layer.values]} one at a time")
         print(f"sparse    {int(offline.n_sparse.sum())} instances; pooled collapse rate at 30 % noise "
               f"{float(offline.collapse_rate_pooled.sel(definition='collapse').values[-1]):.4f}")
         print(f"offline   {offline_seconds:8.2f} s  (replay from the store, incl. theory, TV, output change, bootstrap)")
