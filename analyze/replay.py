@@ -515,6 +515,11 @@ def _combine(partials: list[list[dict]]) -> dict:
             for name in by_block[0]}
 
 
+def _names(names) -> np.ndarray:
+    """A coordinate of names (object dtype: Zarr v3 stores it as variable-length strings)."""
+    return np.array(names, dtype=object)
+
+
 def _rate(count, total):
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(total > 0, count / np.where(total > 0, total, 1), np.nan)
@@ -552,8 +557,8 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
         variables["output_change"] = (("instances",) + llh,
                                       np.sqrt(_rate(stack("output_change_sq"), stack("output_sq")[:, None])))
     result = xr.Dataset(variables, coords={
-        "definition": list(DEFINITIONS), "level": list(settings.levels), "layer": layers,
-        "head": np.arange(n_sparse.shape[-1]), "instances": list(INSTANCE_SETS),
+        "definition": _names(DEFINITIONS), "level": list(settings.levels), "layer": layers,
+        "head": np.arange(n_sparse.shape[-1]), "instances": _names(INSTANCE_SETS),
         "max_attention_bin": 0.5 * (edges[:-1] + edges[1:]),
     })
     result["max_attention_bin"].attrs["edges"] = edges.tolist()
@@ -596,7 +601,7 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
     by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
     ci_layer = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, by_layer[0])
     ci_pooled = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, pooled[0], 1)
-    result.coords["bound"] = ["low", "high"]
+    result.coords["bound"] = _names(("low", "high"))
     result["collapse_level"] = (("definition", "layer"), by_layer[0])
     result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
     result["collapse_level_pooled"] = (("definition",), pooled[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
 from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.replay import ReplayError, ReplaySettings, replay, unit_noise
@@ -13,7 +14,9 @@ from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.model import ArithmeticTransformer, ModelConfig, save_model
 from orthosphere.extract.sources import load_source
 from orthosphere.store import create_store, open_store
-from orthosphere.workflows.online_check import ModelMismatchError, noise_edit, online_check, online_check_like
+from orthosphere.analyze.results import analyze, open_results, write_results
+from orthosphere.workflows.online_check import (
+    ModelMismatchError, noise_edit, online_check, online_check_like, with_online_check)
 
 SETTINGS = ReplaySettings(levels=(0.1, 0.3), n_draws=3, seed=5)
 
@@ -83,6 +86,19 @@ def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     assert list(online.perturbation.values) == ["layer 0", "layer 1", "all layers"]
     all_layers = online.collapse_rate_all_layers.sel(definition="collapse", layer=0)
     np.testing.assert_allclose(all_layers, online.collapse_rate.sel(definition="collapse", layer=0))  # layer 0 sees no upstream noise
+
+
+def test_the_online_check_joins_the_results_tree_under_replay(tmp_path):
+    model = arithmetic_model()
+    extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(8))
+    options = {"replay.levels": [0.1, 0.3], "replay.n_draws": 2, "n_bootstrap": 10}
+    tree = analyze(str(tmp_path / "s"), only=["replay"], options=options)
+    write_results(with_online_check(tree, str(tmp_path / "s"), model, all_layers=True), tmp_path / "results")
+    online = open_results(tmp_path / "results")["replay/online"].to_dataset()
+    assert online.offline_mismatches.sum() == 0 and online.offline_collapses.sum() > 0
+    assert list(online.level.values) == [0.1, 0.3] and online.attrs["n_draws"] == 2
+    with pytest.raises(ReplayError, match="include the replay analysis"):
+        with_online_check(xr.DataTree(), str(tmp_path / "s"), model)
 
 
 def test_the_injected_noise_is_the_replays_draw(tmp_path):

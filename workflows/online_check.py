@@ -84,6 +84,16 @@ def online_check_like(replay_result: xr.Dataset, store, model, **options) -> xr.
     return online_check(store, model, settings=settings, layers=[int(x) for x in replay_result["layer"].values], **options)
 
 
+def with_online_check(tree: xr.DataTree, store, model, **options) -> xr.DataTree:
+    """The results tree of `orthosphere analyze` with the online check of its replay added as
+    the group /replay/online (same levels, layers and draws as the replay)."""
+    if "replay" not in tree.children:
+        raise ReplayError("the online check repeats the replay's noise, but the results hold no replay: include "
+                          "the replay analysis (CLI: --only ...,replay)")
+    tree["replay/online"] = xr.DataTree(online_check_like(tree["replay"].to_dataset(), store, model, **options))
+    return tree
+
+
 def check_model_matches(stored: dict, live: dict) -> None:
     """Raise ModelMismatchError unless every attribute both descriptions hold is the same."""
     differences = [
@@ -242,8 +252,9 @@ class _Tally:
         if all_layers:
             variables["collapse_rate_all_layers"] = (dims, rate[ALL_LAYERS])
         result = xr.Dataset(variables, coords={
-            "perturbation": self.runs, "level": list(self.settings.levels), "layer": self.layers,
-            "head": np.arange(self.n_sparse.shape[1]), "definition": list(DEFINITIONS)})
+            "perturbation": np.array(self.runs, dtype=object), "level": list(self.settings.levels),
+            "layer": self.layers, "head": np.arange(self.n_sparse.shape[1]),
+            "definition": np.array(DEFINITIONS, dtype=object)})
         result.attrs.update({"seed": self.settings.seed, "n_draws": draws, "distribution": self.settings.distribution,
                              "targets": list(self.settings.targets), "sparse_threshold": self.settings.sparse_threshold,
                              "family": adapter.family, "n_samples": self.n_samples})
