@@ -101,6 +101,27 @@ def test_the_online_check_joins_the_results_tree_under_replay(tmp_path):
         with_online_check(xr.DataTree(), str(tmp_path / "s"), model)
 
 
+def test_analyze_verb_with_online_check(tmp_path):
+    from click.testing import CliRunner
+
+    from orthosphere.workflows.cli import main
+
+    model = arithmetic_model()
+    extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(8))
+    save_model(model, tmp_path / "model")
+    arguments = ["analyze", str(tmp_path / "s"), "--out", str(tmp_path / "results"), "--only", "replay", "--bootstrap", "10",
+                 "--option", "replay.levels=[0.1,0.3]", "--option", "replay.n_draws=2", "--online", str(tmp_path / "model"),
+                 "--online-samples", "6"]
+    outcome = CliRunner().invoke(main, arguments)
+    assert outcome.exit_code == 0, outcome.output
+    online = open_results(tmp_path / "results")["replay/online"].to_dataset()
+    assert online.attrs["n_samples"] == 6 and "all layers" in online.perturbation.values
+    assert online.offline_mismatches.sum() == 0
+    other = save_model(arithmetic_model(n_layers=3), tmp_path / "other")
+    outcome = CliRunner().invoke(main, arguments[:-3] + [str(other)])
+    assert outcome.exit_code != 0 and "does not match the store" in outcome.output
+
+
 def test_the_injected_noise_is_the_replays_draw(tmp_path):
     model = arithmetic_model()
     adapter = adapter_for(model)

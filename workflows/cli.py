@@ -100,9 +100,13 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.option("--option", "extra", multiple=True, metavar="KEY=VALUE",
               help="Any other option, e.g. mass=0.8 or replay.levels=[0.01,0.1] (repeat).")
 @click.option("--overwrite", is_flag=True, help="Replace results of another store at RESULTS.")
+@click.option("--online", "online_model", default=None, metavar="MODEL",
+              help="replay: inject the same noise into MODEL (the store's model) too: accuracy and collapses "
+                   "under noise, one layer at a time and in all layers, in /replay/online.")
+@click.option("--online-samples", type=int, default=None, help="Samples the online check runs (default: all).")
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
-                    uniform, include_start, extra, overwrite):
+                    uniform, include_start, extra, overwrite, online_model, online_samples):
     """Analyse STORE (norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
     from orthosphere.analyze import analyze
     from orthosphere.analyze.options import parse_assignment
@@ -118,6 +122,13 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
     options = {key: value for key, value in options.items() if value is not None}
     options.update(parse_assignment(text) for text in extra)
     with dask_client(ctx.obj):
-        tree = analyze(store, out, only=None if only is None else only.split(","), options=options,
-                       overwrite=overwrite, command=" ".join(sys.argv))
+        tree = analyze(store, None if online_model else out, only=None if only is None else only.split(","),
+                       options=options, overwrite=overwrite, command=" ".join(sys.argv))
+        if online_model:
+            from orthosphere.analyze.results import write_results
+
+            from .online_check import with_online_check
+
+            tree = with_online_check(tree, store, online_model, all_layers=True, max_samples=online_samples)
+            tree = write_results(tree, out, overwrite=overwrite)
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
