@@ -132,3 +132,44 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
             tree = with_online_check(tree, store, online_model, all_layers=True, max_samples=online_samples)
             tree = write_results(tree, out, overwrite=overwrite)
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
+
+
+@main.command("train")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the checkpoint, metrics and training state.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its checkpoint in --out.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+def train_command(config, out, resume, device, threads):
+    """Train an arithmetic transformer from CONFIG (TOML) into --out."""
+    from .train import train
+
+    metrics = train(config, out, resume=resume, device=device, threads=threads)
+    click.echo(json.dumps(metrics.get("final", metrics), indent=2, default=str))
+
+
+@main.command("report")
+@click.argument("results", nargs=-1, required=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for report.html, report.md and figures/.")
+@click.option("--title", default="orthosphere report", show_default=True)
+def report_command(results, out, title):
+    """Write an HTML and Markdown report with figures from one or more RESULTS of `orthosphere analyze`."""
+    from .report import write_report
+
+    folder = write_report(results, out, title=title)
+    click.echo(f"report written to {folder / 'report.html'} and {folder / 'report.md'}")
+
+
+@main.command("run")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Redo every step, even those already complete.")
+@click.option("--root", default=None, help="Override the config's output root (a path or fsspec URL).")
+@click.pass_context
+def run_command(ctx, config, force, root):
+    """Run the pipeline in CONFIG (TOML): train, extract, analyse, report; complete steps are skipped."""
+    from .pipeline import load_pipeline, run_pipeline
+
+    pipeline = load_pipeline(config, root=root)
+    backend = ctx.obj if (ctx.obj.workers or ctx.obj.scheduler) else None
+    folder = run_pipeline(pipeline, force=force, backend=backend)
+    click.echo(f"report: {folder / 'report.html'}")

@@ -1,0 +1,201 @@
+"""Pipelines: `orthosphere run CONFIG.toml` trains, extracts, analyses and reports in one go.
+
+A pipeline config names the models (a checkpoint to use, or a training config to train it
+from), the data (task specs and sample counts), the sites, the analyses with their options,
+the Dask back end and the output root. Every step skips itself when its output is already
+complete, so a rerun after a crash continues where it stopped; `force` redoes every step.
+
+Layout under the output root:
+    models/NAME/                 trained checkpoints (models with `train = ...`)
+    stores/NAME-DATA.zarr        one store per model and data set
+    results/NAME-DATA.zarr       the analyses of that store (an xarray DataTree)
+    report/                      report.html, report.md and the figures
+
+Paths of models and training configs are relative to the pipeline config's folder; the output
+root is relative to the current directory, or any fsspec URL (stores and results then live in
+object storage; models and the report stay on local disk under `local_root`).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orthosphere.extract.model import ConfigError
+from orthosphere.store import DEFAULT_SITES
+
+from .backend import Backend, dask_client
+
+log = logging.getLogger("orthosphere.pipeline")
+
+TOP_LEVEL_KEYS = {"name", "root", "local_root", "backend", "models", "data", "extract", "analyze", "report"}
+EXTRACT_KEYS = {"sites", "layers", "dtype", "batch_size", "shards", "device"}
+ANALYZE_KEYS = {"only", "options"}
+REPORT_KEYS = {"title"}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    path: Path
+    train: Path | None = None
+
+
+@dataclass(frozen=True)
+class DataEntry:
+    name: str
+    task: str
+    samples: int | None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A parsed pipeline config."""
+
+    name: str
+    root: str
+    local_root: Path
+    backend: Backend
+    models: tuple[ModelEntry, ...]
+    data: tuple[DataEntry, ...]
+    extract: dict = field(default_factory=dict)
+    analyze_only: tuple[str, ...] | None = None
+    analyze_options: dict = field(default_factory=dict)
+    title: str = "orthosphere report"
+
+    def store_url(self, model: ModelEntry, data: DataEntry) -> str:
+        return _join(self.root, f"stores/{model.name}-{data.name}.zarr")
+
+    def results_url(self, model: ModelEntry, data: DataEntry) -> str:
+        return _join(self.root, f"results/{model.name}-{data.name}.zarr")
+
+    @property
+    def report_dir(self) -> Path:
+        return self.local_root / "report"
+
+
+def _join(root: str, relative: str) -> str:
+    return f"{root.rstrip('/')}/{relative}"
+
+
+def _check_keys(found: dict, allowed: set, where: str) -> None:
+    unknown = sorted(set(found) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; expected some of {sorted(allowed)}")
+
+
+def load_pipeline(path, root: str | None = None) -> Pipeline:
+    """Parse and check a pipeline config; `root` overrides its output root."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pipeline config {path} not found: pass the path of a TOML file such as workflows/configs/quickstart.toml")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"pipeline config {path} is not valid TOML: {error}") from None
+    _check_keys(values, TOP_LEVEL_KEYS, str(path))
+    here = path.resolve().parent
+    models = tuple(_model_entry(name, entry, here, path) for name, entry in values.get("models", {}).items())
+    data = tuple(_data_entry(name, entry, path) for name, entry in values.get("data", {}).items())
+    if not models or not data:
+        raise ConfigError(f"{path}: needs at least one [models.NAME] and one [data.NAME] table")
+    extract = dict(values.get("extract", {}))
+    _check_keys(extract, EXTRACT_KEYS, f"{path} [extract]")
+    analyze = dict(values.get("analyze", {}))
+    _check_keys(analyze, ANALYZE_KEYS, f"{path} [analyze]")
+    report = dict(values.get("report", {}))
+    _check_keys(report, REPORT_KEYS, f"{path} [report]")
+    backend_values = dict(values.get("backend", {}))
+    _check_keys(backend_values, {"workers", "scheduler"}, f"{path} [backend]")
+    root = root or values.get("root") or f"runs/{values.get('name', path.stem)}"
+    local_root = Path(values.get("local_root") or (root if "://" not in root else f"runs/{path.stem}"))
+    return Pipeline(
+        name=values.get("name", path.stem),
+        root=root,
+        local_root=local_root,
+        backend=Backend(workers=backend_values.get("workers") or None, scheduler=backend_values.get("scheduler")),
+        models=models,
+        data=data,
+        extract=extract,
+        analyze_only=tuple(analyze["only"]) if "only" in analyze else None,
+        analyze_options=dict(analyze.get("options", {})),
+        title=report.get("title", f"orthosphere report: {values.get('name', path.stem)}"),
+    )
+
+
+def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
+    _check_keys(entry, {"path", "train"}, f"{path} [models.{name}]")
+    if "path" not in entry and "train" not in entry:
+        raise ConfigError(f"{path} [models.{name}]: give `path` (a checkpoint) or `train` (a training config)")
+    train = here / entry["train"] if "train" in entry else None
+    return ModelEntry(name=name, path=here / entry["path"] if "path" in entry else Path(), train=train)
+
+
+def _data_entry(name: str, entry: dict, path: Path) -> DataEntry:
+    _check_keys(entry, {"task", "samples"}, f"{path} [data.{name}]")
+    if "task" not in entry:
+        raise ConfigError(f"{path} [data.{name}]: needs `task`, a task spec such as 'arithmetic:split=test,seed=1'")
+    return DataEntry(name=name, task=entry["task"], samples=entry.get("samples"))
+
+
+def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None) -> Path:
+    """Run every step that is not complete yet (all of them with `force`); returns the report folder."""
+    from orthosphere.analyze import analyze
+    from orthosphere.extract.job import ExtractJob, extract
+
+    from .report import write_report
+    from .train import train
+
+    models = [_trained(model, pipeline, force, train) for model in pipeline.models]
+    results = []
+    with dask_client(backend or pipeline.backend) as client:
+        for model in models:
+            for data in pipeline.data:
+                store = pipeline.store_url(model, data)
+                job = ExtractJob(
+                    model=str(model.path), task=data.task, out=store, n_samples=data.samples,
+                    sites=tuple(pipeline.extract.get("sites", DEFAULT_SITES)),
+                    layers=tuple(pipeline.extract["layers"]) if "layers" in pipeline.extract else None,
+                    dtype=pipeline.extract.get("dtype", "float32"),
+                    batch_size=pipeline.extract.get("batch_size", 64),
+                    n_shards=pipeline.extract.get("shards", 1),
+                    device=pipeline.extract.get("device", "auto"),
+                    resume=not force, overwrite=force,
+                    command=f"orthosphere run ({pipeline.name})",
+                )
+                log.info(extract(job, client=client, progress=False).summary())
+                results.append(_analysed(store, pipeline.results_url(model, data), pipeline, force, analyze))
+    return write_report(results, pipeline.report_dir, title=pipeline.title)
+
+
+def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> ModelEntry:
+    """Train the model when its entry asks for it (resuming an interrupted run); else use its path."""
+    if model.train is None:
+        return model
+    out = pipeline.local_root / "models" / model.name
+    if force and out.exists():
+        shutil.rmtree(out)
+    log.info("training %s from %s into %s", model.name, model.train, out)
+    train(model.train, out, resume=out.exists(), progress=False)
+    return ModelEntry(name=model.name, path=out, train=model.train)
+
+
+def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, analyze) -> str:
+    """Run the analyses unless complete results of this store are already there."""
+    from orthosphere.analyze import open_results
+
+    if not force:
+        try:
+            done = set(open_results(out).attrs.get("analyses", []))
+        except ValueError:
+            done = set()
+        wanted = set(pipeline.analyze_only or ())
+        if done and (wanted <= done if wanted else True):
+            log.info("results %s are complete: skipping the analyses", out)
+            return out
+    log.info("analysing %s into %s", store, out)
+    analyze(store, out, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
+            options=pipeline.analyze_options, overwrite=force, command=f"orthosphere run ({pipeline.name})")
+    return out
