@@ -41,6 +41,7 @@ an explicit softmax that matches transformers' eager attention).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,7 +97,11 @@ class Recording:
             shape = (value.shape[0], len(self.layers), *value.shape[1:])
             buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
             self._buffers[site] = buffer
-        buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=self.pin_memory)
+        if self.pin_memory:
+            buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=True)
+        else:
+            with _one_thread():
+                buffer[:, self.slot[layer]].copy_(value.detach())
         self._filled.add((site, layer))
 
     def take(self) -> dict[str, torch.Tensor]:
@@ -111,6 +116,22 @@ class Recording:
             torch.cuda.synchronize()
         buffers, self._buffers, self._filled = self._buffers, {}, set()
         return buffers
+
+
+_THREADS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Copy on one CPU thread: a copy of a few MB is memory-bound, and a parallel copy waits
+    for its slowest thread, which on a busy machine costs far more than it saves."""
+    with _THREADS_LOCK:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -43,7 +44,8 @@ from tqdm import tqdm
 from orthosphere.store import StoreError, StoreExistsError, StoreNotFoundError, create_store, open_writer, read_attrs
 from orthosphere.store.location import as_location
 from orthosphere.store.lock import is_stale, read_lock
-from orthosphere.store.schema import check_dtype
+from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
+from orthosphere.store.writer import samples_per_chunk_for
 
 from .data import open_dataset, parse_task
 from .model import ConfigError
@@ -53,6 +55,8 @@ log = logging.getLogger("orthosphere.extract")
 
 QUEUE_DEPTH = 2
 """Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
+CHUNK_ROW_BYTES = 256 * 2**20
+"""Most memory that one chunk of every site and layer may take (the writer holds up to one)."""
 CRASH_VARIABLE = "ORTHOSPHERE_CRASH_AT"
 IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
 """Store attributes that must match for a job to resume a store."""
@@ -148,7 +152,8 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         writer = create_store(
             job.out, model=description, task=identity["task"], n_samples=dataset.n_samples, n_pos=dataset.n_pos,
             sites=sites, layers=layers, dtype=job.dtype, labels=dataset.labels, n_shards=job.n_shards,
-            samples_per_chunk=job.samples_per_chunk,
+            samples_per_chunk=job.samples_per_chunk or chunk_samples(
+                description, dataset.n_samples, dataset.n_pos, sites, len(layers), job.dtype, job.batch_size),
             overwrite=job.overwrite, break_lock=existing is not None and _stale_lock(job), command=job.command,
             storage_options=job.storage_options,
         )
@@ -193,6 +198,24 @@ def parse_layers(text: str) -> tuple[int, ...]:
     if not layers:
         raise ConfigError(f"--layers {text!r}: no layers given; expected e.g. 0,2,5-7")
     return tuple(layers)
+
+
+def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int) -> int:
+    """Samples per chunk: the store's ~4 MB target, capped so that one chunk of every site and
+    layer fits in CHUNK_ROW_BYTES, and aligned with the batch (a multiple or a divisor of the
+    batch size) so that batches fill whole chunks without being copied together."""
+    sizes = dim_sizes(model, n_samples, n_pos, n_layers)
+    variables = variables_for(sites, with_weights=False)
+    row = sum(
+        math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(resolved_dtype(var, dtype)).itemsize
+        for var in variables.values()
+    )
+    samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row))
+    if samples >= n_samples:
+        return n_samples
+    if samples >= batch_size:
+        return samples - samples % batch_size
+    return max(d for d in range(1, samples + 1) if batch_size % d == 0)
 
 
 def _check_job(job: ExtractJob) -> None:

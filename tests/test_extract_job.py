@@ -11,7 +11,15 @@ from click.testing import CliRunner
 
 from orthosphere.extract import tasks
 from orthosphere.extract.data import ArithmeticData, TextData, parse_task
-from orthosphere.extract.job import ChunkAligner, ExtractJob, JobMismatchError, WriteBehind, extract, parse_layers
+from orthosphere.extract.job import (
+    ChunkAligner,
+    ExtractJob,
+    JobMismatchError,
+    WriteBehind,
+    chunk_samples,
+    extract,
+    parse_layers,
+)
 from orthosphere.extract.model import ConfigError
 from orthosphere.store import StoreExistsError, open_store, read_attrs
 from orthosphere.workflows.cli import main
@@ -210,6 +218,22 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, arithmetic_dir):
 
 
 # --- writing behind compute -------------------------------------------------------------------------
+
+
+SMOLLM2 = {"n_layers": 30, "d_model": 576, "n_heads": 9, "n_kv_heads": 3, "d_head": 64}
+TINY = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 4, "d_head": 8}
+SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
+
+
+def test_chunks_hold_about_4_mb_fit_in_memory_and_align_with_batches():
+    # tiny model: the 4 MB target (4 MB / (26 x 32 x 4 bytes) = 1260 samples), a multiple of the batch
+    assert chunk_samples(TINY, 100_000, 26, SITES, 2, "float32", 32) == 1248
+    assert chunk_samples(TINY, 500, 26, SITES, 2, "float32", 32) == 500  # everything in one chunk
+    # SmolLM2's shape at 128 positions: 25 MB a sample over every site and layer, so 10 fit in 256 MB
+    assert chunk_samples(SMOLLM2, 10_000, 128, SITES, 30, "float16", 8) == 8
+    assert chunk_samples(SMOLLM2, 10_000, 128, SITES, 30, "float16", 4) == 8
+    assert chunk_samples(SMOLLM2, 10_000, 128, SITES, 30, "float16", 12) == 6  # a divisor of the batch
+    assert chunk_samples(SMOLLM2, 10_000, 128, SITES, 30, "float16", 7) == 7
 
 
 def block(start, stop):
