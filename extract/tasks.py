@@ -4,6 +4,7 @@ An example is written in the paper's format, most significant digit first::
 
     [53+6-N17=76]        53 + 6 - (-17) = 76
     [8-41+N9=N42]        8 - 41 + (-9) = -42
+    [3-7+N2-N1=N5]       the shipped models' task: one-digit numbers
 
 ``N`` marks a negative number (operand or answer), ``[`` opens and ``]`` closes the
 sequence. The model reads the whole sequence causally; only the answer is scored.
@@ -86,15 +87,17 @@ def _check_counts(key: str, values) -> tuple[int, ...]:
 class TaskSpec:
     """Which number counts and digit lengths each split uses.
 
-    The defaults scale the paper's (train N in {3,4,6}, L in {2,3}; interpolation N=5;
-    extrapolation N in {7,8,9}) down to numbers of 1 or 2 digits and a gap at N=4, so that
-    a small model learns the task on a CPU in minutes.
+    The defaults are the shipped models' task: the paper's number counts (train N in
+    {3,4,6}, interpolation N = 5, extrapolation N in {7,8,9}) with numbers of one digit
+    instead of L in {2,3}, so that a small model learns the task on one CPU core in
+    minutes (with numbers of one or two digits it stays far below 95 % per-token accuracy
+    in the same budget).
     """
 
-    train_counts: tuple[int, ...] = (2, 3, 5)
-    interpolation_counts: tuple[int, ...] = (4,)
-    extrapolation_counts: tuple[int, ...] = (6, 7)
-    digit_lengths: tuple[int, ...] = (1, 2)
+    train_counts: tuple[int, ...] = (3, 4, 6)
+    interpolation_counts: tuple[int, ...] = (5,)
+    extrapolation_counts: tuple[int, ...] = (7, 8, 9)
+    digit_lengths: tuple[int, ...] = (1,)
 
     def __post_init__(self):
         for field in fields(self):

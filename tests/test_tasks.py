@@ -8,6 +8,10 @@ import pytest
 from orthosphere.extract import tasks
 from orthosphere.extract.model import ConfigError
 
+TWO_DIGITS = tasks.TaskSpec(train_counts=(2, 3, 5), interpolation_counts=(4,),
+                            extrapolation_counts=(6, 7), digit_lengths=(1, 2))
+"""A richer spec than the shipped one: numbers of one or two digits carry and borrow."""
+
 
 def signed_operands(text: str) -> tuple[list[int], int]:
     """Parse ``[a+b-Nc=d]`` independently of the generator: signed terms and the answer."""
@@ -23,17 +27,26 @@ def signed_operands(text: str) -> tuple[list[int], int]:
     return terms, int(answer.replace("N", "-"))
 
 
+@pytest.mark.parametrize("spec", [tasks.DEFAULT_SPEC, TWO_DIGITS])
 @pytest.mark.parametrize("split", tasks.SPLITS)
-def test_every_answer_is_the_sum_and_counts_follow_the_split(split):
-    batch = tasks.generate(split, 300, seed=3)
+def test_every_answer_is_the_sum_and_counts_follow_the_split(split, spec):
+    batch = tasks.generate(split, 300, seed=3, spec=spec)
     counts, lengths = set(), set()
     for i in range(len(batch)):
         terms, answer = signed_operands(batch.text(i))
         assert sum(terms) == answer
         counts.add(len(terms))
         lengths.update(len(str(abs(t))) for t in terms)
-    assert counts == set(tasks.DEFAULT_SPEC.counts(split))
-    assert lengths == {1, 2}
+    assert counts == set(spec.counts(split))
+    assert lengths == set(spec.digit_lengths)
+
+
+def test_the_default_spec_is_the_papers_counts_with_one_digit_numbers():
+    spec = tasks.DEFAULT_SPEC
+    assert (spec.train_counts, spec.interpolation_counts, spec.extrapolation_counts) == (
+        (3, 4, 6), (5,), (7, 8, 9))
+    assert spec.digit_lengths == (1,)
+    assert [spec.max_length(split) for split in tasks.SPLITS] == [23, 23, 20, 32]
 
 
 def test_known_examples_of_the_format():
@@ -49,16 +62,16 @@ def test_known_examples_of_the_format():
 
 
 def test_same_examples_in_any_batch_size_or_shard():
-    whole = tasks.generate("interpolation", 10, seed=7)
-    parts = [tasks.generate("interpolation", 4, seed=7, start=0),
-             tasks.generate("interpolation", 6, seed=7, start=4)]
+    whole = tasks.generate("interpolation", 10, seed=7, spec=TWO_DIGITS)
+    parts = [tasks.generate("interpolation", 4, seed=7, spec=TWO_DIGITS, start=0),
+             tasks.generate("interpolation", 6, seed=7, spec=TWO_DIGITS, start=4)]
     for name in ("tokens", "valid", "target", "scored"):
         np.testing.assert_array_equal(getattr(whole, name),
                                       np.concatenate([getattr(p, name) for p in parts]))
     for name in tasks.LABEL_NAMES:
         np.testing.assert_array_equal(whole.labels[name],
                                       np.concatenate([p.labels[name] for p in parts]))
-    other_seed = tasks.generate("interpolation", 10, seed=8)
+    other_seed = tasks.generate("interpolation", 10, seed=8, spec=TWO_DIGITS)
     assert not np.array_equal(whole.tokens, other_seed.tokens)
     test_split = tasks.generate("test", 10, seed=7)
     train_split = tasks.generate("train", 10, seed=7)
@@ -90,8 +103,9 @@ def test_scored_positions_predict_exactly_the_answer_and_its_end():
         assert predicted == text[equals + 1:]
 
 
-def test_labels_describe_each_token():
-    batch = tasks.generate("train", 200, seed=4)
+@pytest.mark.parametrize("spec", [tasks.DEFAULT_SPEC, TWO_DIGITS])
+def test_labels_describe_each_token(spec):
+    batch = tasks.generate("train", 200, seed=4, spec=spec)
     labels = batch.labels
     for i in range(len(batch)):
         text = batch.text(i)
@@ -132,7 +146,7 @@ def test_labels_describe_each_token():
 def test_carries_rebuild_every_answer_digit():
     """digit_p = (column sum_p + carry_p) mod 10 and carry_{p+1} = floor((column + carry_p) / 10),
     with the operands' signs taken relative to the answer's sign."""
-    batch = tasks.generate("extrapolation", 200, seed=5)
+    batch = tasks.generate("extrapolation", 200, seed=5, spec=TWO_DIGITS)
     seen = set()
     for i in range(len(batch)):
         text = batch.text(i)
@@ -166,7 +180,7 @@ def test_describe_is_json_and_names_the_split():
     described = tasks.DEFAULT_SPEC.describe("interpolation", seed=11)
     assert json.loads(json.dumps(described)) == described
     assert described["name"] == "arithmetic" and described["split"] == "interpolation"
-    assert described["counts"] == [4] and described["seed"] == 11
+    assert described["counts"] == [5] and described["seed"] == 11
     assert described["max_length"] == tasks.DEFAULT_SPEC.max_length("interpolation")
 
 

@@ -162,3 +162,10 @@ def test_an_output_directory_holding_something_else_is_refused(tmp_path):
 def test_the_tiny_config_parses_to_the_documented_task():
     values = tomllib.loads(TINY.read_text())
     assert training.parse_config(values).task == tasks.DEFAULT_SPEC
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_it_is_a_config_error():
+    with pytest.raises(ConfigError, match="torch sees no CUDA device"):
+        training.select_device("cuda:0")
+    assert training.select_device("auto").type == "cpu"

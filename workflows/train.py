@@ -142,15 +142,20 @@ def load_config(path) -> RunConfig:
 
 
 def select_device(device: str = "auto") -> torch.device:
-    """``auto`` picks CUDA when available, else the CPU."""
+    """``auto`` picks CUDA when available, else the CPU; ``cpu``, ``cuda`` and ``cuda:N``
+    are taken as given."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' asked for, but torch sees no CUDA device; "
-                          "use device 'cpu' or 'auto'")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device {device!r}; expected auto, cpu or cuda")
-    return torch.device(device)
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device; "
+                          f"use device 'cpu' or 'auto'")
+    return chosen
 
 
 @torch.no_grad()
@@ -243,6 +248,17 @@ def _load_checkpoint(path: Path, model, optimizer, device) -> dict:
     return json.loads(metadata["state"])
 
 
+def _flatten(values: dict, prefix: str = "") -> dict:
+    """Nested tables as one dict keyed ``table.key``."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _prepare_output(out_dir: Path, config: RunConfig, config_text: str, resume: bool) -> str:
     """Check ``out_dir`` against the run; returns ``fresh``, ``resume`` or ``finished``."""
     copy = out_dir / CONFIG_COPY
@@ -259,11 +275,9 @@ def _prepare_output(out_dir: Path, config: RunConfig, config_text: str, resume: 
     existing = parse_config(tomllib.loads(copy.read_text()), str(copy)).to_dict()
     wanted = config.to_dict()
     if existing != wanted:
-        differing = sorted(f"{table}.{key}" if isinstance(wanted[table], dict) else table
-                           for table in wanted
-                           for key in (wanted[table] if isinstance(wanted[table], dict) else [None])
-                           if (existing[table].get(key) if key else existing[table])
-                           != (wanted[table].get(key) if key else wanted[table]))
+        existing, wanted = _flatten(existing), _flatten(wanted)
+        differing = sorted(key for key in existing.keys() | wanted.keys()
+                           if existing.get(key) != wanted.get(key))
         raise ConfigError(f"output directory {out_dir} already holds a different model "
                           f"(its {CONFIG_COPY} differs in {', '.join(differing)}); choose a "
                           f"new directory or delete that one")
