@@ -5,10 +5,14 @@ key-value heads, vocabulary 49152, random weights, nothing downloaded), a word-l
 tokenizer and a text file whose lines are `--seq` tokens long. Then, each in a fresh process,
 times the bare forward pass (transformers' default attention, logits only) and the extraction
 of every site but `pattern` in float16 into a store on the same disk, over the same batches,
-and prints seconds, the ratio extraction / bare forward and the peak resident memory of both.
-The bare forward runs before and after the extraction; the ratio uses their mean.
+and prints wall and CPU seconds, the ratios extraction / bare forward and the peak resident
+memory of both. The bare forward runs before and after the extraction; the ratios use their
+mean. On a machine shared with other work the wall-clock ratio is noisy; the CPU-time ratio
+(all threads of the process, the writer thread included) is the steadier measure of the work
+extraction adds.
 
-Usage: python benchmarks/extract_overhead.py [--batches 4] [--batch-size 8] [--seq 128] [--layers 30] [--dir DIR]
+Usage: python benchmarks/extract_overhead.py [--batches 4] [--batch-size 8] [--seq 128] [--layers 30]
+       [--threads N] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -73,11 +77,12 @@ def child_bare(model_dir: str, text: str, batch_size: int, seq: int) -> dict:
         encoded = tokenizer(lines[first:first + batch_size], return_tensors="pt", padding="max_length", max_length=seq)
         batches.append((encoded["input_ids"], encoded["attention_mask"]))
     setup = time.perf_counter() - began
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for tokens, mask in batches:
             model(input_ids=tokens, attention_mask=mask, use_cache=False).logits
-    return {"seconds": time.perf_counter() - began, "setup_seconds": setup, "peak_rss_mb": peak_rss_mb(),
+    return {"seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu_began,
+            "setup_seconds": setup, "peak_rss_mb": peak_rss_mb(),
             "tokens": int(sum(int(mask.sum()) for _, mask in batches))}
 
 
@@ -89,13 +94,16 @@ def child_extract(model_dir: str, text: str, batch_size: int, seq: int, out: str
                                 batch_size=batch_size, device="cpu", overwrite=True), progress=False)
     total = time.perf_counter() - began
     size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(out) for name in names)
-    return {"seconds": result.seconds, "setup_seconds": total - result.seconds, "peak_rss_mb": peak_rss_mb(),
+    return {"seconds": result.seconds, "cpu_seconds": result.cpu_seconds, "setup_seconds": total - result.seconds,
+            "peak_rss_mb": peak_rss_mb(),
             "tokens": result.tokens, "store_mb": size / 2**20}
 
 
 def run_child(kind: str, arguments, model_dir: str, text: str) -> dict:
     command = [sys.executable, __file__, "--child", kind, "--model-dir", model_dir, "--text", text,
                "--batch-size", str(arguments.batch_size), "--seq", str(arguments.seq), "--dir", arguments.dir]
+    if arguments.threads:
+        command += ["--threads", str(arguments.threads)]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -106,11 +114,16 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in both runs (default: torch's).")
     parser.add_argument("--dir", default=None, help="Where the model, text and store go (default: a temporary folder).")
     parser.add_argument("--child", choices=["bare", "extract"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--text", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.child and arguments.threads:
+        import torch
+
+        torch.set_num_threads(arguments.threads)
     if arguments.child == "bare":
         print(json.dumps(child_bare(arguments.model_dir, arguments.text, arguments.batch_size, arguments.seq)))
         return
@@ -132,17 +145,20 @@ def main():
         if own_dir:
             shutil.rmtree(arguments.dir, ignore_errors=True)
     bare = (first["seconds"] + second["seconds"]) / 2
+    bare_cpu = (first["cpu_seconds"] + second["cpu_seconds"]) / 2
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
           f"load average {load_before:.1f} before, {load_after:.1f} after")
     print(f"model: Llama, SmolLM2-135M shape with {arguments.layers} layers; {arguments.batches} batches of "
-          f"{arguments.batch_size} x {arguments.seq} tokens ({extraction['tokens']} tokens)")
-    print(f"bare forward      {first['seconds']:8.2f} s and {second['seconds']:.2f} s (mean {bare:.2f} s), "
-          f"peak RSS {max(first['peak_rss_mb'], second['peak_rss_mb']):,.0f} MB")
-    print(f"orthosphere extract {extraction['seconds']:6.2f} s, peak RSS {extraction['peak_rss_mb']:,.0f} MB, "
-          f"store {extraction['store_mb']:,.0f} MB (float16, all sites but pattern)")
+          f"{arguments.batch_size} x {arguments.seq} tokens ({extraction['tokens']} tokens); torch threads "
+          f"{arguments.threads or 'default'}")
+    print(f"bare forward        {first['seconds']:.2f} s and {second['seconds']:.2f} s (mean {bare:.2f} s; CPU "
+          f"{bare_cpu:.2f} s), peak RSS {max(first['peak_rss_mb'], second['peak_rss_mb']):,.0f} MB")
+    print(f"orthosphere extract {extraction['seconds']:.2f} s (CPU {extraction['cpu_seconds']:.2f} s), peak RSS "
+          f"{extraction['peak_rss_mb']:,.0f} MB, store {extraction['store_mb']:,.0f} MB (float16, all sites but pattern)")
     print(f"setup (not in the ratio): bare load {first['setup_seconds']:.1f} s; extract load, hash, "
           f"create store {extraction['setup_seconds']:.1f} s")
-    print(f"ratio extract / bare forward: {extraction['seconds'] / bare:.3f}")
+    print(f"ratio extract / bare forward: {extraction['seconds'] / bare:.3f} wall, "
+          f"{extraction['cpu_seconds'] / bare_cpu:.3f} CPU time")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from orthosphere.store.lock import is_stale, read_lock
 from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
 from orthosphere.store.writer import samples_per_chunk_for
 
-from .data import open_dataset, parse_task
+from .data import ArithmeticData, TextData, open_dataset, parse_task
 from .model import ConfigError
 from .sources import LoadedModel, load_source
 
@@ -91,11 +91,11 @@ class ExtractJob:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """What a worker needs to run any shard of a job (small and picklable)."""
+    """What a worker needs to run any shard of a job (small and picklable; local paths absolute)."""
 
     model: str
     device: str
-    task: str
+    data: ArithmeticData | TextData
     n_samples: int
     n_pos: int
     causal: bool
@@ -115,6 +115,7 @@ class ExtractResult:
     shards_total: int
     tokens: int
     seconds: float
+    cpu_seconds: float = 0.0
     already_complete: bool = False
 
     def summary(self) -> str:
@@ -133,8 +134,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     _check_job(job)
     existing = _existing_store(job)
     loaded = load_source(job.model, job.device)
-    adapter = loaded.adapter
-    sites, layers = adapter.check_sites(job.sites), adapter.check_layers(job.layers)
+    sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
     dataset = open_dataset(data, n_samples=job.n_samples, tokenizer=loaded.tokenizer, causal=description["causal"])
     identity = {
@@ -149,41 +149,57 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         writer = open_writer(job.out, lock=True, break_lock=_stale_lock(job), storage_options=job.storage_options)
         log.info("resuming the extraction into %s", writer.url)
     else:
-        writer = create_store(
-            job.out, model=description, task=identity["task"], n_samples=dataset.n_samples, n_pos=dataset.n_pos,
-            sites=sites, layers=layers, dtype=job.dtype, labels=dataset.labels, n_shards=job.n_shards,
-            samples_per_chunk=job.samples_per_chunk or chunk_samples(
-                description, dataset.n_samples, dataset.n_pos, sites, len(layers), job.dtype, job.batch_size),
-            overwrite=job.overwrite, break_lock=existing is not None and _stale_lock(job), command=job.command,
-            storage_options=job.storage_options,
-        )
+        writer = _create(job, identity, replacing=existing is not None)
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
+    plan = ShardPlan(
+        os.path.abspath(job.model), job.device, _absolute(data), dataset.n_samples, dataset.n_pos,
+        bool(description["causal"]), sites, layers, job.dtype, job.batch_size, _absolute_url(writer.url),
+        job.storage_options,
+    )
     with writer:
-        writer.write_weights(adapter.all_head_weights(layers))
-        pending = writer.pending_shards()
-        plan = ShardPlan(
-            job.model, job.device, job.task, dataset.n_samples, dataset.n_pos, bool(description["causal"]),
-            sites, layers, job.dtype, job.batch_size, writer.url, job.storage_options,
-        )
-        n_pending = sum(writer.shards[i][1] - writer.shards[i][0] for i in pending)
-        log.info(
-            "extracting %d samples (%d of %d shards) of %s with %s: sites %s, layers %s, %s",
-            n_pending, len(pending), len(writer.shards), job.task, job.model, ",".join(sites),
-            _layer_text(layers), job.dtype,
-        )
-        started = time.perf_counter()
-        with tqdm(total=n_pending, unit="sample", desc="extract", disable=not progress, dynamic_ncols=True) as bar:
-            meter = Meter(bar)
-            if client is None:
-                _run_in_process(loaded, dataset, plan, writer, pending, meter)
-            else:
-                _run_on_dask(client, plan, pending, meter)
+        writer.write_weights(loaded.adapter.all_head_weights(layers))
+        result = _run_pending(job, loaded, dataset, plan, writer, client, progress)
         crash_point("before-finish")
         writer.finish()
-    seconds = time.perf_counter() - started
     log.info("store complete at %s", writer.url)
-    return ExtractResult(writer.url, dataset.n_samples, len(pending), len(writer.shards), meter.tokens, seconds)
+    return result
+
+
+def _create(job: ExtractJob, identity: dict, replacing: bool):
+    """A new store for the job (replacing the existing one when overwriting)."""
+    chunk = job.samples_per_chunk or chunk_samples(
+        identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
+        job.dtype, job.batch_size,
+    )
+    return create_store(
+        job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
+        n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
+        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=job.overwrite,
+        break_lock=replacing and _stale_lock(job), command=job.command, storage_options=job.storage_options,
+    )
+
+
+def _run_pending(job, loaded, dataset, plan: ShardPlan, writer, client, progress: bool) -> ExtractResult:
+    """Run the store's unfinished shards, in this process or as Dask tasks, with a progress bar."""
+    pending = writer.pending_shards()
+    n_pending = sum(writer.shards[i][1] - writer.shards[i][0] for i in pending)
+    log.info(
+        "extracting %d samples (%d of %d shards) of %s with %s: sites %s, layers %s, %s",
+        n_pending, len(pending), len(writer.shards), job.task, job.model, ",".join(plan.sites),
+        _layer_text(plan.layers), plan.dtype,
+    )
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with tqdm(total=n_pending, unit="sample", desc="extract", disable=not progress, dynamic_ncols=True) as bar:
+        meter = Meter(bar)
+        if client is None:
+            _run_in_process(loaded, dataset, plan, writer, pending, meter)
+        else:
+            _run_on_dask(client, plan, pending, meter)
+    return ExtractResult(
+        writer.url, plan.n_samples, len(pending), len(writer.shards), meter.tokens,
+        time.perf_counter() - started, time.process_time() - cpu_started,
+    )
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -224,7 +240,9 @@ def _check_job(job: ExtractJob) -> None:
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} {value!r}: expected a positive integer")
     if job.resume and job.overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: resume keeps the store, overwrite replaces it; pick one")
+        raise ConfigError(
+            "--resume and --overwrite contradict each other: resume keeps the store, overwrite replaces it; pick one"
+        )
 
 
 def _existing_store(job: ExtractJob) -> dict | None:
@@ -240,6 +258,16 @@ def _existing_store(job: ExtractJob) -> dict | None:
             "or --overwrite to replace it"
         )
     return attrs
+
+
+def _absolute(data):
+    """The data with a text file's path made absolute, for workers that may run elsewhere."""
+    return replace(data, path=os.path.abspath(data.path)) if isinstance(data, TextData) else data
+
+
+def _absolute_url(url: str) -> str:
+    location = as_location(url)
+    return location.local_path if location.is_local else url
 
 
 def _stale_lock(job: ExtractJob) -> bool:
@@ -380,7 +408,7 @@ def run_shard(plan: ShardPlan, index: int) -> ShardReport:
     coordinating process holds) and record it complete."""
     loaded = _worker_model(plan.model, plan.device)
     dataset = open_dataset(
-        parse_task(plan.task), n_samples=plan.n_samples, tokenizer=loaded.tokenizer, causal=plan.causal, n_pos=plan.n_pos
+        plan.data, n_samples=plan.n_samples, tokenizer=loaded.tokenizer, causal=plan.causal, n_pos=plan.n_pos
     )
     writer = open_writer(plan.url, lock=False, storage_options=plan.storage_options)
     start, stop = writer.shards[index]
