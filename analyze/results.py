@@ -19,6 +19,7 @@ from .options import as_attrs
 
 RESULTS_FORMAT = 1
 ANALYSES = {
+    "accuracy": "orthosphere.analyze.accuracy:accuracy",
     "norms": "orthosphere.analyze.norms:norm_spread",
     "subspaces": "orthosphere.analyze.subspaces:factor_subspaces",
     "spheres": "orthosphere.analyze.spheres:sphere_structure",

@@ -98,7 +98,7 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
     _check_keys(values, TOP_LEVEL_KEYS, str(path))
     here = path.resolve().parent
     models = tuple(_model_entry(name, entry, here, path) for name, entry in values.get("models", {}).items())
-    data = tuple(_data_entry(name, entry, path) for name, entry in values.get("data", {}).items())
+    data = tuple(_data_entry(name, entry, here, path) for name, entry in values.get("data", {}).items())
     if not models or not data:
         raise ConfigError(f"{path}: needs at least one [models.NAME] and one [data.NAME] table")
     extract = dict(values.get("extract", {}))
@@ -133,11 +133,23 @@ def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
     return ModelEntry(name=name, path=here / entry["path"] if "path" in entry else Path(), train=train)
 
 
-def _data_entry(name: str, entry: dict, path: Path) -> DataEntry:
+def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
     _check_keys(entry, {"task", "samples"}, f"{path} [data.{name}]")
     if "task" not in entry:
         raise ConfigError(f"{path} [data.{name}]: needs `task`, a task spec such as 'arithmetic:split=test,seed=1'")
-    return DataEntry(name=name, task=entry["task"], samples=entry.get("samples"))
+    return DataEntry(name=name, task=_resolve_text_path(entry["task"], here), samples=entry.get("samples"))
+
+
+def _resolve_text_path(spec: str, here: Path) -> str:
+    """A text task's file is relative to the pipeline config's folder."""
+    kind, _, options = spec.partition(":")
+    if kind != "text":
+        return spec
+    parts = [
+        f"path={(here / part.removeprefix('path=')).resolve()}" if part.startswith("path=") else part
+        for part in options.split(",")
+    ]
+    return f"{kind}:{','.join(parts)}"
 
 
 def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None) -> Path:

@@ -1,0 +1,38 @@
+"""The model's own accuracy on the stored data: how often its arg-max prediction is the target.
+
+Per-token accuracy is over the scored positions (the answer tokens of the arithmetic task, every
+next-token prediction of text); whole-answer accuracy is the share of samples whose scored
+positions are all right. Read from `pred`, `target`, `scored` and `valid`, lazily, computed once.
+"""
+from __future__ import annotations
+
+import dask
+import numpy as np
+import xarray as xr
+
+from .errors import AnalysisError
+
+
+def accuracy(dataset: xr.Dataset) -> xr.Dataset:
+    """Per-token and whole-answer accuracy of the model's predictions over the scored tokens."""
+    missing = [name for name in ("pred", "target", "scored", "valid") if name not in dataset.variables]
+    if missing:
+        raise AnalysisError(f"the store lacks {missing}: accuracy needs the predictions that extraction always writes")
+    scored = dataset.scored & dataset.valid
+    right = (dataset.pred == dataset.target) & scored
+    answered = scored.any("pos")
+    all_right = (right | ~scored).all("pos") & answered
+    n_scored, n_right, n_answers, n_all_right = dask.compute(
+        scored.sum().data, right.sum().data, answered.sum().data, all_right.sum().data
+    )
+    if n_scored == 0:
+        raise AnalysisError("no scored token in the store: accuracy needs a task that marks scored positions")
+    return xr.Dataset(
+        {
+            "token_accuracy": ((), float(n_right) / float(n_scored)),
+            "answer_accuracy": ((), float(n_all_right) / float(n_answers) if n_answers else np.nan),
+            "n_scored_tokens": ((), int(n_scored)),
+            "n_answers": ((), int(n_answers)),
+        },
+        attrs={"definition": "arg-max prediction == target over scored valid tokens; answers: every scored token right"},
+    )
