@@ -11,26 +11,30 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 
+from .blocks import single_block
 from .errors import AnalysisError
 from .inputs import align, check_layers, require_site, store_url
 
 
 def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, *, attn_scale: float, causal: bool) -> np.ndarray:
-    """Pattern (..., head, qpos, kpos) from q (..., pos, head, d_head), k (..., pos, kv_head, d_head)
-    and valid (..., pos); head h reads kv_head h // (n_heads // n_kv_heads). A query that may see
-    no key (none valid) gets an all-zero row."""
+    """Pattern (..., head, qpos, kpos), float32 as in the model, from q (..., pos, head, d_head),
+    k (..., pos, kv_head, d_head) and valid (..., pos); head h reads kv_head h // (n_heads // n_kv_heads).
+    A query that may see no key (none valid) gets an all-zero row."""
     group = q.shape[-2] // k.shape[-2]
-    keys = np.repeat(np.asarray(k, dtype="float64"), group, axis=-2)
-    scores = np.einsum("...qhd,...khd->...hqk", np.asarray(q, dtype="float64"), keys) * attn_scale
-    n_pos = q.shape[-3]
-    allowed = np.broadcast_to(np.asarray(valid, dtype=bool)[..., None, None, :], scores.shape)
+    queries = np.swapaxes(np.asarray(q, dtype="float32"), -2, -3)
+    keys = np.repeat(np.swapaxes(np.asarray(k, dtype="float32"), -2, -3), group, axis=-3)
+    scores = queries @ np.swapaxes(keys, -1, -2)
+    scores *= np.float32(attn_scale)
+    allowed = np.asarray(valid, dtype=bool)[..., None, None, :]
     if causal:
+        n_pos = scores.shape[-1]
         allowed = allowed & np.tril(np.ones((n_pos, n_pos), dtype=bool))
-    scores = np.where(allowed, scores, -np.inf)
-    row_max = np.max(scores, axis=-1, keepdims=True)
-    weights = np.where(allowed, np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
-    total = weights.sum(axis=-1, keepdims=True)
-    return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    np.copyto(scores, -np.inf, where=~allowed)
+    peak = scores.max(axis=-1, keepdims=True)
+    scores -= np.where(np.isneginf(peak), 0, peak)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    return np.divide(scores, total, out=scores, where=total > 0)
 
 
 def attention_parameters(dataset: xr.Dataset) -> dict:
@@ -70,10 +74,10 @@ def layer_attention(dataset: xr.Dataset, layer: int) -> da.Array:
     valid = align(dataset["valid"].data, q)
 
     def block(q_block, k_block, valid_block):
-        return attention_from_qk(q_block, k_block, valid_block, **parameters).astype("float32")
+        return attention_from_qk(single_block(q_block), single_block(k_block), valid_block, **parameters)
 
     return da.blockwise(
-        block, "shqk", q, "sqhd", k, "skgd", valid, "sk", concatenate=True, dtype="float32",
+        block, "shqk", q, "sqhd", k, "skgd", valid, "sk", concatenate=False, dtype="float32",
         meta=np.empty((0, 0, 0, 0), dtype="float32"),
     )
 

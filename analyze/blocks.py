@@ -4,14 +4,15 @@ from __future__ import annotations
 import dask.array as da
 import numpy as np
 
-from .inputs import align
+from .inputs import align, as_float32
 
 
 def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
     """Lazy (size,) float64 sum over sample chunks of kernel(*blocks).
 
     Every input has the sample axis first; they are aligned to the first input's sample chunks
-    and taken whole along every other axis, so the kernel sees matching blocks of samples.
+    and taken whole along every other axis, so the kernel sees matching blocks of samples
+    (float16 ones as float32).
     """
     first = inputs[0]
     pattern = []
@@ -20,6 +21,7 @@ def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
         pattern += [array, ("sample",) + tuple(f"{number}.{axis}" for axis in range(1, array.ndim))]
 
     def block_vector(*blocks):
+        blocks = [as_float32(single_block(block)) for block in blocks]
         return np.asarray(kernel(*blocks), dtype="float64").reshape(1, size)
 
     partials = da.blockwise(
@@ -28,11 +30,19 @@ def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
         *pattern,
         new_axes={"value": size},
         adjust_chunks={"sample": 1},
-        concatenate=True,
+        concatenate=False,
         dtype="float64",
         meta=np.empty((0, 0), dtype="float64"),
     )
     return partials.sum(axis=0, split_every=8)
+
+
+def single_block(block):
+    """The one block that blockwise hands over, nested in lists, for an axis taken whole (no copy,
+    unlike concatenate=True)."""
+    while isinstance(block, list):
+        (block,) = block
+    return block
 
 
 class Packer:

@@ -20,8 +20,8 @@ EDGES = np.linspace(LOG_LOW, LOG_HIGH, N_BINS + 1)
 def log_histogram(values: np.ndarray, weights: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
     """Weighted counts (n_groups, N_SLOTS) of values per group (arrays of one shape)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        logs = np.log(np.asarray(values, dtype="float64").ravel())
-    slots = np.floor((logs - LOG_LOW) / BIN_WIDTH) + 1
+        logs = np.log(np.asarray(values, dtype="float32").ravel())
+    slots = np.floor((logs - np.float32(LOG_LOW)) * np.float32(1 / BIN_WIDTH)) + 1
     slots = np.clip(np.nan_to_num(slots, nan=0.0, neginf=0.0, posinf=N_SLOTS - 1), 0, N_SLOTS - 1)
     index = np.asarray(groups).ravel() * N_SLOTS + slots.astype("int64")
     counts = np.bincount(index, weights=np.asarray(weights, dtype="float64").ravel(), minlength=n_groups * N_SLOTS)

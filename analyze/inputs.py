@@ -1,6 +1,7 @@
 """What the analyses read from a store: sites, layers, token masks, and the NaN/Inf check."""
 from __future__ import annotations
 
+import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
@@ -84,29 +85,68 @@ def sample_values(dataset: xr.Dataset, like: da.Array) -> da.Array:
     return da.from_array(np.asarray(dataset["sample"].values), chunks=(like.chunks[0],))
 
 
+def as_float32(block: np.ndarray) -> np.ndarray:
+    """float16 activations as float32 (their squares overflow float16 at |x| > 256); others unchanged."""
+    return block.astype("float32") if block.dtype == np.float16 else block
+
+
+def square_norms(x: np.ndarray) -> np.ndarray:
+    """Per-token |x|^2 (float32) over the last axis: non-finite exactly where a token holds NaN or Inf
+    (or values whose squares overflow float32). Kernels count these; see FiniteCheck."""
+    return np.einsum("...d,...d->...", x, x)
+
+
 def nonfinite_samples(data: da.Array) -> da.Array:
-    """Per sample, whether any value is NaN or Inf: a float64 sum is non-finite exactly then."""
-    return ~da.isfinite(data.sum(axis=tuple(range(1, data.ndim)), dtype="float64"))
+    """Per sample, whether any of its tokens has a non-finite square norm."""
+
+    def block(values):
+        return ~np.isfinite(square_norms(as_float32(values))).reshape(len(values), -1).all(axis=1)
+
+    return data.map_blocks(block, drop_axis=list(range(1, data.ndim)), dtype=bool, meta=np.empty((0,), dtype=bool))
 
 
 class FiniteCheck:
-    """Lazy per-sample NaN/Inf flags of every (variable, layer) an analysis reads, checked after compute."""
+    """NaN/Inf detection for the arrays an analysis reads, in one of two ways:
+
+    - kernels that derive per-token values count the non-finite ones (`reads`, then `check` with
+      the counts): no extra pass; only when a count is not zero does a second pass over those
+      inputs find the layers and samples to report;
+    - otherwise `watch` an array: its per-sample flags (`flags`) are computed in the same graph as
+      the analysis, and `raise_if_any` checks them.
+    """
 
     def __init__(self, dataset: xr.Dataset):
         self.dataset = dataset
+        self.inputs: dict = {}
         self.flags: dict[tuple[str, int], da.Array] = {}
 
+    def reads(self, key, *inputs: tuple[str, int]) -> None:
+        """Record the (variable, layer) pairs that the kernel `key` reads."""
+        self.inputs[key] = inputs
+
+    def check(self, counts: dict) -> None:
+        """Raise NonFiniteError if any kernel counted non-finite values, naming variables, layers, samples."""
+        suspects = sorted({pair for key, count in counts.items() if count for pair in self.inputs[key]})
+        if not suspects:
+            return
+        (flags,) = dask.compute({pair: nonfinite_samples(layer_data(self.dataset[pair[0]], pair[1])) for pair in suspects})
+        self.raise_if_any(flags)
+        raise NonFiniteError(
+            f"the analysis of store {store_url(self.dataset)} derived NaN or Inf from finite activations "
+            f"{suspects} (values beyond float32's range, e.g. attention scores): check the model's scale"
+        )
+
     def watch(self, name: str, layer: int, data: da.Array) -> None:
+        """Add the lazy per-sample flags of one layer of a variable to `flags`."""
         self.flags.setdefault((name, layer), nonfinite_samples(data))
 
     def raise_if_any(self, computed: dict) -> None:
-        """Raise NonFiniteError naming each variable, its layers and samples, if any flag is set."""
+        """Raise NonFiniteError naming each variable, its layers and samples, if any computed flag is set."""
         samples = np.asarray(self.dataset["sample"].values)
         found: dict[str, dict[int, np.ndarray]] = {}
-        for (name, layer), flags in computed.items():
-            bad = samples[np.asarray(flags)]
-            if bad.size:
-                found.setdefault(name, {})[layer] = bad
+        for (name, layer), flagged in computed.items():
+            if np.any(flagged):
+                found.setdefault(name, {})[layer] = samples[np.asarray(flagged)]
         if not found:
             return
         parts = []

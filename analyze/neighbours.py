@@ -13,38 +13,42 @@ import numpy as np
 import xarray as xr
 
 from .blocks import Packer, sample_block_sums
-from .inputs import FiniteCheck, check_layers, layer_data, token_mask
+from .inputs import FiniteCheck, check_layers, layer_data, square_norms, token_mask
 from .options import check_options
 from .subspaces import d_model_site
 
 PACKER = Packer({
-    "sequences": (), "collapse_sum": (), "collapse_square_sum": (),
+    "nonfinite": (), "sequences": (), "collapse_sum": (), "collapse_square_sum": (),
     "tokens": (), "angle_sum": (), "angle_square_sum": (), "log_ratio_sum": (), "log_ratio_square_sum": (),
 })
 
 
 def _neighbour_sums(x, y, mask):
-    with np.errstate(invalid="ignore", divide="ignore"):  # NaN or Inf: reported by the finite check
+    with np.errstate(invalid="ignore", divide="ignore"):  # NaN or Inf: counted, then reported
         return _neighbour_sums_of(x, y, mask)
 
 
 def _neighbour_sums_of(x, y, mask):
-    x = x.astype("float64")
-    y = y.astype("float64")
-    weights = mask.astype("float64")
+    """One block's sums of the rank collapse per sequence and of the angular step per token."""
+    x_sq, y_sq = square_norms(x), square_norms(y)
+    weights = mask.astype("float32")
     count = weights.sum(axis=1)
-    square_norms = np.einsum("spd,spd->sp", x, x)
-    total = (square_norms * weights).sum(axis=1)
     mean = np.einsum("spd,sp->sd", x, weights) / np.maximum(count, 1)[:, None]
-    spread = total - count * np.einsum("sd,sd->s", mean, mean)
+    centred = (x - mean[:, None, :]) * weights[..., None]
+    spread = square_norms(centred).sum(axis=1, dtype="float64")
+    total = (x_sq * weights).sum(axis=1, dtype="float64")
     sequences = (count > 0) & (total > 0)
-    collapse = np.sqrt(np.maximum(spread[sequences], 0.0) / total[sequences])
-    x_norm, y_norm = np.sqrt(square_norms), np.linalg.norm(y, axis=-1)
+    collapse = np.sqrt(spread[sequences] / total[sequences])
+    x_norm, y_norm = np.sqrt(x_sq), np.sqrt(y_sq)
     counted = mask & (x_norm > 0) & (y_norm > 0)
-    cosine = np.einsum("spd,spd->sp", x, y)[counted] / (x_norm[counted] * y_norm[counted])
-    angle = np.degrees(np.arccos(np.clip(cosine, -1.0, 1.0)))
-    log_ratio = np.log(y_norm[counted] / x_norm[counted])
+    x_unit = x[counted] / x_norm[counted][:, None]
+    y_unit = y[counted] / y_norm[counted][:, None]
+    # the angle between unit vectors as 2 atan2(|a - b|, |a + b|): accurate at every angle
+    angle = np.degrees(2 * np.arctan2(np.sqrt(square_norms(x_unit - y_unit)), np.sqrt(square_norms(x_unit + y_unit))))
+    angle = angle.astype("float64")
+    log_ratio = np.log(y_norm[counted] / x_norm[counted]).astype("float64")
     return PACKER.pack({
+        "nonfinite": np.count_nonzero(~np.isfinite(x_sq)) + np.count_nonzero(~np.isfinite(y_sq)),
         "sequences": sequences.sum(), "collapse_sum": collapse.sum(), "collapse_square_sum": (collapse**2).sum(),
         "tokens": counted.sum(), "angle_sum": angle.sum(), "angle_square_sum": (angle**2).sum(),
         "log_ratio_sum": log_ratio.sum(), "log_ratio_square_sum": (log_ratio**2).sum(),
@@ -68,12 +72,11 @@ def neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str =
     finite = FiniteCheck(dataset)
     lazy = {}
     for layer in layers:
-        x, y = layer_data(start, layer), layer_data(end, layer)
-        finite.watch(site, layer, x)
-        finite.watch(step_site, layer, y)
-        lazy[layer] = sample_block_sums(_neighbour_sums, PACKER.size, x, y, mask)
-    sums, flags = dask.compute(lazy, finite.flags)
-    finite.raise_if_any(flags)
+        lazy[layer] = sample_block_sums(_neighbour_sums, PACKER.size, layer_data(start, layer), layer_data(end, layer),
+                                        mask)
+        finite.reads(layer, (site, layer), (step_site, layer))
+    (sums,) = dask.compute(lazy)
+    finite.check({layer: PACKER.unpack(vector)["nonfinite"] for layer, vector in sums.items()})
     names = ("rank_collapse", "rank_collapse_std", "angular_step", "angular_step_std", "log_norm_ratio",
              "log_norm_ratio_std", "n_sequences", "n_tokens")
     values = {name: [] for name in names}

@@ -18,11 +18,11 @@ import numpy as np
 import xarray as xr
 
 from .attention import attention_source, layer_attention
-from .blocks import sample_block_sums
+from .blocks import sample_block_sums, single_block
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, spread_variables
 from .inputs import (HEAD_SITES, VECTOR_SITES, FiniteCheck, align, check_layers, layer_data, require_site,
-                     store_url, token_mask)
+                     square_norms, store_url, token_mask)
 from .options import check_options
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -33,28 +33,34 @@ def received_attention(pattern: da.Array, mask: da.Array) -> da.Array:
     mask = align(mask, pattern)
 
     def block(pattern_block, mask_block):
-        weights = mask_block.astype("float64")
-        return np.einsum("shqk,sq->shk", pattern_block, weights) * weights[:, None, :]
+        weights = single_block(mask_block).astype("float32")
+        received = (weights[:, None, None, :] @ single_block(pattern_block))[:, :, 0, :]
+        return received * weights[:, None, :]
 
-    return da.blockwise(block, "shk", pattern, "shqk", mask, "sq", concatenate=True, dtype="float64",
-                        meta=np.empty((0, 0, 0), dtype="float64"))
+    return da.blockwise(block, "shk", pattern, "shqk", mask, "sq", concatenate=False, dtype="float32",
+                        meta=np.empty((0, 0, 0), dtype="float32"))
 
 
 def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
-    """Histograms (group, slot) of one block's norms: group = head when weighted, else layer or head."""
-    norms = np.sqrt(np.einsum("...d,...d->...", x.astype("float64"), x.astype("float64")))
-    weights = mask.astype("float64")
+    """One block's histograms (group, slot) of the norms, group = head when weighted, else layer or
+    head, followed by the count of non-finite norms and attention weights."""
+    norms = np.sqrt(square_norms(x))
+    nonfinite = np.count_nonzero(~np.isfinite(norms)) + sum(np.count_nonzero(~np.isfinite(a)) for a in attention)
+    weights = mask.astype("float32")
     if site_kind == "d_model" and not attention:
-        return log_histogram(norms, weights, np.zeros(norms.shape, dtype="int64"), 1)
-    if site_kind == "d_model":
+        counts = log_histogram(norms, weights, np.zeros(norms.shape, dtype="int64"), 1)
+    elif site_kind == "d_model":
         values = np.broadcast_to(norms[:, None, :], attention[0].shape)
-        return log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
-    values = np.moveaxis(norms, -1, 1)  # (sample, head or kv_head, pos)
-    if site_kind == "q" or not attention:
-        weights = np.broadcast_to(weights[:, None, :], values.shape)
-        return log_histogram(values, weights, _head_index(values.shape, 1), n_groups)
-    values = np.repeat(values, n_heads // values.shape[1], axis=1)
-    return log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
+        counts = log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
+    else:
+        values = np.moveaxis(norms, -1, 1)  # (sample, head or kv_head, pos)
+        if site_kind == "q" or not attention:
+            weights = np.broadcast_to(weights[:, None, :], values.shape)
+            counts = log_histogram(values, weights, _head_index(values.shape, 1), n_groups)
+        else:
+            values = np.repeat(values, n_heads // values.shape[1], axis=1)
+            counts = log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)
+    return np.append(counts.ravel(), nonfinite)
 
 
 def _head_index(shape, axis):
@@ -112,30 +118,27 @@ def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_atten
     mask = token_mask(dataset, exclude_start)
     n_heads = dataset.sizes["head"]
     finite = FiniteCheck(dataset)
-    lazy = {site: {} for site in sites}
+    attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
+    lazy = {}
     for layer in layers:
-        attention = ()
-        if source is not None:
-            pattern = layer_attention(dataset, layer)
-            for name in ("pattern",) if source == "pattern" else ("q", "k"):
-                finite.watch(name, layer, layer_data(dataset[name], layer))
-            attention = (received_attention(pattern, mask),)
+        attention = (received_attention(layer_attention(dataset, layer), mask),) if source is not None else ()
         for site in sites:
-            x = layer_data(dataset[site], layer)
-            finite.watch(site, layer, x)
             kind = site if site in HEAD_SITES else "d_model"
             group_dim = _group_dim(site, weighted)
             n_groups = dataset.sizes[group_dim] if group_dim else 1
             kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
-            inputs = (x, mask) + (attention if weighted and site != "q" else ())
-            lazy[site][layer] = sample_block_sums(kernel, n_groups * N_SLOTS, *inputs)
-    counts, flags = dask.compute(lazy, finite.flags)
-    finite.raise_if_any(flags)
+            uses_attention = weighted and site != "q"
+            inputs = (layer_data(dataset[site], layer), mask) + (attention if uses_attention else ())
+            lazy[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
+            names = (site,) + (attention_inputs if uses_attention else ())
+            finite.reads((site, layer), *((name, layer) for name in names))
+    (sums,) = dask.compute(lazy)
+    finite.check({key: vector[-1] for key, vector in sums.items()})
     children = {}
     for site in sites:
         group_dim = _group_dim(site, weighted)
         n_groups = dataset.sizes[group_dim] if group_dim else 1
-        per_layer = {layer: counts[site][layer].reshape(n_groups, N_SLOTS) for layer in layers}
+        per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
         summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
         summary.attrs.update({
             "weighting": "attention" if weighted else "uniform",

@@ -27,7 +27,7 @@ from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
 from .factors import factor_tokens, parse_factors
 from .histogram import N_SLOTS, log_histogram, spread_variables
-from .inputs import FiniteCheck, check_layers, layer_data, store_url, token_mask
+from .inputs import FiniteCheck, check_layers, layer_data, square_norms, store_url, token_mask
 from .norms import QUANTILES
 from .options import as_attrs, check_options
 from .subspaces import d_model_site, fit_subspaces
@@ -49,28 +49,37 @@ def _bases(dataset, fit: dict, subspaces: xr.Dataset | None) -> tuple[dict, str]
 
 
 class LayerGeometry:
-    """One layer's stacked bases: coordinates of a token in them, and the Gram blocks between factors."""
+    """One layer's stacked bases U = [U_1 ... U_k] = W S V^T: an orthonormal basis W of their span
+    (the projection of a token), the map from W-coordinates to the coordinates c = pinv(U) x of the
+    factors (float32, like the activations), and the Gram blocks U_a^T U_b between factors."""
 
     def __init__(self, bases: list[np.ndarray]):
         self.ranks = [basis.shape[1] for basis in bases]
         self.stops = np.cumsum(self.ranks)
         self.starts = self.stops - self.ranks
-        self.stacked = np.concatenate(bases, axis=1)
-        self.coordinates = np.linalg.pinv(self.stacked)
-        self.gram = self.stacked.T @ self.stacked
+        stacked = np.concatenate(bases, axis=1)
+        left, singular, right = np.linalg.svd(stacked, full_matrices=False)
+        kept = singular > 1e-6 * singular.max() if singular.size else singular.astype(bool)
+        self.span = left[:, kept].astype("float32")
+        self.to_coordinates = (right[kept].T / singular[kept]).T.astype("float32")
+        self.gram = stacked.T @ stacked
 
     def part(self, coordinates, a):
         return coordinates[:, self.starts[a]: self.stops[a]]
 
     def block(self, a, b):
-        return self.gram[self.starts[a]: self.stops[a], self.starts[b]: self.stops[b]]
+        return self.gram[self.starts[a]: self.stops[a], self.starts[b]: self.stops[b]].astype("float32")
+
+
+def _pairs(n_factors: int) -> list[tuple[int, int]]:
+    return [(a, b) for a in range(n_factors) for b in range(a + 1, n_factors)]
 
 
 def _packer(ranks: list[int]) -> Packer:
-    n = len(ranks)
+    n, n_pairs = len(ranks), len(_pairs(len(ranks)))
     shapes = {
-        "count": (), "part_sum": (n + 1,), "part_square_sum": (n + 1,), "radius_sum": (n,),
-        "cross_sum": (n, n), "cross_square_sum": (n, n), "total_cross_square_sum": (),
+        "nonfinite": (), "count": (), "part_sum": (n + 1,), "part_square_sum": (n + 1,), "radius_sum": (n,),
+        "cross_sum": (n_pairs,), "cross_square_sum": (n_pairs,), "total_cross_square_sum": (),
         "norm_sq_sum": (), "norm_sq_square_sum": (), "histogram": (n, N_SLOTS),
     }
     for a, rank in enumerate(ranks):
@@ -80,30 +89,39 @@ def _packer(ranks: list[int]) -> Packer:
 
 
 def _sphere_moments(x, tokens, *, geometry: LayerGeometry, packer: Packer):
-    vectors = x.reshape(-1, x.shape[-1])[tokens.ravel()].astype("float64")
+    """One block's moment sums of the parts |x_a|^2, the rest, the cross terms, the sphere fits and
+    the radius histograms, over its analysed tokens."""
+    every_square = square_norms(x).ravel()
+    selected = tokens.ravel()
+    norm_sq = every_square[selected].astype("float64")
+    projected = x.reshape(-1, x.shape[-1])[selected] @ geometry.span
+    coordinates = projected @ geometry.to_coordinates
     n_factors = len(geometry.ranks)
-    coordinates = vectors @ geometry.coordinates.T
-    rest = vectors - coordinates @ geometry.stacked.T
     parts = [geometry.part(coordinates, a) for a in range(n_factors)]
-    squares = np.stack([np.einsum("nr,nr->n", p, p) for p in parts] + [np.einsum("nd,nd->n", rest, rest)], axis=1)
-    radii = np.sqrt(squares[:, :n_factors])
-    cross = np.zeros((len(vectors), n_factors, n_factors))
-    for a in range(n_factors):
-        for b in range(a + 1, n_factors):
-            cross[:, a, b] = np.einsum("nr,nr->n", parts[a] @ geometry.block(a, b), parts[b])
-    total_cross = 2 * cross.sum(axis=(1, 2))
-    norm_sq = np.einsum("nd,nd->n", vectors, vectors)
+    radii = np.sqrt(np.stack([square_norms(part) for part in parts], axis=1))
+    squares = np.concatenate([radii.astype("float64") ** 2, (norm_sq - square_norms(projected))[:, None]], axis=1)
+    cross = np.zeros((len(norm_sq), len(_pairs(n_factors))))
+    for pair, (a, b) in enumerate(_pairs(n_factors)):
+        cross[:, pair] = np.einsum("nr,nr->n", parts[a] @ geometry.block(a, b), parts[b])
+    total_cross = 2 * cross.sum(axis=1)
     out = {
-        "count": len(vectors), "part_sum": squares.sum(0), "part_square_sum": (squares**2).sum(0),
-        "radius_sum": radii.sum(0), "cross_sum": cross.sum(0), "cross_square_sum": (cross**2).sum(0),
-        "total_cross_square_sum": (total_cross**2).sum(), "norm_sq_sum": norm_sq.sum(),
-        "norm_sq_square_sum": (norm_sq**2).sum(),
+        "nonfinite": np.count_nonzero(~np.isfinite(every_square)), "count": len(norm_sq),
+        "part_sum": squares.sum(0), "part_square_sum": np.einsum("np,np->p", squares, squares),
+        "radius_sum": radii.sum(0, dtype="float64"), "cross_sum": cross.sum(0),
+        "cross_square_sum": np.einsum("np,np->p", cross, cross), "total_cross_square_sum": total_cross @ total_cross,
+        "norm_sq_sum": norm_sq.sum(), "norm_sq_square_sum": norm_sq @ norm_sq,
         "histogram": log_histogram(radii, np.ones(radii.shape), np.broadcast_to(np.arange(n_factors), radii.shape), n_factors),
     }
     for a, part in enumerate(parts):
-        z = np.concatenate([2 * part, np.ones((len(part), 1))], axis=1)
-        out[f"fit_zz{a}"] = z.T @ z
-        out[f"fit_za{a}"] = z.T @ squares[:, a]
+        # z = [2 y, 1] for the algebraic fit |y|^2 = 2 c . y + k, in float64: the residual is a small difference
+        part = part.astype("float64")
+        rank = part.shape[1]
+        zz = np.empty((rank + 1, rank + 1))
+        zz[:rank, :rank] = 4 * part.T @ part
+        zz[:rank, rank] = zz[rank, :rank] = 2 * part.sum(axis=0)
+        zz[rank, rank] = len(part)
+        out[f"fit_zz{a}"] = zz
+        out[f"fit_za{a}"] = np.append(2 * part.T @ squares[:, a], squares[:, a].sum())
     return packer.pack(out)
 
 
@@ -142,16 +160,15 @@ def sphere_structure(dataset: xr.Dataset, *, site: str = "resid_pre", factors=No
     for factor in factors:
         tokens = tokens & factor_tokens(dataset, factor, mask)
     finite = FiniteCheck(dataset)
-    lazy, packers, geometries = {}, {}, {}
+    lazy, packers = {}, {}
     for layer in layers:
-        geometries[layer] = LayerGeometry([bases[layer][name] for name in names])
-        packers[layer] = _packer(geometries[layer].ranks)
-        x = layer_data(array, layer)
-        finite.watch(site, layer, x)
-        kernel = partial(_sphere_moments, geometry=geometries[layer], packer=packers[layer])
-        lazy[layer] = sample_block_sums(kernel, packers[layer].size, x, tokens)
-    sums, flags = dask.compute(lazy, finite.flags)
-    finite.raise_if_any(flags)
+        geometry = LayerGeometry([bases[layer][name] for name in names])
+        packers[layer] = _packer(geometry.ranks)
+        kernel = partial(_sphere_moments, geometry=geometry, packer=packers[layer])
+        lazy[layer] = sample_block_sums(kernel, packers[layer].size, layer_data(array, layer), tokens)
+        finite.reads(layer, (site, layer))
+    (sums,) = dask.compute(lazy)
+    finite.check({layer: packers[layer].unpack(vector)["nonfinite"] for layer, vector in sums.items()})
     count = packers[layers[0]].unpack(sums[layers[0]])["count"]
     if count == 0:
         raise AnalysisError(
@@ -178,8 +195,10 @@ def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:
         part_variance = np.maximum(m["part_square_sum"] / n - part_mean**2, 0.0)
         radius_mean = m["radius_sum"] / n
         radius_variance = np.maximum(part_mean[:n_factors] - radius_mean**2, 0.0)
-        cross_mean = m["cross_sum"] / n
-        cross_rms = np.sqrt(m["cross_square_sum"] / n)
+        cross_mean, cross_rms = np.full((n_factors, n_factors), np.nan), np.full((n_factors, n_factors), np.nan)
+        for pair, (a, b) in enumerate(_pairs(n_factors)):
+            cross_mean[a, b] = cross_mean[b, a] = m["cross_sum"][pair] / n
+            cross_rms[a, b] = cross_rms[b, a] = np.sqrt(m["cross_square_sum"][pair] / n)
         cross_second = m["total_cross_square_sum"] / n
         norm_sq_mean = m["norm_sq_sum"] / n
         budget = part_variance.sum() + cross_second
@@ -193,8 +212,8 @@ def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:
             "fit_residual": np.array([fit[2] for fit in fits]),
             "centre_offset": np.array([fit[3] for fit in fits]),
             "rank": np.array([bases[layer][name].shape[1] for name in names]),
-            "cross_term_mean": cross_mean + cross_mean.T,
-            "cross_term_rms": np.sqrt(cross_rms**2 + cross_rms.T**2),
+            "cross_term_mean": cross_mean,
+            "cross_term_rms": cross_rms,
             "part_norm_sq_mean": part_mean,
             "part_norm_sq_variance": part_variance,
             "cross_term_second_moment": cross_second,
@@ -207,9 +226,6 @@ def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:
         for name, value in values.items():
             per_layer[name].append(value)
     stacked = {name: np.stack(value) for name, value in per_layer.items()}
-    for a in range(n_factors):
-        stacked["cross_term_mean"][:, a, a] = np.nan
-        stacked["cross_term_rms"][:, a, a] = np.nan
     lf = ("layer", "factor")
     coords = {
         "layer": layers,

@@ -20,7 +20,8 @@ from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
 from .factors import Factor, discover_classes, factor_codes, parse_factors
 from .geometry import between_class_svd, choose_rank, column_space, overlap_fraction, principal_angles
-from .inputs import D_MODEL_SITES, SITES, FiniteCheck, check_layers, layer_data, require_site, sample_values, token_mask
+from .inputs import (D_MODEL_SITES, SITES, FiniteCheck, check_layers, layer_data, require_site, sample_values,
+                     square_norms, token_mask)
 from .options import as_attrs, check_options
 
 BOUNDS = ("low", "high")
@@ -73,19 +74,22 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 
 
 def _class_sums(x, groups, *codes, packer, n_classes, n_groups):
-    """Per factor: sums of token vectors and counts per (group, class), and the sum of squared norms."""
-    vectors = x.reshape(-1, x.shape[-1]).astype("float64")
-    squares = np.einsum("nd,nd->n", vectors, vectors)
+    """Per factor: sums of token vectors and counts per (group, class), and the sum of squared norms.
+    A (group, class) cell of one block sums few tokens, so float32 sums lose nothing that matters;
+    blocks are then accumulated in float64."""
+    squares = square_norms(x).ravel()
+    vectors = x.reshape(-1, x.shape[-1])
     token_group = np.repeat(groups, x.shape[1])
-    out = {}
+    out = {"nonfinite": np.count_nonzero(~np.isfinite(squares))}
     for number, (code, classes) in enumerate(zip(codes, n_classes)):
         code = code.ravel()
         rows = np.flatnonzero(code >= 0)
         index = token_group[rows] * classes + code[rows]
-        onehot = sparse.csr_matrix((np.ones(rows.size), (index, rows)), shape=(n_groups * classes, len(vectors)))
+        onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
+                                   shape=(n_groups * classes, len(vectors)))
         out[f"sums{number}"] = onehot @ vectors
         out[f"counts{number}"] = np.bincount(index, minlength=n_groups * classes)
-        out[f"squares{number}"] = squares[rows].sum()
+        out[f"squares{number}"] = squares[rows].sum(dtype="float64")
     return packer.pack(out)
 
 
@@ -116,7 +120,7 @@ def fit_subspaces(dataset: xr.Dataset, *, site="resid_pre", factors=None, layers
     n_groups = bootstrap_groups if n_bootstrap else 1
     n_classes = [len(classes[factor.name]) for factor in factors]
     d_model = array.sizes["d_model"]
-    shapes = {}
+    shapes = {"nonfinite": ()}
     for number, size in enumerate(n_classes):
         shapes.update({f"sums{number}": (n_groups, size, d_model), f"counts{number}": (n_groups, size), f"squares{number}": ()})
     packer = Packer(shapes)
@@ -125,11 +129,10 @@ def fit_subspaces(dataset: xr.Dataset, *, site="resid_pre", factors=None, layers
     finite = FiniteCheck(dataset)
     lazy = {}
     for layer in layers:
-        x = layer_data(array, layer)
-        finite.watch(site, layer, x)
-        lazy[layer] = sample_block_sums(kernel, packer.size, x, groups, *codes)
-    sums, flags = dask.compute(lazy, finite.flags)
-    finite.raise_if_any(flags)
+        lazy[layer] = sample_block_sums(kernel, packer.size, layer_data(array, layer), groups, *codes)
+        finite.reads(layer, (site, layer))
+    (sums,) = dask.compute(lazy)
+    finite.check({layer: packer.unpack(vector)["nonfinite"] for layer, vector in sums.items()})
     rng = np.random.default_rng(seed)
     weights = rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=n_bootstrap) if n_bootstrap else None
     counts = packer.unpack(sums[layers[0]])
@@ -145,13 +148,15 @@ def fit_subspaces(dataset: xr.Dataset, *, site="resid_pre", factors=None, layers
     return result
 
 
-def head_read_spaces(dataset: xr.Dataset, layer: int) -> dict[str, list[np.ndarray]] | None:
-    """Orthonormal bases of each head's read subspaces in d_model (column spaces of w_q[h], w_k[g]), or None without weights."""
+def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
+    """Per layer, orthonormal bases of each head's read subspaces in d_model (column spaces of w_q[h],
+    w_k[g]); empty without weights."""
     if "w_q" not in dataset.data_vars:
-        return None
+        return {}
+    weights = dataset[["w_q", "w_k"]].sel(layer=layers).compute()
     return {
-        name: [column_space(matrix) for matrix in dataset[f"w_{name}"].sel(layer=layer).values]
-        for name in ("q", "k")
+        layer: {name: [column_space(matrix) for matrix in weights[f"w_{name}"].sel(layer=layer).values] for name in "qk"}
+        for layer in layers
     }
 
 
@@ -194,7 +199,7 @@ def subspace_dataset(dataset: xr.Dataset, subspaces: Subspaces, *, confidence: f
     d_model = dataset.sizes["d_model"]
     fits = subspaces.fits
     n_components = max(len(fits[layers[0]][name].singular) for name in names)
-    heads = {layer: head_read_spaces(dataset, layer) for layer in layers}
+    heads = head_read_spaces(dataset, layers)
     max_rank = max(fit.rank for layer in layers for fit in fits[layer].values())
     n_angles = max(1, max_rank)
     shape = (len(layers), len(names))
@@ -219,7 +224,7 @@ def subspace_dataset(dataset: xr.Dataset, subspaces: Subspaces, *, confidence: f
                 if m != j:
                     partner = fits[layer][other]
                     pairs.fill((i, j, m), fit.basis, partner.basis, fit.replicates, partner.replicates)
-            for kind, spaces in (heads[layer] or {}).items():
+            for kind, spaces in heads.get(layer, {}).items():
                 for h, space in enumerate(spaces):
                     reads[kind].fill((i, j, h), fit.basis, space, fit.replicates)
     factor_dims = ("layer", "factor")
@@ -238,7 +243,7 @@ def subspace_dataset(dataset: xr.Dataset, subspaces: Subspaces, *, confidence: f
         "overlap": (factor_dims + ("other",), pairs.overlap),
         "relation": (factor_dims + ("other",), _relation(pairs.min_angle, independence_deg, orthogonality_deg)),
     }
-    if any(heads.values()):
+    if heads:
         for kind, head_dim in (("q", "head"), ("k", "kv_head")):
             table = reads[kind]
             data.update({
@@ -260,7 +265,7 @@ def subspace_dataset(dataset: xr.Dataset, subspaces: Subspaces, *, confidence: f
         "site": subspaces.site,
         "factors": names,
         "classes": {name: [str(value) for value in subspaces.classes[name]] for name in names},
-        "head_angles": "computed from w_q, w_k" if any(heads.values()) else "not computed: the store has no weights",
+        "head_angles": "computed from w_q, w_k" if heads else "not computed: the store has no weights",
     }
     return xr.Dataset(data, coords=coords, attrs=attrs)
 

@@ -30,7 +30,7 @@ START_LABEL = {"str": "", "int16": -1}
 
 def write_store(url, sites: dict[str, np.ndarray], *, labels: dict[str, np.ndarray] | None = None, valid=None,
                 weights: dict[str, np.ndarray] | None = None, model: dict | None = None, samples_per_chunk=None,
-                with_weights: bool = True, seed: int = 0) -> str:
+                with_weights: bool = True, dtype: str = "float32", seed: int = 0) -> str:
     """Write a complete store holding `sites` (name -> (sample, layer, ...) array) and `labels`
     (name -> (sample, pos) str or int array). Sizes come from the arrays (n_heads = n_kv_heads = 2,
     d_head = 4 unless q, k or `model` say otherwise); weights not given are seeded random ones."""
@@ -54,9 +54,10 @@ def write_store(url, sites: dict[str, np.ndarray], *, labels: dict[str, np.ndarr
     label_types = {name: "str" if np.asarray(v).dtype.kind in "UTO" else "int16" for name, v in labels.items()}
     writer = create_store(url, model=description, task={"name": "planted"}, n_samples=n_samples, n_pos=n_pos,
                           sites=tuple(sites), labels=label_types, samples_per_chunk=samples_per_chunk,
-                          with_weights=with_weights)
+                          with_weights=with_weights, dtype=dtype)
     valid = np.ones((n_samples, n_pos), bool) if valid is None else np.asarray(valid, bool)
-    arrays = {"valid": valid, "scored": valid, **sites, **{name: np.asarray(v) for name, v in labels.items()}}
+    arrays = {"valid": valid, "scored": valid, **{name: np.asarray(v, dtype) for name, v in sites.items()},
+              **{name: np.asarray(v) for name, v in labels.items()}}
     writer.write(0, {name: np.asarray(value) for name, value in arrays.items()})
     if with_weights:
         dims = {"layer": n_layers, "head": description["n_heads"], "kv_head": description["n_kv_heads"],

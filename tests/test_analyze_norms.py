@@ -74,6 +74,15 @@ def test_uniform_spread_per_layer_and_per_kv_head(planted):
     assert tree["k"]["band"].item() == pytest.approx(weighted_band(key_norms, np.ones_like(key_norms), 0.5), abs=0.01)
 
 
+def test_float16_stores_with_norms_beyond_float16_squares(tmp_path):
+    half_widths = [0.0] + [EVEN] * (N_POS - 1)
+    resid = plant_norm_spread(N_SAMPLES, N_POS, 8, half_widths, median=1000.0, start_norm=5000.0)
+    dataset = open_for_analysis(write_store(tmp_path / "half.zarr", {"resid_pre": resid[:, None]}, dtype="float16"))
+    result = norm_spread(dataset, weight_by_attention=False)["resid_pre"]
+    assert result["median_norm"].item() == pytest.approx(1000.0, rel=0.01)
+    assert result["band"].item() == pytest.approx(0.2, abs=0.01)
+
+
 def test_the_start_token_is_excluded_unless_asked(planted):
     dataset, _, _ = planted
     with_start = norm_spread(dataset, sites=["resid_pre"], exclude_start=False)["resid_pre"]
