@@ -130,10 +130,10 @@ class HookPoint(nn.Identity):
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dimension with a gain of ``shape`` and no bias."""
 
-    def __init__(self, shape: tuple[int, ...], norm_type: str, eps: float):
+    def __init__(self, config: ModelConfig, shape: tuple[int, ...]):
         super().__init__()
-        self.norm_type = norm_type
-        self.eps = eps
+        self.norm_type = config.norm_type
+        self.eps = config.norm_eps
         self.weight = nn.Parameter(torch.ones(shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +157,7 @@ class Attention(nn.Module):
         self.head_norms = None
         if config.norm_placement == "qkv":
             shape = (config.n_heads, config.d_head)
-            self.head_norms = nn.ModuleDict({
-                name: Norm(shape, config.norm_type, config.norm_eps) for name in "qkv"})
+            self.head_norms = nn.ModuleDict({name: Norm(config, shape) for name in "qkv"})
         for name in ("attn_in", "q", "k", "v", "pattern", "z"):
             setattr(self, f"hook_{name}", HookPoint())
 
@@ -210,9 +209,8 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.placement = config.norm_placement
-        norm = lambda: Norm((config.d_model,), config.norm_type, config.norm_eps)  # noqa: E731
-        self.norm_attn = norm() if self.placement in ("pre", "post") else None
-        self.norm_ff = norm()
+        self.norm_attn = Norm(config, (config.d_model,)) if self.placement in ("pre", "post") else None
+        self.norm_ff = Norm(config, (config.d_model,))
         self.attn = Attention(config)
         self.ff = FeedForward(config)
         for name in ("resid_pre", "resid_mid", "resid_post"):
@@ -246,8 +244,7 @@ class ArithmeticTransformer(nn.Module):
         self.position_embed = (nn.Embedding(config.max_len, config.d_model)
                                if config.positions == "learned" else None)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm_final = (Norm((config.d_model,), config.norm_type, config.norm_eps)
-                           if config.norm_placement != "post" else None)
+        self.norm_final = Norm(config, (config.d_model,)) if config.norm_placement != "post" else None
         self.unembed = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
 
