@@ -41,8 +41,8 @@ Definitions (every count below is over these instances and draws):
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and draws.
 - **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
   change sqrt(sum |o'_i - o_i|^2 / sum |o_i|^2) over instances and draws (pooled, so that
-  outputs of near-zero norm do not dominate). Computed through the per-head Gram matrix
-  G_jk = v_j . (W_O W_O^T) v_k, never the d_model-sized messages.
+  outputs of near-zero norm do not dominate). Computed in each head's d_head-dimensional frame
+  (``message_frame``), never with the d_model-sized messages.
 - **Collapse level.** The noise level at which ``collapse_target`` (1 %) of sparse instances
   collapse: linear interpolation of the rate curve through (0, 0) and the swept levels; inf
   when the sweep never reaches it, NaN without sparse instances. Its confidence interval
@@ -213,46 +213,45 @@ class HeadBlock:
     """Clean attention of one layer for a block of samples, ready to be perturbed.
 
     The perturbation kernel works in float32, in place where it can, on arrays laid out
-    (kpos, qpos, sample, head): every reduction over keys is then an element-wise pass over
-    contiguous memory. Scores are bilinear, so noisy logits are the clean ones times
-    (1 + kq_i)(1 + kk_j); the new arg-max and its attention come from the row maximum and the
-    softmax denominator. Rows with no allowed key (never an instance) are left unmasked so
-    that no NaN arises. Per-instance results are (sample, head, qpos).
+    (kpos, sample, head, qpos): every reduction over keys is then an element-wise pass over
+    contiguous memory, and yields per-instance arrays (sample, head, qpos) directly. Scores are
+    bilinear, so noisy logits are the clean ones times (1 + kq_i)(1 + kk_j); the new arg-max and
+    its attention come from the row maximum and the softmax denominator. Rows with no allowed
+    key (never an instance) are left unmasked so that no NaN arises. Messages are kept in each
+    head's own d_head-dimensional frame (``message_frame``), where their norms and dot products
+    are those of W_O v.
     """
 
     def __init__(self, q, k, valid, attn_scale: float, causal: bool, sparse_threshold: float,
-                 v=None, w_o_gram=None):
+                 v=None, frame=None):
         valid = np.asarray(valid, bool)
         self.threshold = sparse_threshold
         self.n_heads, self.n_kv_heads = q.shape[2], k.shape[2]
         allowed = allowed_keys(valid, causal)[:, 0]  # (sample, qpos, kpos)
         n_allowed = allowed.sum(axis=-1)
-        allowed = (allowed | (n_allowed == 0)[..., None]).transpose(2, 1, 0)[..., None]  # (kpos, qpos, sample, 1)
-        shape = (allowed.shape[0], allowed.shape[1], allowed.shape[2], self.n_heads)
+        allowed = (allowed | (n_allowed == 0)[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
+        shape = (allowed.shape[0], allowed.shape[1], self.n_heads, allowed.shape[3])
         self.mask = np.ascontiguousarray(np.broadcast_to(np.where(allowed, np.float32(0), np.float32(-np.inf)), shape))
-        scores = head_scores(q, k).transpose(3, 2, 0, 1)  # (kpos, qpos, sample, head)
+        scores = head_scores(q, k).transpose(3, 0, 1, 2)  # (kpos, sample, head, qpos)
         self.base = np.ascontiguousarray(np.where(allowed, attn_scale * scores, 0.0), dtype=np.float32)
         self.attention, _, total = self._attend(self.base + self.mask)
-        instance = (valid & (n_allowed >= 2)).T[:, :, None]  # (qpos, sample, 1)
-        self._sparse = instance & (1.0 / total >= sparse_threshold)
-        self._winner = self.attention.argmax(axis=0)[None]
-        self.instance = _by_head(np.broadcast_to(instance, total.shape))
-        self.max_attention = _by_head(1.0 / total)
-        self.sparse = _by_head(self._sparse)
-        self.winner = _by_head(self._winner[0])
-        self.gram = None
-        if v is not None and w_o_gram is not None:
-            self.gram = _message_gram(np.asarray(v), w_o_gram)
-            self.output_sq = _by_head(_quadratic(self.attention, self.gram))
+        self.instance = np.broadcast_to((valid & (n_allowed >= 2))[:, None, :], total.shape)
+        self.max_attention = 1.0 / total
+        self.sparse = self.instance & (self.max_attention >= sparse_threshold)
+        self.winner = self.attention.argmax(axis=0)
+        self.messages = None
+        if v is not None and frame is not None:
+            self.messages = _framed_messages(np.asarray(v), frame)
+            self.output_sq = self._output_sq(self.attention)
 
     @property
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
-        return self.attention.transpose(2, 3, 1, 0)
+        return self.attention.transpose(1, 2, 3, 0)
 
     @staticmethod
     def _attend(logits: np.ndarray):
-        """Softmax over keys (axis 0), in place; also the maxima and denominators (qpos, sample, head)."""
+        """Softmax over keys (axis 0), in place; also the maxima and denominators (sample, head, qpos)."""
         peak = logits.max(axis=0)
         logits -= peak
         np.exp(logits, out=logits)
@@ -260,9 +259,14 @@ class HeadBlock:
         logits /= total
         return logits, peak, total
 
+    def _output_sq(self, weights: np.ndarray) -> np.ndarray:
+        """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
+        outputs = weights.transpose(1, 2, 3, 0) @ self.messages  # (sample, head, qpos, d_head)
+        return np.einsum("shie,shie->shi", outputs, outputs, dtype=np.float64)
+
     def entropy(self) -> np.ndarray:
         a = self.attention.astype(np.float64)
-        return _by_head(-np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0))
+        return -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0)
 
     def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
@@ -270,62 +274,52 @@ class HeadBlock:
         Returns collapse, strict, predicted (Theorem 7) as bools, and tv, output change
         squared as floats, all (sample, head, qpos).
         """
-        fq = np.ascontiguousarray((1.0 + kq).transpose(1, 0, 2), dtype=np.float32)[None]  # (1, qpos, sample, head)
-        fk = _key_major(1.0 + kk, self.n_heads)  # (kpos, 1, sample, head)
+        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
+        fk = _key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
+        winner = self.winner[None]
         first_order = (fq - 1) + fk  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is zero
         first_order *= self.base
         first_order += self.mask
-        beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, self._winner, axis=0)[0]
+        beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, winner, axis=0)[0]
         logits = fq * fk
         logits *= self.base
         logits += self.mask
-        at_winner = np.take_along_axis(logits, self._winner, axis=0)[0]
+        at_winner = np.take_along_axis(logits, winner, axis=0)[0]
         attention, peak, total = self._attend(logits)
-        collapse = self._sparse & (peak > at_winner)
+        collapse = self.sparse & (peak > at_winner)
         change = np.subtract(attention, self.attention, out=first_order)
         effects = {
             "collapse": collapse,
             "strict": collapse & (1.0 / total >= self.threshold),
-            "predicted": self._sparse & beats_first_order,
+            "predicted": self.sparse & beats_first_order,
             "tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64),
         }
-        if self.gram is not None:
+        if self.messages is not None:
             attention *= _key_major(km, self.n_heads)
             change += attention  # a'_j (1 + km_j) - a_j
-            effects["output_change_sq"] = _quadratic(change, self.gram)
-        return {name: _by_head(value) for name, value in effects.items()}
-
-
-def _by_head(values: np.ndarray) -> np.ndarray:
-    """(qpos, sample, head) -> (sample, head, qpos), a view."""
-    return values.transpose(1, 2, 0)
+            effects["output_change_sq"] = self._output_sq(change)
+        return effects
 
 
 def _key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
-    """(sample, kpos, kv_head) -> float32 (kpos, 1, sample, head), heads sharing their group's value."""
+    """(sample, kpos, kv_head) -> float32 (kpos, sample, head, 1), heads sharing their group's value."""
     group = n_heads // kappa.shape[2]
     kappa = np.repeat(kappa, group, axis=2) if group > 1 else kappa
-    return np.ascontiguousarray(kappa.transpose(1, 0, 2), dtype=np.float32)[:, None]
+    return np.ascontiguousarray(kappa.transpose(1, 0, 2), dtype=np.float32)[..., None]
 
 
-def _message_gram(v: np.ndarray, w_o_gram: np.ndarray) -> np.ndarray:
-    """G[s, h, j, k] = m_j . m_k for messages m = W_O[h] v (w_o_gram[h] = W_O[h] W_O[h]^T)."""
-    group = w_o_gram.shape[0] // v.shape[2]
+def message_frame(w_o: np.ndarray) -> np.ndarray:
+    """Per head F = U diag(S) from W_O[h] = U diag(S) V^T (head, d_head, d_head): the message
+    m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions."""
+    u, singular, _ = np.linalg.svd(np.asarray(w_o, dtype=np.float64), full_matrices=False)
+    return u * singular[:, None, :]
+
+
+def _framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
+    """Messages v F per head (sample, head, kpos, d_head), float32; heads share kv_heads in groups."""
+    group = frame.shape[0] // v.shape[2]
     v = np.repeat(v, group, axis=2) if group > 1 else v
-    v = v.astype(np.float64).transpose(0, 2, 1, 3)  # (sample, head, pos, d_head)
-    return ((v @ w_o_gram[None]) @ v.transpose(0, 1, 3, 2)).astype(np.float32)
-
-
-def _quadratic(weights: np.ndarray, gram: np.ndarray) -> np.ndarray:
-    """|sum_j weights_j m_j|^2 for weights (kpos, qpos, sample, head) -> (qpos, sample, head)."""
-    by_head = np.ascontiguousarray(weights.transpose(2, 3, 0, 1))  # (sample, head, kpos, qpos)
-    return np.sum((gram @ by_head) * by_head, axis=2, dtype=np.float64).transpose(2, 0, 1)
-
-
-def w_o_gram(w_o: np.ndarray) -> np.ndarray:
-    """Per-head W_O W_O^T (head, d_head, d_head) in float64."""
-    w_o = np.asarray(w_o, dtype=np.float64)
-    return w_o @ w_o.transpose(0, 2, 1)
+    return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
 
 
 def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: float,
@@ -340,11 +334,11 @@ def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: f
     kq, kk = (level * settings.kappa(t, layer, samples, draw, n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
     effects = block.perturb(kq, kk, np.zeros_like(kk))
-    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner[0],
+    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(q, k, v, valid, gram, *, samples, layer: int, draws: range, settings: ReplaySettings,
+def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
                  attn_scale: float, causal: bool, n_bins: int) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
@@ -353,7 +347,7 @@ def replay_block(q, k, v, valid, gram, *, samples, layer: int, draws: range, set
     so that the partial sums of every range add up.
     """
     block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal,
-                      settings.sparse_threshold, None if v is None else np.asarray(v), gram)
+                      settings.sparse_threshold, None if v is None else np.asarray(v), frame)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels = len(settings.levels)
     instance, sparse = block.instance, block.sparse
@@ -372,7 +366,7 @@ def replay_block(q, k, v, valid, gram, *, samples, layer: int, draws: range, set
         "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
     }
-    if block.gram is not None:
+    if block.messages is not None:
         sums["output_sq"] = len(draws) * (sets * block.output_sq).sum(axis=(1, 3))
         sums["output_change_sq"] = np.zeros((len(INSTANCE_SETS), n_levels, n_heads))
     for draw in draws:
@@ -388,7 +382,7 @@ def replay_block(q, k, v, valid, gram, *, samples, layer: int, draws: range, set
             sums["theory_missed"][index] += (measured & ~predicted).sum(axis=(0, 2))
             sums["theory_false_alarm"][index] += (predicted & ~measured).sum(axis=(0, 2))
             sums["tv"][:, index] += (sets * effects["tv"]).sum(axis=(1, 3))
-            if block.gram is not None:
+            if block.messages is not None:
                 sums["output_change_sq"][:, index] += (sets * effects["output_change_sq"]).sum(axis=(1, 3))
     return sums
 
@@ -489,7 +483,7 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
     blocks = {name: _sample_blocks(ds[name].sel(layer=layer) if name != "valid" else ds[name], chunks)
               for name in (("q", "k", "v") if with_messages else ("q", "k")) + ("valid",)}
-    gram = dask.delayed(w_o_gram)(ds["w_o"].sel(layer=layer).values) if with_messages else None
+    frame = dask.delayed(message_frame)(ds["w_o"].sel(layer=layer).values) if with_messages else None
     sample_ids = ds["sample"].values
     starts = np.concatenate([[0], np.cumsum(chunks)])
     draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
@@ -497,7 +491,7 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     partials = [
         [dask.delayed(replay_block, pure=True)(
             blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
-            blocks["valid"][i], gram, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
+            blocks["valid"][i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
             settings=settings, attn_scale=float(model["attn_scale"]), causal=bool(model["causal"]),
             n_bins=n_bins)
          for draws in draw_ranges]

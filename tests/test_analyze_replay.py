@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze.replay import (
-    HeadBlock, ReplayError, ReplaySettings, level_at_rate, replay, unit_noise, w_o_gram)
+    HeadBlock, ReplayError, ReplaySettings, level_at_rate, message_frame, replay, unit_noise)
 from orthosphere.analyze import replay as replay_module
 from orthosphere.analyze.attention import attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
@@ -197,9 +197,9 @@ def test_value_noise_changes_the_output_linearly_and_never_the_pattern(tmp_path)
     assert float(sparse.mean()) == pytest.approx(0.2, rel=0.1)
 
 
-def test_output_change_through_the_gram_matrix_equals_the_direct_messages():
+def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     q, k, v, w_o = random_heads(n_samples=3)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), 0.5, True, 0.95, v[:, 0], w_o_gram(w_o[0]))
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), 0.5, True, 0.95, v[:, 0], message_frame(w_o[0]))
     rng = np.random.default_rng(3)
     kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
     effects = block.perturb(kq, kk, km)
