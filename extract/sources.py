@@ -107,9 +107,12 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as error:
         raise ConfigError(f"device {device!r}: {error}; expected auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: this machine has no CUDA device; use --device cpu (or auto)")
+    return resolved
 
 
 def load_source(path, device: str = "auto") -> LoadedModel:

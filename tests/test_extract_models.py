@@ -257,6 +257,15 @@ def test_directory_without_config_or_weights(tmp_path):
         load_source(tmp_path / "arith", device="cpu")
 
 
+def test_unknown_or_absent_device(tmp_path):
+    write_arithmetic_model(tmp_path / "model")
+    with pytest.raises(ConfigError, match="device 'gpu7'.*expected auto, cpu, cuda or cuda:N"):
+        load_source(tmp_path / "model", device="gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device; use --device cpu"):
+            load_source(tmp_path / "model", device="cuda")
+
+
 def test_missing_path_and_non_gguf_file(tmp_path):
     with pytest.raises(ConfigError, match="not found: expected a model directory"):
         load_source(tmp_path / "nowhere", device="cpu")
