@@ -10,7 +10,9 @@ model apart.
   task's characters to ids.
 - Any other directory: a Hugging Face checkpoint of a supported ``model_type`` (GPT-2, Llama,
   BERT) with safetensors weights, loaded with its language-model head in float32.
-- A ``.gguf`` file: loaded by transformers (``gguf_file=``); it must carry its tokenizer.
+- A ``.gguf`` file of the llama or gpt2 architecture: loaded by transformers (``gguf_file=``),
+  dequantised to float32; it must carry its tokenizer. (transformers reads a GPT-2 GGUF with
+  GPT-2's own 1024 positions and 4 * d_model feed-forward width.)
 
 Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
 """

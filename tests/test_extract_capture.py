@@ -17,7 +17,7 @@ from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import open_store
 from tests.test_extract_models import (
-    gguf_llama,
+    gguf_model,
     hf_model,
     write_arithmetic_model,
     write_gguf,
@@ -108,8 +108,9 @@ def test_hugging_face_attention_is_reproduced_from_the_store(tmp_path, family):
     check_store_against(store, pattern, logits)
 
 
-def test_gguf_llama_attention_is_reproduced_from_the_store(tmp_path):
-    reference = gguf_llama(seed=3)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gguf_attention_is_reproduced_from_the_store(tmp_path, family):
+    reference = gguf_model(family, seed=3)
     path = write_gguf(tmp_path / "tiny.gguf", reference)
     text = write_text(tmp_path / "text.txt", [" the cat", " a the cat sat", " cat"])
     store = run(tmp_path, path, f"text:path={text}")

@@ -107,53 +107,62 @@ def _permute_for_gguf(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
+GGUF_TOKENS_EXTRA = ["Ġt", "he", "Ġthe", "Ġc", "at", "<|endoftext|>"]
+GGUF_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ c", "a t"]
+GPT2_TRANSPOSED = ("attn_qkv.weight", "ffn_down.weight", "ffn_up.weight", "attn_output.weight")
+
+
+def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config, family: str) -> np.ndarray:
+    """A weight as llama.cpp's converter stores it."""
+    if family == "llama" and gguf_name.endswith("attn_q.weight"):
+        return _permute_for_gguf(tensor, config.num_attention_heads)
+    if family == "llama" and gguf_name.endswith("attn_k.weight"):
+        return _permute_for_gguf(tensor, config.num_key_value_heads)
+    if family == "gpt2" and gguf_name.endswith(GPT2_TRANSPOSED):
+        return tensor.T
+    return tensor
 
 
 def write_gguf(path, model, with_tokenizer: bool = True):
-    """A float32 llama GGUF of `model` (a LlamaForCausalLM), with a byte-level BPE tokenizer."""
+    """A float32 GGUF of `model` (a tiny LlamaForCausalLM or GPT2LMHeadModel from gguf_model),
+    with a byte-level BPE tokenizer, written the way llama.cpp's converter does."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    config = model.config
-    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he", "Ġthe", "Ġc", "at", "<|endoftext|>"]
+    family, config = model.config.model_type, model.config
+    tokens = list(bytes_to_unicode().values()) + GGUF_TOKENS_EXTRA
     assert len(tokens) == config.vocab_size, "the GGUF test model needs vocab_size = len(tokens)"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), family)
     writer.add_name("orthosphere-tiny")
-    writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    if family == "llama":
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    else:
+        writer.add_context_length(config.n_positions)
+        writer.add_feed_forward_length(4 * config.hidden_size)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
     if with_tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
         writer.add_token_types([1] * (len(tokens) - 1) + [3])
-        writer.add_token_merges(["Ġ t", "h e", "Ġt he", "Ġ c", "a t"])
+        writer.add_token_merges(GGUF_MERGES)
         writer.add_eos_token_id(len(tokens) - 1)
         writer.add_bos_token_id(len(tokens) - 1)
-    state = model.state_dict()
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    for layer in range(config.num_hidden_layers):
-        for hf_name, gguf_name in GGUF_NAMES.items():
-            names[f"model.layers.{layer}.{hf_name}.weight"] = f"blk.{layer}.{gguf_name}.weight"
-    for hf_name, gguf_name in names.items():
-        tensor = state[hf_name].float().numpy()
-        if gguf_name.endswith("attn_q.weight"):
-            tensor = _permute_for_gguf(tensor, config.num_attention_heads)
-        if gguf_name.endswith("attn_k.weight"):
-            tensor = _permute_for_gguf(tensor, config.num_key_value_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if family == "llama" else gguf.MODEL_ARCH.GPT2,
+                                     config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None or (family == "gpt2" and name == "lm_head.weight"):  # GPT-2 ties it to wte
+            continue
+        writer.add_tensor(gguf_name, np.ascontiguousarray(_gguf_tensor(gguf_name, tensor.float().numpy(), config, family)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -161,15 +170,22 @@ def write_gguf(path, model, with_tokenizer: bool = True):
     return path
 
 
-def gguf_llama(seed: int = 0):
-    """A tiny Llama whose vocabulary fits write_gguf's tokenizer."""
-    from transformers import LlamaForCausalLM
-
+def gguf_model(family: str = "llama", seed: int = 0):
+    """A tiny model whose vocabulary fits write_gguf's tokenizer. transformers reads a GPT-2
+    GGUF with GPT-2's fixed 1024 positions and 4 * d_model feed-forward width, so those stay."""
     torch.manual_seed(seed)
-    config = hf_config("llama")
-    config.vocab_size = 262
-    config.bos_token_id = config.eos_token_id = 261
-    return LlamaForCausalLM(config).eval()
+    vocab = 256 + len(GGUF_TOKENS_EXTRA)
+    if family == "llama":
+        from transformers import LlamaForCausalLM
+
+        config = hf_config("llama")
+        config.vocab_size, config.bos_token_id, config.eos_token_id = vocab, vocab - 1, vocab - 1
+        return LlamaForCausalLM(config).eval()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"], vocab_size=vocab,
+                        bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    return GPT2LMHeadModel(config).eval()
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -207,16 +223,19 @@ def test_arithmetic_checkpoint_loads_with_the_character_tokenizer(tmp_path):
     assert loaded.tokenizer.token_strings([13, 1, 16]) == ["[", "1", ""]
 
 
-def test_gguf_file_loads_with_its_tokenizer_and_the_same_weights(tmp_path):
-    reference = gguf_llama()
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gguf_file_loads_with_its_tokenizer_and_the_same_weights(tmp_path, family):
+    reference = gguf_model(family)
     path = write_gguf(tmp_path / "tiny.gguf", reference)
     loaded = load_source(path, device="cpu")
-    assert loaded.describe()["format"] == "gguf" and loaded.describe()["n_kv_heads"] == 2
+    description = loaded.describe()
+    assert description["format"] == "gguf" and description["family"] == family
+    assert description["n_kv_heads"] == (2 if family == "llama" else 4)
     ids = loaded.tokenizer.encode(" the cat")
     assert loaded.tokenizer.token_strings(ids) == ["Ġthe", "Ġc", "at"]
     tokens = torch.tensor([ids + [3, 70, 200]])
     with torch.no_grad():
-        assert torch.equal(loaded.adapter.forward(tokens), reference(input_ids=tokens).logits)
+        torch.testing.assert_close(loaded.adapter.forward(tokens), reference(input_ids=tokens).logits, atol=1e-6, rtol=0)
 
 
 def test_weights_hash_tells_models_apart(tmp_path):
@@ -275,7 +294,7 @@ def test_missing_path_and_non_gguf_file(tmp_path):
 
 
 def test_gguf_without_tokenizer_is_refused(tmp_path):
-    path = write_gguf(tmp_path / "bare.gguf", gguf_llama(), with_tokenizer=False)
+    path = write_gguf(tmp_path / "bare.gguf", gguf_model(), with_tokenizer=False)
     with pytest.raises(ConfigError, match="holds no tokenizer"):
         load_source(path, device="cpu")
 
