@@ -53,7 +53,9 @@ def run_analyses(dataset) -> dict[str, float]:
 
 
 def build_store(path: Path, size_gb: float, seed: int = 0) -> str:
-    """A store of random activations with planted class structure in resid_pre, written in chunk blocks."""
+    """A store of random activations, written in chunk blocks, with planted structure in resid_pre:
+    random class means of alpha (10 classes) and beta (8), and a rank-6 positional code (sines and
+    cosines of three frequencies), as a trained model's positional subspace."""
     per_sample = 4 * N_LAYERS * N_POS * (D_MODEL + 2 * N_HEADS * D_HEAD)
     n_samples = int(size_gb * 2**30 / per_sample)
     model = {"family": "synthetic", "n_layers": N_LAYERS, "d_model": D_MODEL, "n_heads": N_HEADS,
@@ -62,12 +64,15 @@ def build_store(path: Path, size_gb: float, seed: int = 0) -> str:
                           sites=SITES, labels={"alpha": "int16", "beta": "int16"}, overwrite=True)
     rng = np.random.default_rng(seed)
     means = {"alpha": rng.normal(size=(10, D_MODEL)), "beta": rng.normal(size=(8, D_MODEL))}
+    angles = np.arange(N_POS)[:, None] * np.array([0.1, 0.3, 0.9])
+    positional = np.concatenate([np.sin(angles), np.cos(angles)], axis=1) @ rng.normal(size=(6, D_MODEL))
     block = writer.attrs["samples_per_chunk"] * 4
     for start in range(0, n_samples, block):
         n = min(block, n_samples - start)
         labels = {name: rng.integers(0, len(value), size=(n, N_POS)).astype("int16") for name, value in means.items()}
         resid = rng.normal(size=(n, N_LAYERS, N_POS, D_MODEL)).astype("float32")
         resid += sum(means[name][labels[name]][:, None] for name in means).astype("float32")
+        resid += positional.astype("float32")[None, None]
         heads = (n, N_LAYERS, N_POS, N_HEADS, D_HEAD)
         writer.write(start, {"resid_pre": resid, "q": rng.normal(size=heads).astype("float32"),
                              "k": rng.normal(size=heads).astype("float32"), "valid": np.ones((n, N_POS), bool),
