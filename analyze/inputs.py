@@ -16,7 +16,6 @@ HEAD_SITES = {"q": "head", "k": "kv_head", "v": "kv_head"}
 VECTOR_SITES = D_MODEL_SITES + tuple(HEAD_SITES)
 SITES = VECTOR_SITES + ("pattern",)
 
-
 BLOCK_BYTES = 16 * 2**20
 """Dask blocks hold about this much of the largest activation (a whole number of the store's chunks):
 fewer, larger tasks stream faster than one task per 4 MB chunk."""
@@ -27,12 +26,11 @@ def open_for_analysis(url, storage_options: dict | None = None, block_bytes: int
     with its URL in attrs["url"] for messages and provenance."""
     dataset = open_store(url, storage_options=storage_options)
     chunk_samples = int(dataset.attrs["samples_per_chunk"])
-    largest = max(
-        (array.data.nbytes // (array.sizes["sample"] * array.sizes["layer"]) for name, array in dataset.data_vars.items()
-         if name in SITES), default=1,
-    )
-    samples = chunk_samples * max(1, block_bytes // max(largest * chunk_samples, 1))
+    sample_bytes = max((dataset[site].nbytes // (dataset.sizes["sample"] * dataset.sizes["layer"])
+                        for site in stored_sites(dataset)), default=1)
+    samples = chunk_samples * max(1, block_bytes // (sample_bytes * chunk_samples))
     if samples > chunk_samples:
+        # reopened rather than rechunked: each task then reads its chunks from zarr, with no concatenation
         location = as_location(url, storage_options)
         dataset = xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3,
                                chunks={"sample": samples})
