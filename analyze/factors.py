@@ -69,9 +69,10 @@ def store_labels(dataset: xr.Dataset) -> list[str]:
 
 
 def parse_factors(dataset: xr.Dataset, specs) -> list[Factor]:
-    """The factors named by `specs` (default: every label of the store, and the position)."""
+    """The factors named by `specs` (default: the task's own `factors` when its description names
+    them, else every label of the store, and the position)."""
     if specs is None:
-        specs = store_labels(dataset) + [POSITION]
+        specs = dataset.attrs.get("task", {}).get("factors") or store_labels(dataset) + [POSITION]
     factors = [Factor.parse(spec) for spec in specs]
     names = [factor.name for factor in factors]
     repeated = sorted({name for name in names if names.count(name) > 1})

@@ -47,6 +47,6 @@ def dask_client(backend: Backend):
         with client:
             yield client
         return
-    with LocalCluster(n_workers=backend.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=backend.workers, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             yield client

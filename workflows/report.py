@@ -173,15 +173,23 @@ def figure_collapse(runs: list[Run]):
     if not lines:
         return None
     figure, axis = plt.subplots(figsize=(6.0, 4.0))
+    without = []
     for index, (run, replay) in enumerate(lines):
+        if int(replay.n_sparse.sum()) == 0:
+            without.append(run.placement)
+            continue
         measured, predicted = pooled_rates(replay)
         color = f"C{index}"
         axis.plot(replay.level * 100, measured * 100, marker="o", color=color, label=f"{run.placement} measured")
         axis.plot(replay.level * 100, predicted * 100, ls="--", color=color, label=f"{run.placement} Theorem 7")
-    axis.axhline(1, color="0.5", lw=0.8)
-    axis.set(xscale="log", xlabel="noise RMS (%)", ylabel="sparse heads collapsed (%)",
+    if len(without) < len(lines):
+        axis.axhline(1, color="0.5", lw=0.8)
+        axis.set_xscale("log")
+        axis.legend(fontsize=7)
+    if without:
+        axis.text(0.02, 0.95, f"no sparse heads: {', '.join(without)}", transform=axis.transAxes, va="top")
+    axis.set(xlabel="noise RMS (%)", ylabel="sparse heads collapsed (%)",
              title="Circuit collapse under norm noise (one layer at a time)")
-    axis.legend(fontsize=7)
     return figure
 
 

@@ -1,0 +1,202 @@
+"""Workflows: the pipeline (skips, force, bad configs), the report, the notebook, and the same
+results on a LocalCluster, with a worker killed mid-analysis, and with everything on S3."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from orthosphere.analyze import open_results
+from orthosphere.extract.model import ConfigError
+from orthosphere.workflows.backend import Backend
+from orthosphere.workflows.cli import main
+from orthosphere.workflows.pipeline import load_pipeline, run_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_TRAINING = REPO / "workflows" / "configs" / "tiny.toml"
+NOTEBOOK = REPO / "workflows" / "notebooks" / "explore.ipynb"
+
+PIPELINE = f"""
+name = "tiny"
+root = "{{root}}"
+local_root = "{{local_root}}"
+
+[models.pre]
+train = "{TINY_TRAINING}"
+
+[data.test]
+task = "arithmetic:split=test,seed=11"
+samples = 48
+
+[data.extrapolation]
+task = "arithmetic:split=extrapolation,seed=12"
+samples = 48
+
+[extract]
+batch_size = 16
+shards = 3
+
+[analyze.options]
+"replay.n_draws" = 4
+"replay.n_bootstrap" = 40
+"subspaces.n_bootstrap" = 20
+
+[report]
+title = "tiny pipeline"
+"""
+
+
+def write_pipeline(folder: Path, root: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "pipeline.toml"
+    path.write_text(PIPELINE.format(root=root or str(folder / "out"), local_root=str(folder / "out")))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny pipeline run once in this process: (config path, output root)."""
+    folder = tmp_path_factory.mktemp("tiny-run")
+    config = write_pipeline(folder)
+    run_pipeline(load_pipeline(config))
+    return config, folder / "out"
+
+
+def data_of(tree) -> dict[str, np.ndarray]:
+    """Every data variable of every group, by path."""
+    values = {}
+    for node in tree.subtree:
+        for name, variable in node.dataset.data_vars.items():
+            values[f"{node.path}/{name}"] = variable.values
+    return values
+
+
+def assert_same_results(first_url: str, second_url: str) -> None:
+    first, second = data_of(open_results(first_url).load()), data_of(open_results(second_url).load())
+    assert sorted(first) == sorted(second)
+    for name, values in first.items():
+        if values.dtype.kind in "fc":
+            np.testing.assert_allclose(second[name], values, rtol=1e-9, atol=1e-12, equal_nan=True, err_msg=name)
+        else:
+            np.testing.assert_array_equal(second[name], values, err_msg=name)
+
+
+def test_pipeline_writes_stores_results_and_report(tiny_run):
+    _, out = tiny_run
+    assert sorted(p.name for p in (out / "stores").iterdir()) == ["pre-extrapolation.zarr", "pre-test.zarr"]
+    tree = open_results(str(out / "results" / "pre-test.zarr"))
+    assert set(tree.children) >= {"accuracy", "norms", "subspaces", "spheres", "neighbours", "replay"}
+    html = (out / "report" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 5
+    markdown = (out / "report" / "report.md").read_text()
+    assert "| Per-token accuracy, Pre-Norm / QKV-Norm, test (%) |" in markdown
+    assert "noise RMS at which 1 % of sparse heads collapse" in markdown
+    assert "store" in markdown and "pre-test.zarr" in markdown
+    for figure in ("norm_spread", "angles", "sphere_deviation", "collapse", "max_attention", "accuracy"):
+        assert (out / "report" / "figures" / f"{figure}.png").stat().st_size > 5000, figure
+
+
+def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, caplog):
+    config, out = tiny_run
+    results = out / "results" / "pre-test.zarr" / "zarr.json"
+    before = results.stat().st_mtime_ns
+    with caplog.at_level("INFO"):
+        run_pipeline(load_pipeline(config))
+    assert results.stat().st_mtime_ns == before
+    assert "already complete" in caplog.text and "skipping the analyses" in caplog.text
+
+
+def test_report_verb(tiny_run, tmp_path):
+    _, out = tiny_run
+    results = [str(p) for p in sorted((out / "results").iterdir())]
+    outcome = CliRunner().invoke(main, ["report", *results, "--out", str(tmp_path / "report")])
+    assert outcome.exit_code == 0, outcome.output
+    assert (tmp_path / "report" / "report.html").exists()
+
+
+def test_notebook_runs_top_to_bottom(tiny_run):
+    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+
+    _, out = tiny_run
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    os.environ["ORTHOSPHERE_RUN"] = str(out)
+    try:
+        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    finally:
+        del os.environ["ORTHOSPHERE_RUN"]
+    errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.get("output_type") == "error"]
+    assert not errors
+    images = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 4
+
+
+def test_local_cluster_gives_the_same_results(tiny_run, tmp_path):
+    _, out = tiny_run
+    config = write_pipeline(tmp_path)
+    run_pipeline(load_pipeline(config), backend=Backend(workers=2))
+    for name in ("pre-test.zarr", "pre-extrapolation.zarr"):
+        assert_same_results(str(out / "results" / name), str(tmp_path / "out" / "results" / name))
+
+
+def test_worker_killed_mid_analysis_gives_the_same_results(tiny_run, tmp_path):
+    from distributed import Client, LocalCluster
+
+    from orthosphere.analyze import analyze
+
+    _, out = tiny_run
+    store = str(out / "stores" / "pre-test.zarr")
+    options = {"replay.n_draws": 64, "replay.n_bootstrap": 40}
+    expected = str(tmp_path / "expected.zarr")
+    analyze(store, expected, only=["replay"], options=options)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+        pids = client.run(os.getpid)
+        outcome = {}
+        worker = threading.Thread(target=lambda: outcome.setdefault("tree", analyze(store, str(tmp_path / "killed.zarr"), only=["replay"], options=options)))
+        worker.start()
+        deadline = time.time() + 60
+        while not any(client.processing().values()) and time.time() < deadline:
+            time.sleep(0.02)
+        victim = next(iter(pids))
+        os.kill(pids[victim], 9)
+        worker.join(timeout=300)
+        assert "tree" in outcome, "the analysis did not survive the killed worker"
+    assert_same_results(expected, str(tmp_path / "killed.zarr"))
+
+
+def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
+    _, out = tiny_run
+    config = write_pipeline(tmp_path, root=f"{s3_bucket}/tiny")
+    run_pipeline(load_pipeline(config))
+    for name in ("pre-test.zarr", "pre-extrapolation.zarr"):
+        assert_same_results(str(out / "results" / name), f"{s3_bucket}/tiny/results/{name}")
+    assert (tmp_path / "out" / "report" / "report.html").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[models.a]\npath='x'\n", "needs at least one"),
+        ("colour = 1\n[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n", r"unknown keys \['colour'\]"),
+        ("[models.a]\n[data.t]\ntask='arithmetic:split=test'\n", "give `path`"),
+        ("[models.a]\npath='x'\n[data.t]\nsamples=3\n", "needs `task`"),
+        ("[models.a\n", "not valid TOML"),
+    ],
+)
+def test_bad_pipeline_configs(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_pipeline(path)
+
+
+def test_missing_pipeline_config(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_pipeline(tmp_path / "nowhere.toml")
