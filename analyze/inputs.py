@@ -7,7 +7,6 @@ import numpy as np
 import xarray as xr
 
 from orthosphere.store import open_store
-from orthosphere.store.location import as_location
 
 from .errors import AnalysisError, NonFiniteError
 
@@ -31,9 +30,7 @@ def open_for_analysis(url, storage_options: dict | None = None, block_bytes: int
     samples = chunk_samples * max(1, block_bytes // (sample_bytes * chunk_samples))
     if samples > chunk_samples:
         # reopened rather than rechunked: each task then reads its chunks from zarr, with no concatenation
-        location = as_location(url, storage_options)
-        dataset = xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3,
-                               chunks={"sample": samples})
+        dataset = open_store(url, storage_options=storage_options, samples_per_block=samples)
     dataset.attrs["url"] = str(url)
     return dataset
 

@@ -63,8 +63,10 @@ def completeness(group: zarr.Group) -> dict:
     return {"complete": bool(group.attrs.get("complete")), "shards_done": int(done.sum()), "shards_total": int(done.size)}
 
 
-def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None) -> xr.Dataset:
-    """The store as a lazy, Dask-backed xarray Dataset chunked as on disk."""
+def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None,
+               samples_per_block: int | None = None) -> xr.Dataset:
+    """The store as a lazy, Dask-backed xarray Dataset, in Dask blocks of `samples_per_block`
+    samples (a multiple of the store's chunk length; default: one chunk)."""
     location = as_location(url, storage_options)
     group = open_group_checked(location)
     state = completeness(group)
@@ -79,8 +81,9 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
             "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
         )
+    chunks = {"sample": samples_per_block} if samples_per_block else {}
     with zarr_quietly():
-        return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks={})
+        return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks=chunks)
 
 
 def validate(url, storage_options: dict | None = None) -> list[str]:
