@@ -91,7 +91,8 @@ def in_distribution(runs: list[Run]) -> list[Run]:
 def _axes_grid(n: int, width: float = 4.2, height: float = 3.2):
     columns = min(n, 4)
     rows = int(np.ceil(n / columns))
-    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False,
+                                layout="constrained")
     for axis in axes.flat[n:]:
         axis.set_visible(False)
     return figure, list(axes.flat[:n])
@@ -114,7 +115,7 @@ def figure_norm_spread(runs: list[Run]):
             axis.plot(curve.ratio, curve / curve.sum(), label=f"layer {layer}")
         axis.axvspan(0.8, 1.2, color="0.9", zorder=0, label="±20 % (paper)")
         axis.set(title=f"{run.placement}: band {np.nanmedian(norms.band.values) * 100:.0f} %",
-                 xlabel="|resid_pre| / median", ylabel="share of attention", xlim=(0, 2.5))
+                 xlabel="|resid_pre| / median", ylabel="share of attention", xlim=(0, float(curve.ratio.max())))
         axis.legend(fontsize=7)
     figure.suptitle(f"Norm spread of the attention input ({norms.attrs.get('weighting', '')} weighting)")
     return figure
@@ -139,7 +140,6 @@ def figure_angles(runs: list[Run]):
         axis.set_title(f"{run.placement}: smallest angle (°)")
         figure.colorbar(image, ax=axis, fraction=0.046)
     figure.suptitle("Principal angles between factor subspaces (90° = orthogonal, 0° = dependent)")
-    figure.tight_layout()
     return figure
 
 
@@ -333,11 +333,16 @@ def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
 def _markdown(title, rows, figures, provenance, made) -> str:
     lines = [f"# {title}", "", f"Made by {made}.", "", "## Headline: this project beside the paper", "",
              "| quantity | here | paper |", "|---|---|---|"]
-    lines += [f"| {quantity} | {ours} | {paper} |" for quantity, ours, paper in rows]
+    lines += [f"| {_cell(quantity)} | {_cell(ours)} | {_cell(paper)} |" for quantity, ours, paper in rows]
     for name, (caption, _) in figures.items():
         lines += ["", f"## {caption}", "", f"![{caption}](figures/{name}.png)"]
     lines += ["", "## What produced this report", ""] + [f"- {line}" for line in provenance]
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Markdown table cell text (a bare | would end the cell)."""
+    return text.replace("|", "\\|")
 
 
 def _html(title, rows, figures, provenance, made) -> str:
