@@ -170,7 +170,7 @@ def _create(job: ExtractJob, identity: dict, replacing: bool):
     """A new store for the job (replacing the existing one when overwriting)."""
     chunk = job.samples_per_chunk or chunk_samples(
         identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
-        job.dtype, job.batch_size,
+        job.dtype, job.batch_size, job.n_shards,
     )
     return create_store(
         job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
@@ -216,17 +216,20 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int) -> int:
+def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int,
+                  n_shards: int = 1) -> int:
     """Samples per chunk: the store's ~4 MB target, capped so that one chunk of every site and
-    layer fits in CHUNK_ROW_BYTES, and aligned with the batch (a multiple or a divisor of the
-    batch size) so that batches fill whole chunks without being copied together."""
+    layer fits in CHUNK_ROW_BYTES and that there are at least n_shards chunks (shards are whole
+    chunks), and aligned with the batch (a multiple or a divisor of the batch size) so that
+    batches fill whole chunks without being copied together."""
     sizes = dim_sizes(model, n_samples, n_pos, n_layers)
     variables = variables_for(sites, with_weights=False)
     row = sum(
         math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(resolved_dtype(var, dtype)).itemsize
         for var in variables.values()
     )
-    samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row))
+    samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
+                         math.ceil(n_samples / n_shards)))
     if samples >= n_samples:
         return n_samples
     if samples >= batch_size:
