@@ -42,6 +42,10 @@ samples = 48
 batch_size = 16
 shards = 3
 
+[analyze]
+online = ["test"]
+online_samples = 16
+
 [analyze.options]
 "replay.n_draws" = 4
 "replay.n_bootstrap" = 40
@@ -103,7 +107,9 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
     assert "| Per-token accuracy, Pre-Norm / QKV-Norm, test (%) |" in markdown
     assert "noise RMS at which 1 % of sparse heads collapse" in markdown
     assert "store" in markdown and "pre-test.zarr" in markdown
-    for figure in ("norm_spread", "angles", "sphere_deviation", "collapse", "max_attention", "accuracy"):
+    assert "online" in tree["replay"].children
+    assert "accuracy drop with 1 % noise in all layers" in markdown
+    for figure in ("norm_spread", "angles", "sphere_deviation", "collapse", "max_attention", "accuracy", "accuracy_under_noise"):
         assert (out / "report" / "figures" / f"{figure}.png").stat().st_size > 5000, figure
 
 
@@ -191,6 +197,7 @@ def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
         ("colour = 1\n[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n", r"unknown keys \['colour'\]"),
         ("[models.a]\n[data.t]\ntask='arithmetic:split=test'\n", "give `path`"),
         ("[models.a]\npath='x'\n[data.t]\nsamples=3\n", "needs `task`"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonline=['u']\n", r"online names \['u'\]"),
         ("[models.a\n", "not valid TOML"),
     ],
 )

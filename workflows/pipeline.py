@@ -32,7 +32,7 @@ log = logging.getLogger("orthosphere.pipeline")
 
 TOP_LEVEL_KEYS = {"name", "root", "local_root", "backend", "models", "data", "extract", "analyze", "report"}
 EXTRACT_KEYS = {"sites", "layers", "dtype", "batch_size", "shards", "device"}
-ANALYZE_KEYS = {"only", "options"}
+ANALYZE_KEYS = {"only", "options", "online", "online_samples"}
 REPORT_KEYS = {"title"}
 
 
@@ -63,6 +63,8 @@ class Pipeline:
     extract: dict = field(default_factory=dict)
     analyze_only: tuple[str, ...] | None = None
     analyze_options: dict = field(default_factory=dict)
+    online: tuple[str, ...] = ()
+    online_samples: int | None = None
     title: str = "orthosphere report"
 
     def store_url(self, model: ModelEntry, data: DataEntry) -> str:
@@ -121,8 +123,19 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
         extract=extract,
         analyze_only=tuple(analyze["only"]) if "only" in analyze else None,
         analyze_options=dict(analyze.get("options", {})),
+        online=_online_data(analyze.get("online", []), data, path),
+        online_samples=analyze.get("online_samples"),
         title=report.get("title", f"orthosphere report: {values.get('name', path.stem)}"),
     )
+
+
+def _online_data(names, data: tuple[DataEntry, ...], path: Path) -> tuple[str, ...]:
+    """The data sets whose stores also get the online check (the replay's noise in the model)."""
+    unknown = sorted(set(names) - {entry.name for entry in data})
+    if unknown:
+        raise ConfigError(f"{path} [analyze] online names {unknown}, which are not data sets of the pipeline "
+                          f"({[entry.name for entry in data]})")
+    return tuple(names)
 
 
 def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
@@ -154,7 +167,6 @@ def _resolve_text_path(spec: str, here: Path) -> str:
 
 def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None) -> Path:
     """Run every step that is not complete yet (all of them with `force`); returns the report folder."""
-    from orthosphere.analyze import analyze
     from orthosphere.extract.job import ExtractJob, extract
 
     from .report import write_report
@@ -178,7 +190,8 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                     command=f"orthosphere run ({pipeline.name})",
                 )
                 log.info(extract(job, client=client, progress=False).summary())
-                results.append(_analysed(store, pipeline.results_url(model, data), pipeline, force, analyze))
+                online = model.path if data.name in pipeline.online else None
+                results.append(_analysed(store, pipeline.results_url(model, data), pipeline, force, online))
     return write_report(results, pipeline.report_dir, title=pipeline.title)
 
 
@@ -194,20 +207,33 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
     return ModelEntry(name=model.name, path=out, train=model.train)
 
 
-def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, analyze) -> str:
-    """Run the analyses unless complete results of this store are already there."""
-    from orthosphere.analyze import open_results
+def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:
+    """Run the analyses (and the online check with `online_model`) unless complete results of
+    this store are already there."""
+    from orthosphere.analyze import analyze, write_results
 
-    if not force:
-        try:
-            done = set(open_results(out).attrs.get("analyses", []))
-        except ValueError:
-            done = set()
-        wanted = set(pipeline.analyze_only or ())
-        if done and (wanted <= done if wanted else True):
-            log.info("results %s are complete: skipping the analyses", out)
-            return out
+    from .online_check import with_online_check
+
+    if not force and _complete(out, pipeline, online_model is not None):
+        log.info("results %s are complete: skipping the analyses", out)
+        return out
     log.info("analysing %s into %s", store, out)
-    analyze(store, out, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
-            options=pipeline.analyze_options, overwrite=force, command=f"orthosphere run ({pipeline.name})")
+    tree = analyze(store, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
+                   options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
+    if online_model is not None:
+        log.info("online check of %s with %s", store, online_model)
+        tree = with_online_check(tree, store, str(online_model), all_layers=True, max_samples=pipeline.online_samples)
+    write_results(tree, out, overwrite=True)
     return out
+
+
+def _complete(out: str, pipeline: Pipeline, online: bool) -> bool:
+    """Whether results at `out` hold every analysis the pipeline asks for (and the online check)."""
+    from orthosphere.analyze import ANALYSES, open_results
+
+    try:
+        tree = open_results(out)
+    except ValueError:
+        return False
+    wanted = set(pipeline.analyze_only or ANALYSES)
+    return wanted <= set(tree.attrs.get("analyses", [])) and (not online or "online" in tree["replay"].children)

@@ -32,6 +32,7 @@ PAPER = {
     "accuracy": {"pre": {"test": 91.38, "interpolation": 87.46, "extrapolation": 66.65},
                  "qkv": {"test": 90.99, "interpolation": 82.54, "extrapolation": 46.76}},
     "size": "10 layers, d_model 512, 12 heads of 64",
+    "drop": "≳10 % (Pre-Norm)",
 }
 SPLIT_ORDER = ("test", "interpolation", "extrapolation")
 PLACEMENT_ORDER = ("pre", "qkv", "none", "post")
@@ -208,6 +209,22 @@ def figure_max_attention(runs: list[Run]):
     return figure
 
 
+def figure_accuracy_under_noise(runs: list[Run]):
+    """Online check: per-token accuracy with the noise injected into every layer at once."""
+    lines = [(run, run.group("replay/online")) for run in runs]
+    lines = [(run, online) for run, online in lines if online is not None]
+    if not lines:
+        return None
+    figure, axis = plt.subplots(figsize=(6.0, 3.8))
+    for run, online in lines:
+        accuracy = online.accuracy.sel(perturbation="all layers") * 100
+        axis.plot(online.level * 100, accuracy, marker="o", label=f"{run.label} (clean {float(online.clean_accuracy) * 100:.1f} %)")
+    axis.set(xscale="log", xlabel="noise RMS (%)", ylabel="per-token accuracy (%)", ylim=(0, 100),
+             title="Accuracy with norm noise in all layers (online, the same draws as the replay)")
+    axis.legend(fontsize=7)
+    return figure
+
+
 def accuracy_table(runs: list[Run]) -> dict[str, dict[str, float]]:
     """placement -> split -> per-token answer accuracy (%)."""
     table: dict[str, dict[str, float]] = {}
@@ -242,6 +259,7 @@ FIGURES = {
     "collapse": ("Collapse against noise", figure_collapse),
     "max_attention": ("Max attention", figure_max_attention),
     "accuracy": ("Accuracy per split", figure_accuracy),
+    "accuracy_under_noise": ("Accuracy under noise", figure_accuracy_under_noise),
 }
 
 
@@ -273,6 +291,10 @@ def headline_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
             low, high = replay.collapse_level_pooled_ci.sel(definition=definition).values
             rows.append((f"Pre-Norm: noise RMS at which 1 % of sparse heads {'strictly ' if definition == 'strict' else ''}collapse",
                          f"{_percent(level)} [{_percent(low)}, {_percent(high)}]", paper))
+    drops = {placement: _online_drop(runs, placement) for placement in ("pre", "qkv")}
+    if any(drop is not None for drop in drops.values()):
+        rows.append(("Per-token accuracy drop with 1 % noise in all layers, Pre-Norm / QKV-Norm (online check)",
+                     " / ".join(_percent(drop) for drop in drops.values()), PAPER["drop"]))
     accuracy = accuracy_table(runs)
     for split in SPLIT_ORDER:
         if split in accuracy.get("pre", {}) or split in accuracy.get("qkv", {}):
@@ -282,6 +304,15 @@ def headline_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
     sizes = sorted({_size(run.model) for run in runs})
     rows.append(("Model size", "; ".join(sizes), PAPER["size"]))
     return rows
+
+
+def _online_drop(runs: list[Run], placement: str) -> float | None:
+    """The online check's accuracy drop at 1 % noise in all layers, on the placement's test data."""
+    run = _run_of(runs, placement)
+    online = run.group("replay/online") if run else None
+    if online is None or 0.01 not in online.level.values:
+        return None
+    return float(online.accuracy_drop.sel(perturbation="all layers", level=0.01))
 
 
 def _size(model: dict) -> str:
