@@ -3,7 +3,7 @@
 Task specs (``orthosphere extract --task SPEC``)::
 
     arithmetic:split=test,seed=0                   # any split, any seed (these are the defaults)
-    arithmetic:split=extrapolation,seed=3,digit_lengths=1/2,train_counts=2/3/5
+    arithmetic:split=extrapolation,seed=3,digit_lengths=1/2,train_counts=2/3/5,interpolation_counts=4,extrapolation_counts=6/7
     text:path=corpus.txt,max_length=128            # one sequence per line
 
 Arithmetic options besides split and seed are the task's TaskSpec fields, lists written
