@@ -85,12 +85,12 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.argument("store")
 @click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
 @click.option("--only", default=None, metavar="LIST",
-              help="Comma-separated analyses, default all: norms,subspaces,spheres,neighbours,replay.")
+              help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,replay.")
 @click.option("--layers", default=None, metavar="LIST", help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
 @click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
 @click.option("--site", default=None, help="subspaces, spheres, neighbours: the residual site (default resid_pre).")
 @click.option("--factor", "factors", multiple=True, metavar="SPEC",
-              help="A factor, LABEL or LABEL[KEY=V1|V2] (repeat; default: every label and pos).")
+              help="A factor, LABEL or LABEL[KEY=V1|V2] (repeat; default: the task's factors, else every label and pos).")
 @click.option("--rank", type=int, default=None, help="Fixed rank of every factor subspace.")
 @click.option("--rank-threshold", type=float, default=None, help="Share of between-class variance the rank holds (0.95).")
 @click.option("--bootstrap", "n_bootstrap", type=int, default=None, help="Bootstrap replicates.")
@@ -107,7 +107,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples):
-    """Analyse STORE (norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
+    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
     from orthosphere.analyze import analyze
     from orthosphere.analyze.options import parse_assignment
     from orthosphere.extract.job import parse_layers
