@@ -49,6 +49,14 @@ WEIGHTS_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
 
 
+def check_keys(config_class, values: dict, table: str) -> None:
+    """Refuse keys that are not fields of the dataclass `config_class`, naming the known ones."""
+    known = {field.name for field in fields(config_class)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {table} keys {unknown}; expected some of {sorted(known)}")
+
+
 class ConfigError(ValueError):
     """Bad input from a user: a config, a file or an argument. The message says which
     input, what was expected and what to do."""
@@ -106,10 +114,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
         """Build from a dict; unknown or missing keys are a ConfigError."""
-        known = {field.name for field in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown model keys {unknown}; expected some of {sorted(known)}")
+        check_keys(cls, values, "model")
         try:
             return cls(**values)
         except TypeError as error:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from orthosphere.extract.model import ConfigError
+from orthosphere.extract.model import ConfigError, check_keys
 
 CHARACTERS = "0123456789+-N[=]"
 """The 16 characters; a character's token id is its index, so digit d has id d."""
@@ -118,10 +118,7 @@ class TaskSpec:
     @classmethod
     def from_dict(cls, values: dict) -> "TaskSpec":
         """Build from a config table; unknown keys are a ConfigError."""
-        known = {field.name for field in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown task keys {unknown}; expected some of {sorted(known)}")
+        check_keys(cls, values, "task")
         return cls(**values)
 
     def to_dict(self) -> dict:

@@ -78,6 +78,12 @@ def load_runs(urls) -> list[Run]:
     return sorted(runs, key=lambda run: (order.get(run.placement, 99), run.placement, splits.get(run.split, 99), run.split))
 
 
+def groups(runs: list[Run], path: str, variable: str) -> list[tuple[Run, xr.Dataset]]:
+    """(run, group) for each placement's in-distribution run whose group `path` holds `variable`."""
+    found = [(run, run.group(path)) for run in in_distribution(runs)]
+    return [(run, group) for run, group in found if group is not None and variable in group]
+
+
 def in_distribution(runs: list[Run]) -> list[Run]:
     """One run per placement: its in-distribution data where there is one, else its first."""
     chosen: dict[str, Run] = {}
@@ -101,8 +107,7 @@ def _axes_grid(n: int, width: float = 4.2, height: float = 3.2):
 
 def figure_norm_spread(runs: list[Run]):
     """|x| / median of the attention input, per layer, one panel per placement."""
-    panels = [(run, run.group("norms/resid_pre")) for run in in_distribution(runs)]
-    panels = [(run, norms) for run, norms in panels if norms is not None]
+    panels = groups(runs, "norms/resid_pre", "histogram")
     if not panels:
         return None
     figure, axes = _axes_grid(len(panels))
@@ -124,8 +129,7 @@ def figure_norm_spread(runs: list[Run]):
 
 def figure_angles(runs: list[Run]):
     """Smallest principal angle between factor subspaces (mean over layers), per placement."""
-    panels = [(run, run.group("subspaces")) for run in in_distribution(runs)]
-    panels = [(run, s) for run, s in panels if s is not None and "min_angle" in s]
+    panels = groups(runs, "subspaces", "min_angle")
     if not panels:
         return None
     figure, axes = _axes_grid(len(panels), width=4.6, height=4.0)
@@ -145,8 +149,7 @@ def figure_angles(runs: list[Run]):
 
 
 def figure_sphere_deviation(runs: list[Run]):
-    lines = [(run, run.group("spheres")) for run in in_distribution(runs)]
-    lines = [(run, s) for run, s in lines if s is not None and "deviation" in s]
+    lines = groups(runs, "spheres", "deviation")
     if not lines:
         return None
     figure, axis = plt.subplots(figsize=(5.5, 3.6))
@@ -169,8 +172,7 @@ def pooled_rates(replay: xr.Dataset) -> tuple[xr.DataArray, xr.DataArray]:
 
 
 def figure_collapse(runs: list[Run]):
-    lines = [(run, run.group("replay")) for run in in_distribution(runs)]
-    lines = [(run, r) for run, r in lines if r is not None and "collapse_rate" in r]
+    lines = groups(runs, "replay", "collapse_rate")
     if not lines:
         return None
     figure, axis = plt.subplots(figsize=(6.0, 4.0))
@@ -195,8 +197,7 @@ def figure_collapse(runs: list[Run]):
 
 
 def figure_max_attention(runs: list[Run]):
-    lines = [(run, run.group("replay")) for run in in_distribution(runs)]
-    lines = [(run, r) for run, r in lines if r is not None and "max_attention_hist" in r]
+    lines = groups(runs, "replay", "max_attention_hist")
     if not lines:
         return None
     figure, axis = plt.subplots(figsize=(6.0, 3.8))
