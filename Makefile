@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch: a bare `torch` requirement would pull a multi-gigabyte CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,7 @@ run: $(STAMP)
 	$(BIN)/orthosphere run workflows/configs/quickstart.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -q
-
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow -q
+	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV)
