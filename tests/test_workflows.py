@@ -211,3 +211,13 @@ def test_bad_pipeline_configs(tmp_path, text, message):
 def test_missing_pipeline_config(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_pipeline(tmp_path / "nowhere.toml")
+
+
+def test_hf_text_pipeline_runs_on_the_shipped_stand_in_checkpoint(tmp_path):
+    pipeline = load_pipeline(REPO / "workflows" / "configs" / "hf-text.toml", root=str(tmp_path / "hf"))
+    report = run_pipeline(pipeline)
+    tree = open_results(str(tmp_path / "hf" / "results" / "demo-llama-sentences.zarr"))
+    assert set(tree.children) == {"accuracy", "norms", "neighbours", "replay"}
+    assert tree.attrs["model"]["family"] == "llama" and tree.attrs["model"]["n_kv_heads"] == 2
+    assert tree.attrs["task"]["name"] == "text"
+    assert (report / "report.html").exists()
