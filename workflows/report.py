@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -155,6 +156,7 @@ def figure_sphere_deviation(runs: list[Run]):
     figure, axis = plt.subplots(figsize=(5.5, 3.6))
     for run, spheres in lines:
         axis.plot(spheres.layer, spheres.deviation, marker="o", label=run.placement)
+    axis.set_xticks(lines[0][1].layer.values)
     axis.set(xlabel="layer", ylabel="deviation from orthogonal spheres", ylim=(0, None),
              title="Sphere structure (0 = perfect orthogonal spheres)")
     axis.legend()
@@ -221,7 +223,7 @@ def figure_accuracy_under_noise(runs: list[Run]):
         accuracy = online.accuracy.sel(perturbation="all layers") * 100
         axis.plot(online.level * 100, accuracy, marker="o", label=f"{run.label} (clean {float(online.clean_accuracy) * 100:.1f} %)")
     axis.set(xscale="log", xlabel="noise RMS (%)", ylabel="per-token accuracy (%)", ylim=(0, 100),
-             title="Accuracy with norm noise in all layers (online, the same draws as the replay)")
+             title="Accuracy with norm noise in all layers (online check)")
     axis.legend(fontsize=7)
     return figure
 
@@ -330,17 +332,28 @@ def _png(figure) -> bytes:
 
 
 def _provenance(runs: list[Run]) -> list[str]:
+    """One line a run: its results, store, model, data, analysis options and package version."""
     lines = []
     for run in runs:
         made = run.tree.attrs.get("provenance", {})
+        task = run.tree.attrs.get("task", {})
+        data = " ".join(f"{key}={task[key]}" for key in ("name", "split", "seed", "counts", "path") if key in task)
         options = {name: run.tree[name].attrs.get("options", {}) for name in run.tree.children}
         lines.append(
-            f"{run.label}: results {run.url} of store {run.tree.attrs.get('store')}; model "
-            f"{run.model.get('source', '?')} ({_size(run.model)}, {run.model.get('norm_type', '?')} norm); "
-            f"task {run.tree.attrs.get('task')}; analyses {list(options)} with options {options}; "
+            f"{run.label}: results {_shown(run.url)} of store {_shown(run.tree.attrs.get('store', '?'))}; model "
+            f"{_shown(run.model.get('source', '?'))} ({_size(run.model)}, {run.model.get('norm_type', '?')} norm); "
+            f"data {data}; analyses {list(options)} with options {options}; "
             f"orthosphere {made.get('package_version')} (commit {made.get('git_commit')}), {made.get('created')}"
         )
     return lines
+
+
+def _shown(location: str) -> str:
+    """A local path relative to the current folder when it lies inside it (reports travel)."""
+    if "://" in str(location) or not os.path.isabs(str(location)):
+        return str(location)
+    relative = os.path.relpath(location)
+    return location if relative.startswith("..") else relative
 
 
 def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
