@@ -221,3 +221,11 @@ def test_hf_text_pipeline_runs_on_the_shipped_stand_in_checkpoint(tmp_path):
     assert tree.attrs["model"]["family"] == "llama" and tree.attrs["model"]["n_kv_heads"] == 2
     assert tree.attrs["task"]["name"] == "text"
     assert (report / "report.html").exists()
+
+
+@pytest.mark.parametrize("name", ["quickstart", "paper", "hf-text"])
+def test_shipped_pipeline_configs_parse_and_point_at_what_is_shipped(name):
+    pipeline = load_pipeline(REPO / "workflows" / "configs" / f"{name}.toml")
+    for model in pipeline.models:
+        assert (model.train or model.path / "config.json").exists(), model
+    assert pipeline.data and pipeline.root == f"runs/{name}"
