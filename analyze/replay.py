@@ -322,14 +322,13 @@ def _framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
     return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
 
 
-def collapse_indicators(q, k, valid, *, samples, layer: int, draw: int, level: float,
-                        settings: ReplaySettings, attn_scale: float, causal: bool) -> dict[str, np.ndarray]:
+def collapse_indicators(block: "HeadBlock", *, samples, layer: int, draw: int, level: float,
+                        settings: ReplaySettings) -> dict[str, np.ndarray]:
     """Per-instance sparse mask, clean and new arg-max, collapse and strict collapse for one draw.
 
     Arrays (sample, head, qpos) for one layer's block of samples (global indices ``samples``);
     what the online check compares with the model's own attention under the same draw.
     """
-    block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal, settings.sparse_threshold)
     n_pos = block.base.shape[0]
     kq, kk = (level * settings.kappa(t, layer, samples, draw, n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
@@ -593,8 +592,8 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
         return by_layer, pooled
 
     by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
-    ci_layer = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, by_layer[0])
-    ci_pooled = _bootstrap_interval(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed, pooled[0], 1)
+    ci_layer, ci_pooled = _bootstrap_intervals(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed,
+                                               (by_layer[0], pooled[0]))
     result.coords["bound"] = _names(("low", "high"))
     result["collapse_level"] = (("definition", "layer"), by_layer[0])
     result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
@@ -604,18 +603,19 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
                                       _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
 
 
-def _bootstrap_interval(levels_for, n_samples, n_bootstrap, confidence, seed, point, which=0) -> np.ndarray:
-    """(..., bound) percentile interval of levels_for(weights)[which] over resampled samples
-    (NaN without resamples); inf bounds mean the resamples' curves stay below the target."""
+def _bootstrap_intervals(levels_for, n_samples, n_bootstrap, confidence, seed, points) -> list[np.ndarray]:
+    """(..., bound) percentile intervals of each output of levels_for(weights) over one set of
+    resampled samples (NaN without resamples); inf bounds mean the resamples' curves stay below
+    the target."""
     if n_bootstrap == 0:
-        return np.full(point.shape + (2,), np.nan)
+        return [np.full(point.shape + (2,), np.nan) for point in points]
     rng = np.random.default_rng(seed)
     batches = [min(100, n_bootstrap - start) for start in range(0, n_bootstrap, 100)]
-    replicates = np.concatenate([
-        levels_for(rng.multinomial(n_samples, np.full(n_samples, 1.0 / n_samples), size=size).astype(float))[which]
-        for size in batches
-    ])
+    outputs = [levels_for(rng.multinomial(n_samples, np.full(n_samples, 1.0 / n_samples), size=size).astype(float))
+               for size in batches]
     tails = [(1 - confidence) / 2, (1 + confidence) / 2]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN where a layer has no sparse instance
-        return np.moveaxis(np.nanquantile(replicates, tails, axis=0, method="inverted_cdf"), 0, -1)
+        return [np.moveaxis(np.nanquantile(np.concatenate([out[which] for out in outputs]), tails, axis=0,
+                                           method="inverted_cdf"), 0, -1)
+                for which in range(len(points))]

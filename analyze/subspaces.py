@@ -25,7 +25,6 @@ from .inputs import (D_MODEL_SITES, SITES, FiniteCheck, check_layers, layer_data
 from .options import as_attrs, check_options
 
 BOUNDS = ("low", "high")
-RELATIONS = ("dependent", "independent", "orthogonal")
 
 
 @dataclass

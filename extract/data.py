@@ -69,12 +69,13 @@ def _options(spec: str, text: str) -> dict[str, str]:
     options = {}
     for item in filter(None, text.split(",")):
         key, equals, value = item.partition("=")
+        key = key.strip()
         if not equals or not key or key in options:
             raise ConfigError(
                 f"task spec {spec!r} does not parse at {item!r}: expected key=value pairs, each key once; "
                 f"expected {SPEC_FORMS}"
             )
-        options[key.strip()] = value.strip()
+        options[key] = value.strip()
     return options
 
 

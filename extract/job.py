@@ -208,9 +208,12 @@ def parse_layers(text: str) -> tuple[int, ...]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         first, dash, last = item.partition("-")
         try:
-            layers.extend(range(int(first), int(last) + 1) if dash else [int(first)])
+            span = range(int(first), int(last) + 1) if dash else [int(first)]
         except ValueError:
             raise ConfigError(f"--layers {text!r}: {item!r} is not a layer index or range; expected e.g. 0,2,5-7") from None
+        if not span:
+            raise ConfigError(f"--layers {text!r}: the range {item!r} runs backwards; write it low-high, e.g. 5-7")
+        layers.extend(span)
     if not layers:
         raise ConfigError(f"--layers {text!r}: no layers given; expected e.g. 0,2,5-7")
     return tuple(layers)

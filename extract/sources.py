@@ -88,10 +88,6 @@ class LoadedModel:
     weight_files: list[Path]
     _description: dict | None = None
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.adapter.model
-
     def describe(self) -> dict:
         """The store's `model` attribute: the adapter's description, the source and its weights' SHA-256."""
         if self._description is None:

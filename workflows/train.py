@@ -18,7 +18,7 @@ import math
 import os
 import time
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from orthosphere.extract import tasks
 from orthosphere.extract.model import (
-    METRICS_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, ModelConfig, save_model)
+    METRICS_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, ModelConfig, check_keys, save_model)
 
 CONFIG_COPY = "train.toml"
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -106,10 +106,10 @@ def parse_config(values: dict, source: str = "config") -> RunConfig:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"{source}: seed = {seed!r}; expected a non-negative integer")
     train_values = _table(values, "train")
-    known = {field.name for field in fields(TrainConfig)}
-    if set(train_values) - known:
-        raise ConfigError(f"{source}: unknown train keys {sorted(set(train_values) - known)}; "
-                          f"expected some of {sorted(known)}")
+    try:
+        check_keys(TrainConfig, train_values, "train")
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
     try:
         train_config = TrainConfig(**train_values)
         task = tasks.TaskSpec.from_dict(_table(values, "task"))
