@@ -71,6 +71,12 @@ def as_location(url, storage_options: dict | None = None) -> Location:
     return Location(os.fspath(url), dict(storage_options or {}))
 
 
+def group_arrays(group) -> list:
+    """(name, array) of a zarr group's arrays, without zarr's warning about our lock file."""
+    with zarr_quietly():
+        return list(group.arrays())
+
+
 @contextlib.contextmanager
 def zarr_quietly():
     """Silence zarr's warnings about consolidated metadata (not yet in the v3 spec) and our lock file."""

@@ -30,6 +30,10 @@ def read_lock(location: Location) -> dict | None:
         return json.load(handle)
 
 
+def _is_mine(holder: dict) -> bool:
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
 def is_stale(holder: dict) -> bool:
     """A lock is stale when its holder was a process on this host that no longer runs."""
     if holder.get("host") != socket.gethostname():
@@ -46,7 +50,7 @@ def is_stale(holder: dict) -> bool:
 def acquire_lock(location: Location, break_lock: bool = False) -> dict:
     """Take the store's lock, or explain who holds it and how to break a stale one."""
     holder = read_lock(location)
-    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    if holder is not None and _is_mine(holder):
         return holder
     if holder is not None and not break_lock:
         stale = is_stale(holder)
@@ -85,5 +89,5 @@ def _write_lock(location: Location, holder: dict, exclusive: bool) -> None:
 
 def release_lock(location: Location) -> None:
     holder = read_lock(location)
-    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    if holder is not None and _is_mine(holder):
         location.fs.rm(location.key(LOCK_NAME))

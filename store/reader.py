@@ -9,7 +9,7 @@ import zarr
 
 from . import schema
 from .errors import IncompleteStoreError, StoreError, StoreNotFoundError
-from .location import Location, as_location, zarr_quietly
+from .location import Location, as_location, group_arrays, zarr_quietly
 from .writer import PROGRESS_GROUP
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
@@ -44,7 +44,12 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
             f"{location.url} is a Zarr store but not an orthosphere store (no 'schema' attribute); "
             "open it with zarr or xarray directly"
         )
-    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise StoreError(
+            f"{location.url} has schema attribute {version!r}, not a schema version (a positive integer): "
+            "the store is damaged or was not written by orthosphere"
+        )
+    if version > schema.SCHEMA_VERSION:
         raise StoreError(
             f"{location.url} has schema version {version!r}, newer than the {schema.SCHEMA_VERSION} "
             "this orthosphere reads: upgrade orthosphere"
@@ -145,7 +150,7 @@ def info(url, storage_options: dict | None = None) -> dict:
             if np.dtype(array.dtype).kind not in "OTU"
             else None,
         }
-        for name, array in sorted(_arrays(group))
+        for name, array in sorted(group_arrays(group))
         if name not in schema.DIM_NAMES
     }
     return {
@@ -166,11 +171,6 @@ def info(url, storage_options: dict | None = None) -> dict:
         **completeness(group),
         "provenance": attrs.get("provenance"),
     }
-
-
-def _arrays(group: zarr.Group) -> list:
-    with zarr_quietly():
-        return list(group.arrays())
 
 
 def format_info(summary: dict) -> str:

@@ -9,7 +9,7 @@ from zarr.codecs import ZstdCodec
 
 from . import schema
 from .errors import IncompleteStoreError, StoreError, StoreExistsError
-from .location import Location, as_location, zarr_quietly
+from .location import Location, as_location, group_arrays, zarr_quietly
 from .lock import acquire_lock, release_lock
 from .provenance import provenance
 
@@ -243,9 +243,7 @@ class StoreWriter:
         return array
 
     def per_sample_names(self) -> list[str]:
-        with zarr_quietly():
-            arrays = list(self.group.arrays())
-        return sorted(name for name, array in arrays if name != "sample" and array.metadata.dimension_names[0] == "sample")
+        return sorted(name for name, array in group_arrays(self.group) if name != "sample" and array.metadata.dimension_names[0] == "sample")
 
 
 def _check_count(name: str, value) -> None:

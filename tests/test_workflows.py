@@ -3,7 +3,6 @@ results on a LocalCluster, with a worker killed mid-analysis, and with everythin
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -113,7 +112,7 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
         assert (out / "report" / "figures" / f"{figure}.png").stat().st_size > 5000, figure
 
 
-def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, caplog):
+def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, tmp_path, caplog):
     config, out = tiny_run
     results = out / "results" / "pre-test.zarr" / "zarr.json"
     before = results.stat().st_mtime_ns
@@ -121,6 +120,15 @@ def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, caplog):
         run_pipeline(load_pipeline(config))
     assert results.stat().st_mtime_ns == before
     assert "already complete" in caplog.text and "skipping the analyses" in caplog.text
+
+    forced = write_pipeline(tmp_path, data=("test",))
+    run_pipeline(load_pipeline(forced))
+    store = tmp_path / "out" / "stores" / "pre-test.zarr" / "zarr.json"
+    stamps = store.stat().st_mtime_ns, (tmp_path / "out" / "results" / "pre-test.zarr" / "zarr.json").stat().st_mtime_ns
+    outcome = CliRunner().invoke(main, ["run", str(forced), "--force"])
+    assert outcome.exit_code == 0, outcome.output
+    assert store.stat().st_mtime_ns > stamps[0]
+    assert (tmp_path / "out" / "results" / "pre-test.zarr" / "zarr.json").stat().st_mtime_ns > stamps[1]
 
 
 def test_report_verb(tiny_run, tmp_path):
@@ -175,6 +183,7 @@ def test_worker_killed_mid_analysis_gives_the_same_results(tiny_run, tmp_path):
         deadline = time.time() + 60
         while not any(client.processing().values()) and time.time() < deadline:
             time.sleep(0.02)
+        assert any(client.processing().values()) and worker.is_alive(), "no task was running to be interrupted"
         victim = next(iter(pids))
         os.kill(pids[victim], 9)
         worker.join(timeout=300)
@@ -199,6 +208,12 @@ def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
         ("[models.a]\npath='x'\n[data.t]\nsamples=3\n", "needs `task`"),
         ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonline=['u']\n", r"online names \['u'\]"),
         ("[models.a\n", "not valid TOML"),
+        ("models = 'x'\n", r"`models` = 'x': expected a table"),
+        ("[models.a]\npath='x'\n[data.t]\ntask=5\n", "expected a task spec string"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[backend]\nworkers='2'\n", "workers = '2'"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[backend]\nworkers=2\nscheduler='tcp://h:1'\n", "not both"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonly='replay'\n", "expected a list"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonly=['norms']\nonline=['t']\n", "add \"replay\""),
     ],
 )
 def test_bad_pipeline_configs(tmp_path, text, message):

@@ -20,13 +20,6 @@ class Backend:
         if self.workers is not None and self.workers < 1:
             raise click.UsageError(f"--workers {self.workers}: expected a positive number of worker processes")
 
-    def describe(self) -> str:
-        if self.scheduler:
-            return f"Dask scheduler at {self.scheduler}"
-        if self.workers:
-            return f"LocalCluster of {self.workers} worker processes"
-        return "Dask threads in this process"
-
 
 @contextlib.contextmanager
 def dask_client(backend: Backend):

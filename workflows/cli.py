@@ -108,9 +108,10 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
-    from orthosphere.analyze import analyze
     from orthosphere.analyze.options import parse_assignment
     from orthosphere.extract.job import parse_layers
+
+    from .online_check import analyze_with_online_check
 
     options = {
         "layers": None if layers is None else list(parse_layers(layers)),
@@ -122,15 +123,9 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
     options = {key: value for key, value in options.items() if value is not None}
     options.update(parse_assignment(text) for text in extra)
     with dask_client(ctx.obj):
-        tree = analyze(store, None if online_model else out, only=None if only is None else only.split(","),
-                       options=options, overwrite=overwrite, command=" ".join(sys.argv))
-        if online_model:
-            from orthosphere.analyze.results import write_results
-
-            from .online_check import with_online_check
-
-            tree = with_online_check(tree, store, online_model, all_layers=True, max_samples=online_samples)
-            tree = write_results(tree, out, overwrite=overwrite)
+        tree = analyze_with_online_check(store, out, online_model=online_model, online_samples=online_samples,
+                                         overwrite=overwrite, only=None if only is None else only.split(","),
+                                         options=options, command=" ".join(sys.argv))
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
 
 

@@ -99,34 +99,55 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
         raise ConfigError(f"pipeline config {path} is not valid TOML: {error}") from None
     _check_keys(values, TOP_LEVEL_KEYS, str(path))
     here = path.resolve().parent
-    models = tuple(_model_entry(name, entry, here, path) for name, entry in values.get("models", {}).items())
-    data = tuple(_data_entry(name, entry, here, path) for name, entry in values.get("data", {}).items())
+    models = tuple(_model_entry(name, entry, here, path) for name, entry in _table(values, "models", path).items())
+    data = tuple(_data_entry(name, entry, here, path) for name, entry in _table(values, "data", path).items())
     if not models or not data:
         raise ConfigError(f"{path}: needs at least one [models.NAME] and one [data.NAME] table")
-    extract = dict(values.get("extract", {}))
-    _check_keys(extract, EXTRACT_KEYS, f"{path} [extract]")
-    analyze = dict(values.get("analyze", {}))
-    _check_keys(analyze, ANALYZE_KEYS, f"{path} [analyze]")
-    report = dict(values.get("report", {}))
-    _check_keys(report, REPORT_KEYS, f"{path} [report]")
-    backend_values = dict(values.get("backend", {}))
-    _check_keys(backend_values, {"workers", "scheduler"}, f"{path} [backend]")
+    extract = _table(values, "extract", path, EXTRACT_KEYS)
+    analyze = _table(values, "analyze", path, ANALYZE_KEYS)
+    report = _table(values, "report", path, REPORT_KEYS)
+    only = analyze.get("only")
+    if only is not None and (not isinstance(only, list) or not all(isinstance(name, str) for name in only)):
+        raise ConfigError(f"{path} [analyze] only = {only!r}: expected a list of analysis names, e.g. [\"norms\"]")
+    if analyze.get("online") and only is not None and "replay" not in only:
+        raise ConfigError(f"{path} [analyze]: the online check repeats the replay's noise; add \"replay\" to `only`")
     root = root or values.get("root") or f"runs/{values.get('name', path.stem)}"
     local_root = Path(values.get("local_root") or (root if "://" not in root else f"runs/{path.stem}"))
     return Pipeline(
         name=values.get("name", path.stem),
         root=root,
         local_root=local_root,
-        backend=Backend(workers=backend_values.get("workers") or None, scheduler=backend_values.get("scheduler")),
+        backend=_backend(_table(values, "backend", path, {"workers", "scheduler"}), path),
         models=models,
         data=data,
         extract=extract,
-        analyze_only=tuple(analyze["only"]) if "only" in analyze else None,
+        analyze_only=tuple(only) if only is not None else None,
         analyze_options=dict(analyze.get("options", {})),
         online=_online_data(analyze.get("online", []), data, path),
         online_samples=analyze.get("online_samples"),
         title=report.get("title", f"orthosphere report: {values.get('name', path.stem)}"),
     )
+
+
+def _table(values: dict, name: str, path: Path, allowed: set | None = None) -> dict:
+    """The config's table `name` (empty when absent), checked to be a table with allowed keys."""
+    table = values.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: `{name}` = {table!r}: expected a table ([{name}] or [{name}.NAME])")
+    if allowed is not None:
+        _check_keys(table, allowed, f"{path} [{name}]")
+    return dict(table)
+
+
+def _backend(values: dict, path: Path) -> Backend:
+    workers, scheduler = values.get("workers") or None, values.get("scheduler")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ConfigError(f"{path} [backend] workers = {workers!r}: expected a number of worker processes (0: none)")
+    if scheduler is not None and not isinstance(scheduler, str):
+        raise ConfigError(f"{path} [backend] scheduler = {scheduler!r}: expected an address such as \"tcp://host:8786\"")
+    if workers and scheduler:
+        raise ConfigError(f"{path} [backend]: give workers (a LocalCluster) or scheduler (a cluster), not both")
+    return Backend(workers=workers, scheduler=scheduler)
 
 
 def _online_data(names, data: tuple[DataEntry, ...], path: Path) -> tuple[str, ...]:
@@ -139,6 +160,8 @@ def _online_data(names, data: tuple[DataEntry, ...], path: Path) -> tuple[str, .
 
 
 def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path} [models.{name}]: expected a table with `path` or `train`")
     _check_keys(entry, {"path", "train"}, f"{path} [models.{name}]")
     if "path" not in entry and "train" not in entry:
         raise ConfigError(f"{path} [models.{name}]: give `path` (a checkpoint) or `train` (a training config)")
@@ -147,9 +170,13 @@ def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
 
 
 def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path} [data.{name}]: expected a table with `task` and `samples`")
     _check_keys(entry, {"task", "samples"}, f"{path} [data.{name}]")
     if "task" not in entry:
         raise ConfigError(f"{path} [data.{name}]: needs `task`, a task spec such as 'arithmetic:split=test,seed=1'")
+    if not isinstance(entry["task"], str):
+        raise ConfigError(f"{path} [data.{name}] task = {entry['task']!r}: expected a task spec string")
     return DataEntry(name=name, task=_resolve_text_path(entry["task"], here), samples=entry.get("samples"))
 
 
@@ -210,20 +237,15 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
 def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:
     """Run the analyses (and the online check with `online_model`) unless complete results of
     this store are already there."""
-    from orthosphere.analyze import analyze, write_results
-
-    from .online_check import with_online_check
+    from .online_check import analyze_with_online_check
 
     if not force and _complete(out, pipeline, online_model is not None):
         log.info("results %s are complete: skipping the analyses", out)
         return out
     log.info("analysing %s into %s", store, out)
-    tree = analyze(store, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
-                   options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
-    if online_model is not None:
-        log.info("online check of %s with %s", store, online_model)
-        tree = with_online_check(tree, store, str(online_model), all_layers=True, max_samples=pipeline.online_samples)
-    write_results(tree, out, overwrite=True)
+    analyze_with_online_check(store, out, online_model=online_model, online_samples=pipeline.online_samples,
+                              overwrite=True, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
+                              options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
     return out
 
 
@@ -236,4 +258,5 @@ def _complete(out: str, pipeline: Pipeline, online: bool) -> bool:
     except ValueError:
         return False
     wanted = set(pipeline.analyze_only or ANALYSES)
-    return wanted <= set(tree.attrs.get("analyses", [])) and (not online or "online" in tree["replay"].children)
+    has_online = "replay" in tree.children and "online" in tree["replay"].children
+    return wanted <= set(tree.attrs.get("analyses", [])) and (not online or has_online)

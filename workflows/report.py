@@ -272,9 +272,9 @@ def _percent(value) -> str:
     return "n/a" if value is None or not np.isfinite(value) else f"{value * 100:.1f} %"
 
 
-def _run_of(runs, placement, split="test") -> Run | None:
-    matches = [run for run in runs if run.placement == placement]
-    return next((run for run in matches if run.split == split), matches[0] if matches else None)
+def _run_of(runs, placement) -> Run | None:
+    """The placement's in-distribution run (see in_distribution), or None."""
+    return {run.placement: run for run in in_distribution(runs)}.get(placement)
 
 
 def headline_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
