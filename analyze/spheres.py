@@ -156,8 +156,8 @@ def sphere_structure(dataset: xr.Dataset, *, site: str = "resid_pre", factors=No
     names = [factor.name for factor in factors]
     bases, source = _bases(dataset, fit | {"layers": layers, "factors": names}, subspaces)
     mask = token_mask(dataset, exclude_start)
-    tokens = mask
-    for factor in factors:
+    tokens = factor_tokens(dataset, factors[0], mask)  # each factor's tokens lie inside the mask already
+    for factor in factors[1:]:
         tokens = tokens & factor_tokens(dataset, factor, mask)
     finite = FiniteCheck(dataset)
     lazy, packers = {}, {}

@@ -139,9 +139,9 @@ class ArithmeticDataset:
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
         generated = tasks.generate(self.data.split, stop - start, self.data.seed, self.data.spec, start=start)
         arrays = {
-            "tokens": generated.tokens.astype(np.int32),
+            "tokens": generated.tokens.astype(np.int32, copy=False),
             "valid": generated.valid,
-            "target": generated.target.astype(np.int32),
+            "target": generated.target.astype(np.int32, copy=False),
             "scored": generated.scored,
         }
         arrays.update({name: generated.labels[name] for name in self.labels})

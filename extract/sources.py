@@ -178,7 +178,11 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return [single]
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            raise ConfigError(f"{index} is not a safetensors index (JSON with a weight_map): {error}; "
+                              "re-save the checkpoint with save_pretrained") from None
         return [directory / shard for shard in shards]
     pickled = [name for name in PICKLED_WEIGHTS if (directory / name).is_file()]
     if pickled:

@@ -306,3 +306,11 @@ def test_unsupported_hugging_face_class_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="expected GPT2LMHeadModel"):
         adapter_for(GPT2Model(hf_config("gpt2")))
+
+
+def test_damaged_safetensors_index_is_a_clear_error(tmp_path):
+    directory = write_hf_model(tmp_path / "llama", "llama")
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a safetensors index"):
+        load_source(directory)

@@ -187,7 +187,9 @@ def test_bad_online_options_are_clear_errors(tmp_path):
     ds = extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(4))
     with pytest.raises(AnalysisError, match=r"holds layers \[0, 1\]"):
         online_check(ds, model, settings=SETTINGS, layers=[2])
-    with pytest.raises(ReplayError, match="expected positive numbers"):
+    with pytest.raises(ReplayError, match=r"max_samples = 0: expected a positive number"):
         online_check(ds, model, settings=SETTINGS, max_samples=0)
+    with pytest.raises(ReplayError, match=r"batch_size = 2.5: expected a positive number"):
+        online_check(ds, model, settings=SETTINGS, batch_size=2.5)
     with pytest.raises(ReplayError, match=r"lacks \['w_o'\]"):
         online_check(ds.drop_vars("w_o"), model, settings=SETTINGS)

@@ -55,23 +55,25 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     for extraction), a loaded model or its adapter. ``layers`` are the layers perturbed one at a
     time (default: every stored layer); ``all_layers`` adds a run with noise in every layer.
     """
+    for name, value in (("max_samples", max_samples), ("batch_size", batch_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ReplayError(f"{name} = {value!r}: expected a positive number of samples")
     ds = store if isinstance(store, xr.Dataset) else open_store(store)
     settings = settings or ReplaySettings()
+    model_attrs = store_model(ds)
     adapter, description = _adapter(model, device)
-    check_model_matches(store_model(ds), description)
+    check_model_matches(model_attrs, description)
     check_variables(ds, settings)
     missing = [name for name in TOKEN_VARIABLES if name not in ds.variables]
     if missing:
         raise ReplayError(f"the store lacks {missing}: the online check feeds the stored tokens and scores the targets")
     layers = check_layers(ds, layers)
-    n_samples = ds.sizes["sample"] if max_samples is None else min(int(max_samples), ds.sizes["sample"])
-    if n_samples < 1 or batch_size < 1:
-        raise ReplayError(f"max_samples = {max_samples!r}, batch_size = {batch_size!r}: expected positive numbers")
+    n_samples = ds.sizes["sample"] if max_samples is None else min(max_samples, ds.sizes["sample"])
     runs = [(f"layer {layer}", (layer,), (layer,)) for layer in layers]
     if all_layers:
         runs.append((ALL_LAYERS, tuple(range(adapter.n_layers)), tuple(layers)))
-    tally = _Tally(runs, layers, settings, store_model(ds)["n_heads"], n_samples)
-    causal = bool(store_model(ds)["causal"])
+    tally = _Tally(runs, layers, settings, model_attrs["n_heads"], n_samples)
+    causal = bool(model_attrs["causal"])
     for start in range(0, n_samples, batch_size):
         batch = ds.isel(sample=slice(start, min(start + batch_size, n_samples)))
         _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_offline)
