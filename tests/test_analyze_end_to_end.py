@@ -12,6 +12,7 @@ from scipy.linalg import subspace_angles
 import orthosphere.workflows
 from orthosphere.analyze import analyze, norm_spread, open_for_analysis, open_results, store_attention
 
+from tests.reference import assert_attention_close
 from tests.synthetic import weighted_band
 
 MODEL = Path(orthosphere.workflows.__file__).parent / "models" / "pre"
@@ -81,8 +82,14 @@ def test_attention_recomputed_from_stored_q_k_is_the_models_own(extracted):
     dataset = open_for_analysis(extracted)
     recomputed = store_attention(dataset.drop_vars("pattern")).values
     model = dataset["pattern"].values
-    valid_queries = dataset["valid"].values[:, None, None, :, None]
-    np.testing.assert_allclose(np.where(valid_queries, recomputed, 0), np.where(valid_queries, model, 0), atol=2e-6)
+    valid = dataset["valid"].values
+    valid_queries = valid[:, None, :, None]
+    q, k = dataset["q"].values, dataset["k"].values
+    scale, causal = dataset.attrs["model"]["attn_scale"], dataset.attrs["model"]["causal"]
+    for layer in range(dataset.sizes["layer"]):  # both float32 patterns against the float64 one
+        for pattern in (recomputed[:, layer], model[:, layer]):
+            assert_attention_close(pattern, q[:, layer], k[:, layer], valid, attn_scale=scale, causal=causal,
+                                   where=valid_queries)
     from_pattern = norm_spread(dataset, sites=["k"])["k"]
     from_q_k = norm_spread(dataset.drop_vars("pattern"), sites=["k"])["k"]
     assert from_pattern.attrs["attention_source"] == "stored pattern"

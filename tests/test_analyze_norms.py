@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
 
+from tests.reference import attention_atol, attention_float64
 from tests.synthetic import plant_norm_spread, weighted_band, write_store
 
 N_SAMPLES, N_POS = 400, 9
@@ -100,11 +100,11 @@ def test_attention_recomputed_from_q_k_matches_the_model_softmax(tmp_path):
     valid = np.ones((n_samples, n_pos), bool)
     valid[::3, 5:] = False
     scale = 0.7
-    scores = torch.einsum("sqhd,skhd->shqk", torch.tensor(q[:, 0]), torch.tensor(k[:, 0]).repeat_interleave(2, dim=2))
-    allowed = torch.tensor(valid)[:, None, None, :] & torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
-    reference = (scores * scale).masked_fill(~allowed, float("-inf")).softmax(-1).numpy()
+    reference, largest = attention_float64(q[:, 0], k[:, 0], valid, attn_scale=scale, causal=True)
+    atol = attention_atol(largest)
     pattern = attention_from_qk(q[:, 0], k[:, 0], valid, attn_scale=scale, causal=True)
-    np.testing.assert_allclose(pattern, reference, atol=1e-6)
+    np.testing.assert_allclose(pattern, reference, rtol=0, atol=atol)
+    reference = reference.astype("float32")
     resid = rng.normal(size=(n_samples, 1, n_pos, 6)).astype("float32")
     model = {"attn_scale": scale, "n_heads": 4, "n_kv_heads": 2, "d_head": 3}
     recomputed = open_for_analysis(write_store(tmp_path / "qk.zarr", {"resid_pre": resid, "q": q, "k": k},
@@ -112,7 +112,7 @@ def test_attention_recomputed_from_q_k_matches_the_model_softmax(tmp_path):
     stored = open_for_analysis(write_store(tmp_path / "pattern.zarr", {"resid_pre": resid,
                                                                       "pattern": reference[:, None]},
                                            valid=valid, model=model, samples_per_chunk=16))
-    np.testing.assert_allclose(store_attention(recomputed).values, reference[:, None], atol=1e-6)
+    np.testing.assert_allclose(store_attention(recomputed).values, reference[:, None], rtol=0, atol=atol)
     from_qk = norm_spread(recomputed, sites=["resid_pre"])["resid_pre"]
     from_pattern = norm_spread(stored, sites=["resid_pre"])["resid_pre"]
     assert from_qk.attrs["attention_source"] == "recomputed from q, k"

@@ -13,6 +13,8 @@ from orthosphere.analyze.attention import attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.store import create_store, open_store
 
+from tests.reference import assert_attention_close
+
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
 
@@ -115,7 +117,9 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
                                ds.attrs["model"]["attn_scale"], True, 0.95).pattern
         stored = ds.pattern.sel(layer=layer).values
         query_valid = np.broadcast_to(valid[:, None, :, None], stored.shape)
-        np.testing.assert_allclose(recomputed[query_valid], stored[query_valid], atol=2e-6)
+        for pattern in (recomputed, stored):  # both float32 patterns against the float64 one
+            assert_attention_close(pattern, ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values, valid,
+                                   attn_scale=ds.attrs["model"]["attn_scale"], causal=True, where=query_valid)
         assert np.all(recomputed[:3, :, :, 6:] == 0)
 
 

@@ -1,0 +1,42 @@
+"""Float64 references for float32 results: compare each float32 computation against these, never two
+float32 kernels against each other (different BLAS libraries round differently)."""
+from __future__ import annotations
+
+import numpy as np
+
+ATTENTION_ATOL = 1e-5
+"""The suite's tolerance on attention probabilities for logits up to LOGIT_SCALE in magnitude."""
+LOGIT_SCALE = 32.0
+
+
+def attention_float64(q, k, valid, *, attn_scale: float, causal: bool) -> tuple[np.ndarray, float]:
+    """The attention pattern (..., head, qpos, kpos) in float64 from q (..., pos, head, d_head) and
+    k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores."""
+    q = np.swapaxes(np.asarray(q, np.float64), -2, -3)
+    k = np.swapaxes(np.asarray(k, np.float64), -2, -3)
+    k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+    scores = q @ np.swapaxes(k, -1, -2) * attn_scale
+    allowed = np.asarray(valid, bool)[..., None, None, :]
+    if causal:
+        allowed = allowed & np.tril(np.ones(scores.shape[-2:], bool))
+    largest = float(np.abs(np.where(allowed, scores, 0.0)).max())
+    scores = np.where(allowed, scores, -np.inf)
+    peak = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0), largest
+
+
+def attention_atol(largest_logit: float) -> float:
+    """Tolerance for a float32 pattern against the float64 one: float32 logits carry an error that
+    grows with their magnitude, so the tolerance does too beyond LOGIT_SCALE."""
+    return ATTENTION_ATOL * max(1.0, largest_logit / LOGIT_SCALE)
+
+
+def assert_attention_close(found, q, k, valid, *, attn_scale: float, causal: bool, where=None) -> None:
+    """A float32 pattern equals the float64 attention of q, k within attention_atol (on `where`)."""
+    expected, largest = attention_float64(q, k, valid, attn_scale=attn_scale, causal=causal)
+    found = np.asarray(found, np.float64)
+    if where is not None:
+        found, expected = np.where(where, found, 0.0), np.where(where, expected, 0.0)
+    np.testing.assert_allclose(found, expected, rtol=0, atol=attention_atol(largest))
