@@ -1,8 +1,8 @@
 """Factors: label coordinates (or the position) whose classes define subspaces of the stream.
 
 A factor is written ``LABEL`` or ``LABEL[KEY=V1|V2,KEY2=V]``: the classes are the values of
-LABEL over the analysed tokens where LABEL applies (not "" for string labels, not -1 or the
-type's minimum for integer ones), restricted to the tokens whose label KEY is V1 or V2 (and so
+LABEL over the analysed tokens where LABEL applies (not "" for string labels, not the label's
+``not_applicable`` attribute for integer ones), restricted to the tokens whose label KEY is V1 or V2 (and so
 on). ``pos`` is the position, always available. Examples: ``digit_value[role=digit]``,
 ``operand[role=digit|sign]``, ``pos``.
 """
@@ -108,10 +108,20 @@ def label_data(dataset: xr.Dataset, label: str, like: da.Array) -> da.Array:
     return align(dataset[label].data, like)
 
 
-def applies(values: np.ndarray) -> np.ndarray:
-    """Where a label has a value (not its not-applicable code)."""
+def missing_value(dataset: xr.Dataset, label: str):
+    """A label's not-applicable value: its ``not_applicable`` attribute; None for stores written
+    before labels had one (there -1 and the type's minimum both mean not applicable)."""
+    if label == POSITION:
+        return None
+    return dataset[label].attrs.get("not_applicable")
+
+
+def applies(values: np.ndarray, missing=None) -> np.ndarray:
+    """Where a label has a value (not its not-applicable code `missing`; see ``missing_value``)."""
     if values.dtype.kind in "iu":
-        return (values != -1) & (values != np.iinfo(values.dtype).min)
+        if missing is None:
+            return (values != -1) & (values != np.iinfo(values.dtype).min)
+        return values != int(missing)
     return values != ""
 
 
@@ -123,18 +133,18 @@ def _matches(labels: np.ndarray, values: tuple[str, ...]) -> np.ndarray:
     return np.isin(labels, wanted)
 
 
-def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray]) -> np.ndarray:
-    selected = mask & applies(blocks[factor.label])
+def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray], missing) -> np.ndarray:
+    selected = mask & applies(blocks[factor.label], missing)
     for key, values in factor.where:
         selected &= _matches(blocks[key], values)
     return selected
 
 
-def _block_classes(factors, mask, names, *label_blocks):
+def _block_classes(factors, missing, mask, names, *label_blocks):
     blocks = dict(zip(names, label_blocks))
     found = []
-    for factor in factors:
-        values = blocks[factor.label][_selected(factor, mask, blocks)]
+    for factor, missing_of_factor in zip(factors, missing):
+        values = blocks[factor.label][_selected(factor, mask, blocks, missing_of_factor)]
         found.append(np.unique(values, return_counts=True))
     return found
 
@@ -154,8 +164,9 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array)
     A factor with no tokens or a single class is an error."""
     names = sorted({label for factor in factors for label in factor.labels})
     arrays = [label_data(dataset, name, mask) for name in names]
+    missing = [missing_value(dataset, factor.label) for factor in factors]
     per_block = [
-        dask.delayed(_block_classes)(factors, mask_block, names, *blocks)
+        dask.delayed(_block_classes)(factors, missing, mask_block, names, *blocks)
         for mask_block, *blocks in zip(*(array.to_delayed().ravel() for array in [mask, *arrays]))
     ]
     (merged,) = dask.compute(dask.delayed(_merge_classes)(per_block))
@@ -175,9 +186,10 @@ def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Arr
     """Lazy (sample, pos) mask of the tokens the factor is read on."""
     names = list(dict.fromkeys(factor.labels))
     arrays = [label_data(dataset, name, mask) for name in names]
+    missing = missing_value(dataset, factor.label)
 
     def block(mask_block, *label_blocks):
-        return _selected(factor, mask_block, dict(zip(names, label_blocks)))
+        return _selected(factor, mask_block, dict(zip(names, label_blocks)), missing)
 
     return da.map_blocks(block, mask, *arrays, dtype=bool, meta=np.empty((0, 0), dtype=bool))
 
@@ -186,10 +198,11 @@ def factor_codes(dataset: xr.Dataset, factor: Factor, classes: np.ndarray, mask:
     """Lazy (sample, pos) int32 class index of each token, -1 where the factor does not count it."""
     names = list(dict.fromkeys(factor.labels))
     arrays = [label_data(dataset, name, mask) for name in names]
+    missing = missing_value(dataset, factor.label)
 
     def block(mask_block, *label_blocks):
         blocks = dict(zip(names, label_blocks))
-        selected = _selected(factor, mask_block, blocks)
+        selected = _selected(factor, mask_block, blocks, missing)
         codes = np.full(mask_block.shape, -1, dtype="int32")
         codes[selected] = np.searchsorted(classes, blocks[factor.label][selected])
         return codes

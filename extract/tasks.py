@@ -47,10 +47,9 @@ SCORED_ROLES = ("answer", "eos")
 positions from ``=`` to the last answer digit, which predict the answer and the ``]``."""
 
 LABEL_NAMES = ("token_str", "role", "operand", "digit_place", "digit_value", "carry")
-MISSING = -1
-"""Value of ``operand``, ``digit_place`` and ``digit_value`` where they do not apply."""
-CARRY_MISSING = np.iinfo(np.int16).min
-"""Value of ``carry`` where it does not apply (-1 is a real carry: a borrow)."""
+MISSING = int(np.iinfo(np.int16).min)
+"""Value of the integer labels where they do not apply (the store's missing value for int16;
+-1 is a real value: a borrow in ``carry``)."""
 
 
 def token_ids(text: str) -> list[int]:
@@ -161,7 +160,7 @@ class ArithmeticBatch:
 
     ``target[:, t]`` is the token at ``t + 1`` (PAD past the end); ``scored[:, t]`` marks
     positions whose target is an answer token or the closing ``]``. ``labels`` describe the
-    token *at* each position (see ``LABEL_NAMES``, ``MISSING``, ``CARRY_MISSING``).
+    token *at* each position (see ``LABEL_NAMES``, ``MISSING``).
     """
 
     split: str
@@ -190,7 +189,7 @@ class _Example:
     digit_value: list[int]
     carry: list[int]
 
-    def add(self, char, role, operand=MISSING, place=MISSING, value=MISSING, carry=CARRY_MISSING):
+    def add(self, char, role, operand=MISSING, place=MISSING, value=MISSING, carry=MISSING):
         self.chars.append(char)
         self.roles.append(role)
         self.operand.append(operand)
@@ -258,7 +257,7 @@ def generate(split: str, n_samples: int, seed: int, spec: TaskSpec = DEFAULT_SPE
     token_str = np.full((n_samples, length), "", dtype="<U1")
     ints = {name: np.full((n_samples, length), MISSING, dtype=np.int16)
             for name in ("operand", "digit_place", "digit_value")}
-    carry = np.full((n_samples, length), CARRY_MISSING, dtype=np.int16)
+    carry = np.full((n_samples, length), MISSING, dtype=np.int16)
     for row in range(n_samples):
         example = _example(spec, split, seed, start + row)
         width = len(example.chars)

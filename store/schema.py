@@ -141,8 +141,15 @@ def resolved_dtype(variable: Variable, activation_dtype: str) -> str:
 LABEL_DTYPES = ("str", "int16", "int32")
 
 
+def label_missing_value(dtype: str):
+    """The value a label holds where it does not apply: "" for strings, the type's minimum for
+    integers (so -1 and every other small integer stay real values, e.g. a borrow of -1)."""
+    return "" if dtype == "str" else int(np.iinfo(dtype).min)
+
+
 def check_labels(labels: dict) -> dict[str, str]:
-    """Label name -> storage dtype: "str" (variable-length) or int16/int32 (-1 = not applicable)."""
+    """Label name -> storage dtype: "str" (variable-length) or int16/int32 (missing value: see
+    ``label_missing_value``)."""
     labels = dict(labels)
     for name, dtype in labels.items():
         if dtype not in LABEL_DTYPES:

@@ -293,14 +293,16 @@ def _chunks(dims, sizes: dict, samples_per_chunk: int) -> tuple[int, ...]:
 
 def _create_labels(group: zarr.Group, labels: dict, sizes: dict, samples_per_chunk: int) -> None:
     for name, dtype in labels.items():
-        group.create_array(
+        missing = schema.label_missing_value(dtype)
+        array = group.create_array(
             name,
             shape=(sizes["sample"], sizes["pos"]),
             chunks=(samples_per_chunk, sizes["pos"]),
             dtype=dtype,
             dimension_names=schema.PER_SAMPLE_DIMS,
-            fill_value="" if dtype == "str" else -1,
+            fill_value=missing,
         )
+        array.attrs["not_applicable"] = missing
     if labels:
         # xarray reads the names listed in a variable's "coordinates" attribute as coordinates.
         group["tokens"].attrs["coordinates"] = " ".join(labels)

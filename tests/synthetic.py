@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from orthosphere.store import create_store
+from orthosphere.store.schema import label_missing_value
+
+NOT_APPLICABLE = label_missing_value("int16")
+"""The int16 label value of a token where a label does not apply."""
 
 WEIGHT_SHAPES = {
     "w_q": ("layer", "head", "d_model", "d_head"),
@@ -147,7 +151,7 @@ def plant_factors(n_samples: int, n_pos: int, factors: list[PlantedFactor], *, n
         component[:, 0] = 0.0
         components[factor.name] = component
         x += component
-        label = np.where(classes >= 0, classes, -1).astype("int16")
+        label = np.where(classes >= 0, classes, NOT_APPLICABLE).astype("int16")
         labels[factor.name] = np.where(label >= 0, np.char.add("c", label.astype(str)), "") if factor.as_strings else label
     x[:, 1:] += noise * rng.normal(size=(n_samples, n_pos - 1, d_model))
     x[:, 0, -1] = start_norm

@@ -8,7 +8,7 @@ from orthosphere.analyze import (AnalysisError, NonFiniteError, analyze, factor_
                                  open_for_analysis, sphere_structure)
 from orthosphere.store import IncompleteStoreError, create_store
 
-from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
+from tests.synthetic import NOT_APPLICABLE, PlantedFactor, plane, plant_factors, write_store
 
 N_SAMPLES, N_POS, D_MODEL = 40, 6, 8
 
@@ -116,7 +116,7 @@ def test_nan_and_inf_are_reported_with_where_they_are(tmp_path, run):
 
 def test_spheres_need_tokens_that_every_factor_reads(tmp_path):
     resid, labels, _ = plant_factors(N_SAMPLES, N_POS, [PlantedFactor("alpha", 5, plane(D_MODEL))])
-    labels["gamma"] = np.where(labels["alpha"] >= 0, -1, 3).astype("int16")
+    labels["gamma"] = np.where(labels["alpha"] >= 0, NOT_APPLICABLE, 3).astype("int16")
     labels["gamma"][:, 0] = [0, 1] * (N_SAMPLES // 2)
     dataset = open_for_analysis(small_store(tmp_path / "s.zarr", resid=resid[:, None].astype("float32"),
                                             labels=labels))

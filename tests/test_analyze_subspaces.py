@@ -117,3 +117,16 @@ def test_principal_angles_are_accurate_at_both_ends():
         tilted = np.cos(theta) * base[:, :2] + np.sin(theta) * base[:, 2:4]
         np.testing.assert_allclose(principal_angles(base[:, :2], tilted), [angle, angle], rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(principal_angles(base[:, :3], base[:, 3:4]), [90.0], rtol=1e-12)
+
+
+def test_minus_one_is_a_class_and_only_the_stored_not_applicable_value_is_missing(tmp_path):
+    from orthosphere.analyze.factors import Factor, discover_classes
+    from orthosphere.analyze.inputs import token_mask
+    from orthosphere.extract.tasks import MISSING
+
+    carry = np.tile(np.array([MISSING, -1, 0, 1, -1, MISSING], np.int16), (4, 1))  # -1: a borrow
+    resid = np.random.default_rng(0).normal(size=(4, 1, 6, 8)).astype("float32")
+    dataset = open_for_analysis(write_store(tmp_path / "s.zarr", {"resid_pre": resid}, labels={"carry": carry}))
+    assert dataset["carry"].attrs["not_applicable"] == MISSING
+    classes = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
+    np.testing.assert_array_equal(classes["carry"], [-1, 0, 1])

@@ -140,7 +140,7 @@ def test_labels_describe_each_token(spec):
             if role in ("bos", "equals", "answer", "eos"):
                 assert labels["operand"][i, position] == tasks.MISSING
             if not (role == "answer" and char.isdigit()):
-                assert labels["carry"][i, position] == tasks.CARRY_MISSING
+                assert labels["carry"][i, position] == tasks.MISSING
 
 
 def test_carries_rebuild_every_answer_digit():
