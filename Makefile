@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch: a bare `torch` requirement would pull a multi-gigabyte CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: run test clean
+.PHONY: run test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV)

@@ -43,7 +43,7 @@ class Factor:
         return (self.label,) + tuple(key for key, _ in self.where)
 
     @classmethod
-    def parse(cls, spec: str) -> "Factor":
+    def parse(cls, spec: str) -> Factor:
         match = _SPEC.match(spec)
         if match is None:
             raise AnalysisError(

@@ -21,8 +21,18 @@ from .attention import attention_source, layer_attention
 from .blocks import sample_block_sums, single_block
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, spread_variables
-from .inputs import (HEAD_SITES, VECTOR_SITES, FiniteCheck, align, check_layers, layer_data, require_site,
-                     square_norms, store_url, token_mask)
+from .inputs import (
+    HEAD_SITES,
+    VECTOR_SITES,
+    FiniteCheck,
+    align,
+    check_layers,
+    layer_data,
+    require_site,
+    square_norms,
+    store_url,
+    token_mask,
+)
 from .options import check_options
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)

@@ -322,7 +322,7 @@ def _framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
     return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
 
 
-def collapse_indicators(block: "HeadBlock", *, samples, layer: int, draw: int, level: float,
+def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, level: float,
                         settings: ReplaySettings) -> dict[str, np.ndarray]:
     """Per-instance sparse mask, clean and new arg-max, collapse and strict collapse for one draw.
 

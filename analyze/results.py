@@ -5,8 +5,8 @@ import importlib
 import inspect
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import xarray as xr
 

@@ -32,6 +32,7 @@ from .norms import QUANTILES
 from .options import as_attrs, check_options
 from .subspaces import d_model_site, fit_subspaces
 
+
 def _bases(dataset, fit: dict, subspaces: xr.Dataset | None) -> tuple[dict, str]:
     """Per layer, each factor's orthonormal basis (d, rank): from `subspaces` when it was fitted the same way."""
     if subspaces is not None and subspaces.attrs.get("fit") == as_attrs(fit):

@@ -20,8 +20,17 @@ from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
 from .factors import Factor, discover_classes, factor_codes, parse_factors
 from .geometry import between_class_svd, choose_rank, column_space, overlap_fraction, principal_angles
-from .inputs import (D_MODEL_SITES, SITES, FiniteCheck, check_layers, layer_data, require_site, sample_values,
-                     square_norms, token_mask)
+from .inputs import (
+    D_MODEL_SITES,
+    SITES,
+    FiniteCheck,
+    check_layers,
+    layer_data,
+    require_site,
+    sample_values,
+    square_norms,
+    token_mask,
+)
 from .options import as_attrs, check_options
 
 BOUNDS = ("low", "high")

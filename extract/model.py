@@ -112,7 +112,7 @@ class ModelConfig:
             raise ConfigError(f"model norm_eps = {self.norm_eps!r}: expected a positive number")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         """Build from a dict; unknown or missing keys are a ConfigError."""
         check_keys(cls, values, "model")
         try:

@@ -115,7 +115,7 @@ class TaskSpec:
                               f"must all exceed every train count {list(self.train_counts)}")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TaskSpec":
+    def from_dict(cls, values: dict) -> TaskSpec:
         """Build from a config table; unknown keys are a ConfigError."""
         check_keys(cls, values, "task")
         return cls(**values)

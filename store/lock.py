@@ -5,7 +5,7 @@ import json
 import os
 import socket
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from .errors import StoreLockedError
 from .location import Location
@@ -18,7 +18,7 @@ def holder_description() -> dict:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "command": " ".join(sys.argv),
-        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "since": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -35,5 +35,5 @@ def provenance(command: str | None = None) -> dict:
         "git_commit": _git_commit(),
         "torch_version": _version("torch"),
         "command": command if command is not None else " ".join(sys.argv),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }

@@ -62,7 +62,7 @@ def create_store(
     break_lock: bool = False,
     command: str | None = None,
     storage_options: dict | None = None,
-) -> "StoreWriter":
+) -> StoreWriter:
     """Create an empty store of schema v1 and return its writer, which holds the store's lock."""
     location = as_location(url, storage_options)
     model = schema.check_model(model)
@@ -126,7 +126,7 @@ def create_store(
     return StoreWriter(location, group, holds_lock=True)
 
 
-def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_options: dict | None = None) -> "StoreWriter":
+def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_options: dict | None = None) -> StoreWriter:
     """Reopen an existing store for writing: with its lock (a resuming job) or without (a shard worker of the job that holds it)."""
     location = as_location(url, storage_options)
     from .reader import open_group_checked
@@ -228,7 +228,7 @@ class StoreWriter:
             release_lock(self.location)
             self.holds_lock = False
 
-    def __enter__(self) -> "StoreWriter":
+    def __enter__(self) -> StoreWriter:
         return self
 
     def __exit__(self, *exc_info) -> None:

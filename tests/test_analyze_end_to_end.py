@@ -11,7 +11,6 @@ from scipy.linalg import subspace_angles
 
 import orthosphere.workflows
 from orthosphere.analyze import analyze, norm_spread, open_for_analysis, open_results, store_attention
-
 from tests.reference import assert_attention_close
 from tests.synthetic import weighted_band
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthosphere.analyze import (AnalysisError, NonFiniteError, analyze, factor_subspaces, neighbours, norm_spread,
-                                 open_for_analysis, sphere_structure)
+from orthosphere.analyze import (
+    AnalysisError,
+    NonFiniteError,
+    analyze,
+    factor_subspaces,
+    neighbours,
+    norm_spread,
+    open_for_analysis,
+    sphere_structure,
+)
 from orthosphere.store import IncompleteStoreError, create_store
-
 from tests.synthetic import NOT_APPLICABLE, PlantedFactor, plane, plant_factors, write_store
 
 N_SAMPLES, N_POS, D_MODEL = 40, 6, 8

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 from orthosphere.analyze import neighbours, open_for_analysis
-
 from tests.synthetic import plant_neighbours, write_store
 
 PLANTED = ((0.5, 10.0), (0.1, 35.0))  # (rank collapse, angular step in degrees) of layers 0 and 1

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
-
 from tests.reference import attention_atol, attention_float64
 from tests.synthetic import plant_norm_spread, weighted_band, write_store
 

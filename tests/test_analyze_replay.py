@@ -6,13 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from orthosphere.analyze.replay import (
-    HeadBlock, ReplayError, ReplaySettings, level_at_rate, message_frame, replay, unit_noise)
 from orthosphere.analyze import replay as replay_module
 from orthosphere.analyze.attention import attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
+from orthosphere.analyze.replay import HeadBlock, ReplayError, ReplaySettings, level_at_rate, message_frame, replay, unit_noise
 from orthosphere.store import create_store, open_store
-
 from tests.reference import assert_attention_close
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")

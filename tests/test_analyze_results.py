@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results
 from orthosphere.workflows.cli import main
-
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
 
 

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import analyze, factor_subspaces, open_for_analysis, sphere_structure
-
 from tests.synthetic import PlantedFactor, plane, plant_factors, weighted_band, write_store
 
 D_MODEL = 12

@@ -198,7 +198,8 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(tmp_path):
         torch.testing.assert_close(edited["pattern"][:, 1], scores.softmax(-1), atol=1e-5, rtol=0, msg=family)
         if description["norm_placement"] != "post":  # the message W_O v doubles with v
             weights = adapter.head_weights(1)
-            message = lambda r: r["resid_mid"][:, 1] - r["resid_pre"][:, 1] - weights["b_o"]  # noqa: E731
+            def message(r, b_o=weights["b_o"]):
+                return r["resid_mid"][:, 1] - r["resid_pre"][:, 1] - b_o
             z = torch.einsum("bhqk,bkhd->bqhd", edited["pattern"][:, 1], plain["v"][:, 1].repeat_interleave(group, dim=2))
             expected = 2.0 * torch.einsum("bqhd,hdm->bqm", z, weights["w_o"])
             torch.testing.assert_close(message(edited), expected, atol=1e-5, rtol=1e-4, msg=family)

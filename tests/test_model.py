@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from orthosphere.extract import tasks
-from orthosphere.extract.model import (
-    NORM_PLACEMENTS, ArithmeticTransformer, ConfigError, ModelConfig, load_model, save_model)
-
+from orthosphere.extract.model import NORM_PLACEMENTS, ArithmeticTransformer, ConfigError, ModelConfig, load_model, save_model
 from tests.reference import attention_atol, attention_float64
 
 

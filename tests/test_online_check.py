@@ -9,14 +9,13 @@ import xarray as xr
 
 from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.replay import ReplayError, ReplaySettings, replay, unit_noise
+from orthosphere.analyze.results import analyze, open_results, write_results
 from orthosphere.extract import tasks
 from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.model import ArithmeticTransformer, ModelConfig, save_model
 from orthosphere.extract.sources import load_source
 from orthosphere.store import create_store, open_store
-from orthosphere.analyze.results import analyze, open_results, write_results
-from orthosphere.workflows.online_check import (
-    ModelMismatchError, noise_edit, online_check, online_check_like, with_online_check)
+from orthosphere.workflows.online_check import ModelMismatchError, noise_edit, online_check, online_check_like, with_online_check
 
 SETTINGS = ReplaySettings(levels=(0.1, 0.3), n_draws=3, seed=5)
 

@@ -30,7 +30,15 @@ import xarray as xr
 from orthosphere.analyze import analyze, write_results
 from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
-    DEFINITIONS, HeadBlock, ReplayError, ReplaySettings, allowed_keys, check_variables, collapse_indicators, store_model)
+    DEFINITIONS,
+    HeadBlock,
+    ReplayError,
+    ReplaySettings,
+    allowed_keys,
+    check_variables,
+    collapse_indicators,
+    store_model,
+)
 from orthosphere.extract.capture import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
 from orthosphere.store import open_store

@@ -13,7 +13,7 @@ import html
 import io
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -368,7 +368,7 @@ def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
             figures[name] = (caption, _png(figure))
             (out_dir / "figures" / f"{name}.png").write_bytes(figures[name][1])
     rows = headline_rows(runs)
-    made = f"orthosphere {metadata.version('orthosphere')}, {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
+    made = f"orthosphere {metadata.version('orthosphere')}, {datetime.now(UTC).isoformat(timespec='seconds')}"
     provenance = _provenance(runs)
     (out_dir / "report.md").write_text(_markdown(title, rows, figures, provenance, made))
     (out_dir / "report.html").write_text(_html(title, rows, figures, provenance, made))

@@ -26,7 +26,14 @@ from torch.nn import functional as F
 
 from orthosphere.extract import tasks
 from orthosphere.extract.model import (
-    METRICS_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, ModelConfig, check_keys, save_model)
+    METRICS_FILE,
+    WEIGHTS_FILE,
+    ArithmeticTransformer,
+    ConfigError,
+    ModelConfig,
+    check_keys,
+    save_model,
+)
 
 CONFIG_COPY = "train.toml"
 CHECKPOINT_FILE = "checkpoint.safetensors"
