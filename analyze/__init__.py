@@ -94,7 +94,7 @@ n_sequences, n_tokens; attrs: site, step_site, angle_unit, exclude_start.
 
 ``/replay``: see ``orthosphere.analyze.replay``.
 """
-from .attention import attention_from_qk, store_attention
+from .attention import ScoreTerms, attention_from_qk, store_attention
 from .errors import AnalysisError, NonFiniteError
 from .factors import Factor
 from .inputs import open_for_analysis
@@ -109,6 +109,7 @@ __all__ = [
     "AnalysisError",
     "Factor",
     "NonFiniteError",
+    "ScoreTerms",
     "analyze",
     "attention_from_qk",
     "factor_subspaces",

@@ -1,11 +1,29 @@
-"""Attention patterns from a store: the stored `pattern`, or recomputed from the stored q and k.
+"""The model's attention from a store: the stored `pattern`, or recomputed from the stored q and k.
 
-`attention_from_qk` is the model's own attention for stored q, k (they are stored as they enter
-the score): softmax(q . k * attn_scale) over the keys a query may see (earlier or equal
-positions when the model is causal, and only valid tokens). `store_attention` gives it lazily for
-a whole store, one block of samples at a time, never the whole pattern in memory.
+q and k are stored as they enter the score, and the store's model description says, per layer,
+what turns q . k into the model's score (``model["score"]``, see store/SCHEMA.md). ``ScoreTerms``
+holds one layer's terms, and ``attention_from_qk`` is the one function that turns stored q, k and
+these terms into the model's attention; the analyses and the replay use only it (the replay uses
+its parts, ``allowed_keys``, ``score_bias`` and ``finish_scores``, so that it perturbs exactly this
+score). For query position i and key position j of head h:
+
+    score = softcap(scale * q_i . k_j) + alibi_h(i, j),   attention = softmax_j over allowed j
+
+- ``scale``: the layer's multiplier of q . k (1/sqrt(d_head), Granite's attention_multiplier,
+  Gemma's query_pre_attn_scalar^-1/2, GPT-2's per-layer scale_attn_by_inverse_layer_idx ...);
+- ``softcap``: c * tanh(x / c) when the layer soft-caps its logits (Gemma 2), else x;
+- ``alibi``: -slope_h * (p_i - p_j), p counting the valid tokens before a position (Bloom);
+  softmax cannot tell it from the model's slope_h * p_j;
+- allowed keys: valid (not padding), j <= i when causal, and i - j < window when the layer has a
+  sliding window (transformers' convention, positions counted in the padded sequence).
+
+Stores written before the score terms were stored hold only ``attn_scale`` and ``causal``:
+their terms are those alone. ``store_attention`` gives the attention lazily for a whole store,
+one block of samples at a time, never the whole pattern in memory.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import dask.array as da
 import numpy as np
@@ -16,20 +34,83 @@ from .errors import AnalysisError
 from .inputs import align, check_layers, require_site, store_url
 
 
-def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, *, attn_scale: float, causal: bool) -> np.ndarray:
-    """Pattern (..., head, qpos, kpos), float32 as in the model, from q (..., pos, head, d_head),
-    k (..., pos, kv_head, d_head) and valid (..., pos); head h reads kv_head h // (n_heads // n_kv_heads).
-    A query that may see no key (none valid) gets an all-zero row."""
+@dataclass(frozen=True)
+class ScoreTerms:
+    """What turns one layer's q . k into the model's score (see the module docstring)."""
+
+    scale: float
+    causal: bool
+    sliding_window: int | None = None
+    softcap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+
+    @classmethod
+    def of_layer(cls, model: dict, layer: int) -> ScoreTerms:
+        """Layer `layer`'s terms from a store's model description; missing keys are an AnalysisError."""
+        missing = [key for key in ("attn_scale", "causal") if key not in model]
+        if missing:
+            raise AnalysisError(
+                f"the store's model description lacks {missing}, which recomputing attention from q and k needs: "
+                "re-extract the store with a current orthosphere, or extract the pattern site"
+            )
+        score = model.get("score")
+        if score is None:
+            return cls(scale=float(model["attn_scale"]), causal=bool(model["causal"]))
+        slopes = score.get("alibi_slopes")
+        window, softcap = score["sliding_window"][layer], score["softcap"][layer]
+        return cls(
+            scale=float(score["scale"][layer]), causal=bool(model["causal"]),
+            sliding_window=None if window is None else int(window), softcap=None if softcap is None else float(softcap),
+            alibi_slopes=None if slopes is None else tuple(float(s) for s in slopes[layer]),
+        )
+
+
+def allowed_keys(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
+    """(sample, qpos, kpos) mask of the keys each query may attend to: valid, earlier or equal
+    when causal, within the sliding window."""
+    valid = np.asarray(valid, bool)
+    n_pos = valid.shape[-1]
+    allowed = np.broadcast_to(valid[..., None, :], (*valid.shape, n_pos))
+    offset = np.arange(n_pos)[:, None] - np.arange(n_pos)[None, :]  # i - j
+    reach = np.ones((n_pos, n_pos), bool)
+    if terms.causal:
+        reach &= offset >= 0
+    if terms.sliding_window is not None:
+        reach &= offset < terms.sliding_window
+    return allowed & reach
+
+
+def score_bias(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray | None:
+    """The ALiBi bias (sample, head, qpos, kpos), float32, or None when the score has none."""
+    if terms.alibi_slopes is None:
+        return None
+    counted = np.cumsum(np.asarray(valid, bool), axis=-1) - 1  # p: valid tokens before each position
+    distance = (counted[..., :, None] - counted[..., None, :]).astype(np.float64)  # p_i - p_j
+    slopes = np.asarray(terms.alibi_slopes, np.float64)[:, None, None]
+    return (-slopes * distance[..., None, :, :]).astype(np.float32)
+
+
+def finish_scores(scaled: np.ndarray, terms: ScoreTerms, bias: np.ndarray | None = None) -> np.ndarray:
+    """The score from the scaled dot products scale * q . k (in place where it can): soft-capped,
+    plus the bias (already laid out like `scaled`)."""
+    if terms.softcap is not None:
+        scaled = np.tanh(scaled / np.float32(terms.softcap)) * np.float32(terms.softcap)
+    if bias is not None:
+        scaled = scaled + bias
+    return scaled
+
+
+def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
+    """Pattern (sample, head, qpos, kpos), float32 as in the model, from q (sample, pos, head, d_head),
+    k (sample, pos, kv_head, d_head), valid (sample, pos) and the layer's score terms; head h reads
+    kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row."""
     group = q.shape[-2] // k.shape[-2]
     queries = np.swapaxes(np.asarray(q, dtype="float32"), -2, -3)
     keys = np.repeat(np.swapaxes(np.asarray(k, dtype="float32"), -2, -3), group, axis=-3)
     scores = queries @ np.swapaxes(keys, -1, -2)
-    scores *= np.float32(attn_scale)
-    allowed = np.asarray(valid, dtype=bool)[..., None, None, :]
-    if causal:
-        n_pos = scores.shape[-1]
-        allowed = allowed & np.tril(np.ones((n_pos, n_pos), dtype=bool))
-    np.copyto(scores, -np.inf, where=~allowed)
+    scores *= np.float32(terms.scale)
+    scores = finish_scores(scores, terms, score_bias(valid, terms))
+    np.copyto(scores, -np.inf, where=~allowed_keys(valid, terms)[..., None, :, :])
     peak = scores.max(axis=-1, keepdims=True)
     scores -= np.where(np.isneginf(peak), 0, peak)
     np.exp(scores, out=scores)
@@ -37,25 +118,12 @@ def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, *, attn_s
     return np.divide(scores, total, out=scores, where=total > 0)
 
 
-def attention_parameters(dataset: xr.Dataset) -> dict:
-    """attn_scale and causal from the store's model description (needed to recompute attention)."""
-    model = dataset.attrs.get("model", {})
-    missing = [key for key in ("attn_scale", "causal") if key not in model]
-    if missing:
-        raise AnalysisError(
-            f"store {store_url(dataset)} has no stored pattern and its model description lacks "
-            f"{missing}, which recomputing attention from q and k needs: extract with the pattern "
-            "site, or with a model description that gives attn_scale and causal"
-        )
-    return {"attn_scale": float(model["attn_scale"]), "causal": bool(model["causal"])}
-
-
 def attention_source(dataset: xr.Dataset) -> str:
     """"pattern" when the store holds it, else "q,k" (recomputed); an error when it holds neither."""
     if "pattern" in dataset.data_vars:
         return "pattern"
     if "q" in dataset.data_vars and "k" in dataset.data_vars:
-        attention_parameters(dataset)
+        ScoreTerms.of_layer(dataset.attrs.get("model", {}), 0)
         return "q,k"
     raise AnalysisError(
         f"store {store_url(dataset)} holds neither the attention pattern nor both q and k, so "
@@ -68,13 +136,13 @@ def layer_attention(dataset: xr.Dataset, layer: int) -> da.Array:
     """Lazy pattern (sample, head, qpos, kpos) of one layer: stored, or recomputed per block of samples."""
     if attention_source(dataset) == "pattern":
         return dataset["pattern"].sel(layer=layer).data
-    parameters = attention_parameters(dataset)
+    terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
     q = dataset["q"].sel(layer=layer).data
     k = align(dataset["k"].sel(layer=layer).data, q)
     valid = align(dataset["valid"].data, q)
 
     def block(q_block, k_block, valid_block):
-        return attention_from_qk(single_block(q_block), single_block(k_block), valid_block, **parameters)
+        return attention_from_qk(single_block(q_block), single_block(k_block), valid_block, terms)
 
     return da.blockwise(
         block, "shqk", q, "sqhd", k, "skgd", valid, "sk", concatenate=False, dtype="float32",

@@ -7,8 +7,10 @@ queries, keys and messages are perturbed multiplicatively, and the change is cou
 Definitions (every count below is over these instances and draws):
 
 - **Scores and attention.** w_ij = q_i . k_j for query position i and key position j of one
-  head (head h reads kv_head h // (n_heads / n_kv_heads)); a_i = softmax_j(attn_scale * w_ij)
-  over the *allowed* keys: valid (not padding) and, in a causal model, j <= i.
+  head (head h reads kv_head h // (n_heads / n_kv_heads)); a_i = softmax_j of the layer's score
+  of w_ij (``orthosphere.analyze.attention``: the stored scale, soft-cap and ALiBi terms of the
+  model description) over the *allowed* keys: valid (not padding), j <= i in a causal model, and
+  within the layer's sliding window. The noise perturbs w_ij inside exactly that score.
 - **Instance.** (sample, layer, head, query position) with a valid query and at least two
   allowed keys (a single allowed key is attended fully and can never switch).
 - **Sparse instance.** An instance whose clean max_j a_ij >= ``sparse_threshold`` (0.95 in
@@ -22,7 +24,8 @@ Definitions (every count below is over these instances and draws):
   chunking and any number of workers, the online check injects exactly these values, and
   every level reuses the draw's direction (common random numbers), so an instance that
   collapses at one level collapses at every larger one (each pairwise score comparison is
-  linear in s) and the collapse-rate curve is monotone.
+  linear in s; soft-capping keeps the order of scores; an ALiBi bias, added to them, can break
+  this) and the collapse-rate curve is monotone.
 - **Collapse.** A sparse instance whose arg-max over allowed keys moves to another token
   under the noise. **Strict collapse**: the new arg-max also holds >= ``sparse_threshold``.
   Query noise multiplies a query's scores by one positive factor, so it never moves the
@@ -36,7 +39,9 @@ Definitions (every count below is over these instances and draws):
   w_t = 0). The exact condition is w_t* (1 + kq)(1 + kk_t*) < w_t (1 + kq)(1 + kk_t); the two
   differ only by the second-order cross term kq (w_t* kk_t* - w_t kk_t) (and, for
   Gaussian noise, when 1 + kq <= 0 turns the arg-max into an arg-min). The attention scale
-  multiplies both sides and never matters. ``theory_missed`` counts measured collapses the
+  multiplies both sides and never matters. Where the layer's score soft-caps or adds ALiBi, the
+  first-order products w_t (1 + kq + kk_t) pass through the same score before they are compared
+  (soft-capping keeps their order; the bias shifts them). ``theory_missed`` counts measured collapses the
   theorem did not predict, ``theory_false_alarm`` predicted ones that did not happen.
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and draws.
 - **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
@@ -70,6 +75,7 @@ import dask
 import numpy as np
 import xarray as xr
 
+from .attention import ScoreTerms, allowed_keys, finish_scores, score_bias
 from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
@@ -193,15 +199,6 @@ class ReplaySettings:
 # One block of samples of one layer: the clean attention and its perturbations.
 
 
-def allowed_keys(valid: np.ndarray, causal: bool) -> np.ndarray:
-    """(sample, 1, qpos, kpos) mask of the keys each query may attend to."""
-    n_pos = valid.shape[1]
-    allowed = np.broadcast_to(valid[:, None, None, :], (valid.shape[0], 1, n_pos, n_pos))
-    if causal:
-        allowed = allowed & np.tril(np.ones((n_pos, n_pos), bool))
-    return allowed
-
-
 def head_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Raw scores q . k (sample, head, qpos, kpos) in float64; heads share kv_heads in groups."""
     group = q.shape[2] // k.shape[2]
@@ -214,27 +211,29 @@ class HeadBlock:
 
     The perturbation kernel works in float32, in place where it can, on arrays laid out
     (kpos, sample, head, qpos): every reduction over keys is then an element-wise pass over
-    contiguous memory, and yields per-instance arrays (sample, head, qpos) directly. Scores are
-    bilinear, so noisy logits are the clean ones times (1 + kq_i)(1 + kk_j); the new arg-max and
-    its attention come from the row maximum and the softmax denominator. Rows with no allowed
+    contiguous memory, and yields per-instance arrays (sample, head, qpos) directly. Dot products
+    are bilinear, so the noisy scaled ones are the clean ones times (1 + kq_i)(1 + kk_j), which then
+    pass through the rest of the layer's score (soft-cap, ALiBi: ``finish_scores``); the new
+    arg-max and its attention come from the row maximum and the softmax denominator. Rows with no allowed
     key (never an instance) are left unmasked so that no NaN arises. Messages are kept in each
     head's own d_head-dimensional frame (``message_frame``), where their norms and dot products
     are those of W_O v.
     """
 
-    def __init__(self, q, k, valid, attn_scale: float, causal: bool, sparse_threshold: float,
-                 v=None, frame=None):
+    def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None):
         valid = np.asarray(valid, bool)
-        self.threshold = sparse_threshold
+        self.threshold, self.terms = sparse_threshold, terms
         self.n_heads, self.n_kv_heads = q.shape[2], k.shape[2]
-        allowed = allowed_keys(valid, causal)[:, 0]  # (sample, qpos, kpos)
+        allowed = allowed_keys(valid, terms)  # (sample, qpos, kpos)
         n_allowed = allowed.sum(axis=-1)
         allowed = (allowed | (n_allowed == 0)[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
         shape = (allowed.shape[0], allowed.shape[1], self.n_heads, allowed.shape[3])
         self.mask = np.ascontiguousarray(np.broadcast_to(np.where(allowed, np.float32(0), np.float32(-np.inf)), shape))
         scores = head_scores(q, k).transpose(3, 0, 1, 2)  # (kpos, sample, head, qpos)
-        self.base = np.ascontiguousarray(np.where(allowed, attn_scale * scores, 0.0), dtype=np.float32)
-        self.attention, _, total = self._attend(self.base + self.mask)
+        self.base = np.ascontiguousarray(np.where(allowed, terms.scale * scores, 0.0), dtype=np.float32)
+        bias = score_bias(valid, terms)
+        self.bias = None if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2))
+        self.attention, _, total = self._attend(self._score(self.base.copy()))
         self.instance = np.broadcast_to((valid & (n_allowed >= 2))[:, None, :], total.shape)
         self.max_attention = 1.0 / total
         self.sparse = self.instance & (self.max_attention >= sparse_threshold)
@@ -248,6 +247,12 @@ class HeadBlock:
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
         return self.attention.transpose(1, 2, 3, 0)
+
+    def _score(self, scaled: np.ndarray) -> np.ndarray:
+        """The masked score from scaled dot products (kpos, sample, head, qpos), in place where it can."""
+        scaled = finish_scores(scaled, self.terms, self.bias)
+        scaled += self.mask
+        return scaled
 
     @staticmethod
     def _attend(logits: np.ndarray):
@@ -279,11 +284,11 @@ class HeadBlock:
         winner = self.winner[None]
         first_order = (fq - 1) + fk  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is zero
         first_order *= self.base
-        first_order += self.mask
+        first_order = self._score(first_order)
         beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, winner, axis=0)[0]
         logits = fq * fk
         logits *= self.base
-        logits += self.mask
+        logits = self._score(logits)
         at_winner = np.take_along_axis(logits, winner, axis=0)[0]
         attention, peak, total = self._attend(logits)
         collapse = self.sparse & (peak > at_winner)
@@ -338,15 +343,15 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
 
 
 def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 attn_scale: float, causal: bool, n_bins: int) -> dict[str, np.ndarray]:
+                 terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
     counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
     so that the partial sums of every range add up.
     """
-    block = HeadBlock(np.asarray(q), np.asarray(k), valid, attn_scale, causal,
-                      settings.sparse_threshold, None if v is None else np.asarray(v), frame)
+    block = HeadBlock(np.asarray(q), np.asarray(k), valid, terms, settings.sparse_threshold,
+                      None if v is None else np.asarray(v), frame)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels = len(settings.levels)
     instance, sparse = block.instance, block.sparse
@@ -491,8 +496,7 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
         [dask.delayed(replay_block, pure=True)(
             blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
             blocks["valid"][i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
-            settings=settings, attn_scale=float(model["attn_scale"]), causal=bool(model["causal"]),
-            n_bins=n_bins)
+            settings=settings, terms=ScoreTerms.of_layer(model, layer), n_bins=n_bins)
          for draws in draw_ranges]
         for i in range(len(chunks))
     ]

@@ -1,10 +1,10 @@
-"""Architecture adapters: read and edit what a model's attention layers compute.
+"""Adapters: read and edit what a model's attention layers compute, for every supported family.
 
-One interface over the project's arithmetic transformers and the Hugging Face GPT-2, Llama
-and BERT families, used by extraction and by the replay's online noise check::
+One interface over the project's arithmetic transformers and the transformers families of
+``families.py``, used by extraction and by the replay's online noise check::
 
     adapter = adapter_for(model)
-    adapter.describe()                  # the store's `model` attribute
+    adapter.describe()                  # the store's `model` attribute (sizes, score terms, norms)
     adapter.head_weights(layer)         # w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o (float32, store layout)
     logits = adapter.forward(tokens, valid)   # (batch, pos, vocab); valid marks real tokens
     with adapter.capture(sites, layers, dtype=torch.float16) as recording:
@@ -17,131 +17,53 @@ Sites of block (layer) l, each (batch, pos, ...):
 
 - ``resid_pre``: the stream the block reads; ``resid_post``: the stream it writes, so
   ``resid_post[l] == resid_pre[l + 1]``.
-- ``resid_mid``: the stream the feed-forward residual adds to. In Pre-Norm families (GPT-2,
-  Llama, arithmetic ``none``/``pre``/``qkv``) that is resid_pre plus the attention output;
-  in Post-Norm ones (BERT, arithmetic ``post``) it is LayerNorm(resid_pre + attention
-  output), the input of the feed-forward block.
-- ``attn_in``: what W_Q, W_K and W_V read: ln_1's output (GPT-2), input_layernorm's output
-  (Llama), the block input (BERT), the norm's output or the raw stream (arithmetic).
+- ``resid_mid``: the stream after the attention update, which the feed-forward residual adds
+  to: resid_pre plus the attention output in Pre-Norm families (after its norm in sandwich and
+  output-norm families); LayerNorm(resid_pre + attention output) in Post-Norm ones (BERT,
+  arithmetic ``post``); in parallel families (GPT-J, Phi, GPT-NeoX), whose MLP reads resid_pre
+  too, resid_pre plus the attention output.
+- ``attn_in``: what W_Q, W_K and W_V read: the Pre-Norm's output, or the block input.
 - ``q`` (head, d_head), ``k`` and ``v`` (kv_head, d_head): as they enter the score and the
-  weighted sum -- after rotary embedding and any per-head norm, before grouped-query heads
-  are repeated -- so softmax(q . k * attn_scale + mask) is the model's own attention, and
-  head h reads kv_head h // (n_heads // n_kv_heads).
-- ``pattern`` (head, qpos, kpos): that softmax.
+  weighted sum -- after rotary embedding and any QK-norm, before grouped-query heads are
+  repeated -- so softmax of the score (``orthosphere.analyze.attention``: q . k times the
+  layer's scale, soft-capped, plus ALiBi, over the keys the causal, padding and sliding-window
+  masks allow) is the model's own attention; head h reads kv_head h // (n_heads // n_kv_heads).
+- ``pattern`` (head, qpos, kpos): that softmax, as the model computed it.
 
 ``edit_qkv`` hands ``fn`` q (batch, pos, head, d_head) and k, v (batch, pos, kv_head, d_head)
 of every layer as they enter the score; what it returns is used instead (and is what a
 simultaneous capture records). Scaling v of a token scales its message W_O v exactly.
 
-Hugging Face models are routed through an attention function registered with transformers'
-AttentionInterface under the name "orthosphere": it receives q, k, v after projection and
-rotary embedding, records or edits them, and then runs SDPA (or, when the pattern is wanted,
-an explicit softmax that matches transformers' eager attention).
+Hooks are installed once per model and hold no state: what a capture records and how an edit
+changes q, k, v live in the trace of the forward pass (``trace.py``), so concurrent captures
+on one model in different threads stay apart.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import weakref
 
 import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
 
+from .families import (
+    NORM_SITES,
+    OUTSIDE_BLOCKS,
+    Family,
+    Norm,
+    UnsupportedModelError,
+    check_supported,
+    family_for,
+    split_heads_rows,
+    unsupported,
+)
+from .interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention, same_term
 from .model import ArithmeticTransformer, ConfigError
-
-SUPPORTED_FAMILIES = ("arithmetic", "gpt2", "llama", "bert")
-"""Model families an adapter exists for (Hugging Face `model_type` for the last three)."""
-
-ATTENTION_IMPLEMENTATION = "orthosphere"
-ROUTE_ATTRIBUTE = "_orthosphere_route"
-QKV_SITES = ("q", "k", "v")
-
-EditFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
-
-
-class UnsupportedModelError(ConfigError):
-    """A model of an architecture that no adapter covers."""
-
-
-def unsupported_message(what: str) -> str:
-    return (
-        f"{what} is not supported: expected one of the families {list(SUPPORTED_FAMILIES)} "
-        "(the project's arithmetic transformers; Hugging Face GPT-2, Llama and BERT)"
-    )
-
-
-class Recording:
-    """Activations of one forward pass, gathered by hooks into CPU tensors laid out as in the store."""
-
-    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool):
-        self.sites = tuple(sites)
-        self.layers = tuple(layers)
-        self.slot = {layer: index for index, layer in enumerate(self.layers)}
-        self.dtype = dtype
-        self.pin_memory = pin_memory
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._filled: set[tuple[str, int]] = set()
-
-    def wants(self, site: str, layer: int) -> bool:
-        return site in self.sites and layer in self.slot
-
-    def record(self, site: str, layer: int, value: torch.Tensor) -> None:
-        """Copy one layer's value (batch, ...) into the site's (batch, layer, ...) buffer."""
-        if not self.wants(site, layer):
-            return
-        buffer = self._buffers.get(site)
-        if buffer is None:
-            shape = (value.shape[0], len(self.layers), *value.shape[1:])
-            buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
-            self._buffers[site] = buffer
-        if self.pin_memory:
-            buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=True)
-        else:
-            with _one_thread():
-                buffer[:, self.slot[layer]].copy_(value.detach())
-        self._filled.add((site, layer))
-
-    def take(self) -> dict[str, torch.Tensor]:
-        """The recorded activations of the last forward pass; the recording starts afresh."""
-        missing = [(site, layer) for site in self.sites for layer in self.layers if (site, layer) not in self._filled]
-        if missing:
-            raise RuntimeError(
-                f"the forward pass did not reach sites {missing[:5]}: run adapter.forward inside "
-                "the capture block before take()"
-            )
-        if self.pin_memory:
-            torch.cuda.synchronize()
-        buffers, self._buffers, self._filled = self._buffers, {}, set()
-        return buffers
-
-
-_THREADS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Copy on one CPU thread: a copy of a few MB is memory-bound, and a parallel copy waits
-    for its slowest thread, which on a busy machine costs far more than it saves."""
-    with _THREADS_LOCK:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-
-
-@dataclass
-class Route:
-    """Per attention module: its layer, and the recording and edit active on it."""
-
-    layer: int
-    recording: Recording | None = None
-    edit: EditFn | None = None
-    held: dict = field(default_factory=dict)
+from .recording import Recording
+from .trace import active, tracing
 
 
 class Adapter:
@@ -152,7 +74,9 @@ class Adapter:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.routes = [self._route(layer) for layer in range(self.n_layers)]
+        self.layer_of: dict[nn.Module, int] = {self.attention(layer): layer for layer in range(self.n_layers)}
+        self._score = self.score_terms()
+        self._install_hooks()
 
     # --- what a family defines -------------------------------------------------------
     @property
@@ -165,6 +89,11 @@ class Adapter:
     def describe(self) -> dict:
         raise NotImplementedError
 
+    def score_terms(self) -> dict:
+        """Per layer, what turns q . k into the model's score: {"scale": [...], "sliding_window":
+        [...], "softcap": [...], "alibi_slopes": [...] or None} (None where a term is absent)."""
+        raise NotImplementedError
+
     def head_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """w_q (head, d_model, d_head), w_k, w_v (kv_head, d_model, d_head), w_o (head, d_head, d_model),
         biases b_q, b_k, b_v (.., d_head) and b_o (d_model), float32: q = attn_in @ w_q[h] + b_q[h]
@@ -174,11 +103,8 @@ class Adapter:
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _install_route(self, layer: int, route: Route) -> None:
-        """Make the layer's attention consult `route` for q, k, v (and edits)."""
-        raise NotImplementedError
-
-    def _residual_hooks(self, layer: int, recording: Recording) -> list:
+    def _install_hooks(self) -> None:
+        """Install the (stateless) hooks that serve every capture and edit of this model."""
         raise NotImplementedError
 
     # --- shared ----------------------------------------------------------------------
@@ -216,65 +142,67 @@ class Adapter:
 
     @contextlib.contextmanager
     def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32):
-        """Record the sites of the layers on every forward pass; take() returns and resets them."""
+        """Record the sites of the layers on every forward pass of this thread inside the block;
+        take() returns and resets them."""
         sites, layers = self.check_sites(sites), self.check_layers(layers)
         recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda")
-        handles = [handle for layer in layers for handle in self._residual_hooks(layer, recording)]
-        for layer in layers:
-            self.routes[layer].recording = recording
-        try:
+        with tracing(self, recording=recording):
             yield recording
-        finally:
-            for handle in handles:
-                handle.remove()
-            for layer in layers:
-                self.routes[layer].recording = None
 
     @contextlib.contextmanager
-    def edit_qkv(self, fn: EditFn):
-        """Replace q, k, v as they enter the score by fn(layer, q, k, v) in every layer."""
-        for route in self.routes:
-            route.edit = fn
-        try:
+    def edit_qkv(self, fn):
+        """Replace q, k, v as they enter the score by fn(layer, q, k, v) in every layer, in this
+        thread's forward passes inside the block."""
+        with tracing(self, edit=fn):
             yield
-        finally:
-            for route in self.routes:
-                route.edit = None
 
     def all_head_weights(self, layers) -> dict:
         """head_weights of the layers, stacked along a leading layer dim, as numpy float32."""
         per_layer = [self.head_weights(layer) for layer in layers]
         return {name: torch.stack([w[name] for w in per_layer]).cpu().numpy() for name in per_layer[0]}
 
-    def _route(self, layer: int) -> Route:
-        module = self.attention(layer)
-        route = getattr(module, ROUTE_ATTRIBUTE, None)
-        if route is None:
-            route = Route(layer)
-            setattr(module, ROUTE_ATTRIBUTE, route)
-            self._install_route(layer, route)
-        return route
+    def check_score_call(self, layer: int, scaling, sliding_window, softcap) -> None:
+        """Refuse a forward pass whose attention call uses other score terms than those described."""
+        called = {"scale": scaling, "sliding_window": sliding_window, "softcap": softcap}
+        differing = {name: value for name, value in called.items() if not same_term(self._score[name][layer], value)}
+        if differing:
+            raise UnsupportedModelError(
+                f"layer {layer} of this {self.family} model attends with {differing}, but its description says "
+                f"{ {name: self._score[name][layer] for name in differing} }: the family's description in "
+                "orthosphere/extract/families.py does not match this model"
+            )
+
+    def _record_hook(self, site: str, layer: int, *, read):
+        """A hook recording `site` of `layer` from what read(args, kwargs, output) returns."""
+        def hook(module, args, *rest):
+            trace = active(self)
+            if trace is not None and trace.recording is not None and trace.recording.wants(site, layer):
+                trace.recording.record(site, layer, read(args, *rest))
+
+        return hook
 
 
-def _output_tensor(output):
+def _first_input(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _first_output(args, output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _output_hook(recording: Recording, site: str, layer: int):
-    def hook(module, args, output):
-        recording.record(site, layer, _output_tensor(output))
-
-    return hook
-
-
-def _input_hook(recording: Recording, site: str, layer: int):
-    def hook(module, args, kwargs):
-        recording.record(site, layer, args[0] if args else kwargs["hidden_states"])
-
-    return hook
+def _pre_hook(module: nn.Module, hook) -> None:
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 # --- the project's arithmetic transformers --------------------------------------------
+
+ARITHMETIC_NORMS = {
+    "pre": (Norm("attn_input", "norm_attn"), Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
+    "post": (Norm("resid_mid", "norm_attn"), Norm("resid_post", "norm_ff")),
+    "qkv": (Norm("q", "attn.head_norms.q", "head"), Norm("k", "attn.head_norms.k", "head"),
+            Norm("v", "attn.head_norms.v", "head"), Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
+    "none": (Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
+}
 
 
 class ArithmeticAdapter(Adapter):
@@ -290,7 +218,19 @@ class ArithmeticAdapter(Adapter):
         return self.model.blocks[layer].attn
 
     def describe(self) -> dict:
-        return dict(self.model.describe())
+        description = dict(self.model.describe())
+        norms = ARITHMETIC_NORMS[description["norm_placement"]]
+        description.update(
+            score=self.score_terms(), dtype=dtype_name(self.model),
+            **norm_summary(norms, placement=description["norm_placement"]),
+            **described_norms(self.model, self.blocks[0], norms, "weight", kind=self.model.config.norm_type),
+        )
+        return description
+
+    def score_terms(self):
+        n = self.n_layers
+        return {"scale": [float(self.model.config.attn_scale)] * n, "sliding_window": [None] * n,
+                "softcap": [None] * n, "alibi_slopes": None}
 
     def head_weights(self, layer):
         return self.attention(layer).head_weights()
@@ -299,358 +239,365 @@ class ArithmeticAdapter(Adapter):
         """Logits; padding sits after the real tokens, so causal attention needs no mask."""
         return self.model(tokens)
 
-    def _install_route(self, layer, route):
-        """q and k are held until v arrives; the edit then rewrites them in place, before the
-        score is computed from them, and replaces v."""
-        attention = self.attention(layer)
+    def _install_hooks(self):
+        for layer, block in enumerate(self.blocks):
+            attention = block.attn
+            points = {"resid_pre": block.hook_resid_pre, "resid_mid": block.hook_resid_mid,
+                      "resid_post": block.hook_resid_post, "attn_in": attention.hook_attn_in,
+                      "pattern": attention.hook_pattern}
+            for site, point in points.items():
+                point.register_forward_hook(self._record_hook(site, layer, read=_first_output))
+            attention.hook_q.register_forward_hook(self._hold("q"))
+            attention.hook_k.register_forward_hook(self._hold("k"))
+            attention.hook_v.register_forward_hook(self._complete(layer))
 
-        def hold(name):
-            def hook(module, args, output):
-                route.held[name] = output
+    def _hold(self, name):
+        """q and k wait in the trace until v arrives."""
+        def hook(module, args, output):
+            trace = active(self)
+            if trace is not None:
+                trace.held[name] = output
 
-            return hook
+        return hook
 
-        def complete(module, args, v):
-            q, k = route.held.pop("q"), route.held.pop("k")
-            if route.edit is not None:
-                new_q, new_k, v = route.edit(layer, q, k, v)
+    def _complete(self, layer):
+        """The edit rewrites the held q and k in place, before the score is computed from them,
+        and replaces v; then q, k, v are recorded."""
+        def hook(module, args, v):
+            trace = active(self)
+            if trace is None:
+                return v
+            q, k = trace.held.pop("q"), trace.held.pop("k")
+            if trace.edit is not None:
+                new_q, new_k, v = trace.edit(layer, q, k, v)
                 for old, new in ((q, new_q), (k, new_k)):
                     if new is not old:
                         old.copy_(new)
-            if route.recording is not None:
+            if trace.recording is not None:
                 for site, value in zip(QKV_SITES, (q, k, v)):
-                    route.recording.record(site, layer, value)
+                    trace.recording.record(site, layer, value)
             return v
 
-        attention.hook_q.register_forward_hook(hold("q"))
-        attention.hook_k.register_forward_hook(hold("k"))
-        attention.hook_v.register_forward_hook(complete)
-
-    def _residual_hooks(self, layer, recording):
-        block = self.model.blocks[layer]
-        points = {
-            "resid_pre": block.hook_resid_pre,
-            "resid_mid": block.hook_resid_mid,
-            "resid_post": block.hook_resid_post,
-            "attn_in": block.attn.hook_attn_in,
-            "pattern": block.attn.hook_pattern,
-        }
-        return [
-            point.register_forward_hook(_output_hook(recording, site, layer))
-            for site, point in points.items()
-            if recording.wants(site, layer)
-        ]
+        return hook
 
 
-# --- Hugging Face families ------------------------------------------------------------
-
-
-def routed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention function "orthosphere": q (batch, head, pos, d_head), k and v
-    (batch, kv_head, pos, d_head) arrive after projection and rotary embedding; they are edited
-    and recorded here, then attended with SDPA, or explicitly when the pattern is recorded."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    route = getattr(module, ROUTE_ATTRIBUTE, None)
-    if route is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if route.edit is not None:
-        q, k, v = route.edit(route.layer, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        query, key, value = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    recording = route.recording
-    if recording is not None:
-        for site, tensor in zip(QKV_SITES, (query, key, value)):
-            recording.record(site, route.layer, tensor.transpose(1, 2))
-    if recording is not None and recording.wants("pattern", route.layer):
-        output, pattern = explicit_attention(module, query, key, value, attention_mask, scaling, dropout)
-        recording.record("pattern", route.layer, pattern)
-        return output, pattern
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def explicit_attention(module, query, key, value, attention_mask, scaling, dropout):
-    """transformers' eager attention for every family, with grouped-query heads and a boolean
-    (True = attend), additive or absent mask (absent: causal if the module is)."""
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is None and getattr(module, "is_causal", True) and query.shape[2] > 1:
-        attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    elif attention_mask is not None:
-        scores = scores + attention_mask
-    pattern = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    pattern = nn.functional.dropout(pattern, p=dropout, training=module.training)
-    output = torch.matmul(pattern, value).transpose(1, 2).contiguous()
-    return output, pattern
-
-
-def register_attention() -> None:
-    """Register the "orthosphere" attention function and its (SDPA-style) mask with transformers."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION_IMPLEMENTATION, routed_attention)
-    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
-
-
-def _split_heads(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """A projection (d_model, n_heads * d_head), input first, as (head, d_model, d_head)."""
-    d_model = weight.shape[0]
-    return weight.reshape(d_model, n_heads, -1).permute(1, 0, 2)
-
-
-def _float32(weights: dict) -> dict[str, torch.Tensor]:
-    return {name: value.detach().float().contiguous() for name, value in weights.items()}
-
-
-def _bias(linear: nn.Module, size: int, like: torch.Tensor) -> torch.Tensor:
-    return linear.bias if linear.bias is not None else torch.zeros(size, dtype=like.dtype, device=like.device)
+# --- transformers families -----------------------------------------------------------------
 
 
 class HuggingFaceAdapter(Adapter):
-    """Shared by the transformers families: routes attention through "orthosphere"."""
+    """Any transformers family of ``families.py``, driven by its declarative description."""
 
-    norm_placement = "pre"
-    norm_type = "layer"
-    positions = "learned"
-    causal = True
-
-    def __init__(self, model):
-        register_attention()
-        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTENTION_IMPLEMENTATION:
-            raise UnsupportedModelError(unsupported_message(f"{type(model).__name__} (no attention interface)"))
+    def __init__(self, model: nn.Module, family: Family):
+        check_supported(family, model.config)
+        self.model, self.spec = model, family.resolved(model.config)
+        self.family, self.causal = family.model_type, family.causal
+        if family.route == "interface":
+            register_attention()
+            model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+            if model.config._attn_implementation != ATTENTION_IMPLEMENTATION:
+                raise UnsupportedModelError(unsupported(f"{type(model).__name__} (it ignores transformers' attention interface)"))
+        self.n_heads, self.d_head, self.n_kv_heads = self._head_layout()
         super().__init__(model)
 
     @property
     def config(self):
         return self.model.config
 
-    def _install_route(self, layer, route):
-        """Nothing to install: routed_attention reads the route from the module."""
+    @property
+    def blocks(self):
+        return self.model.get_submodule(self.spec.blocks)
 
-    def _mid_hook(self, layer: int, recording: Recording):
-        raise NotImplementedError
-
-    def _residual_hooks(self, layer, recording):
-        block, handles = self.blocks[layer], []
-        if recording.wants("resid_pre", layer):
-            handles.append(block.register_forward_pre_hook(_input_hook(recording, "resid_pre", layer), with_kwargs=True))
-        if recording.wants("resid_post", layer):
-            handles.append(block.register_forward_hook(_output_hook(recording, "resid_post", layer)))
-        if recording.wants("attn_in", layer):
-            handles.append(
-                self.attention(layer).register_forward_pre_hook(_input_hook(recording, "attn_in", layer), with_kwargs=True)
-            )
-        if recording.wants("resid_mid", layer):
-            handles.append(self._mid_hook(layer, recording))
-        return handles
+    def attention(self, layer):
+        return self.blocks[layer].get_submodule(self.spec.attention)
 
     def forward(self, tokens, valid=None):
         mask = None if valid is None else valid.to(torch.long)
-        return self.model(input_ids=tokens, attention_mask=mask, **self._forward_options).logits
+        options = {"use_cache": False} if self.causal else {}
+        return self.model(input_ids=tokens, attention_mask=mask, **options).logits
 
-    _forward_options = {"use_cache": False}
-
+    # --- description ---
     def describe(self) -> dict:
-        n_heads, d_head = self._head_layout()
-        return {
+        norms = [norm for norm in self.spec.norms if self._norm_module(norm, 0) is not None]
+        description = {
             "family": self.family,
             "architecture": type(self.model).__name__,
             "n_layers": self.n_layers,
             "d_model": self.config.hidden_size,
-            "n_heads": n_heads,
-            "n_kv_heads": self._n_kv_heads(),
-            "d_head": d_head,
-            "d_ff": self._d_ff(),
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "d_head": self.d_head,
+            "d_ff": self._config_value(self.spec.d_ff_keys, 4 * self.config.hidden_size),
             "vocab_size": self.config.vocab_size,
-            "attn_scale": self._attn_scale(),
+            "attn_scale": self._score["scale"][0],
             "causal": self.causal,
-            "norm_placement": self.norm_placement,
-            "norm_type": self.norm_type,
-            "norm_eps": self._norm_eps(),
-            "qk_norm": False,
-            "positions": self.positions,
-            "activation": self._activation(),
+            "score": self._score,
+            "positions": self.spec.positions,
+            **norm_summary(norms, parallel=self.spec.parallel),
+            **described_norms(self.model, self.blocks[0], norms, self.spec.norm_gain),
+            "activation": self._config_value(self.spec.activation_keys, None),
+            "dtype": dtype_name(self.model),
             "n_parameters": sum(p.numel() for p in self.model.parameters()),
         }
-
-    def _head_layout(self) -> tuple[int, int]:
-        n_heads = self.config.num_attention_heads
-        return n_heads, self.config.hidden_size // n_heads
-
-    def _n_kv_heads(self) -> int:
-        return self._head_layout()[0]
-
-    def _attn_scale(self) -> float:
-        return float(self.attention(0).scaling)
-
-
-class GPT2Adapter(HuggingFaceAdapter):
-    family = "gpt2"
-
-    def __init__(self, model):
-        if model.config.scale_attn_by_inverse_layer_idx:
-            raise UnsupportedModelError(
-                "GPT-2 with scale_attn_by_inverse_layer_idx=True has a different attention scale in every "
-                "layer; the store holds one attn_scale: use a model without it"
-            )
-        super().__init__(model)
-
-    @property
-    def blocks(self):
-        return self.model.transformer.h
-
-    def attention(self, layer):
-        return self.blocks[layer].attn
-
-    def _mid_hook(self, layer, recording):
-        return self.blocks[layer].ln_2.register_forward_pre_hook(_input_hook(recording, "resid_mid", layer), with_kwargs=True)
-
-    def head_weights(self, layer):
-        attention = self.attention(layer)
-        n_heads, d_head = self._head_layout()
-        d_model = self.config.hidden_size
-        w_q, w_k, w_v = attention.c_attn.weight.split(d_model, dim=1)
-        b_q, b_k, b_v = attention.c_attn.bias.split(d_model)
-        return _float32({
-            "w_q": _split_heads(w_q, n_heads), "w_k": _split_heads(w_k, n_heads), "w_v": _split_heads(w_v, n_heads),
-            "w_o": attention.c_proj.weight.reshape(n_heads, d_head, d_model),
-            "b_q": b_q.reshape(n_heads, d_head), "b_k": b_k.reshape(n_heads, d_head), "b_v": b_v.reshape(n_heads, d_head),
-            "b_o": attention.c_proj.bias,
-        })
-
-    def _d_ff(self):
-        return self.config.n_inner or 4 * self.config.hidden_size
-
-    def _norm_eps(self):
-        return float(self.config.layer_norm_epsilon)
-
-    def _activation(self):
-        return self.config.activation_function
-
-
-class LlamaAdapter(HuggingFaceAdapter):
-    family = "llama"
-    norm_type = "rms"
-    positions = "rotary"
-
-    @property
-    def blocks(self):
-        return self.model.model.layers
-
-    def attention(self, layer):
-        return self.blocks[layer].self_attn
-
-    def _mid_hook(self, layer, recording):
-        norm = self.blocks[layer].post_attention_layernorm
-        return norm.register_forward_pre_hook(_input_hook(recording, "resid_mid", layer), with_kwargs=True)
-
-    def _head_layout(self):
-        attention = self.attention(0)
-        return self.config.num_attention_heads, attention.head_dim
-
-    def _n_kv_heads(self):
-        return self.config.num_key_value_heads
-
-    def head_weights(self, layer):
-        attention = self.attention(layer)
-        n_heads, d_head = self._head_layout()
-        n_kv = self._n_kv_heads()
-        weights = {}
-        for name, linear, heads in (("q", attention.q_proj, n_heads), ("k", attention.k_proj, n_kv), ("v", attention.v_proj, n_kv)):
-            weights[f"w_{name}"] = _split_heads(linear.weight.T, heads)
-            weights[f"b_{name}"] = _bias(linear, heads * d_head, linear.weight).reshape(heads, d_head)
-        weights["w_o"] = attention.o_proj.weight.T.reshape(n_heads, d_head, -1)
-        weights["b_o"] = _bias(attention.o_proj, self.config.hidden_size, attention.o_proj.weight)
-        return _float32(weights)
-
-    def describe(self):
-        description = super().describe()
-        description["rope_parameters"] = dict(self.config.rope_parameters)
+        if self.spec.output_multiplier:
+            description["output_multiplier"] = float(getattr(self.config, self.spec.output_multiplier))
+        rope = getattr(self.config, "rope_parameters", None)
+        if self.spec.positions == "rotary" and rope:
+            description["rope_parameters"] = _plain(rope)
+        for key in self.spec.extra_config:
+            if getattr(self.config, key, None) is not None:
+                description[key] = _plain(getattr(self.config, key))
         return description
 
-    def _d_ff(self):
-        return self.config.intermediate_size
+    def score_terms(self):
+        attentions = [self.attention(layer) for layer in range(self.n_layers)]
+        if self.spec.route == "projection":
+            scales = [float(a.inv_norm_factor) for a in attentions]
+        else:
+            scales = [1.0 if self.spec.query_prescaled else float(a.scaling) for a in attentions]
+        windows = [getattr(a, "sliding_window", getattr(self.config, "sliding_window", None)) for a in attentions]
+        softcaps = [getattr(a, "attn_logit_softcapping", None) for a in attentions]
+        alibi = None
+        if self.spec.alibi_slopes is not None:
+            alibi = [self.spec.alibi_slopes(self.config, self.config.num_attention_heads)] * self.n_layers
+        return {"scale": scales, "sliding_window": [None if w is None else int(w) for w in windows],
+                "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
 
-    def _norm_eps(self):
-        return float(self.config.rms_norm_eps)
+    def _config_value(self, keys, default):
+        for key in keys:
+            value = getattr(self.config, key, None)
+            if value is not None:
+                return value
+        return default
 
-    def _activation(self):
-        return self.config.hidden_act
+    def _norm_module(self, norm: Norm, layer: int):
+        root = self.model if norm.site in OUTSIDE_BLOCKS else self.blocks[layer]
+        try:
+            return root.get_submodule(norm.module)
+        except AttributeError:
+            return None
 
-
-class BertAdapter(HuggingFaceAdapter):
-    """BERT: bidirectional, Post-Norm; resid_mid is the attention's add-and-LayerNorm output."""
-
-    family = "bert"
-    norm_placement = "post"
-    causal = False
-    _forward_options = {}
-
-    def __init__(self, model):
-        if model.config.is_decoder:
+    def _head_layout(self) -> tuple[int, int, int]:
+        """(n_heads, d_head, n_kv_heads), checked against the projections' sizes."""
+        attention, config = self.attention(0), self.config
+        n_heads = config.num_attention_heads
+        d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size")
+                       if isinstance(getattr(attention, name, None), int)), config.hidden_size // n_heads)
+        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+        q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
+        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": ((n_heads + 2 * n_kv) * d_head,) * 2,
+                    "per_head": (3 * n_heads * d_head,) * 2}[self.spec.projections.layout]
+        if (q_rows, k_rows) != expected:
             raise UnsupportedModelError(
-                "BERT configured as a decoder (is_decoder=True) is not supported: expected the "
-                "bidirectional encoder"
+                f"{self.family} model with q/k projections of {q_rows}/{k_rows} outputs: expected {expected} for "
+                f"{n_heads} heads of {d_head} and {n_kv} key/value heads; this configuration is not supported"
             )
-        super().__init__(model)
+        return n_heads, d_head, n_kv
 
-    @property
-    def blocks(self):
-        return self.model.bert.encoder.layer
-
-    def attention(self, layer):
-        return self.blocks[layer].attention.self
-
-    def _mid_hook(self, layer, recording):
-        return self.blocks[layer].attention.register_forward_hook(_output_hook(recording, "resid_mid", layer))
-
+    # --- weights ---
     def head_weights(self, layer):
-        attention = self.attention(layer)
-        output = self.blocks[layer].attention.output.dense
-        n_heads, d_head = self._head_layout()
+        block, projections = self.blocks[layer], self.spec.projections
+        rows = split_heads_rows(projections.layout, self.n_heads, self.n_kv_heads, self.d_head)
         weights = {}
-        for name, linear in (("q", attention.query), ("k", attention.key), ("v", attention.value)):
-            weights[f"w_{name}"] = _split_heads(linear.weight.T, n_heads)
-            weights[f"b_{name}"] = linear.bias.reshape(n_heads, d_head)
-        weights["w_o"] = output.weight.T.reshape(n_heads, d_head, -1)
-        weights["b_o"] = output.bias
-        return _float32(weights)
+        for name in QKV_SITES:
+            module = block.get_submodule(getattr(projections, name))
+            matrix, bias = _out_in(module), _bias(module)
+            weights[f"w_{name}"] = matrix[torch.as_tensor(rows[name])].permute(0, 2, 1)
+            weights[f"b_{name}"] = bias[torch.as_tensor(rows[name])]
+        if self.spec.query_prescaled:
+            scaling = float(self.attention(layer).scaling)
+            weights["w_q"], weights["b_q"] = weights["w_q"] * scaling, weights["b_q"] * scaling
+        output = block.get_submodule(projections.o)
+        multiplier = float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
+        weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * multiplier
+        weights["b_o"] = _bias(output) * multiplier
+        return {name: value.detach().float().contiguous() for name, value in weights.items()}
 
-    def _d_ff(self):
-        return self.config.intermediate_size
+    # --- hooks ---
+    def _install_hooks(self):
+        for layer in range(self.n_layers):
+            block, attention = self.blocks[layer], self.attention(layer)
+            _pre_hook(block, self._record_hook("resid_pre", layer, read=_first_input))
+            block.register_forward_hook(self._record_hook("resid_post", layer, read=_first_output))
+            _pre_hook(attention, self._record_hook("attn_in", layer, read=_first_input))
+            _pre_hook(block, self._hold_input(layer))
+            self._install_mid_hook(layer)
+            if self.spec.route == "projection":
+                block.get_submodule(self.spec.projections.q).register_forward_hook(self._projection_hook(layer))
+                attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
 
-    def _norm_eps(self):
-        return float(self.config.layer_norm_eps)
+    def _install_mid_hook(self, layer):
+        block, mid = self.blocks[layer], self.spec.mid
+        if mid == "parallel":
+            self.attention(layer).register_forward_hook(self._record_hook("resid_mid", layer, read=self._parallel_mid(layer)))
+            return
+        where, _, path = mid.partition(":")
+        module = block.get_submodule(path)
+        if where == "input":
+            _pre_hook(module, self._record_hook("resid_mid", layer, read=self._stream(_first_input)))
+        else:
+            module.register_forward_hook(self._record_hook("resid_mid", layer, read=self._stream(_first_output)))
 
-    def _activation(self):
-        return self.config.hidden_act
+    def _stream(self, read):
+        """read, with a (batch * pos, d_model) value (OPT flattens before its MLP) put back to (batch, pos, d_model)."""
+        def stream(args, *rest):
+            value = read(args, *rest)
+            trace = active(self)
+            return value.view(trace.held["resid_pre"].shape) if value.dim() == 2 else value
+
+        return stream
+
+    def _hold_input(self, layer):
+        """Keep the block input in the trace for resid_mid (parallel families add to it; OPT's
+        flattened stream takes its shape)."""
+        def hook(module, args, kwargs):
+            trace = active(self)
+            if trace is not None and trace.recording is not None and trace.recording.wants("resid_mid", layer):
+                trace.held["resid_pre"] = _first_input(args, kwargs)
+
+        return hook
+
+    def _parallel_mid(self, layer):
+        multiplier = float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
+
+        def read(args, output):
+            return active(self).held["resid_pre"] + multiplier * _first_output(args, output)
+
+        return read
+
+    def _projection_hook(self, layer):
+        """q, k, v from the fused projection's output (families without rotary or QK-norm):
+        edited in a copy of the output, recorded."""
+        rows = {name: torch.as_tensor(index) for name, index in
+                split_heads_rows(self.spec.projections.layout, self.n_heads, self.n_kv_heads, self.d_head).items()}
+
+        def hook(module, args, output):
+            trace = active(self)
+            if trace is None:
+                return output
+            q, k, v = (output[..., rows[name].to(output.device)] for name in QKV_SITES)
+            if trace.edit is not None:
+                q, k, v = trace.edit(layer, q, k, v)
+                output = output.clone()
+                for name, value in zip(QKV_SITES, (q, k, v)):
+                    output[..., rows[name].to(output.device)] = value
+            if trace.recording is not None:
+                for site, value in zip(QKV_SITES, (q, k, v)):
+                    trace.recording.record(site, layer, value)
+            return output
+
+        return hook
 
 
-HUGGING_FACE_ADAPTERS = {
-    "gpt2": (GPT2Adapter, "GPT2LMHeadModel"),
-    "llama": (LlamaAdapter, "LlamaForCausalLM"),
-    "bert": (BertAdapter, "BertForMaskedLM"),
-}
-"""transformers model_type -> (adapter, the model class with a language-model head it reads)."""
+def _out_features(module: nn.Module) -> int:
+    return _out_in(module).shape[0]
+
+
+def _out_in(module: nn.Module) -> torch.Tensor:
+    """A projection's weight as (out, in): nn.Linear's own layout; GPT-2's Conv1D stores (in, out)."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
+
+
+def _bias(module: nn.Module) -> torch.Tensor:
+    weight = _out_in(module)
+    bias = getattr(module, "bias", None)
+    return bias if bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
+def _plain(value):
+    """A config value as plain JSON-able data."""
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+# --- the norm description ---------------------------------------------------------------------
+
+MAIN_NORM_SITES = ("attn_input", "resid_mid", "attn_output")
+"""Norms acting on the residual stream around attention; the first present names the norm type."""
+
+
+def norm_type(module: nn.Module) -> str:
+    """ "rms" or "layer" from the module's class (every family's norms are one of the two)."""
+    modules = [module, *module.modules()]
+    if any("rms" in type(m).__name__.lower() for m in modules):
+        return "rms"
+    if any(isinstance(m, nn.LayerNorm) or "layernorm" in type(m).__name__.lower() for m in modules):
+        return "layer"
+    raise UnsupportedModelError(f"norm module {type(module).__name__} is neither a LayerNorm nor an RMSNorm")
+
+
+def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: str | None = None) -> dict:
+    """``norms``: one entry per norm: site, module path (``{layer}`` for the block's index), type
+    (`kind`, else from the module's class), scope, eps, how its gain enters ("weight", "1 + weight"
+    or "none") and whether it has a bias; ``norm_type`` and ``norm_eps`` of the main norm (the first
+    of MAIN_NORM_SITES present, else the QK-norm), None without norms."""
+    entries = []
+    block_path = next(name for name, module in model.named_modules() if module is block)
+    for norm in norms:
+        inside = norm.site not in OUTSIDE_BLOCKS
+        module = (block if inside else model).get_submodule(norm.module)
+        leaf = next((m for m in module.modules() if hasattr(m, "weight") or hasattr(m, "eps")), module)
+        eps = next((getattr(leaf, name) for name in ("eps", "variance_epsilon") if hasattr(leaf, name)), 1e-5)
+        has_gain = isinstance(getattr(leaf, "weight", None), torch.Tensor)
+        prefix = block_path.rsplit(".", 1)[0] + ".{layer}." if inside else ""
+        entries.append({
+            "site": norm.site, "module": prefix + norm.module, "type": kind or norm_type(module), "scope": norm.scope,
+            "eps": float(eps), "gain": gain if has_gain else "none",
+            "bias": isinstance(getattr(leaf, "bias", None), torch.Tensor),
+        })
+    ranked = sorted(entries, key=lambda entry: (MAIN_NORM_SITES + ("q",) + NORM_SITES).index(entry["site"]))
+    main = ranked[0] if ranked else {"type": None, "eps": None}
+    return {"norms": entries, "norm_type": main["type"], "norm_eps": main["eps"]}
+
+
+def norm_summary(norms, placement: str | None = None, parallel: bool = False) -> dict:
+    """norm_placement (pre, post, sandwich, output, none; the arithmetic family's own names kept),
+    norm_type of the main norm, qk_norm and v_norm (their scope, or None) and parallel."""
+    sites = {norm.site: norm for norm in norms}
+    if placement is None:
+        if "resid_mid" in sites:
+            placement = "post"
+        elif "attn_input" in sites:
+            placement = "sandwich" if "attn_output" in sites else "pre"
+        else:
+            placement = "output" if "attn_output" in sites else "none"
+    return {
+        "norm_placement": placement,
+        "qk_norm": sites["q"].scope if "q" in sites else None,
+        "v_norm": sites["v"].scope if "v" in sites else None,
+        "parallel": parallel,
+    }
+
+
+def dtype_name(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+# --- choosing the adapter -------------------------------------------------------------------
+
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ADAPTERS_LOCK = threading.Lock()
 
 
 def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter of a loaded model; any other architecture is an UnsupportedModelError."""
+    """The adapter of a loaded model (one per model: its hooks are installed once); any other
+    architecture is an UnsupportedModelError."""
+    with _ADAPTERS_LOCK:
+        if model not in _ADAPTERS:
+            _ADAPTERS[model] = _new_adapter(model)
+        return _ADAPTERS[model]
+
+
+def _new_adapter(model: nn.Module) -> Adapter:
     if isinstance(model, ArithmeticTransformer):
         return ArithmeticAdapter(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in HUGGING_FACE_ADAPTERS:
-        raise UnsupportedModelError(unsupported_message(f"model {type(model).__name__} (model_type {model_type!r})"))
-    adapter, model_class = HUGGING_FACE_ADAPTERS[model_type]
-    if type(model).__name__ != model_class:
+    family = family_for(model_type)
+    if type(model).__name__ != family.lm_class:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not supported for {model_type}: expected {model_class}, whose "
+            f"{type(model).__name__} is not supported for {model_type}: expected {family.lm_class}, whose "
             "language-model head gives the predictions"
         )
-    return adapter(model)
-
+    return HuggingFaceAdapter(model, family)

@@ -16,9 +16,10 @@ bounded queue that one writer thread drains, regrouping batches into whole chunk
 thread marks a shard complete only after its last chunk is written. Memory is bounded by the
 queue depth, whatever the number of samples.
 
-Without a Dask client the shards run one after another in this process; with one, each shard
-is a Dask task that loads the model (once per worker), writes its own chunks and records
-itself complete.
+Without a Dask client the shards run one after another in this process, on the job's device;
+with one, each shard is a Dask task that loads the model on the job's device (once per worker),
+writes its own chunks and records itself complete, while this coordinating process reads the
+model's description and weights on the CPU: it never needs the workers' device.
 
 For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with SIGKILL the
 N-th time it reaches POINT (store-created, chunk-written, shard-complete, before-finish).
@@ -49,7 +50,7 @@ from orthosphere.store.writer import samples_per_chunk_for
 
 from .data import ArithmeticData, TextData, open_dataset, parse_task
 from .model import ConfigError
-from .sources import LoadedModel, load_source
+from .sources import LoadedModel, check_device, load_source, model_dtype_of
 
 log = logging.getLogger("orthosphere.extract")
 
@@ -85,6 +86,7 @@ class ExtractJob:
     resume: bool = False
     overwrite: bool = False
     device: str = "auto"
+    model_dtype: str | None = None
     storage_options: dict | None = None
     command: str | None = None
 
@@ -95,6 +97,7 @@ class ShardPlan:
 
     model: str
     device: str
+    model_dtype: str | None
     data: ArithmeticData | TextData
     n_samples: int
     n_pos: int
@@ -133,7 +136,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     data = parse_task(job.task)
     _check_job(job)
     existing = _existing_store(job)
-    loaded = load_source(job.model, job.device)
+    loaded = load_source(job.model, job.device if client is None else "cpu", job.model_dtype)
     sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
     dataset = open_dataset(data, n_samples=job.n_samples, tokenizer=loaded.tokenizer, causal=description["causal"])
@@ -153,7 +156,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
-        os.path.abspath(job.model), job.device, _absolute(data), dataset.n_samples, dataset.n_pos,
+        os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, dataset.n_pos,
         bool(description["causal"]), sites, layers, job.dtype, job.batch_size, _absolute_url(writer.url),
         job.storage_options,
     )
@@ -242,6 +245,8 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
 
 def _check_job(job: ExtractJob) -> None:
     check_dtype(job.dtype)
+    check_device(job.device)
+    model_dtype_of(job.model_dtype)
     for name, value in (("batch size", job.batch_size), ("shard count", job.n_shards)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} {value!r}: expected a positive integer")
@@ -403,16 +408,25 @@ class ShardReport:
     tokens: int
 
 
+_WORKER_MODEL_LOCK = threading.Lock()
+
+
+def _worker_model(path: str, device: str, model_dtype: str | None) -> LoadedModel:
+    """A Dask worker loads the job's model once and keeps it for the job's other shards, which may
+    run concurrently in the worker's threads (captures are per forward pass, so they share it)."""
+    with _WORKER_MODEL_LOCK:
+        return _load_once(path, device, model_dtype)
+
+
 @functools.lru_cache(maxsize=1)
-def _worker_model(path: str, device: str) -> LoadedModel:
-    """A Dask worker loads the job's model once and keeps it for the job's other shards."""
-    return load_source(path, device)
+def _load_once(path: str, device: str, model_dtype: str | None) -> LoadedModel:
+    return load_source(path, device, model_dtype)
 
 
 def run_shard(plan: ShardPlan, index: int) -> ShardReport:
     """A Dask task: run one shard, write its chunks (without the store's lock, which the
     coordinating process holds) and record it complete."""
-    loaded = _worker_model(plan.model, plan.device)
+    loaded = _worker_model(plan.model, plan.device, plan.model_dtype)
     dataset = open_dataset(
         plan.data, n_samples=plan.n_samples, tokenizer=loaded.tokenizer, causal=plan.causal, n_pos=plan.n_pos
     )

@@ -1,18 +1,21 @@
 """Load a model for extraction: the project's checkpoints, Hugging Face directories, GGUF files.
 
-``load_source(path, device)`` returns a ``LoadedModel``: the model's adapter (capture.py), its
-tokenizer (or None) and, from ``describe()``, its description for the store, which adds where
-the model came from and a SHA-256 of its weights so that a resumed job can tell a different
-model apart.
+``load_source(path, device, model_dtype)`` returns a ``LoadedModel``: the model's adapter
+(capture.py), its tokenizer (or None) and, from ``describe()``, its description for the store,
+which adds where the model came from and a SHA-256 of its weights so that a resumed job can
+tell a different model apart. ``model_dtype`` (float32, bfloat16 or float16; default float32)
+is the dtype the model is loaded and run in; the description records it.
 
 - A directory whose ``config.json`` says ``"family": "arithmetic"``: the project's own
   arithmetic transformer (``config.json`` + ``model.safetensors``); its tokenizer maps the
   task's characters to ids.
-- Any other directory: a Hugging Face checkpoint of a supported ``model_type`` (GPT-2, Llama,
-  BERT) with safetensors weights, loaded with its language-model head in float32.
+- Any other directory: a Hugging Face checkpoint of a supported ``model_type`` (the families
+  of ``families.py``) with safetensors weights, loaded with its language-model head; a
+  checkpoint that lacks tensors the model needs is refused (never silently random-initialised).
 - A ``.gguf`` file of the llama or gpt2 architecture: loaded by transformers (``gguf_file=``),
-  dequantised to float32; it must carry its tokenizer. (transformers reads a GPT-2 GGUF with
-  GPT-2's own 1024 positions and 4 * d_model feed-forward width.)
+  dequantised to float32 (``model_dtype`` does not apply); it must carry its tokenizer.
+  (transformers reads a GPT-2 GGUF with GPT-2's own 1024 positions and 4 * d_model
+  feed-forward width.)
 
 Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
 """
@@ -27,12 +30,14 @@ from pathlib import Path
 import torch
 
 from . import tasks
-from .capture import HUGGING_FACE_ADAPTERS, Adapter, UnsupportedModelError, adapter_for, unsupported_message
+from .capture import Adapter, adapter_for
+from .families import UnsupportedModelError, family_for, unsupported
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 GGUF_MAGIC = b"GGUF"
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Tokenizer:
@@ -100,38 +105,71 @@ class LoadedModel:
         return dict(self._description)
 
 
+def check_device(device: str = "auto") -> str:
+    """The device text, checked for its form only (where the model runs may be another machine)."""
+    if device != "auto":
+        try:
+            torch.device(device)
+        except RuntimeError as error:
+            raise ConfigError(f"device {device!r}: {error}; expected auto, cpu, cuda or cuda:N") from None
+    return device
+
+
 def resolve_device(device: str = "auto") -> torch.device:
-    """"auto" means CUDA when available, else the CPU."""
-    if device == "auto":
+    """"auto" means CUDA when available, else the CPU; a device this machine lacks is an error."""
+    if check_device(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise ConfigError(f"device {device!r}: {error}; expected auto, cpu, cuda or cuda:N") from None
+    resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r}: this machine has no CUDA device; use --device cpu (or auto)")
     return resolved
 
 
-def load_source(path, device: str = "auto") -> LoadedModel:
-    """Load the model at `path` (directory or .gguf file) in eval mode on `device`."""
+def model_dtype_of(name: str | None) -> torch.dtype:
+    """The torch dtype of a --model-dtype name (None: float32)."""
+    name = name or "float32"
+    if name not in MODEL_DTYPES:
+        raise ConfigError(f"model dtype {name!r}: expected one of {list(MODEL_DTYPES)}")
+    return getattr(torch, name)
+
+
+def check_device_runs(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a dtype the device cannot compute in, before a model is loaded."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"device {device} cannot compute in bfloat16 (this GPU lacks it): use --model-dtype "
+                          "float16 or float32")
+    try:
+        probe = torch.ones(2, 2, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+    except RuntimeError as error:
+        raise ConfigError(f"device {device} cannot compute in {str(dtype).removeprefix('torch.')} ({error}): "
+                          "choose another --model-dtype or --device") from None
+
+
+def load_source(path, device: str = "auto", model_dtype: str | None = None) -> LoadedModel:
+    """Load the model at `path` (directory or .gguf file) in eval mode on `device`, in `model_dtype`."""
     path = Path(path)
     device = resolve_device(device)
+    dtype = model_dtype_of(model_dtype)
     if not path.exists():
         raise ConfigError(
             f"model {path} not found: expected a model directory (config.json and model.safetensors) "
             "or a .gguf file"
         )
+    check_device_runs(device, dtype)
     if path.is_file():
         if not is_gguf(path):
             raise ConfigError(f"model {path} is a file but not a GGUF file (no GGUF magic): give a .gguf file or a model directory")
+        if dtype != torch.float32:
+            raise ConfigError(f"--model-dtype {model_dtype} with the GGUF file {path}: GGUF weights are dequantised "
+                              "to float32; leave --model-dtype out (or convert the model to safetensors)")
         loaded = _load_gguf(path, device)
     else:
         config = _read_config(path)
         if config.get("family") == "arithmetic":
-            loaded = _load_arithmetic(path, device)
+            loaded = _load_arithmetic(path, device, dtype)
         else:
-            loaded = _load_hugging_face(path, config, device)
+            loaded = _load_hugging_face(path, config, device, dtype)
     loaded.adapter.model.eval()
     return loaded
 
@@ -164,11 +202,11 @@ def _read_config(directory: Path) -> dict:
         raise ConfigError(f"{path} is not valid JSON ({error}): expected the model's configuration") from None
 
 
-def _load_arithmetic(directory: Path, device: torch.device) -> LoadedModel:
+def _load_arithmetic(directory: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise ConfigError(f"model directory {directory} has no {WEIGHTS_FILE}: expected the weights beside {CONFIG_FILE}")
-    adapter = adapter_for(load_model(directory, device=device))
+    adapter = adapter_for(load_model(directory, device=device).to(dtype))
     return LoadedModel(adapter, CharacterTokenizer(), directory, "orthosphere", [weights])
 
 
@@ -197,20 +235,25 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def _model_class(model_type):
-    if model_type not in HUGGING_FACE_ADAPTERS:
-        raise UnsupportedModelError(unsupported_message(f"architecture {model_type!r}"))
     import transformers
 
-    return getattr(transformers, HUGGING_FACE_ADAPTERS[model_type][1])
+    return getattr(transformers, family_for(model_type).lm_class)
 
 
-def _load_hugging_face(directory: Path, config: dict, device: torch.device) -> LoadedModel:
+def _load_hugging_face(directory: Path, config: dict, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     model_class = _model_class(config.get("model_type"))
     weight_files = _safetensors_files(directory)
-    model = model_class.from_pretrained(
-        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=torch.float32
-    ).to(device)
-    adapter = adapter_for(model)
+    model, info = model_class.from_pretrained(
+        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
+        output_loading_info=True,
+    )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ConfigError(
+            f"checkpoint {directory} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
+            f"{missing[:3]}: the model would run with random weights there; give a complete checkpoint"
+        )
+    adapter = adapter_for(model.to(device))
     return LoadedModel(adapter, _directory_tokenizer(directory), directory, "safetensors", weight_files)
 
 
@@ -252,9 +295,7 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
     metadata = _gguf_metadata(path)
     architecture = metadata.get("general.architecture")
     if architecture not in ("llama", "gpt2"):
-        raise UnsupportedModelError(
-            unsupported_message(f"GGUF architecture {architecture!r}") + "; GGUF files load for llama and gpt2"
-        )
+        raise UnsupportedModelError(unsupported(f"GGUF architecture {architecture!r}") + "; GGUF files load for llama and gpt2")
     if "tokenizer.ggml.model" not in metadata or not metadata["has_tokens"]:
         raise ConfigError(
             f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens metadata): "

@@ -9,16 +9,28 @@ ATTENTION_ATOL = 1e-5
 LOGIT_SCALE = 32.0
 
 
-def attention_float64(q, k, valid, *, attn_scale: float, causal: bool) -> tuple[np.ndarray, float]:
+def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_window: int | None = None,
+                      softcap: float | None = None, alibi_slopes=None) -> tuple[np.ndarray, float]:
     """The attention pattern (..., head, qpos, kpos) in float64 from q (..., pos, head, d_head) and
-    k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores."""
+    k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores. The optional
+    terms follow transformers: softcap * tanh(score / softcap); key j allowed for query i when
+    i - j < sliding_window; ALiBi adds slope_h * (number of valid tokens before j)."""
     q = np.swapaxes(np.asarray(q, np.float64), -2, -3)
     k = np.swapaxes(np.asarray(k, np.float64), -2, -3)
     k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
     scores = q @ np.swapaxes(k, -1, -2) * attn_scale
-    allowed = np.asarray(valid, bool)[..., None, None, :]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    valid = np.asarray(valid, bool)
+    if alibi_slopes is not None:
+        key_position = np.cumsum(valid, axis=-1) - 1
+        scores = scores + np.asarray(alibi_slopes, np.float64)[:, None, None] * key_position[..., None, None, :]
+    allowed = valid[..., None, None, :]
+    i, j = np.indices(scores.shape[-2:])
     if causal:
-        allowed = allowed & np.tril(np.ones(scores.shape[-2:], bool))
+        allowed = allowed & (j <= i)
+    if sliding_window is not None:
+        allowed = allowed & (i - j < sliding_window)
     largest = float(np.abs(np.where(allowed, scores, 0.0)).max())
     scores = np.where(allowed, scores, -np.inf)
     peak = scores.max(-1, keepdims=True)
@@ -33,9 +45,10 @@ def attention_atol(largest_logit: float) -> float:
     return ATTENTION_ATOL * max(1.0, largest_logit / LOGIT_SCALE)
 
 
-def assert_attention_close(found, q, k, valid, *, attn_scale: float, causal: bool, where=None) -> None:
-    """A float32 pattern equals the float64 attention of q, k within attention_atol (on `where`)."""
-    expected, largest = attention_float64(q, k, valid, attn_scale=attn_scale, causal=causal)
+def assert_attention_close(found, q, k, valid, *, where=None, **terms) -> None:
+    """A float32 pattern equals the float64 attention of q, k with the score `terms` (attn_scale,
+    causal, ...: see attention_float64) within attention_atol (on `where`)."""
+    expected, largest = attention_float64(q, k, valid, **terms)
     found = np.asarray(found, np.float64)
     if where is not None:
         found, expected = np.where(where, found, 0.0), np.where(where, expected, 0.0)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
+from orthosphere.analyze.attention import ScoreTerms
 from tests.reference import attention_atol, attention_float64
 from tests.synthetic import plant_norm_spread, weighted_band, write_store
 
@@ -101,7 +102,7 @@ def test_attention_recomputed_from_q_k_matches_the_model_softmax(tmp_path):
     scale = 0.7
     reference, largest = attention_float64(q[:, 0], k[:, 0], valid, attn_scale=scale, causal=True)
     atol = attention_atol(largest)
-    pattern = attention_from_qk(q[:, 0], k[:, 0], valid, attn_scale=scale, causal=True)
+    pattern = attention_from_qk(q[:, 0], k[:, 0], valid, ScoreTerms(scale, causal=True))
     np.testing.assert_allclose(pattern, reference, rtol=0, atol=atol)
     reference = reference.astype("float32")
     resid = rng.normal(size=(n_samples, 1, n_pos, 6)).astype("float32")

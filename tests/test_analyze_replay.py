@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import replay as replay_module
-from orthosphere.analyze.attention import attention_from_qk
+from orthosphere.analyze.attention import ScoreTerms, attention_from_qk
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.analyze.replay import HeadBlock, ReplayError, ReplaySettings, level_at_rate, message_frame, replay, unit_noise
 from orthosphere.store import create_store, open_store
@@ -112,7 +112,7 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
                      valid=valid, attn_scale=model.config.attn_scale)
     for layer in range(2):
         recomputed = HeadBlock(ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values, ds.valid.values,
-                               ds.attrs["model"]["attn_scale"], True, 0.95).pattern
+                               ScoreTerms(ds.attrs["model"]["attn_scale"], True), 0.95).pattern
         stored = ds.pattern.sel(layer=layer).values
         query_valid = np.broadcast_to(valid[:, None, :, None], stored.shape)
         for pattern in (recomputed, stored):  # both float32 patterns against the float64 one
@@ -127,7 +127,7 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
 def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     ratios = np.linspace(1.1, 2.0, 10)
     q, k = margin_head(ratios)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((10, 2), bool), 1.0, False, 0.95)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((10, 2), bool), ScoreTerms(1.0, False), 0.95)
     assert block.sparse.all() and np.all(block.winner == 0)
     # Worst case for uniform noise of bound a: k0 -> 1 - a, k1 -> 1 + a; collapse iff (1+a)/(1-a) > ratio.
     critical = (ratios - 1) / (ratios + 1)
@@ -201,14 +201,15 @@ def test_value_noise_changes_the_output_linearly_and_never_the_pattern(tmp_path)
 
 def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     q, k, v, w_o = random_heads(n_samples=3)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), 0.5, True, 0.95, v[:, 0], message_frame(w_o[0]))
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), ScoreTerms(0.5, True), 0.95, v[:, 0],
+                      message_frame(w_o[0]))
     rng = np.random.default_rng(3)
     kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
     effects = block.perturb(kq, kk, km)
     heads_kv = np.arange(4) // 2
     messages = np.einsum("sjhd,hdm->shjm", v[:, 0][:, :, heads_kv].astype(np.float64), w_o[0].astype(np.float64))
     noisy = attention_from_qk(q[:, 0] * (1 + kq[..., None]), k[:, 0] * (1 + kk[..., None]), np.ones((3, 8), bool),
-                              attn_scale=0.5, causal=True)
+                              ScoreTerms(0.5, True))
     clean_out = np.einsum("shij,shjm->shim", block.pattern, messages)
     noisy_out = np.einsum("shij,shjm->shim", noisy, messages * (1 + km[:, :, heads_kv].transpose(0, 2, 1))[..., None])
     np.testing.assert_allclose(effects["output_change_sq"], ((noisy_out - clean_out) ** 2).sum(-1), rtol=1e-4, atol=1e-6)
@@ -240,7 +241,7 @@ def test_entropy_and_max_attention_histogram_of_known_heads(tmp_path):
 def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_term():
     # w* = 1.0, w_1 = 0.9: exact collapse iff 1.0 (1 + k*) < 0.9 (1 + k1); q noise cancels.
     q, k = margin_head([1.0 / 0.9], second_score=0.9)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), 40.0, False, 0.95)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), ScoreTerms(40.0, False), 0.95)
     kk = np.array([[[-0.05], [0.05]]])  # exact: 0.95 < 0.945 is false -> no collapse
     kq = np.full((1, 2, 1), -0.5)  # first order: 1.0 (0.45) < 0.9 (0.55) = 0.495 -> predicted
     effects = block.perturb(kq, kk, np.zeros_like(kk))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthosphere.extract.capture import UnsupportedModelError
+from orthosphere.extract.families import UnsupportedModelError
 from orthosphere.extract.model import ArithmeticTransformer, ConfigError, ModelConfig, save_model
 from orthosphere.extract.sources import load_source
 

@@ -22,6 +22,19 @@ class CleanErrors(click.Group):
             raise click.ClickException(str(error)) from error
 
 
+def model_options(command=None, *, with_dtype: bool = True):
+    """--device (and --model-dtype): where and in which dtype a command runs a model."""
+    def decorate(command):
+        if with_dtype:
+            command = click.option(
+                "--model-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                help="Load and run the model in this dtype (default float32; not for GGUF files).")(command)
+        return click.option("--device", default="auto", show_default=True,
+                            help="Where the model runs: auto, cpu, cuda or cuda:N.")(command)
+
+    return decorate if command is None else decorate(command)
+
+
 @click.group(cls=CleanErrors)
 @click.option("--workers", type=int, default=None, help="Run Dask work on a LocalCluster of N worker processes.")
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run Dask work on an existing scheduler (tcp://HOST:PORT).")
@@ -57,14 +70,14 @@ def info_command(store, as_json):
 @click.option("--shards", type=int, default=1, show_default=True,
               help="Chunk-aligned shards: the unit of Dask tasks and of resuming.")
 @click.option("--samples-per-chunk", type=int, default=None, help="Samples per chunk (default: about 4 MB chunks).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@model_options
 @click.option("--workers", type=int, default=None, help="Run the shards on a LocalCluster of N worker processes.")
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
 @click.pass_context
 def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
-                    samples_per_chunk, device, workers, scheduler, resume, overwrite):
+                    samples_per_chunk, device, model_dtype, workers, scheduler, resume, overwrite):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
     from orthosphere.extract.job import ExtractJob, extract, parse_layers
 
@@ -74,7 +87,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
         sites=None if sites is None else tuple(filter(None, sites.split(","))),
         layers=None if layers is None else parse_layers(layers),
         dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-        resume=resume, overwrite=overwrite, device=device, command=" ".join(sys.argv),
+        resume=resume, overwrite=overwrite, device=device, model_dtype=model_dtype, command=" ".join(sys.argv),
     )
     with dask_client(backend) as client:
         result = extract(job, client=client)
@@ -104,9 +117,10 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
               help="replay: inject the same noise into MODEL (the store's model) too: accuracy and collapses "
                    "under noise, one layer at a time and in all layers, in /replay/online.")
 @click.option("--online-samples", type=int, default=None, help="Samples the online check runs (default: all).")
+@model_options(with_dtype=False)
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
-                    uniform, include_start, extra, overwrite, online_model, online_samples):
+                    uniform, include_start, extra, overwrite, online_model, online_samples, device):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
     from orthosphere.analyze.options import parse_assignment
     from orthosphere.extract.job import parse_layers
@@ -124,7 +138,7 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
     options.update(parse_assignment(text) for text in extra)
     with dask_client(ctx.obj):
         tree = analyze_with_online_check(store, out, online_model=online_model, online_samples=online_samples,
-                                         overwrite=overwrite, only=None if only is None else only.split(","),
+                                         online_device=device, overwrite=overwrite, only=None if only is None else only.split(","),
                                          options=options, command=" ".join(sys.argv))
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
 
@@ -133,7 +147,7 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the checkpoint, metrics and training state.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its checkpoint in --out.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@model_options(with_dtype=False)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
 def train_command(config, out, resume, device, threads):
     """Train an arithmetic transformer from CONFIG (TOML) into --out."""

@@ -28,13 +28,13 @@ import torch
 import xarray as xr
 
 from orthosphere.analyze import analyze, write_results
+from orthosphere.analyze.attention import ScoreTerms, allowed_keys
 from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
     DEFINITIONS,
     HeadBlock,
     ReplayError,
     ReplaySettings,
-    allowed_keys,
     check_variables,
     collapse_indicators,
     store_model,
@@ -60,8 +60,9 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     """Accuracy and collapses with the replay's noise injected into the model's forward pass.
 
     ``store`` is a store URL or an opened Dataset; ``model`` a model directory / GGUF file (as
-    for extraction), a loaded model or its adapter. ``layers`` are the layers perturbed one at a
-    time (default: every stored layer); ``all_layers`` adds a run with noise in every layer.
+    for extraction: loaded on ``device`` in the dtype the store's model description records), a
+    loaded model or its adapter. ``layers`` are the layers perturbed one at a time (default: every
+    stored layer); ``all_layers`` adds a run with noise in every layer.
     """
     for name, value in (("max_samples", max_samples), ("batch_size", batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -69,7 +70,7 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     ds = store if isinstance(store, xr.Dataset) else open_store(store)
     settings = settings or ReplaySettings()
     model_attrs = store_model(ds)
-    adapter, description = _adapter(model, device)
+    adapter, description = _adapter(model, device, model_attrs.get("dtype"))
     check_model_matches(model_attrs, description)
     check_variables(ds, settings)
     missing = [name for name in TOKEN_VARIABLES if name not in ds.variables]
@@ -81,10 +82,10 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     if all_layers:
         runs.append((ALL_LAYERS, tuple(range(adapter.n_layers)), tuple(layers)))
     tally = _Tally(runs, layers, settings, model_attrs["n_heads"], n_samples)
-    causal = bool(model_attrs["causal"])
+    terms = {layer: ScoreTerms.of_layer(model_attrs, layer) for layer in layers}
     for start in range(0, n_samples, batch_size):
         batch = ds.isel(sample=slice(start, min(start + batch_size, n_samples)))
-        _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_offline)
+        _check_batch(adapter, batch, runs, layers, settings, terms, tally, compare_offline)
     return tally.result(ds, adapter, all_layers)
 
 
@@ -109,13 +110,14 @@ def with_online_check(tree: xr.DataTree, store, model, **options) -> xr.DataTree
 
 
 def analyze_with_online_check(store, out, *, online_model=None, online_samples: int | None = None,
-                              overwrite: bool = False, **analyze_options) -> xr.DataTree:
-    """`orthosphere.analyze.analyze` of `store`, plus the online check with `online_model` when
-    given (the replay's noise in every layer at once too), written to `out`."""
+                              online_device: str = "cpu", overwrite: bool = False, **analyze_options) -> xr.DataTree:
+    """`orthosphere.analyze.analyze` of `store`, plus the online check with `online_model` on
+    `online_device` when given (the replay's noise in every layer at once too), written to `out`."""
     tree = analyze(store, **analyze_options)
     if online_model is not None:
-        log.info("online check of %s with %s", store, online_model)
-        tree = with_online_check(tree, store, str(online_model), all_layers=True, max_samples=online_samples)
+        log.info("online check of %s with %s on %s", store, online_model, online_device)
+        tree = with_online_check(tree, store, str(online_model), all_layers=True, max_samples=online_samples,
+                                 device=online_device)
     return write_results(tree, out, overwrite=overwrite)
 
 
@@ -158,9 +160,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _adapter(model, device) -> tuple[Adapter, dict]:
+def _adapter(model, device, model_dtype) -> tuple[Adapter, dict]:
     if isinstance(model, (str, Path)):
-        loaded = load_source(model, device)
+        loaded = load_source(model, device, model_dtype)
         return loaded.adapter, loaded.describe()
     adapter = model if isinstance(model, Adapter) else adapter_for(model)
     return adapter, adapter.describe()
@@ -169,10 +171,10 @@ def _adapter(model, device) -> tuple[Adapter, dict]:
 class _Clean:
     """The clean pass of one batch: predictions and each measured layer's sparse instances."""
 
-    def __init__(self, pattern: np.ndarray, valid: np.ndarray, causal: bool, threshold: float):
-        allowed = allowed_keys(valid, causal)
-        instance = valid[:, None, :] & (allowed.sum(axis=-1) >= 2)  # (sample, 1, qpos)
-        self.sparse = instance[:, None] & (pattern.max(axis=-1) >= threshold)  # (sample, layer, head, qpos)
+    def __init__(self, pattern: np.ndarray, valid: np.ndarray, terms: list[ScoreTerms], threshold: float):
+        instance = np.stack([valid & (allowed_keys(valid, layer_terms).sum(axis=-1) >= 2) for layer_terms in terms],
+                            axis=1)[:, :, None, :]  # (sample, layer, 1, qpos)
+        self.sparse = instance & (pattern.max(axis=-1) >= threshold)  # (sample, layer, head, qpos)
         self.winner = pattern.argmax(axis=-1)
 
 
@@ -184,7 +186,7 @@ def _forward(adapter, tokens, valid, layers):
     return logits.argmax(dim=-1).cpu().numpy(), pattern.float().numpy()
 
 
-def _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_offline) -> None:
+def _check_batch(adapter, batch, runs, layers, settings, terms, tally, compare_offline) -> None:
     device = adapter.device
     tokens = torch.as_tensor(batch["tokens"].values, dtype=torch.long, device=device)
     valid = batch["valid"].values.astype(bool)
@@ -192,12 +194,11 @@ def _check_batch(adapter, batch, runs, layers, settings, causal, tally, compare_
     samples = batch["sample"].values
     target, scored = batch["target"].values, batch["scored"].values.astype(bool)
     pred, pattern = _forward(adapter, tokens, valid_tensor, tuple(layers))
-    clean = _Clean(pattern, valid, causal, settings.sparse_threshold)
+    clean = _Clean(pattern, valid, [terms[layer] for layer in layers], settings.sparse_threshold)
     tally.add_clean(pred, target, scored, clean, batch["pred"].values if "pred" in batch else None)
-    model = store_model(batch)
     offline_blocks = {
         layer: HeadBlock(batch["q"].sel(layer=layer).values, batch["k"].sel(layer=layer).values, valid,
-                         float(model["attn_scale"]), causal, settings.sparse_threshold)
+                         terms[layer], settings.sparse_threshold)
         for layer in layers
     } if compare_offline else {}
     for name, perturbed, measured in runs:

@@ -31,7 +31,7 @@ from .backend import Backend, dask_client
 log = logging.getLogger("orthosphere.pipeline")
 
 TOP_LEVEL_KEYS = {"name", "root", "local_root", "backend", "models", "data", "extract", "analyze", "report"}
-EXTRACT_KEYS = {"sites", "layers", "dtype", "batch_size", "shards", "device"}
+EXTRACT_KEYS = {"sites", "layers", "dtype", "batch_size", "shards", "device", "model_dtype"}
 ANALYZE_KEYS = {"only", "options", "online", "online_samples"}
 REPORT_KEYS = {"title"}
 
@@ -212,7 +212,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                     dtype=pipeline.extract.get("dtype", "float32"),
                     batch_size=pipeline.extract.get("batch_size", 64),
                     n_shards=pipeline.extract.get("shards", 1),
-                    device=pipeline.extract.get("device", "auto"),
+                    device=pipeline.extract.get("device", "auto"), model_dtype=pipeline.extract.get("model_dtype"),
                     resume=not force, overwrite=force,
                     command=f"orthosphere run ({pipeline.name})",
                 )
@@ -244,7 +244,8 @@ def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_mode
         return out
     log.info("analysing %s into %s", store, out)
     analyze_with_online_check(store, out, online_model=online_model, online_samples=pipeline.online_samples,
-                              overwrite=True, only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
+                              online_device=pipeline.extract.get("device", "auto"), overwrite=True,
+                              only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
                               options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
     return out
 

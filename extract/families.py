@@ -1,0 +1,338 @@
+"""Model families as data: where a transformers family keeps what extraction reads.
+
+One ``Family`` per transformers ``model_type``: the language-model class to load, where the
+blocks, the attention module, the q/k/v and output projections and the norms are (paths of
+submodules, relative to a block unless said otherwise), where ``resid_mid`` is read, and what
+the score adds beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi). The
+generic machinery in ``capture.py`` reads nothing else, so a new family is a few lines here.
+
+A field may be a function of the model's transformers config where a family's layout depends
+on it (OPT's ``do_layer_norm_before``, GPT-NeoX's ``use_parallel_residual``).
+
+Routes (how q, k, v are reached as they enter the score):
+
+- ``interface``: the family calls transformers' attention interface, which hands the
+  registered function "orthosphere" q, k, v after projection, rotary embedding and any
+  QK-norm (``interface.py``);
+- ``projection``: the family computes attention itself and has no rotary embedding nor
+  QK-norm (Bloom), so q, k, v are the fused projection's output, split by its layout, and
+  the pattern is the attention module's second output.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import ConfigError
+
+ROUTES = ("interface", "projection")
+LAYOUTS = ("separate", "concat", "per_head")
+NORM_SITES = ("embedding", "attn_input", "q", "k", "v", "attn_output", "resid_mid", "mlp_input", "mlp_output",
+              "resid_post", "final")
+"""Where a norm can act: on the embeddings, on what the attention reads (Pre-Norm), per head or over
+the whole projection on q, k, v (QK-Norm, V-norm), on the attention's output before the residual add,
+on the residual after the attention add (Post-Norm, giving resid_mid), likewise around the MLP, and
+before the unembedding."""
+OUTSIDE_BLOCKS = ("embedding", "final")
+"""Norm sites whose module path is relative to the model, not to a block."""
+
+
+class UnsupportedModelError(ConfigError):
+    """A model of an architecture, or a configuration of one, that extraction cannot make exact."""
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One norm of a block (or of the model, for OUTSIDE_BLOCKS sites): where it acts, its module,
+    and whether it normalises each head, the whole projection or the d_model-wide stream."""
+
+    site: str
+    module: str
+    scope: str = "d_model"
+
+
+@dataclass(frozen=True)
+class Projections:
+    """Submodules of a block holding W_Q, W_K, W_V (one fused module when the layout is not
+    "separate") and W_O. ``layout``: ``separate`` (one module each), ``concat`` (one module,
+    [all q | all k | all v] along its output) or ``per_head`` (one module, [q_h | k_h | v_h]
+    for each head in turn)."""
+
+    q: str
+    k: str
+    v: str
+    o: str
+    layout: str = "separate"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What extraction needs to know about a transformers family (see the module docstring)."""
+
+    model_type: str
+    lm_class: str
+    blocks: str
+    attention: str
+    projections: Projections
+    mid: str | Callable
+    """Where resid_mid is read: "input:PATH" or "output:PATH" of a submodule of the block, or
+    "parallel" (attention and MLP both read resid_pre: resid_mid = resid_pre + attention output)."""
+    norms: tuple[Norm, ...] | Callable
+    causal: bool = True
+    positions: str = "rotary"
+    route: str = "interface"
+    output_multiplier: str | None = None
+    """Config attribute that scales the attention output before the residual add (Granite)."""
+    query_prescaled: bool = False
+    """The module multiplies q by its ``scaling`` right after the projection and scores with 1.0 (OPT):
+    the stored q and w_q carry the scale, the score's scale is 1."""
+    norm_gain: str = "weight"
+    """How the norms' gain enters: "weight", or "1 + weight" (Gemma)."""
+    alibi_slopes: Callable | None = None
+    """(config, n_heads) -> per-head ALiBi slopes added as slope * key position to the score."""
+    refuse: Callable | None = None
+    """(config) -> a message naming what is unsupported, or None."""
+    d_ff_keys: tuple[str, ...] = ("intermediate_size",)
+    activation_keys: tuple[str, ...] = ("hidden_act",)
+    extra_config: tuple[str, ...] = field(default=())
+    """Config attributes copied into the model description when present."""
+
+    def resolved(self, config) -> Family:
+        """This family with every field that depends on the config evaluated for `config`."""
+        from dataclasses import replace
+
+        mid = self.mid(config) if callable(self.mid) else self.mid
+        norms = self.norms(config) if callable(self.norms) else self.norms
+        return replace(self, mid=mid, norms=tuple(norms))
+
+    @property
+    def parallel(self) -> bool:
+        return self.mid == "parallel"
+
+
+def split_heads_rows(layout: str, n_heads: int, n_kv_heads: int, d_head: int) -> dict[str, np.ndarray]:
+    """Rows of the projection output(s) holding each head's q, k, v: (head, d_head) index arrays.
+    For ``separate`` the rows index each projection's own output."""
+    within = np.arange(d_head)
+    if layout == "separate":
+        return {name: np.arange(heads)[:, None] * d_head + within
+                for name, heads in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads))}
+    if layout == "concat":
+        q_size, kv_size = n_heads * d_head, n_kv_heads * d_head
+        return {"q": np.arange(n_heads)[:, None] * d_head + within,
+                "k": q_size + np.arange(n_kv_heads)[:, None] * d_head + within,
+                "v": q_size + kv_size + np.arange(n_kv_heads)[:, None] * d_head + within}
+    if layout == "per_head":
+        if n_heads != n_kv_heads:
+            raise UnsupportedModelError(f"a per-head fused q/k/v projection with {n_heads} query and {n_kv_heads} "
+                                        "key/value heads: expected equal counts")
+        start = np.arange(n_heads)[:, None] * 3 * d_head
+        return {"q": start + within, "k": start + d_head + within, "v": start + 2 * d_head + within}
+    raise ValueError(f"unknown projection layout {layout!r}: expected one of {list(LAYOUTS)}")
+
+
+# --- the families ------------------------------------------------------------------------------
+
+LLAMA_NORMS = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
+               Norm("final", "model.norm"))
+LLAMA_PROJECTIONS = Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+SANDWICH_NORMS = (Norm("attn_input", "input_layernorm"), Norm("attn_output", "post_attention_layernorm"),
+                  Norm("mlp_input", "pre_feedforward_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
+                  Norm("final", "model.norm"))
+BERT_PROJECTIONS = Projections("attention.self.query", "attention.self.key", "attention.self.value",
+                               "attention.output.dense")
+BERT_NORMS = (Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "attention.output.LayerNorm"),
+              Norm("resid_post", "output.LayerNorm"))
+
+
+def _llama_like(model_type: str, lm_class: str, **options) -> Family:
+    """A Llama-shaped family: model.layers[l].self_attn with q/k/v/o_proj, Pre-Norm."""
+    options = {"projections": LLAMA_PROJECTIONS, "mid": "input:post_attention_layernorm", "norms": LLAMA_NORMS,
+               **options}
+    return Family(model_type, lm_class, "model.layers", "self_attn", **options)
+
+
+def _with_qk_norm(norms, q: str, k: str, scope: str):
+    return tuple(norms) + (Norm("q", q, scope), Norm("k", k, scope))
+
+
+def _refuse_gpt2(config):
+    if getattr(config, "add_cross_attention", False):
+        return "GPT-2 with cross-attention (add_cross_attention=True): expected a decoder-only GPT-2"
+    return None
+
+
+def _refuse_decoder_encoder(name):
+    def refuse(config):
+        if getattr(config, "is_decoder", False):
+            return f"{name} configured as a decoder (is_decoder=True): expected the bidirectional encoder"
+        return None
+
+    return refuse
+
+
+def _refuse_bidirectional(name):
+    def refuse(config):
+        if getattr(config, "use_bidirectional_attention", False):
+            return (f"{name} with use_bidirectional_attention=True (its sliding windows are two-sided): "
+                    "expected the causal model")
+        return None
+
+    return refuse
+
+
+def _refuse_bloom(config):
+    if config.apply_residual_connection_post_layernorm:
+        return ("Bloom with apply_residual_connection_post_layernorm=True adds the attention output to the "
+                "normalised stream, so the residual stream is not one stream: expected the default False")
+    return None
+
+
+def _bloom_slopes(config, n_heads):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    return [float(s) for s in _get_alibi_slopes(n_heads, device="cpu")]
+
+
+def _opt_norms(config):
+    if config.do_layer_norm_before:
+        norms = (Norm("attn_input", "self_attn_layer_norm"), Norm("mlp_input", "final_layer_norm"))
+        final = () if getattr(config, "_remove_final_layer_norm", False) else (Norm("final", "model.decoder.final_layer_norm"),)
+        return norms + final
+    return Norm("resid_mid", "self_attn_layer_norm"), Norm("resid_post", "final_layer_norm")
+
+
+def _opt_mid(config):
+    return "input:final_layer_norm" if config.do_layer_norm_before else "output:self_attn_layer_norm"
+
+
+def _neox_mid(config):
+    return "parallel" if config.use_parallel_residual else "input:post_attention_layernorm"
+
+
+def _stablelm_mid(config):
+    return "parallel" if config.use_parallel_residual else "input:post_attention_layernorm"
+
+
+def _stablelm_norms(config):
+    norms = [Norm("attn_input", "input_layernorm"), Norm("final", "model.norm")]
+    if not config.use_parallel_residual:
+        norms.append(Norm("mlp_input", "post_attention_layernorm"))
+    if config.qk_layernorm:
+        norms += [Norm("q", "self_attn.q_layernorm", "head"), Norm("k", "self_attn.k_layernorm", "head")]
+    return norms
+
+
+def _phi_norms(config):
+    norms = [Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"),
+             Norm("final", "model.final_layernorm")]
+    if config.qk_layernorm:
+        norms += [Norm("q", "self_attn.q_layernorm", "head"), Norm("k", "self_attn.k_layernorm", "head")]
+    return norms
+
+
+FAMILIES: dict[str, Family] = {family.model_type: family for family in (
+    Family("gpt2", "GPT2LMHeadModel", "transformer.h", "attn",
+           Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="concat"),
+           mid="input:ln_2", positions="learned", refuse=_refuse_gpt2,
+           norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
+           d_ff_keys=("n_inner",), activation_keys=("activation_function",),
+           extra_config=("scale_attn_by_inverse_layer_idx",)),
+    _llama_like("llama", "LlamaForCausalLM"),
+    _llama_like("mistral", "MistralForCausalLM"),
+    _llama_like("mixtral", "MixtralForCausalLM"),
+    _llama_like("qwen2", "Qwen2ForCausalLM"),
+    _llama_like("qwen3", "Qwen3ForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
+    _llama_like("olmo", "OlmoForCausalLM", extra_config=("clip_qkv",)),
+    _llama_like("olmo2", "Olmo2ForCausalLM", mid="input:mlp",
+                norms=(Norm("attn_output", "post_attention_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
+                       Norm("q", "self_attn.q_norm", "projection"), Norm("k", "self_attn.k_norm", "projection"),
+                       Norm("final", "model.norm"))),
+    _llama_like("gemma", "GemmaForCausalLM", norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma")),
+    _llama_like("gemma2", "Gemma2ForCausalLM", mid="input:pre_feedforward_layernorm", norms=SANDWICH_NORMS,
+                norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 2")),
+    _llama_like("gemma3_text", "Gemma3ForCausalLM", mid="input:pre_feedforward_layernorm",
+                norms=_with_qk_norm(SANDWICH_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head"),
+                norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 3")),
+    _llama_like("granite", "GraniteForCausalLM", output_multiplier="residual_multiplier",
+                extra_config=("attention_multiplier", "residual_multiplier")),
+    _llama_like("starcoder2", "Starcoder2ForCausalLM"),
+    _llama_like("stablelm", "StableLmForCausalLM", mid=_stablelm_mid, norms=_stablelm_norms),
+    Family("phi", "PhiForCausalLM", "model.layers", "self_attn",
+           Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"),
+           mid="parallel", norms=_phi_norms),
+    _llama_like("phi3", "Phi3ForCausalLM",
+                projections=Projections("self_attn.qkv_proj", "self_attn.qkv_proj", "self_attn.qkv_proj",
+                                        "self_attn.o_proj", layout="concat")),
+    Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.layers", "attention",
+           Projections("attention.query_key_value", "attention.query_key_value", "attention.query_key_value",
+                       "attention.dense", layout="per_head"),
+           mid=_neox_mid, norms=(Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
+                                 Norm("final", "gpt_neox.final_layer_norm"))),
+    Family("gptj", "GPTJForCausalLM", "transformer.h", "attn",
+           Projections("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"),
+           mid="parallel", norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_1"), Norm("final", "transformer.ln_f")),
+           d_ff_keys=("n_inner",), activation_keys=("activation_function",)),
+    Family("opt", "OPTForCausalLM", "model.decoder.layers", "self_attn",
+           Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+           mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",),
+           activation_keys=("activation_function",)),
+    Family("bert", "BertForMaskedLM", "bert.encoder.layer", "attention.self", BERT_PROJECTIONS,
+           mid="output:attention", norms=BERT_NORMS, causal=False, positions="learned",
+           refuse=_refuse_decoder_encoder("BERT")),
+    Family("roberta", "RobertaForMaskedLM", "roberta.encoder.layer", "attention.self", BERT_PROJECTIONS,
+           mid="output:attention", norms=BERT_NORMS, causal=False, positions="learned",
+           refuse=_refuse_decoder_encoder("RoBERTa")),
+    Family("distilbert", "DistilBertForMaskedLM", "distilbert.transformer.layer", "attention",
+           Projections("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
+           mid="output:sa_layer_norm", causal=False, positions="learned",
+           norms=(Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "sa_layer_norm"),
+                  Norm("resid_post", "output_layer_norm")),
+           d_ff_keys=("hidden_dim",), activation_keys=("activation",)),
+    Family("bloom", "BloomForCausalLM", "transformer.h", "self_attention",
+           Projections("self_attention.query_key_value", "self_attention.query_key_value",
+                       "self_attention.query_key_value", "self_attention.dense", layout="per_head"),
+           mid="output:self_attention", route="projection", positions="alibi", alibi_slopes=_bloom_slopes,
+           refuse=_refuse_bloom, d_ff_keys=(),
+           norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
+                  Norm("mlp_input", "post_attention_layernorm"), Norm("final", "transformer.ln_f"))),
+)}
+"""transformers model_type -> its family. (The project's own arithmetic transformers have their
+own hook points and adapter, in capture.py.)"""
+
+REFUSED = {
+    "falcon": "Falcon computes its attention inside FalconAttention.forward, without transformers' attention "
+              "interface, and applies rotary embedding to q and k there, with no module whose output is q or "
+              "k as they enter the score, so they cannot be captured exactly",
+    "t5": "T5 is an encoder-decoder model whose relative position bias is learned per bucket; only "
+          "decoder-only and encoder-only families are supported",
+}
+"""model_types refused on purpose, with the reason."""
+
+
+def family_for(model_type) -> Family:
+    """The family of a transformers model_type; an unknown or refused one is an UnsupportedModelError."""
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    reason = f" ({REFUSED[model_type]})" if model_type in REFUSED else ""
+    raise UnsupportedModelError(f"{unsupported(f'model_type {model_type!r}')}{reason}")
+
+
+def unsupported(what: str) -> str:
+    """The message for a model outside every family."""
+    return (f"{what} is not supported: expected one of the families {supported_families()}; "
+            "a new transformers family is a few lines in orthosphere/extract/families.py")
+
+
+def supported_families() -> list[str]:
+    return ["arithmetic", *FAMILIES]
+
+
+def check_supported(family: Family, config) -> None:
+    """Raise UnsupportedModelError when this configuration of the family cannot be made exact."""
+    reason = family.refuse(config) if family.refuse is not None else None
+    if reason:
+        raise UnsupportedModelError(f"{reason}; orthosphere refuses configurations whose attention it cannot reproduce")
+

@@ -1,0 +1,51 @@
+"""The buffer of one capture: activations copied by hooks into CPU tensors laid out as in the store."""
+from __future__ import annotations
+
+import torch
+
+
+class Recording:
+    """Activations of the forward passes of one capture, gathered into (batch, layer, ...) CPU tensors.
+
+    Copies from a CUDA device go into pinned memory without blocking; ``take`` waits for them
+    (an event on this thread's stream, so another thread's work on the device is not waited for).
+    """
+
+    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool):
+        self.sites = tuple(sites)
+        self.layers = tuple(layers)
+        self.slot = {layer: index for index, layer in enumerate(self.layers)}
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._filled: set[tuple[str, int]] = set()
+
+    def wants(self, site: str, layer: int) -> bool:
+        return site in self.sites and layer in self.slot
+
+    def record(self, site: str, layer: int, value: torch.Tensor) -> None:
+        """Copy one layer's value (batch, ...) into the site's (batch, layer, ...) buffer."""
+        if not self.wants(site, layer):
+            return
+        buffer = self._buffers.get(site)
+        if buffer is None:
+            shape = (value.shape[0], len(self.layers), *value.shape[1:])
+            buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+            self._buffers[site] = buffer
+        buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=self.pin_memory)
+        self._filled.add((site, layer))
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The recorded activations of the last forward pass; the recording starts afresh."""
+        missing = [(site, layer) for site in self.sites for layer in self.layers if (site, layer) not in self._filled]
+        if missing:
+            raise RuntimeError(
+                f"the forward pass did not reach sites {missing[:5]}: run adapter.forward inside "
+                "the capture block before take()"
+            )
+        if self.pin_memory:
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        buffers, self._buffers, self._filled = self._buffers, {}, set()
+        return buffers

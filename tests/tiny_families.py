@@ -1,0 +1,103 @@
+"""Tiny random-weights models of every supported transformers family, built from their configs.
+
+2 layers, d_model 32, 4 query heads (2 key/value heads where the family has grouped-query
+attention), a sliding window of 4 positions where the family has one (so that the test
+sequences, up to 12 tokens, are longer than the window), soft-capping at 10 for Gemma 2, and
+q and k maps large enough that attention is sharp (most queries put nearly all their attention on one
+key), which is where a wrong score term shows. No downloads.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.test_extract_models import VOCAB
+
+D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
+SHARPEN = 3.0
+"""q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
+logits of order 10."""
+
+
+def _llama_sizes(**extra):
+    return dict(hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+                num_key_value_heads=N_KV_HEADS, max_position_embeddings=64, **extra)
+
+
+def family_configs() -> dict:
+    """model_type -> (config class name, config keywords, language-model class name)."""
+    return {
+        "gpt2": ("GPT2Config", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_inner=D_FF, n_positions=64,
+                                    scale_attn_by_inverse_layer_idx=True), "GPT2LMHeadModel"),
+        "llama": ("LlamaConfig", _llama_sizes(attention_bias=True), "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", _llama_sizes(sliding_window=WINDOW), "MistralForCausalLM"),
+        "mixtral": ("MixtralConfig", _llama_sizes(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1),
+                    "MixtralForCausalLM"),
+        "qwen2": ("Qwen2Config", _llama_sizes(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                  "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", _llama_sizes(head_dim=8), "Qwen3ForCausalLM"),
+        "olmo": ("OlmoConfig", _llama_sizes(), "OlmoForCausalLM"),
+        "olmo2": ("Olmo2Config", _llama_sizes(), "Olmo2ForCausalLM"),
+        "gemma": ("GemmaConfig", _llama_sizes(head_dim=8), "GemmaForCausalLM"),
+        "gemma2": ("Gemma2Config", _llama_sizes(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=10.0,
+                                                query_pre_attn_scalar=16), "Gemma2ForCausalLM"),
+        "gemma3_text": ("Gemma3TextConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                                         sliding_window_pattern=2), "Gemma3ForCausalLM"),
+        "phi": ("PhiConfig", dict(hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=N_LAYERS,
+                                  num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, max_position_embeddings=64,
+                                  partial_rotary_factor=0.5, qk_layernorm=True), "PhiForCausalLM"),
+        "phi3": ("Phi3Config", _llama_sizes(sliding_window=WINDOW), "Phi3ForCausalLM"),
+        "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=N_LAYERS,
+                                           num_attention_heads=N_HEADS, max_position_embeddings=64, rotary_pct=0.5),
+                     "GPTNeoXForCausalLM"),
+        "gptj": ("GPTJConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_inner=D_FF, rotary_dim=4,
+                                    n_positions=64), "GPTJForCausalLM"),
+        "stablelm": ("StableLmConfig", _llama_sizes(partial_rotary_factor=0.5, qk_layernorm=True, use_qkv_bias=True),
+                     "StableLmForCausalLM"),
+        "starcoder2": ("Starcoder2Config", _llama_sizes(sliding_window=WINDOW), "Starcoder2ForCausalLM"),
+        "granite": ("GraniteConfig", _llama_sizes(attention_multiplier=0.3, residual_multiplier=0.5),
+                    "GraniteForCausalLM"),
+        "opt": ("OPTConfig", dict(hidden_size=D_MODEL, ffn_dim=D_FF, num_hidden_layers=N_LAYERS,
+                                  num_attention_heads=N_HEADS, max_position_embeddings=64, word_embed_proj_dim=D_MODEL),
+                "OPTForCausalLM"),
+        "bert": ("BertConfig", dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+                                    intermediate_size=D_FF, max_position_embeddings=64), "BertForMaskedLM"),
+        "roberta": ("RobertaConfig", dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+                                          intermediate_size=D_FF, max_position_embeddings=70), "RobertaForMaskedLM"),
+        "distilbert": ("DistilBertConfig", dict(dim=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, hidden_dim=D_FF,
+                                                max_position_embeddings=64), "DistilBertForMaskedLM"),
+        "bloom": ("BloomConfig", dict(hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS), "BloomForCausalLM"),
+    }
+
+
+FAMILIES = tuple(family_configs())
+
+
+def tiny_config(model_type: str):
+    import transformers
+
+    config_class, options, _ = family_configs()[model_type]
+    ids = dict(vocab_size=len(VOCAB), pad_token_id=0, bos_token_id=4, eos_token_id=4)
+    return getattr(transformers, config_class)(**options, **ids, tie_word_embeddings=False)
+
+
+SHARPENED = ("q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
+             "q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    """A tiny random model of the family in eval mode, with a spread of biases and norm gains (so no
+    map is trivially zero or one) and q/k maps of SHARPEN (sharp attention)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, family_configs()[model_type][2])(tiny_config(model_type)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            if any(part in name for part in SHARPENED) and name.endswith("weight"):
+                if "norm" in name:
+                    parameter.mul_(SHARPEN)
+                else:
+                    parameter.normal_(0.0, SHARPEN / D_MODEL**0.5)
+    return model
