@@ -48,7 +48,9 @@ and ``kv_head`` for k, v:
   beyond (layer, G)                      share of the weight past ratio_max
   weight_total (layer, G)                total weight (tokens, or attention received)
   attrs: site, group, weighting ("attention" | "uniform"), attention_source ("stored pattern" |
-  "recomputed from q, k" | "none"), mass, exclude_start, ratio_bin_width
+  "recomputed from q, k" | "none"), mass, exclude_start, ratio_bin_width, normalised_by (the
+  model's norm whose output the site is, e.g. "rms norm per head" for q of a QK-Norm model; ""
+  when none: see ``orthosphere.analyze.description``)
 
 ``/subspaces``; dims ``layer``, ``factor``, ``other`` (the factors again), ``component``,
 ``basis_vector``, ``d_model``, ``angle`` (principal angle index, ascending), ``bound`` ("low", "high"),

@@ -6,7 +6,9 @@ the distribution of |x| / median(|x|): quantiles, a histogram, and the half-widt
 (the paper's choice), a key token counts with the attention it receives from the analysed
 queries of the head (head h reads kv_head h // (n_heads // n_kv_heads)); a query (site q) counts
 once, as it hands out one unit of attention. One streaming pass: per block of samples, fine
-log-spaced histograms (see histogram.py), summed.
+log-spaced histograms (see histogram.py), summed. Each site's results say which of the model's
+norms produced it (``normalised_by``, from the store's norm description): a narrow spread there is
+imposed by the model, not learned.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import xarray as xr
 
 from .attention import attention_source, layer_attention
 from .blocks import sample_block_sums, single_block
+from .description import normalised_by
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, spread_variables
 from .inputs import (
@@ -156,6 +159,7 @@ def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_atten
             if weighted and site != "q" else "none",
             "mass": mass,
             "exclude_start": exclude_start,
+            "normalised_by": normalised_by(dataset.attrs.get("model", {}), site),
         })
         children[site] = xr.DataTree(dataset=summary)
     return xr.DataTree(children=children)

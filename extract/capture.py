@@ -48,9 +48,9 @@ import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
+from orthosphere.store.schema import NORM_SITES
 
 from .families import (
-    NORM_SITES,
     OUTSIDE_BLOCKS,
     Family,
     Norm,

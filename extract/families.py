@@ -25,16 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orthosphere.store.schema import NORM_SCOPES, NORM_SITES
+
 from .model import ConfigError
 
 ROUTES = ("interface", "projection")
 LAYOUTS = ("separate", "concat", "per_head")
-NORM_SITES = ("embedding", "attn_input", "q", "k", "v", "attn_output", "resid_mid", "mlp_input", "mlp_output",
-              "resid_post", "final")
-"""Where a norm can act: on the embeddings, on what the attention reads (Pre-Norm), per head or over
-the whole projection on q, k, v (QK-Norm, V-norm), on the attention's output before the residual add,
-on the residual after the attention add (Post-Norm, giving resid_mid), likewise around the MLP, and
-before the unembedding."""
 OUTSIDE_BLOCKS = ("embedding", "final")
 """Norm sites whose module path is relative to the model, not to a block."""
 
@@ -45,12 +41,18 @@ class UnsupportedModelError(ConfigError):
 
 @dataclass(frozen=True)
 class Norm:
-    """One norm of a block (or of the model, for OUTSIDE_BLOCKS sites): where it acts, its module,
-    and whether it normalises each head, the whole projection or the d_model-wide stream."""
+    """One norm of a block (or of the model, for OUTSIDE_BLOCKS sites): where it acts (NORM_SITES:
+    the embeddings, what the attention reads, q, k, v, the attention output before the residual add,
+    the residual after it (Post-Norm), likewise around the MLP, before the unembedding), its module,
+    and whether it normalises the d_model-wide stream, each head or the whole projection."""
 
     site: str
     module: str
     scope: str = "d_model"
+
+    def __post_init__(self):
+        if self.site not in NORM_SITES or self.scope not in NORM_SCOPES:
+            raise ValueError(f"norm {self}: expected a site of {list(NORM_SITES)} and a scope of {list(NORM_SCOPES)}")
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,7 @@ class ArithmeticTransformer(nn.Module):
         else:
             if position_offset is not None:
                 positions = positions + position_offset.to(tokens.device).unsqueeze(1)
-            x = self.embed(tokens) + sinusoidal_positions(positions, self.config.d_model)
+            x = self.embed(tokens) + sinusoidal_positions(positions, self.config.d_model).to(self.embed.weight.dtype)
         for block in self.blocks:
             x = block(x)
         if self.norm_final is not None:

@@ -14,6 +14,21 @@ ACTIVATION_DTYPES = ("float16", "float32")
 # Model description keys that fix the sizes of the arrays.
 MODEL_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_head")
 
+# What the model description (root attribute `model`) holds beyond the sizes; SCHEMA.md documents each.
+MODEL_KEYS = MODEL_SIZE_KEYS + (
+    "family", "architecture", "source", "format", "weights_sha256", "dtype", "d_ff", "vocab_size", "activation",
+    "n_parameters", "positions", "attn_scale", "causal", "score", "norm_placement", "norm_type", "norm_eps",
+    "qk_norm", "v_norm", "parallel", "norms", "rope_parameters", "output_multiplier", "max_len",
+)
+# model["score"]: per layer, what turns q . k into the model's score (lists of n_layers entries).
+SCORE_KEYS = ("scale", "sliding_window", "softcap", "alibi_slopes")
+# model["norms"]: one entry per norm of the model.
+NORM_KEYS = ("site", "module", "type", "scope", "eps", "gain", "bias")
+NORM_SITES = ("embedding", "attn_input", "q", "k", "v", "attn_output", "resid_mid", "mlp_input", "mlp_output",
+              "resid_post", "final")
+NORM_SCOPES = ("d_model", "head", "projection")
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "output", "none", "qkv")
+
 
 @dataclass(frozen=True)
 class Variable:
@@ -107,7 +122,25 @@ def check_model(model: dict) -> dict:
             f"model description n_heads={model['n_heads']} is not a multiple of "
             f"n_kv_heads={model['n_kv_heads']}: grouped-query attention needs whole groups"
         )
+    if "score" in model:
+        check_score(model["score"], model["n_layers"], model["n_heads"])
     return dict(model)
+
+
+def check_score(score, n_layers: int, n_heads: int) -> None:
+    """The score terms: a dict of SCORE_KEYS, each a list of one entry per layer (alibi_slopes may be
+    None, else per layer a list of one slope per head)."""
+    if not isinstance(score, dict) or sorted(score) != sorted(SCORE_KEYS):
+        raise StoreError(f"model description score={score!r}: expected a dict with keys {list(SCORE_KEYS)}")
+    for key in SCORE_KEYS:
+        terms = score[key]
+        if key == "alibi_slopes" and terms is None:
+            continue
+        if not isinstance(terms, list) or len(terms) != n_layers:
+            raise StoreError(f"model description score.{key}={terms!r}: expected a list of one entry per layer "
+                             f"({n_layers})")
+    if score["alibi_slopes"] is not None and any(len(slopes) != n_heads for slopes in score["alibi_slopes"]):
+        raise StoreError(f"model description score.alibi_slopes: expected {n_heads} slopes (one per head) per layer")
 
 
 def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> dict[str, int]:

@@ -1,12 +1,15 @@
-"""The test of record: stored q and k reproduce every family's own attention, through the store.
+"""The test of record for the arithmetic family and GGUF files, and captures that run concurrently.
 
-For each family a tiny model runs through `extract` into a float32 store; then, from the
-store alone, softmax(q . k * attn_scale + mask) must equal the model's attention weights
-(transformers' eager attention with output_attentions, or the arithmetic model's own
-softmax) to 1e-5, resid_post of layer l must equal resid_pre of layer l + 1, and the stored
-maps must rebuild q, k, v from attn_in and the attention output from the pattern and v.
+A tiny model runs through `extract` into a float32 store; then, from the store alone,
+softmax(q . k * attn_scale + mask) must equal the model's attention weights (transformers' eager
+attention with output_attentions, or the arithmetic model's own softmax) to 1e-5, resid_post of
+layer l must equal resid_pre of layer l + 1, and the stored maps must rebuild q, k, v from attn_in
+and the attention output from the pattern and v. (Every transformers family: test_extract_families.py.)
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -96,18 +99,6 @@ def eager_reference(model, store):
     return torch.stack(output.attentions, dim=1).numpy(), output.logits.numpy()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
-def test_hugging_face_attention_is_reproduced_from_the_store(tmp_path, family):
-    model_dir = write_hf_model(tmp_path / family, family)
-    text = write_text(tmp_path / "text.txt")
-    store = run(tmp_path, model_dir, f"text:path={text},max_length=12")
-    assert store.attrs["model"]["family"] == family
-    assert store.sizes["sample"] == 6 and store.sizes["pos"] == 12  # the blank line is skipped; longest truncated
-    assert not store["valid"].values.all()  # padding is present and masked
-    pattern, logits = eager_reference(hf_model(family), store)
-    check_store_against(store, pattern, logits)
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_gguf_attention_is_reproduced_from_the_store(tmp_path, family):
     reference = gguf_model(family, seed=3)
@@ -164,9 +155,8 @@ def test_layer_subset_and_site_subset(tmp_path):
 
 
 def adapters(tmp_path):
-    yield adapter_for(hf_model("gpt2"))
+    """The transformers families' edits are tested with every family in test_extract_families.py."""
     yield adapter_for(hf_model("llama"))
-    yield adapter_for(hf_model("bert"))
     yield adapter_for(load_model(write_arithmetic_model(tmp_path / "pre", "pre")))
     yield adapter_for(load_model(write_arithmetic_model(tmp_path / "qkv", "qkv")))
 
@@ -213,3 +203,67 @@ def test_capture_refuses_sites_and_layers_the_model_lacks(tmp_path):
     with pytest.raises(ConfigError, match=r"layer\(s\) \[2\] out of range: the model has 2 layers"):
         with adapter.capture(["q"], layers=[0, 2]):
             pass
+
+
+# --- captures in concurrent threads ----------------------------------------------------------------
+
+
+def concurrent_models(tmp_path):
+    from tests.tiny_families import tiny_model
+
+    yield adapter_for(load_model(write_arithmetic_model(tmp_path / "qkv", "qkv")))
+    yield adapter_for(tiny_model("qwen3"))
+    yield adapter_for(tiny_model("bloom"))
+
+
+def test_concurrent_captures_on_one_model_stay_apart(tmp_path):
+    """Two threads capture on one model at once (as two shards on one multi-threaded Dask worker),
+    one of them editing q: each gets exactly what it gets alone."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(1, 16, (3, 9), generator=generator) for _ in range(2)]
+    edits = [None, lambda layer, q, k, v: (q * 1.5, k, v)]
+
+    def run(adapter, thread, barrier=None):
+        with torch.no_grad(), adapter.capture(["resid_pre", "q", "k", "v", "pattern"]) as recording:
+            with adapter.edit_qkv(edits[thread]) if edits[thread] else contextlib.nullcontext():
+                if barrier is not None:
+                    barrier.wait()
+                adapter.forward(batches[thread], torch.ones_like(batches[thread], dtype=torch.bool))
+            return recording.take()
+
+    for adapter in concurrent_models(tmp_path):
+        alone = [run(adapter, thread) for thread in range(2)]
+        barrier, found, failures = threading.Barrier(2), {0: [], 1: []}, []
+
+        def worker(thread, adapter=adapter, barrier=barrier, found=found, failures=failures):
+            try:
+                for _ in range(6):
+                    found[thread].append(run(adapter, thread, barrier))
+            except BaseException as error:  # handed to the main thread
+                failures.append(error)
+                barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(thread,)) for thread in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        for thread in range(2):
+            for result in found[thread]:
+                for site, values in alone[thread].items():
+                    torch.testing.assert_close(result[site], values, rtol=1e-6, atol=1e-6, msg=f"{adapter.family} {site}")
+        assert not torch.allclose(alone[1]["q"], alone[0]["q"])  # the threads' results do differ
+
+
+def test_one_adapter_per_model_and_a_forward_outside_a_capture_records_nothing(tmp_path):
+    model = load_model(write_arithmetic_model(tmp_path / "pre", "pre"))
+    adapter = adapter_for(model)
+    assert adapter_for(model) is adapter  # its hooks are installed once
+    tokens = torch.randint(1, 16, (2, 7))
+    with adapter.capture(["q"]) as recording:
+        pass
+    with torch.no_grad():
+        adapter.forward(tokens)
+    with pytest.raises(RuntimeError, match="did not reach sites"):
+        recording.take()

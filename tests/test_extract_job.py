@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from orthosphere.extract import tasks
@@ -207,12 +208,72 @@ def test_shards_on_dask_workers_equal_the_in_process_run(tmp_path, arithmetic_di
     assert_same_arrays(arrays_of(out), arrays_of(reference))
 
 
+@pytest.mark.slow
+def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
+    """--device cuda on a Dask cluster from a client without CUDA: the coordinating process reads the
+    description and weights on the CPU, only the workers load the model on cuda (simulated here by
+    workers that run it on the CPU); two shards share one worker's model in two threads."""
+    from distributed import Client, LocalCluster
+
+    from orthosphere.extract import job as job_module
+
+    model_dir = write_hf_model(tmp_path / "llama", "llama")
+    text = write_text(tmp_path / "text.txt")
+    options = dict(task=f"text:path={text}", n_samples=None, samples_per_chunk=2, n_shards=3, batch_size=2)
+    reference = tmp_path / "cpu.zarr"
+    extract(job(model_dir, reference, **options), progress=False)
+    requested, real_load = [], job_module.load_source
+
+    def load_source(path, device="auto", model_dtype=None):
+        requested.append(device)
+        return real_load(path, "cpu" if device == "cuda" else device, model_dtype)
+
+    monkeypatch.setattr(job_module, "load_source", load_source)
+    out = tmp_path / "cluster.zarr"
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        extract(job(model_dir, out, **{**options, "device": "cuda"}), client=client, progress=False)
+    assert requested[0] == "cpu" and set(requested[1:]) == {"cuda"}
+    assert_same_arrays(arrays_of(out), arrays_of(reference))
+
+
+def test_model_dtype_runs_the_extraction_in_that_dtype(tmp_path):
+    model_dir = write_hf_model(tmp_path / "llama", "llama")
+    text = write_text(tmp_path / "text.txt")
+    out = tmp_path / "bf16.zarr"
+    extract(job(model_dir, out, task=f"text:path={text}", n_samples=None, model_dtype="bfloat16"), progress=False)
+    store = open_store(str(out)).load()
+    assert store.attrs["model"]["dtype"] == "bfloat16" and store["q"].dtype == np.float32
+    q = store["q"].values
+    np.testing.assert_array_equal(q, torch.from_numpy(q).to(torch.bfloat16).float().numpy())  # bfloat16 values
+    with pytest.raises(ConfigError, match="model dtype 'float8'"):
+        extract(job(model_dir, tmp_path / "bad.zarr", model_dtype="float8"), progress=False)
+    assert not (tmp_path / "bad.zarr").exists()
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path, arithmetic_dir):
     result = CliRunner().invoke(main, ["extract", str(arithmetic_dir), "--task", "arithmetic:split=nowhere",
                                        "--samples", "3", "--out", str(tmp_path / "s.zarr")])
     assert result.exit_code != 0
     assert "Error: task spec 'arithmetic:split=nowhere' does not parse" in result.output
     assert "Traceback" not in result.output
+
+
+def test_cli_model_dtype_and_device_options(tmp_path, arithmetic_dir):
+    from tests.test_extract_models import gguf_model, write_gguf
+
+    arguments = ["extract", str(arithmetic_dir), "--task", "arithmetic:split=test", "--samples", "3", "--device", "cpu"]
+    result = CliRunner().invoke(main, arguments + ["--out", str(tmp_path / "s.zarr"), "--model-dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    assert read_attrs(str(tmp_path / "s.zarr"))["model"]["dtype"] == "float16"
+    gguf = write_gguf(tmp_path / "tiny.gguf", gguf_model())
+    text = write_text(tmp_path / "text.txt", [" the cat"])
+    result = CliRunner().invoke(main, ["extract", str(gguf), "--task", f"text:path={text}", "--out",
+                                       str(tmp_path / "g.zarr"), "--model-dtype", "bfloat16"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "Error: --model-dtype bfloat16 with the GGUF file" in result.output
+    result = CliRunner().invoke(main, arguments + ["--out", str(tmp_path / "x.zarr"), "--model-dtype", "int4"])
+    assert result.exit_code != 0 and "'int4' is not one of 'float32', 'bfloat16', 'float16'" in result.output
 
 
 # --- writing behind compute -------------------------------------------------------------------------

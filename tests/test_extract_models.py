@@ -249,13 +249,75 @@ def test_weights_hash_tells_models_apart(tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 
-def test_unknown_architecture_lists_the_supported_ones(tmp_path):
-    directory = tmp_path / "t5"
+@pytest.mark.parametrize("model_type,reason", [("mamba", "a new transformers family is a few lines"),
+                                               ("t5", "relative position bias"), (None, "few lines")])
+def test_unknown_architecture_lists_the_supported_ones(tmp_path, model_type, reason):
+    directory = tmp_path / str(model_type)
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
     (directory / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match=r"'t5'.*arithmetic.*gpt2.*llama.*bert"):
+    with pytest.raises(UnsupportedModelError, match=rf"{model_type!r}.*arithmetic.*gpt2.*llama.*qwen3.*bert.*{reason}"):
         load_source(directory, device="cpu")
+
+
+def _tiny_config(name, **options):
+    import transformers
+
+    return getattr(transformers, name)(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=30,
+                                       **options)
+
+
+@pytest.mark.parametrize("model_class,config,reason", [
+    ("FalconForCausalLM", _tiny_config("FalconConfig"), "Falcon.*rotary embedding.*cannot be captured exactly"),
+    ("Gemma3ForCausalLM", _tiny_config("Gemma3TextConfig", head_dim=8, use_bidirectional_attention=True),
+     "Gemma 3 with use_bidirectional_attention=True.*expected the causal model"),
+    ("BloomForCausalLM", _tiny_config("BloomConfig", apply_residual_connection_post_layernorm=True),
+     "Bloom with apply_residual_connection_post_layernorm=True"),
+    ("BertForMaskedLM", _tiny_config("BertConfig", is_decoder=True), "BERT configured as a decoder"),
+])
+def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
+    import transformers
+
+    from orthosphere.extract.capture import adapter_for
+
+    model = getattr(transformers, model_class)(config)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        adapter_for(model)
+
+
+def test_checkpoint_missing_tensors_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = write_hf_model(tmp_path / "llama", "llama")
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\).*model.layers.1.self_attn.k_proj.weight.*complete checkpoint"):
+        load_source(directory, device="cpu")
+
+
+def test_model_dtype_loads_and_describes_the_model_in_it(tmp_path):
+    directory = write_hf_model(tmp_path / "llama", "llama")
+    loaded = load_source(directory, device="cpu", model_dtype="bfloat16")
+    assert loaded.describe()["dtype"] == "bfloat16"
+    assert {p.dtype for p in loaded.adapter.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ConfigError, match="model dtype 'int8': expected one of"):
+        load_source(directory, device="cpu", model_dtype="int8")
+
+
+def test_model_dtype_with_a_gguf_file_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", gguf_model())
+    with pytest.raises(ConfigError, match="--model-dtype bfloat16 with the GGUF file.*dequantised to float32"):
+        load_source(path, device="cpu", model_dtype="bfloat16")
+
+
+def test_a_dtype_the_device_cannot_run_is_refused(tmp_path, monkeypatch):
+    """A CUDA device without bfloat16 (simulated: this test never touches a GPU)."""
+    write_arithmetic_model(tmp_path / "model")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    with pytest.raises(ConfigError, match="device cuda cannot compute in bfloat16.*--model-dtype float16 or float32"):
+        load_source(tmp_path / "model", device="cuda", model_dtype="bfloat16")
 
 
 def test_directory_without_config_or_weights(tmp_path):

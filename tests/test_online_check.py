@@ -167,6 +167,34 @@ def test_hugging_face_model_online_equals_offline(tmp_path, kind):
     assert online.clean_accuracy == 1.0
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "bloom", "mistral"])
+def test_the_replay_perturbs_exactly_the_models_score(tmp_path, model_type):
+    """Soft-capping and a sliding window (Gemma 2), ALiBi (Bloom), a window on every layer (Mistral):
+    the offline replay's collapses, from the stored q, k and score terms, are the model's own."""
+    from tests.tiny_families import tiny_model
+
+    model = tiny_model(model_type, seed=1)
+    tokens = np.random.default_rng(0).integers(5, 21, size=(8, 12))
+    valid = np.ones((8, 12), bool)
+    valid[:3, 9:] = False
+    ds = extract(tmp_path / "s", adapter_for(model), tokens, valid)
+    settings = ReplaySettings(levels=(0.2, 0.5), n_draws=3, seed=5)
+    online = online_check(ds, model, settings=settings, batch_size=8)
+    assert_agrees_with_offline(online, offline_replay(ds, settings))
+
+
+def test_the_online_check_loads_the_model_in_the_stores_dtype(tmp_path):
+    tokens, valid = arithmetic_tokens(4)
+    path = save_model(arithmetic_model(), tmp_path / "model")
+    loaded = load_source(path, "cpu", model_dtype="bfloat16")
+    ds = extract(tmp_path / "s", loaded.adapter, tokens, valid, loaded.describe())
+    assert ds.attrs["model"]["dtype"] == "bfloat16"
+    online = online_check(ds, path, settings=ReplaySettings(levels=(0.1,), n_draws=1), device="cpu")
+    assert online.clean_pred_agreement == 1.0
+    with pytest.raises(ModelMismatchError, match="dtype: store 'bfloat16', model 'float32'"):
+        online_check(ds, arithmetic_model(), settings=SETTINGS)
+
+
 def test_a_model_that_is_not_the_stores_is_a_clear_error(tmp_path):
     tokens, valid = arithmetic_tokens(4)
     model = arithmetic_model()

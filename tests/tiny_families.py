@@ -96,7 +96,9 @@ def tiny_model(model_type: str, seed: int = 0):
             if name.endswith("bias") or "norm" in name.lower():
                 parameter.add_(0.1 * torch.randn_like(parameter))
             if any(part in name for part in SHARPENED) and name.endswith("weight"):
-                if "norm" in name:
+                if "norm" in name and model_type.startswith("gemma"):  # gain 1 + weight
+                    parameter.add_(SHARPEN - 1.0)
+                elif "norm" in name:
                     parameter.mul_(SHARPEN)
                 else:
                     parameter.normal_(0.0, SHARPEN / D_MODEL**0.5)

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import xarray as xr  # noqa: E402
 
 from orthosphere.analyze import open_results  # noqa: E402
+from orthosphere.analyze.description import describe_norms  # noqa: E402
 
 PAPER = {
     "band": "±20 %",
@@ -341,7 +342,7 @@ def _provenance(runs: list[Run]) -> list[str]:
         options = {name: run.tree[name].attrs.get("options", {}) for name in run.tree.children}
         lines.append(
             f"{run.label}: results {_shown(run.url)} of store {_shown(run.tree.attrs.get('store', '?'))}; model "
-            f"{_shown(run.model.get('source', '?'))} ({_size(run.model)}, {run.model.get('norm_type', '?')} norm); "
+            f"{_shown(run.model.get('source', '?'))} ({_size(run.model)}; {describe_norms(run.model)}); "
             f"data {data}; analyses {list(options)} with options {options}; "
             f"orthosphere {made.get('package_version')} (commit {made.get('git_commit')}), {made.get('created')}"
         )

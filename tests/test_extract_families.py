@@ -1,0 +1,242 @@
+"""The test of record for every supported transformers family, through the store.
+
+For each family a tiny random-weights model (tests/tiny_families.py: sharp attention, sliding
+windows shorter than the sequences, soft-capping, ALiBi, QK-norms, parallel blocks ...) is saved,
+extracted over padded text of uneven lengths into a float32 store, and compared with transformers'
+own eager attention, from the store alone:
+
+- softmax of the stored q . k with the stored score terms equals the eager attention (float64
+  reference against the model's float32, tolerance scaling with the logits), and so do the
+  orthosphere function's float32 recomputation and the stored pattern;
+- resid_post[l] == resid_pre[l + 1], and the stored predictions are the model's;
+- the stored maps reproduce v from attn_in, and q, k before rotary and QK-norm;
+- the norm description is right: each described norm, applied where the description says, gives
+  the stored sites; and its summary is the family's known placement.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orthosphere.analyze.attention import ScoreTerms, store_attention
+from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.families import FAMILIES as DESCRIBED
+from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.store import open_store
+from orthosphere.store.schema import MODEL_KEYS
+from tests.reference import attention_atol, attention_float64
+from tests.test_extract_models import word_tokenizer, write_text
+from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
+
+ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
+ENCODERS = ("bert", "roberta", "distilbert")
+SHARP = 0.9
+"""Median over valid queries of the largest attention weight, in layer 0: attention is sharp."""
+
+# The families' norm placements (families.md): placement, norm type, QK-norm scope, parallel blocks.
+PLACEMENTS = {
+    "gpt2": ("pre", "layer", None, False), "llama": ("pre", "rms", None, False),
+    "mistral": ("pre", "rms", None, False), "mixtral": ("pre", "rms", None, False),
+    "qwen2": ("pre", "rms", None, False), "qwen3": ("pre", "rms", "head", False),
+    "olmo": ("pre", "layer", None, False), "olmo2": ("output", "rms", "projection", False),
+    "gemma": ("pre", "rms", None, False), "gemma2": ("sandwich", "rms", None, False),
+    "gemma3_text": ("sandwich", "rms", "head", False), "phi": ("pre", "layer", "head", True),
+    "phi3": ("pre", "rms", None, False), "gpt_neox": ("pre", "layer", None, True),
+    "gptj": ("pre", "layer", None, True), "stablelm": ("pre", "layer", "head", False),
+    "starcoder2": ("pre", "layer", None, False), "granite": ("pre", "rms", None, False),
+    "opt": ("pre", "layer", None, False), "bert": ("post", "layer", None, False),
+    "roberta": ("post", "layer", None, False), "distilbert": ("post", "layer", None, False),
+    "bloom": ("pre", "layer", None, False),
+}
+# Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
+WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
+           "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
+           "gemma3_text": [WINDOW, None]}
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25]}
+BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
+
+
+def test_every_family_has_a_tiny_model():
+    assert set(FAMILIES) == set(DESCRIBED)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(model_type, store loaded in memory, the model loaded from the same files with eager attention)."""
+    import transformers
+
+    model_type = request.param
+    folder = tmp_path_factory.mktemp(model_type)
+    tiny_model(model_type).save_pretrained(folder / "model", safe_serialization=True)
+    word_tokenizer("bert" if model_type in ENCODERS else "llama").save_pretrained(folder / "model")
+    text = write_text(folder / "text.txt")
+    job = ExtractJob(model=str(folder / "model"), task=f"text:path={text},max_length=12", out=str(folder / "store.zarr"),
+                     sites=ALL_SITES, dtype="float32", batch_size=4, device="cpu")
+    extract(job, progress=False)
+    eager = getattr(transformers, family_configs()[model_type][2]).from_pretrained(
+        folder / "model", attn_implementation="eager").eval()
+    return model_type, open_store(str(folder / "store.zarr")).load(), eager
+
+
+def eager_run(model, store):
+    tokens = torch.from_numpy(store["tokens"].values).long()
+    valid = torch.from_numpy(store["valid"].values).long()
+    with torch.no_grad():
+        output = model(input_ids=tokens, attention_mask=valid, output_attentions=True)
+    return torch.stack(output.attentions, dim=1).double().numpy(), output.logits.numpy()
+
+
+def terms_of(store, layer) -> dict:
+    terms = ScoreTerms.of_layer(store.attrs["model"], layer)
+    return {"attn_scale": terms.scale, "causal": terms.causal, "sliding_window": terms.sliding_window,
+            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes}
+
+
+def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
+    model_type, store, eager = family
+    pattern, _ = eager_run(eager, store)
+    valid = store["valid"].values
+    assert not valid.all() and len(set(valid.sum(axis=1))) > 2  # padded batches of uneven lengths
+    queries = valid[:, None, :, None]
+    recomputed = store_attention(store.drop_vars("pattern").chunk({"sample": 4})).values
+    for layer in range(store.sizes["layer"]):
+        q, k = store["q"].values[:, layer], store["k"].values[:, layer]
+        reference, largest = attention_float64(q, k, valid, **terms_of(store, layer))
+        atol = attention_atol(largest)
+        for found in (pattern[:, layer], recomputed[:, layer], store["pattern"].values[:, layer]):
+            np.testing.assert_allclose(np.where(queries, found, 0), np.where(queries, reference, 0), rtol=0, atol=atol)
+    first, _ = attention_float64(store["q"].values[:, 0], store["k"].values[:, 0], valid, **terms_of(store, 0))
+    sharpness = np.median(first.max(axis=-1).transpose(0, 2, 1)[valid])  # over valid queries and heads
+    assert sharpness > SHARP, f"{model_type}: attention is not sharp (median max {sharpness:.2f})"
+
+
+def test_sliding_windows_are_shorter_than_the_sequences(family):
+    model_type, store, _ = family
+    windows = store.attrs["model"]["score"]["sliding_window"]
+    if any(windows):
+        lengths = store["valid"].values.sum(axis=1)
+        assert (lengths > WINDOW).sum() >= 2
+
+
+def test_score_terms_are_the_configs(family):
+    model_type, store, _ = family
+    score = store.attrs["model"]["score"]
+    assert score["sliding_window"] == WINDOWS.get(model_type, [None, None])
+    assert score["softcap"] == ([10.0, 10.0] if model_type == "gemma2" else [None, None])
+    np.testing.assert_allclose(score["scale"], SCALES.get(model_type, [8**-0.5] * 2), rtol=1e-12)
+    assert score["alibi_slopes"] == ([BLOOM_SLOPES] * 2 if model_type == "bloom" else None)
+
+
+def test_residual_stream_is_one_stream_and_predictions_are_the_models(family):
+    model_type, store, eager = family
+    resid_pre, resid_post = store["resid_pre"].values, store["resid_post"].values
+    np.testing.assert_array_equal(resid_post[:, :-1], resid_pre[:, 1:])
+    _, logits = eager_run(eager, store)
+    valid = store["valid"].values
+    np.testing.assert_array_equal(store["pred"].values[valid], logits.argmax(-1)[valid])
+
+
+def _close(found, expected, scale_of=None):
+    """float32 model values against a float64 reconstruction, to 1e-5 of their magnitude."""
+    scale = max(1.0, float(np.abs(expected if scale_of is None else scale_of).max()))
+    np.testing.assert_allclose(np.asarray(found, np.float64), np.asarray(expected, np.float64), rtol=0, atol=1e-5 * scale)
+
+
+def _mapped(store, name, layer):
+    """attn_in @ w[h] + b[h] in float64: (sample, pos, head, d_head)."""
+    attn_in = store["attn_in"].values[:, layer].astype(np.float64)
+    return np.einsum("spm,hmd->sphd", attn_in, store[f"w_{name}"].values[layer]) + store[f"b_{name}"].values[layer]
+
+
+def _norm_module(model, store, site, layer):
+    entry = next((n for n in store.attrs["model"]["norms"] if n["site"] == site), None)
+    return None if entry is None else (entry, model.get_submodule(entry["module"].format(layer=layer)))
+
+
+def _apply_head_norm(norm, x: np.ndarray) -> np.ndarray:
+    """A q/k norm applied as the model does: per head on (batch, head, pos, d_head), or over the projection."""
+    entry, module = norm
+    tensor = torch.from_numpy(x.astype(np.float32))
+    with torch.no_grad():
+        if entry["scope"] == "projection":
+            return module(tensor.flatten(2)).view(tensor.shape).numpy()
+        return module(tensor.transpose(1, 2)).transpose(1, 2).numpy()
+
+
+def test_weight_maps_reproduce_q_k_v_before_rotary_and_qk_norm(family):
+    model_type, store, eager = family
+    description = store.attrs["model"]
+    for layer in range(store.sizes["layer"]):
+        _close(store["v"].values[:, layer], _mapped(store, "v", layer))
+        for name in ("q", "k"):
+            expected = _mapped(store, name, layer)
+            norm = _norm_module(eager, store, name, layer)
+            if norm is not None:
+                expected = _apply_head_norm(norm, expected)
+            stored = store[name].values[:, layer]
+            if description["positions"] == "rotary":  # rotary turns pairs of entries: identity at position 0, keeps norms
+                _close(stored[:, 0], expected[:, 0])
+                _close(np.linalg.norm(stored, axis=-1), np.linalg.norm(expected, axis=-1))
+            else:
+                _close(stored, expected)
+
+
+def test_every_described_norm_gives_the_stored_sites(family):
+    model_type, store, eager = family
+    description = store.attrs["model"]
+    group = description["n_heads"] // description["n_kv_heads"]
+    for layer in range(store.sizes["layer"]):
+        resid_pre = store["resid_pre"].values[:, layer]
+        norm_in = _norm_module(eager, store, "attn_input", layer)
+        expected_in = resid_pre if norm_in is None else _apply(norm_in[1], resid_pre)
+        _close(store["attn_in"].values[:, layer], expected_in)
+        v = np.repeat(store["v"].values[:, layer].astype(np.float64), group, axis=2)
+        z = np.einsum("shqk,skhd->sqhd", store["pattern"].values[:, layer].astype(np.float64), v)
+        attention_out = np.einsum("sqhd,hdm->sqm", z, store["w_o"].values[layer]) + store["b_o"].values[layer]
+        norm_out = _norm_module(eager, store, "attn_output", layer)
+        if norm_out is not None:
+            attention_out = _apply(norm_out[1], attention_out)
+        norm_mid = _norm_module(eager, store, "resid_mid", layer)
+        expected_mid = resid_pre + attention_out if norm_mid is None else _apply(norm_mid[1], resid_pre + attention_out)
+        _close(store["resid_mid"].values[:, layer], expected_mid, scale_of=resid_pre)
+
+
+def _apply(module, x):
+    with torch.no_grad():
+        return module(torch.from_numpy(np.asarray(x, np.float32))).numpy()
+
+
+def test_norm_description_is_the_familys_placement(family):
+    model_type, store, _ = family
+    description = store.attrs["model"]
+    found = (description["norm_placement"], description["norm_type"], description["qk_norm"], description["parallel"])
+    assert found == PLACEMENTS[model_type]
+    assert description["v_norm"] is None and description["causal"] is (model_type not in ENCODERS)
+    assert set(description) <= set(MODEL_KEYS) | set(DESCRIBED[model_type].extra_config)
+    gains = {norm["gain"] for norm in description["norms"]}
+    assert gains == ({"none"} if model_type == "olmo" else {"1 + weight"} if model_type.startswith("gemma") else {"weight"})
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
+    adapter = adapter_for(tiny_model(model_type, seed=2))
+    tokens = torch.tensor([[4, 5, 7, 6, 9, 8, 10, 11], [4, 6, 8, 6, 5, 12, 13, 7]])
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), adapter.capture(["q", "k", "v", "pattern"]) as recording:
+        adapter.forward(tokens, valid)
+        plain = recording.take()
+        with adapter.edit_qkv(lambda layer, q, k, v: (q * 3.0, k, v * 2.0) if layer == 1 else (q, k, v)):
+            adapter.forward(tokens, valid)
+            edited = recording.take()
+        adapter.forward(tokens, valid)
+        after = recording.take()
+    torch.testing.assert_close(edited["q"][:, 1], 3.0 * plain["q"][:, 1])
+    torch.testing.assert_close(edited["v"][:, 1], 2.0 * plain["v"][:, 1])
+    torch.testing.assert_close(edited["q"][:, 0], plain["q"][:, 0])
+    torch.testing.assert_close(after["q"], plain["q"])  # the edit ends with its block
+    terms = ScoreTerms.of_layer(adapter.describe(), 1)
+    expected, largest = attention_float64(edited["q"][:, 1].numpy(), plain["k"][:, 1].numpy(), valid.numpy(),
+                                          attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
+                                          softcap=terms.softcap, alibi_slopes=terms.alibi_slopes)
+    np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
