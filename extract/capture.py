@@ -296,6 +296,8 @@ class HuggingFaceAdapter(Adapter):
             model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
             if model.config._attn_implementation != ATTENTION_IMPLEMENTATION:
                 raise UnsupportedModelError(unsupported(f"{type(model).__name__} (it ignores transformers' attention interface)"))
+        else:
+            model.config._attn_implementation = "eager"  # its own attention, returning the pattern
         self.n_heads, self.d_head, self.n_kv_heads = self._head_layout()
         super().__init__(model)
 
@@ -382,10 +384,10 @@ class HuggingFaceAdapter(Adapter):
         n_heads = config.num_attention_heads
         d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size")
                        if isinstance(getattr(attention, name, None), int)), config.hidden_size // n_heads)
-        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+        n_kv = getattr(attention, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or n_heads
         q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
-        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": ((n_heads + 2 * n_kv) * d_head,) * 2,
-                    "per_head": (3 * n_heads * d_head,) * 2}[self.spec.projections.layout]
+        fused = ((n_heads + 2 * n_kv) * d_head,) * 2
+        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": fused, "grouped": fused}[self.spec.projections.layout]
         if (q_rows, k_rows) != expected:
             raise UnsupportedModelError(
                 f"{self.family} model with q/k projections of {q_rows}/{k_rows} outputs: expected {expected} for "
@@ -422,6 +424,7 @@ class HuggingFaceAdapter(Adapter):
             _pre_hook(block, self._hold_input(layer))
             self._install_mid_hook(layer)
             if self.spec.route == "projection":
+                _pre_hook(attention, self._hold_rotation)
                 block.get_submodule(self.spec.projections.q).register_forward_hook(self._projection_hook(layer))
                 attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
 
@@ -464,21 +467,37 @@ class HuggingFaceAdapter(Adapter):
 
         return read
 
+    def _hold_rotation(self, module, args, kwargs):
+        """Keep the cos and sin the attention module receives, for the projection hook's rotary embedding."""
+        trace = active(self)
+        if trace is not None and self.spec.rotary is not None:
+            trace.held["rotation"] = kwargs["position_embeddings"]
+
     def _projection_hook(self, layer):
-        """q, k, v from the fused projection's output (families without rotary or QK-norm):
-        edited in a copy of the output, recorded."""
+        """q, k, v from the fused projection's output, split by its layout, rotary embedding applied
+        as the family does: recorded; edited (before the rotation, by its inverse) in a copy of the
+        output."""
         rows = {name: torch.as_tensor(index) for name, index in
                 split_heads_rows(self.spec.projections.layout, self.n_heads, self.n_kv_heads, self.d_head).items()}
+        rotate = _function(self.spec.rotary) if self.spec.rotary else None
+
+        def turn(q, k, cos, sin):  # (batch, pos, head, d_head) in and out
+            q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return q.transpose(1, 2), k.transpose(1, 2)
 
         def hook(module, args, output):
             trace = active(self)
             if trace is None:
                 return output
             q, k, v = (output[..., rows[name].to(output.device)] for name in QKV_SITES)
+            if rotate is not None:
+                cos, sin = trace.held["rotation"]
+                q, k = turn(q, k, cos, sin)
             if trace.edit is not None:
                 q, k, v = trace.edit(layer, q, k, v)
+                unturned = turn(q, k, cos, -sin) if rotate is not None else (q, k)
                 output = output.clone()
-                for name, value in zip(QKV_SITES, (q, k, v)):
+                for name, value in zip(QKV_SITES, (*unturned, v)):
                     output[..., rows[name].to(output.device)] = value
             if trace.recording is not None:
                 for site, value in zip(QKV_SITES, (q, k, v)):
@@ -486,6 +505,14 @@ class HuggingFaceAdapter(Adapter):
             return output
 
         return hook
+
+
+def _function(path: str):
+    """The function at a dotted path (a family's own rotary embedding)."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _out_features(module: nn.Module) -> int:

@@ -14,9 +14,10 @@ Routes (how q, k, v are reached as they enter the score):
 - ``interface``: the family calls transformers' attention interface, which hands the
   registered function "orthosphere" q, k, v after projection, rotary embedding and any
   QK-norm (``interface.py``);
-- ``projection``: the family computes attention itself and has no rotary embedding nor
-  QK-norm (Bloom), so q, k, v are the fused projection's output, split by its layout, and
-  the pattern is the attention module's second output.
+- ``projection``: the family computes attention itself without the interface (Bloom, Falcon), so
+  q, k, v are the fused projection's output, split by its layout, with rotary embedding applied
+  by the family's own function to the cos and sin the attention module receives (Falcon), and
+  the pattern is the attention module's second output (eager attention).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from orthosphere.store.schema import NORM_SCOPES, NORM_SITES
 from .model import ConfigError
 
 ROUTES = ("interface", "projection")
-LAYOUTS = ("separate", "concat", "per_head")
+LAYOUTS = ("separate", "concat", "grouped")
 OUTSIDE_BLOCKS = ("embedding", "final")
 """Norm sites whose module path is relative to the model, not to a block."""
 
@@ -59,8 +60,9 @@ class Norm:
 class Projections:
     """Submodules of a block holding W_Q, W_K, W_V (one fused module when the layout is not
     "separate") and W_O. ``layout``: ``separate`` (one module each), ``concat`` (one module,
-    [all q | all k | all v] along its output) or ``per_head`` (one module, [q_h | k_h | v_h]
-    for each head in turn)."""
+    [all q | all k | all v] along its output) or ``grouped`` (one module, [q of the group's
+    heads | k | v] for each key/value group in turn: [q_h | k_h | v_h] per head when every head
+    has its own key and value, [all q | k | v] with one key/value head)."""
 
     q: str
     k: str
@@ -94,6 +96,9 @@ class Family:
     """How the norms' gain enters: "weight", or "1 + weight" (Gemma)."""
     alibi_slopes: Callable | None = None
     """(config, n_heads) -> per-head ALiBi slopes added as slope * key position to the score."""
+    rotary: str | None = None
+    """On the projection route: the family's function applying rotary embedding, (q, k, cos, sin) ->
+    (q, k) on (batch, head, pos, d_head), with cos and sin the attention's position_embeddings."""
     refuse: Callable | None = None
     """(config) -> a message naming what is unsupported, or None."""
     d_ff_keys: tuple[str, ...] = ("intermediate_size",)
@@ -126,12 +131,12 @@ def split_heads_rows(layout: str, n_heads: int, n_kv_heads: int, d_head: int) ->
         return {"q": np.arange(n_heads)[:, None] * d_head + within,
                 "k": q_size + np.arange(n_kv_heads)[:, None] * d_head + within,
                 "v": q_size + kv_size + np.arange(n_kv_heads)[:, None] * d_head + within}
-    if layout == "per_head":
-        if n_heads != n_kv_heads:
-            raise UnsupportedModelError(f"a per-head fused q/k/v projection with {n_heads} query and {n_kv_heads} "
-                                        "key/value heads: expected equal counts")
-        start = np.arange(n_heads)[:, None] * 3 * d_head
-        return {"q": start + within, "k": start + d_head + within, "v": start + 2 * d_head + within}
+    if layout == "grouped":
+        group = n_heads // n_kv_heads
+        start = np.arange(n_kv_heads)[:, None] * (group + 2) * d_head  # each group's first row
+        heads = np.arange(n_heads)
+        return {"q": start[heads // group] + (heads % group)[:, None] * d_head + within,
+                "k": start + group * d_head + within, "v": start + (group + 1) * d_head + within}
     raise ValueError(f"unknown projection layout {layout!r}: expected one of {list(LAYOUTS)}")
 
 
@@ -196,6 +201,28 @@ def _bloom_slopes(config, n_heads):
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
     return [float(s) for s in _get_alibi_slopes(n_heads, device="cpu")]
+
+
+def _refuse_falcon(config):
+    if config.alibi:
+        return ("Falcon with alibi=True computes its ALiBi bias in bfloat16 (slope times position rounded to 8 "
+                "bits), which per-head slopes cannot reproduce exactly")
+    if config.new_decoder_architecture and not config.parallel_attn:
+        return "Falcon with new_decoder_architecture=True and parallel_attn=False: transformers cannot run it either"
+    return None
+
+
+def _falcon_mid(config):
+    return "parallel" if config.new_decoder_architecture or config.parallel_attn else "input:post_attention_layernorm"
+
+
+def _falcon_norms(config):
+    final = Norm("final", "transformer.ln_f")
+    if config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2:
+        return Norm("attn_input", "ln_attn"), Norm("mlp_input", "ln_mlp"), final
+    if _falcon_mid(config) == "parallel":
+        return Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"), final
+    return Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"), final
 
 
 def _opt_norms(config):
@@ -270,7 +297,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                                         "self_attn.o_proj", layout="concat")),
     Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.layers", "attention",
            Projections("attention.query_key_value", "attention.query_key_value", "attention.query_key_value",
-                       "attention.dense", layout="per_head"),
+                       "attention.dense", layout="grouped"),
            mid=_neox_mid, norms=(Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
                                  Norm("final", "gpt_neox.final_layer_norm"))),
     Family("gptj", "GPTJForCausalLM", "transformer.h", "attn",
@@ -293,9 +320,15 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            norms=(Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "sa_layer_norm"),
                   Norm("resid_post", "output_layer_norm")),
            d_ff_keys=("hidden_dim",), activation_keys=("activation",)),
+    Family("falcon", "FalconForCausalLM", "transformer.h", "self_attention",
+           Projections("self_attention.query_key_value", "self_attention.query_key_value",
+                       "self_attention.query_key_value", "self_attention.dense", layout="grouped"),
+           mid=_falcon_mid, norms=_falcon_norms, route="projection", refuse=_refuse_falcon, d_ff_keys=("ffn_hidden_size",),
+           rotary="transformers.models.falcon.modeling_falcon.apply_rotary_pos_emb",
+           extra_config=("new_decoder_architecture", "multi_query", "parallel_attn")),
     Family("bloom", "BloomForCausalLM", "transformer.h", "self_attention",
            Projections("self_attention.query_key_value", "self_attention.query_key_value",
-                       "self_attention.query_key_value", "self_attention.dense", layout="per_head"),
+                       "self_attention.query_key_value", "self_attention.dense", layout="grouped"),
            mid="output:self_attention", route="projection", positions="alibi", alibi_slopes=_bloom_slopes,
            refuse=_refuse_bloom, d_ff_keys=(),
            norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
@@ -305,9 +338,6 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
 own hook points and adapter, in capture.py.)"""
 
 REFUSED = {
-    "falcon": "Falcon computes its attention inside FalconAttention.forward, without transformers' attention "
-              "interface, and applies rotary embedding to q and k there, with no module whose output is q or "
-              "k as they enter the score, so they cannot be captured exactly",
     "t5": "T5 is an encoder-decoder model whose relative position bias is learned per bucket; only "
           "decoder-only and encoder-only families are supported",
 }

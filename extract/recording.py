@@ -7,8 +7,9 @@ import torch
 class Recording:
     """Activations of the forward passes of one capture, gathered into (batch, layer, ...) CPU tensors.
 
-    Copies from a CUDA device go into pinned memory without blocking; ``take`` waits for them
-    (an event on this thread's stream, so another thread's work on the device is not waited for).
+    From a CUDA device, each value is copied into pinned memory on a stream of this recording's own,
+    after the work that produced it, so the copies overlap the next layers' compute; ``take`` waits
+    for that stream only (another thread's captures on the device are not waited for).
     """
 
     def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool):
@@ -19,6 +20,7 @@ class Recording:
         self.pin_memory = pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
         self._filled: set[tuple[str, int]] = set()
+        self._copies = None
 
     def wants(self, site: str, layer: int) -> bool:
         return site in self.sites and layer in self.slot
@@ -32,7 +34,16 @@ class Recording:
             shape = (value.shape[0], len(self.layers), *value.shape[1:])
             buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
             self._buffers[site] = buffer
-        buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=self.pin_memory)
+        value = value.detach()
+        if self.pin_memory and value.is_cuda:
+            if self._copies is None:
+                self._copies = torch.cuda.Stream(device=value.device)
+            self._copies.wait_stream(torch.cuda.current_stream(value.device))
+            with torch.cuda.stream(self._copies):
+                buffer[:, self.slot[layer]].copy_(value, non_blocking=True)
+            value.record_stream(self._copies)  # its memory is not reused before the copy is done
+        else:
+            buffer[:, self.slot[layer]].copy_(value)
         self._filled.add((site, layer))
 
     def take(self) -> dict[str, torch.Tensor]:
@@ -43,9 +54,7 @@ class Recording:
                 f"the forward pass did not reach sites {missing[:5]}: run adapter.forward inside "
                 "the capture block before take()"
             )
-        if self.pin_memory:
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
+        if self._copies is not None:
+            self._copies.synchronize()
         buffers, self._buffers, self._filled = self._buffers, {}, set()
         return buffers

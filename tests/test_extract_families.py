@@ -47,7 +47,7 @@ PLACEMENTS = {
     "starcoder2": ("pre", "layer", None, False), "granite": ("pre", "rms", None, False),
     "opt": ("pre", "layer", None, False), "bert": ("post", "layer", None, False),
     "roberta": ("post", "layer", None, False), "distilbert": ("post", "layer", None, False),
-    "bloom": ("pre", "layer", None, False),
+    "bloom": ("pre", "layer", None, False), "falcon": ("pre", "layer", None, True),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -240,3 +240,25 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
                                           attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
                                           softcap=terms.softcap, alibi_slopes=terms.alibi_slopes)
     np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
+
+
+@pytest.mark.parametrize("variant", [dict(new_decoder_architecture=True, num_kv_heads=2), dict(multi_query=True),
+                                     dict(multi_query=False)])
+def test_grouped_layout_splits_a_fused_projection_as_falcon_does(variant):
+    """[q of the group's heads | k | v] per key/value group: Falcon's three layouts (grouped, multi-query,
+    per head), against Falcon's own split."""
+    import transformers
+
+    from orthosphere.extract.families import split_heads_rows
+
+    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, **variant)
+    attention = transformers.models.falcon.modeling_falcon.FalconAttention(config, layer_idx=0)
+    fused = torch.randn(2, 5, attention.query_key_value.out_features)
+    q, k, v = attention._split_heads(fused)
+    n_kv = attention.num_kv_heads
+    rows = split_heads_rows("grouped", 4, n_kv, 8)
+    torch.testing.assert_close(fused[..., torch.as_tensor(rows["q"])], q, rtol=0, atol=0)
+    group = 4 // n_kv
+    for name, value in (("k", k), ("v", v)):  # Falcon's own split repeats them for the new architecture
+        expected = value if value.shape[2] == n_kv else value[:, :, ::group]
+        torch.testing.assert_close(fused[..., torch.as_tensor(rows[name])], expected, rtol=0, atol=0)

@@ -167,10 +167,11 @@ def test_hugging_face_model_online_equals_offline(tmp_path, kind):
     assert online.clean_accuracy == 1.0
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "bloom", "mistral"])
+@pytest.mark.parametrize("model_type", ["gemma2", "bloom", "mistral", "falcon"])
 def test_the_replay_perturbs_exactly_the_models_score(tmp_path, model_type):
-    """Soft-capping and a sliding window (Gemma 2), ALiBi (Bloom), a window on every layer (Mistral):
-    the offline replay's collapses, from the stored q, k and score terms, are the model's own."""
+    """Soft-capping and a sliding window (Gemma 2), ALiBi (Bloom), a window on every layer (Mistral),
+    noise put in before Falcon's rotary embedding: the offline replay's collapses, from the stored q,
+    k and score terms, are the model's own."""
     from tests.tiny_families import tiny_model
 
     model = tiny_model(model_type, seed=1)

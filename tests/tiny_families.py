@@ -66,6 +66,9 @@ def family_configs() -> dict:
         "distilbert": ("DistilBertConfig", dict(dim=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, hidden_dim=D_FF,
                                                 max_position_embeddings=64), "DistilBertForMaskedLM"),
         "bloom": ("BloomConfig", dict(hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS), "BloomForCausalLM"),
+        "falcon": ("FalconConfig", dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+                                        num_kv_heads=N_KV_HEADS, new_decoder_architecture=True, bias=True,
+                                        max_position_embeddings=64), "FalconForCausalLM"),
     }
 
 
