@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -604,17 +603,19 @@ def dtype_name(model: nn.Module) -> str:
 
 # --- choosing the adapter -------------------------------------------------------------------
 
-_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ADAPTER_ATTRIBUTE = "_orthosphere_adapter"
 _ADAPTERS_LOCK = threading.Lock()
 
 
 def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter of a loaded model (one per model: its hooks are installed once); any other
-    architecture is an UnsupportedModelError."""
+    """The adapter of a loaded model (one per model, kept on it: its stateless hooks are installed
+    once and go with the model); any other architecture is an UnsupportedModelError."""
     with _ADAPTERS_LOCK:
-        if model not in _ADAPTERS:
-            _ADAPTERS[model] = _new_adapter(model)
-        return _ADAPTERS[model]
+        adapter = getattr(model, ADAPTER_ATTRIBUTE, None)
+        if adapter is None:
+            adapter = _new_adapter(model)
+            setattr(model, ADAPTER_ATTRIBUTE, adapter)
+        return adapter
 
 
 def _new_adapter(model: nn.Module) -> Adapter:

@@ -9,7 +9,9 @@ and the attention output from the pattern and v. (Every transformers family: tes
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -267,3 +269,7 @@ def test_one_adapter_per_model_and_a_forward_outside_a_capture_records_nothing(t
         adapter.forward(tokens)
     with pytest.raises(RuntimeError, match="did not reach sites"):
         recording.take()
+    gone = weakref.ref(model)
+    del model, adapter
+    gc.collect()
+    assert gone() is None  # the adapter does not keep its model alive
