@@ -47,7 +47,6 @@ import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
-from orthosphere.store.schema import NORM_SITES
 
 from .families import (
     OUTSIDE_BLOCKS,
@@ -61,6 +60,7 @@ from .families import (
 )
 from .interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention, same_term
 from .model import ArithmeticTransformer, ConfigError
+from .norms import described_norms, norm_summary
 from .recording import Recording
 from .trace import active, tracing
 
@@ -172,7 +172,8 @@ class Adapter:
             )
 
     def _record_hook(self, site: str, layer: int, *, read):
-        """A hook recording `site` of `layer` from what read(args, kwargs, output) returns."""
+        """A hook recording `site` of `layer` from what read returns: read(args, kwargs) for a
+        pre-hook (registered with kwargs), read(args, output) for a forward hook."""
         def hook(module, args, *rest):
             trace = active(self)
             if trace is not None and trace.recording is not None and trace.recording.wants(site, layer):
@@ -305,6 +306,11 @@ class HuggingFaceAdapter(Adapter):
         return self.model.config
 
     @property
+    def output_multiplier(self) -> float:
+        """The factor on the attention output before the residual add (1 but for Granite)."""
+        return float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
+
+    @property
     def blocks(self):
         return self.model.get_submodule(self.spec.blocks)
 
@@ -340,7 +346,7 @@ class HuggingFaceAdapter(Adapter):
             "n_parameters": sum(p.numel() for p in self.model.parameters()),
         }
         if self.spec.output_multiplier:
-            description["output_multiplier"] = float(getattr(self.config, self.spec.output_multiplier))
+            description["output_multiplier"] = self.output_multiplier
         rope = getattr(self.config, "rope_parameters", None)
         if self.spec.positions == "rotary" and rope:
             description["rope_parameters"] = _plain(rope)
@@ -408,9 +414,8 @@ class HuggingFaceAdapter(Adapter):
             scaling = float(self.attention(layer).scaling)
             weights["w_q"], weights["b_q"] = weights["w_q"] * scaling, weights["b_q"] * scaling
         output = block.get_submodule(projections.o)
-        multiplier = float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
-        weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * multiplier
-        weights["b_o"] = _bias(output) * multiplier
+        weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * self.output_multiplier
+        weights["b_o"] = _bias(output) * self.output_multiplier
         return {name: value.detach().float().contiguous() for name, value in weights.items()}
 
     # --- hooks ---
@@ -459,10 +464,8 @@ class HuggingFaceAdapter(Adapter):
         return hook
 
     def _parallel_mid(self, layer):
-        multiplier = float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
-
         def read(args, output):
-            return active(self).held["resid_pre"] + multiplier * _first_output(args, output)
+            return active(self).held["resid_pre"] + self.output_multiplier * _first_output(args, output)
 
         return read
 
@@ -536,65 +539,6 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-
-
-# --- the norm description ---------------------------------------------------------------------
-
-MAIN_NORM_SITES = ("attn_input", "resid_mid", "attn_output")
-"""Norms acting on the residual stream around attention; the first present names the norm type."""
-
-
-def norm_type(module: nn.Module) -> str:
-    """ "rms" or "layer" from the module's class (every family's norms are one of the two)."""
-    modules = [module, *module.modules()]
-    if any("rms" in type(m).__name__.lower() for m in modules):
-        return "rms"
-    if any(isinstance(m, nn.LayerNorm) or "layernorm" in type(m).__name__.lower() for m in modules):
-        return "layer"
-    raise UnsupportedModelError(f"norm module {type(module).__name__} is neither a LayerNorm nor an RMSNorm")
-
-
-def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: str | None = None) -> dict:
-    """``norms``: one entry per norm: site, module path (``{layer}`` for the block's index), type
-    (`kind`, else from the module's class), scope, eps, how its gain enters ("weight", "1 + weight"
-    or "none") and whether it has a bias; ``norm_type`` and ``norm_eps`` of the main norm (the first
-    of MAIN_NORM_SITES present, else the QK-norm), None without norms."""
-    entries = []
-    block_path = next(name for name, module in model.named_modules() if module is block)
-    for norm in norms:
-        inside = norm.site not in OUTSIDE_BLOCKS
-        module = (block if inside else model).get_submodule(norm.module)
-        leaf = next((m for m in module.modules() if hasattr(m, "weight") or hasattr(m, "eps")), module)
-        eps = next((getattr(leaf, name) for name in ("eps", "variance_epsilon") if hasattr(leaf, name)), 1e-5)
-        has_gain = isinstance(getattr(leaf, "weight", None), torch.Tensor)
-        prefix = block_path.rsplit(".", 1)[0] + ".{layer}." if inside else ""
-        entries.append({
-            "site": norm.site, "module": prefix + norm.module, "type": kind or norm_type(module), "scope": norm.scope,
-            "eps": float(eps), "gain": gain if has_gain else "none",
-            "bias": isinstance(getattr(leaf, "bias", None), torch.Tensor),
-        })
-    ranked = sorted(entries, key=lambda entry: (MAIN_NORM_SITES + ("q",) + NORM_SITES).index(entry["site"]))
-    main = ranked[0] if ranked else {"type": None, "eps": None}
-    return {"norms": entries, "norm_type": main["type"], "norm_eps": main["eps"]}
-
-
-def norm_summary(norms, placement: str | None = None, parallel: bool = False) -> dict:
-    """norm_placement (pre, post, sandwich, output, none; the arithmetic family's own names kept),
-    norm_type of the main norm, qk_norm and v_norm (their scope, or None) and parallel."""
-    sites = {norm.site: norm for norm in norms}
-    if placement is None:
-        if "resid_mid" in sites:
-            placement = "post"
-        elif "attn_input" in sites:
-            placement = "sandwich" if "attn_output" in sites else "pre"
-        else:
-            placement = "output" if "attn_output" in sites else "none"
-    return {
-        "norm_placement": placement,
-        "qk_norm": sites["q"].scope if "q" in sites else None,
-        "v_norm": sites["v"].scope if "v" in sites else None,
-        "parallel": parallel,
-    }
 
 
 def dtype_name(model: nn.Module) -> str:

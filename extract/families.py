@@ -22,7 +22,7 @@ Routes (how q, k, v are reached as they enter the score):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -103,13 +103,16 @@ class Family:
     """(config) -> a message naming what is unsupported, or None."""
     d_ff_keys: tuple[str, ...] = ("intermediate_size",)
     activation_keys: tuple[str, ...] = ("hidden_act",)
-    extra_config: tuple[str, ...] = field(default=())
+    extra_config: tuple[str, ...] = ()
     """Config attributes copied into the model description when present."""
+
+    def __post_init__(self):
+        if self.route not in ROUTES or self.projections.layout not in LAYOUTS:
+            raise ValueError(f"family {self.model_type}: route {self.route!r} and layout {self.projections.layout!r}, "
+                             f"expected one of {list(ROUTES)} and of {list(LAYOUTS)}")
 
     def resolved(self, config) -> Family:
         """This family with every field that depends on the config evaluated for `config`."""
-        from dataclasses import replace
-
         mid = self.mid(config) if callable(self.mid) else self.mid
         norms = self.norms(config) if callable(self.norms) else self.norms
         return replace(self, mid=mid, norms=tuple(norms))
@@ -237,11 +240,8 @@ def _opt_mid(config):
     return "input:final_layer_norm" if config.do_layer_norm_before else "output:self_attn_layer_norm"
 
 
-def _neox_mid(config):
-    return "parallel" if config.use_parallel_residual else "input:post_attention_layernorm"
-
-
-def _stablelm_mid(config):
+def _parallel_residual_mid(config):
+    """GPT-NeoX and StableLM: parallel blocks when use_parallel_residual."""
     return "parallel" if config.use_parallel_residual else "input:post_attention_layernorm"
 
 
@@ -288,7 +288,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("granite", "GraniteForCausalLM", output_multiplier="residual_multiplier",
                 extra_config=("attention_multiplier", "residual_multiplier")),
     _llama_like("starcoder2", "Starcoder2ForCausalLM"),
-    _llama_like("stablelm", "StableLmForCausalLM", mid=_stablelm_mid, norms=_stablelm_norms),
+    _llama_like("stablelm", "StableLmForCausalLM", mid=_parallel_residual_mid, norms=_stablelm_norms),
     Family("phi", "PhiForCausalLM", "model.layers", "self_attn",
            Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"),
            mid="parallel", norms=_phi_norms),
@@ -298,7 +298,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.layers", "attention",
            Projections("attention.query_key_value", "attention.query_key_value", "attention.query_key_value",
                        "attention.dense", layout="grouped"),
-           mid=_neox_mid, norms=(Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
+           mid=_parallel_residual_mid, norms=(Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
                                  Norm("final", "gpt_neox.final_layer_norm"))),
     Family("gptj", "GPTJForCausalLM", "transformer.h", "attn",
            Projections("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"),

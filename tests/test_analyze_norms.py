@@ -118,3 +118,25 @@ def test_attention_recomputed_from_q_k_matches_the_model_softmax(tmp_path):
     assert from_qk.attrs["attention_source"] == "recomputed from q, k"
     np.testing.assert_allclose(from_qk["band"].values, from_pattern["band"].values, rtol=1e-5)
     np.testing.assert_allclose(from_qk["weight_total"].values, from_pattern["weight_total"].values, rtol=1e-5)
+
+
+def test_results_say_which_norm_produced_each_site(tmp_path):
+    """From the store's norm description (here a QK-Norm Qwen3-like one), and from a store that
+    states only its placement (the arithmetic Post-Norm)."""
+    from orthosphere.analyze.description import describe_norms, normalised_by
+
+    rng = np.random.default_rng(2)
+    sites = {"resid_pre": rng.normal(size=(4, 1, 5, 8)), "attn_in": rng.normal(size=(4, 1, 5, 8)),
+             "q": rng.normal(size=(4, 1, 5, 2, 4)), "k": rng.normal(size=(4, 1, 5, 2, 4))}
+    norms = [{"site": "attn_input", "type": "rms", "scope": "d_model"}, {"site": "q", "type": "rms", "scope": "head"},
+             {"site": "k", "type": "rms", "scope": "head"}, {"site": "final", "type": "rms", "scope": "d_model"}]
+    model = {"norm_placement": "pre", "qk_norm": "head", "v_norm": None, "parallel": False, "norms": norms}
+    tree = norm_spread(open_for_analysis(write_store(tmp_path / "s.zarr", sites, model=model)), weight_by_attention=False)
+    found = {site: tree[site].attrs["normalised_by"] for site in sites}
+    assert found == {"resid_pre": "", "attn_in": "rms norm over d_model", "q": "rms norm per head", "k": "rms norm per head"}
+    assert describe_norms(model) == ("pre-norm; QK-norm per head; norms at attn_input (rms), q (rms), k (rms), "
+                                     "final (rms)")
+    post = {"norm_placement": "post", "norm_type": "layer"}
+    assert normalised_by(post, "resid_mid") == "layer norm over d_model"
+    assert normalised_by(post, "resid_pre") == "layer norm over d_model of the previous block (layer 0: no norm)"
+    assert normalised_by(post, "attn_in") == "" and normalised_by({"norm_placement": "qkv", "norm_type": "rms"}, "v") != ""

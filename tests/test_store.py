@@ -369,3 +369,20 @@ def test_info_summary_and_text(tmp_path):
     assert summary["size_bytes"] > 11 * 3 * 5 * 8 * 4
     text = format_info(summary)
     assert "complete: 3/3 shards" in text and "q           float32" in text and "labels    role, operand" in text
+
+
+@pytest.mark.parametrize("score,message", [
+    ({"scale": [0.5]}, "expected a dict with keys"),
+    ({"scale": [0.5], "sliding_window": [None, 4], "softcap": [None, None], "alibi_slopes": None},
+     r"score.scale=\[0.5\]: expected a list of one entry per layer \(2\)"),
+    ({"scale": [0.5, 0.5], "sliding_window": [None, 4], "softcap": [None, None], "alibi_slopes": [[0.5], [0.5]]},
+     "expected 4 slopes"),
+])
+def test_malformed_score_terms_are_refused(score, message):
+    from orthosphere.store.schema import check_model
+
+    model = {"n_layers": 2, "d_model": 16, "n_heads": 4, "n_kv_heads": 4, "d_head": 4, "score": score}
+    with pytest.raises(StoreError, match=message):
+        check_model(model)
+    good = {"scale": [0.5, 0.5], "sliding_window": [None, 4], "softcap": [None, 30.0], "alibi_slopes": None}
+    assert check_model({**model, "score": good})["score"] == good
