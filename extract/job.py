@@ -20,8 +20,11 @@ Without a Dask client the shards run one after another in this process; with one
 is a Dask task that loads the model (once per worker), writes its own chunks and records
 itself complete.
 
-For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with SIGKILL the
-N-th time it reaches POINT (store-created, chunk-written, shard-complete, before-finish).
+Whatever a kill leaves, ``--resume`` continues: a store whose creation was interrupted is
+created afresh (nothing was written to it), a created one continues with its unfinished shards,
+and chunks of complete shards found missing or truncated are rewritten; ``--overwrite`` replaces
+any of them. For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a
+named point (see ``orthosphere.store.faults``).
 """
 from __future__ import annotations
 
@@ -31,21 +34,20 @@ import logging
 import math
 import os
 import queue
-import signal
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from orthosphere.store import StoreError, StoreExistsError, StoreNotFoundError, create_store, open_writer, read_attrs
+from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
+from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
-from orthosphere.store.lock import is_stale, read_lock
 from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
-from orthosphere.store.writer import samples_per_chunk_for
+from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
+from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
 from .data import ArithmeticData, TextData, open_dataset, parse_task
 from .model import ConfigError
@@ -57,7 +59,6 @@ QUEUE_DEPTH = 2
 """Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
 CHUNK_ROW_BYTES = 256 * 2**20
 """Most memory that one chunk of every site and layer may take (the writer holds up to one)."""
-CRASH_VARIABLE = "ORTHOSPHERE_CRASH_AT"
 IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
 """Store attributes that must match for a job to resume a store."""
 IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
@@ -84,6 +85,7 @@ class ExtractJob:
     samples_per_chunk: int | None = None
     resume: bool = False
     overwrite: bool = False
+    break_lock: bool = False
     device: str = "auto"
     storage_options: dict | None = None
     command: str | None = None
@@ -132,7 +134,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
     data = parse_task(job.task)
     _check_job(job)
-    existing = _existing_store(job)
+    found = _existing_store(job)
     loaded = load_source(job.model, job.device)
     sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
@@ -141,15 +143,17 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
     }
-    if existing is not None and job.resume:
-        _check_same_job(job.out, existing, identity)
-        if existing.get("complete"):
+    if found.kind == STORE and job.resume:
+        _check_same_job(job.out, found.attrs, identity)
+        writer = _reopen(job)
+        if writer is None:
             log.info("store %s is already complete: nothing to do", job.out)
-            return ExtractResult(job.out, dataset.n_samples, 0, len(existing["shards"]), 0, 0.0, already_complete=True)
-        writer = open_writer(job.out, lock=True, break_lock=_stale_lock(job), storage_options=job.storage_options)
+            return ExtractResult(job.out, dataset.n_samples, 0, len(found.attrs["shards"]), 0, 0.0, already_complete=True)
         log.info("resuming the extraction into %s", writer.url)
     else:
-        writer = _create(job, identity, replacing=existing is not None)
+        if found.kind == REMNANT:
+            log.info("%s holds a store whose creation was interrupted: creating it afresh", job.out)
+        writer = _create(job, identity, replace=found.is_ours)
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
@@ -166,8 +170,23 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     return result
 
 
-def _create(job: ExtractJob, identity: dict, replacing: bool):
-    """A new store for the job (replacing the existing one when overwriting)."""
+def _reopen(job: ExtractJob) -> StoreWriter | None:
+    """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
+    when the store is complete and whole."""
+    writer = open_writer(job.out, lock=True, break_lock=job.break_lock, storage_options=job.storage_options)
+    damage = writer.find_damage()
+    if damage:
+        shards = writer.reopen(damage)
+        log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting shard(s) %s",
+                    job.out, len(damage), damage[0], shards)
+    elif writer.is_finished():
+        writer.close()
+        return None
+    return writer
+
+
+def _create(job: ExtractJob, identity: dict, replace: bool):
+    """A new store for the job (replacing the existing store or remnant at job.out when `replace`)."""
     chunk = job.samples_per_chunk or chunk_samples(
         identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
         job.dtype, job.batch_size, job.n_shards,
@@ -175,8 +194,8 @@ def _create(job: ExtractJob, identity: dict, replacing: bool):
     return create_store(
         job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
         n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
-        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=job.overwrite,
-        break_lock=replacing and _stale_lock(job), command=job.command, storage_options=job.storage_options,
+        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replace,
+        break_lock=job.break_lock, command=job.command, storage_options=job.storage_options,
     )
 
 
@@ -242,8 +261,9 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
 
 def _check_job(job: ExtractJob) -> None:
     check_dtype(job.dtype)
-    for name, value in (("batch size", job.batch_size), ("shard count", job.n_shards)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("--batch-size", job.batch_size), ("--shards", job.n_shards),
+                        ("--samples-per-chunk", job.samples_per_chunk), ("--samples", job.n_samples)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} {value!r}: expected a positive integer")
     if job.resume and job.overwrite:
         raise ConfigError(
@@ -251,19 +271,31 @@ def _check_job(job: ExtractJob) -> None:
         )
 
 
-def _existing_store(job: ExtractJob) -> dict | None:
-    """The attributes of the store at job.out, or None; an existing store needs --resume or --overwrite."""
-    try:
-        attrs = read_attrs(job.out, job.storage_options)
-    except StoreNotFoundError:
-        return None
-    if not (job.resume or job.overwrite):
-        state = "complete" if attrs.get("complete") else "incomplete"
-        raise StoreExistsError(
-            f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
-            "or --overwrite to replace it"
+def _existing_store(job: ExtractJob) -> Found:
+    """What is at job.out; an existing store needs --resume or --overwrite, a damaged one --overwrite,
+    and what is not a store is never touched."""
+    location = as_location(job.out, job.storage_options)
+    found = inspect(location)
+    refuse_foreign(location, found)
+    if not found.is_ours or job.overwrite:
+        return found
+    if found.kind == DAMAGED:
+        raise StoreError(
+            f"{job.out} is a damaged orthosphere store (its progress record is missing, so no shard can be trusted): "
+            "pass --overwrite to replace it"
         )
-    return attrs
+    if job.resume:
+        return found
+    if found.kind == REMNANT:
+        raise StoreExistsError(
+            f"{job.out} holds a store whose creation was interrupted (nothing was written to it): pass --resume to "
+            "create it afresh, or --overwrite"
+        )
+    state = "complete" if found.attrs.get("complete") else "incomplete"
+    raise StoreExistsError(
+        f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
+        "or --overwrite to replace it"
+    )
 
 
 def _absolute(data):
@@ -274,15 +306,6 @@ def _absolute(data):
 def _absolute_url(url: str) -> str:
     location = as_location(url)
     return location.local_path if location.is_local else url
-
-
-def _stale_lock(job: ExtractJob) -> bool:
-    """Whether the store's lock was left by a process of this host that no longer runs (a crash)."""
-    holder = read_lock(as_location(job.out, job.storage_options))
-    stale = holder is not None and is_stale(holder)
-    if stale:
-        log.warning("breaking the stale lock of %s left by pid %s", job.out, holder.get("pid"))
-    return stale
 
 
 def _normalised(value):
@@ -327,19 +350,6 @@ def _layer_text(layers) -> str:
     if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
         return f"{layers[0]}-{layers[-1]}"
     return ",".join(map(str, layers))
-
-
-_crash_counts: Counter = Counter()
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for the crash tests (see the module docstring); a no-op unless asked for."""
-    wanted = os.environ.get(CRASH_VARIABLE)
-    if not wanted or wanted.partition(":")[0] != name:
-        return
-    _crash_counts[name] += 1
-    if _crash_counts[name] == int(wanted.partition(":")[2] or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- computing batches ------------------------------------------------------------------

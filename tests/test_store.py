@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from datetime import UTC, datetime
 
 import dask.array
 import numpy as np
@@ -26,6 +28,8 @@ from orthosphere.store import (
     read_attrs,
     validate,
 )
+from orthosphere.store.location import as_location
+from orthosphere.store.lock import HEARTBEAT_NAME, LOCK_NAME, STALE_SECONDS, read_lock
 from orthosphere.store.schema import WEIGHT_VARIABLES
 
 MODEL = {"family": "test", "n_layers": 3, "d_model": 8, "n_heads": 4, "n_kv_heads": 2, "d_head": 2, "attn_scale": 0.7, "causal": True}
@@ -196,6 +200,19 @@ def test_s3_round_trip(s3_bucket):
 
 # Locking -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_lock_is_created_exclusively(tmp_path, request, monkeypatch, where):
+    """Two writers that both saw no lock: only one creates it (O_EXCL locally, a conditional write on S3)."""
+    url = str(tmp_path / "store.zarr") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/runs/store.zarr"
+    fill(make_store(url))
+    foreign_lock(url, seconds_ago=0)
+    monkeypatch.setattr("orthosphere.store.lock.read_lock", lambda location: None)
+    with pytest.raises(StoreLockedError, match="locked by another writer a moment ago"):
+        open_writer(url)
+    monkeypatch.undo()
+    assert read_lock(as_location(url))["host"] == "gpu-node-7"
+
+
 HOLD_LOCK = """
 import sys, time
 from orthosphere.store import create_store
@@ -228,23 +245,101 @@ def test_lock_names_a_running_holder(tmp_path):
         holder.wait()
 
 
-def test_stale_lock_is_detected_and_can_be_broken(tmp_path):
+def test_lock_of_a_dead_process_of_this_host_is_broken_with_a_warning(tmp_path, caplog):
     url = str(tmp_path / "store.zarr")
     holder = hold_lock(url, "die")
     holder.wait()
-    with pytest.raises(StoreLockedError, match="stale lock.*break_lock=True"):
-        open_writer(url)
-    writer = open_writer(url, break_lock=True)
-    lock = json.loads((tmp_path / "store.zarr" / ".orthosphere-lock").read_text())
+    writer = open_writer(url)
+    assert f"breaking the stale lock of {url} held by pid {holder.pid}" in caplog.text
+    assert "no longer runs on this host" in caplog.text
+    lock = json.loads((tmp_path / "store.zarr" / LOCK_NAME).read_text())
     assert lock["pid"] == os.getpid()
     writer.close()
-    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+    assert not (tmp_path / "store.zarr" / LOCK_NAME).exists()
+    assert not (tmp_path / "store.zarr" / HEARTBEAT_NAME).exists()
+
+
+def foreign_lock(url, seconds_ago, token="theirs"):
+    """A lock left by a job on another host whose last heartbeat was `seconds_ago` seconds ago."""
+    location = as_location(url)
+    location.fs.makedirs(location.root, exist_ok=True)
+    since = datetime.fromtimestamp(time.time() - seconds_ago - 60, UTC).isoformat(timespec="seconds")
+    holder = {"host": "gpu-node-7", "pid": 4242, "command": "orthosphere extract ...", "since": since, "token": token}
+    location.fs.pipe_file(location.key(LOCK_NAME), json.dumps(holder).encode())
+    location.fs.pipe_file(location.key(HEARTBEAT_NAME), json.dumps({"token": token, "at": time.time() - seconds_ago}).encode())
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog, where):
+    url = str(tmp_path / "store.zarr") if where == "local" else f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
+    fill(make_store(url))
+    foreign_lock(url, seconds_ago=5)
+    with pytest.raises(StoreLockedError, match=r"running writer: pid 4242 on gpu-node-7.*last heartbeat \d+ s ago.*"
+                                               r"pass --break-lock \(break_lock=True\)"):
+        open_writer(url)
+    foreign_lock(url, seconds_ago=STALE_SECONDS + 5)
+    open_writer(url).close()
+    assert "breaking the stale lock" in caplog.text and "its last heartbeat was" in caplog.text
+    foreign_lock(url, seconds_ago=5)
+    writer = open_writer(url, break_lock=True)
+    assert "breaking the live lock" in caplog.text and read_lock(as_location(url))["pid"] == os.getpid()
+    writer.close()
+    assert read_lock(as_location(url)) is None
+
+
+def test_heartbeat_refreshes_and_a_broken_lock_stops_the_writer(tmp_path, monkeypatch):
+    monkeypatch.setattr("orthosphere.store.lock.HEARTBEAT_SECONDS", 0.05)
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    first = json.loads((tmp_path / "store.zarr" / HEARTBEAT_NAME).read_text())["at"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / "store.zarr" / HEARTBEAT_NAME).read_text())["at"] > first
+    (tmp_path / "store.zarr" / LOCK_NAME).unlink()
+    foreign_lock(url, seconds_ago=0)  # another writer broke the lock and took it
+    time.sleep(0.5)
+    with pytest.raises(StoreLockedError, match="was broken by another writer: this job stopped writing"):
+        writer.write(0, sample_block(0, 4))
+    writer.close()
+    assert read_lock(as_location(url))["host"] == "gpu-node-7"  # the other writer's lock stays
+
+
+def test_unreadable_lock_needs_break_lock(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    (tmp_path / "store.zarr" / LOCK_NAME).write_text("")  # a writer killed while taking the lock
+    with pytest.raises(StoreLockedError, match="unreadable lock file.*--break-lock"):
+        open_writer(url)
+    open_writer(url, break_lock=True).close()
+
+
+def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / "store.zarr" / LOCK_NAME).symlink_to(target)
+    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*--break-lock"):
+        open_writer(url)
+    with pytest.raises(StoreLockedError, match="is a symbolic link"):
+        make_store(url, overwrite=True)
+    open_writer(url, break_lock=True).close()
+    assert target.read_text() == "keep me" and not (tmp_path / "store.zarr" / LOCK_NAME).exists()
+
+
+def test_overwrite_through_a_symlinked_store_replaces_the_target_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "disk" / "store.zarr", tmp_path / "store.zarr"
+    fill(make_store(str(target)))
+    link.symlink_to(target, target_is_directory=True)
+    writer = make_store(str(link), overwrite=True, n_samples=4)
+    writer.close()
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert read_attrs(str(target))["n_samples"] == 4 and not (target / LOCK_NAME).exists()
 
 
 def test_finish_releases_the_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
-    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+    assert not (tmp_path / "store.zarr" / LOCK_NAME).exists()
 
 
 # Bad input -----------------------------------------------------------------------------
