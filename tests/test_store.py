@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import pytest
 import zarr
 
 from orthosphere.store import (
+    DamagedStoreError,
     IncompleteStoreError,
     StoreError,
     StoreExistsError,
@@ -464,3 +467,71 @@ def test_info_summary_and_text(tmp_path):
     assert summary["size_bytes"] > 11 * 3 * 5 * 8 * 4
     text = format_info(summary)
     assert "complete: 3/3 shards" in text and "q           float32" in text and "labels    role, operand" in text
+
+
+# Damaged chunks ------------------------------------------------------------------------
+
+def chunk_path(url, array, coords):
+    return os.path.join(url, array, "c", *map(str, coords))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk(tmp_path, damage):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "q", (1, 2, 0, 0, 0))
+    if damage == "deleted":
+        os.unlink(path)
+    else:
+        with open(path, "r+b") as handle:
+            handle.truncate(10)
+    problem = "missing" if damage == "deleted" else r"has 10 bytes, expected 324 \(truncated or overwritten\)"
+    expected = rf"array 'q' chunk \(1, 2, 0, 0, 0\) \(samples 2-3, layer 2\): {problem}"
+    with pytest.raises(DamagedStoreError, match=rf"store {url} is damaged \(1 chunk\): {expected}.*--resume"):
+        open_store(url)
+    assert len(validate(url)) == 1 and re.fullmatch(expected, validate(url)[0])
+    lazy = open_store(url, check_chunks=False)
+    with pytest.raises(DamagedStoreError, match=expected):  # never read as zeros
+        lazy.q.isel(sample=slice(2, 4)).load()
+
+
+def test_overwritten_chunk_fails_its_checksum_when_read_and_in_full_validation(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "resid_pre", (4, 0, 0, 0))
+    size = os.path.getsize(path)
+    with open(path, "wb") as handle:
+        handle.write(np.random.default_rng(0).bytes(size))
+    expected = r"array 'resid_pre' chunk \(4, 0, 0, 0\) \(samples 8-9, layer 0\): fails its CRC-32C checksum"
+    dataset = open_store(url)  # the fast check sees every chunk there, of its size
+    assert validate(url) == []
+    with pytest.raises(DamagedStoreError, match=expected):
+        dataset.resid_pre.sum().compute()
+    restored = pickle.loads(pickle.dumps(dataset))  # as Dask ships it to workers
+    with pytest.raises(DamagedStoreError, match=expected):
+        restored.resid_pre.load()
+    problems = validate(url, full=True)
+    assert len(problems) == 1 and re.match(expected, problems[0])
+
+
+def test_only_complete_shards_promise_their_chunks(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    start, stop = writer.shards[1]
+    writer.write(start, sample_block(start, stop))
+    writer.mark_shard_complete(1)
+    writer.close()
+    partial = open_store(url, allow_incomplete=True)
+    assert float(partial.resid_pre.isel(sample=slice(0, 4)).sum()) == 0  # shard 0 never written: fill values
+    os.unlink(chunk_path(url, "k", (2, 0, 0, 0, 0)))
+    with pytest.raises(DamagedStoreError, match=r"array 'k' chunk \(2, 0, 0, 0, 0\) \(samples 4-5, layer 0\): missing"):
+        open_store(url, allow_incomplete=True)
+
+
+def test_arrays_not_written_in_a_shard_are_filled_when_it_completes(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))  # writes resid_pre, q, k and two labels; never resid_mid, v, pred, ...
+    dataset = open_store(url)
+    assert float(abs(dataset.v).sum()) == 0 and int(abs(dataset.pred).sum()) == 0
+    assert os.path.exists(chunk_path(url, "v", (5, 2, 0, 0, 0)))
+    assert validate(url, full=True) == []
