@@ -221,23 +221,6 @@ def _run_pending(job, loaded, dataset, plan: ShardPlan, writer, client, progress
     )
 
 
-def parse_layers(text: str) -> tuple[int, ...]:
-    """Layer indices from "0,2,5-7"; anything else is a ConfigError."""
-    layers = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        first, dash, last = item.partition("-")
-        try:
-            span = range(int(first), int(last) + 1) if dash else [int(first)]
-        except ValueError:
-            raise ConfigError(f"--layers {text!r}: {item!r} is not a layer index or range; expected e.g. 0,2,5-7") from None
-        if not span:
-            raise ConfigError(f"--layers {text!r}: the range {item!r} runs backwards; write it low-high, e.g. 5-7")
-        layers.extend(span)
-    if not layers:
-        raise ConfigError(f"--layers {text!r}: no layers given; expected e.g. 0,2,5-7")
-    return tuple(layers)
-
-
 def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int,
                   n_shards: int = 1) -> int:
     """Samples per chunk: the store's ~4 MB target, capped so that one chunk of every site and

@@ -22,7 +22,7 @@ import zarr
 from zarr.storage import WrapperStore
 
 from .errors import DamagedStoreError
-from .location import group_arrays
+from .location import group_arrays, zarr_quietly
 from .schema import WEIGHT_VARIABLES
 from .state import INDEX_ARRAYS, PROGRESS_GROUP
 
@@ -39,6 +39,8 @@ class Damage:
     problem: str
     shard: int | None
     """The job shard that wrote the chunk (None: written with the store or the weight maps)."""
+    listed: bool = True
+    """Whether a listing of the store shows it (missing, wrong size); if not, only a read does."""
 
     def __str__(self) -> str:
         return f"array {self.array!r} chunk {self.chunk} ({self.where}): {self.problem}"
@@ -109,15 +111,25 @@ class ArrayPromise:
         """The promised chunks' coordinates."""
         return (coords for coords in product(*(range(n) for n in self.grid)) if self.promised(coords))
 
-    def check_bytes(self, coords: tuple[int, ...], data) -> str | None:
-        """What is wrong with a chunk's encoded bytes (size, checksum), or None."""
-        if self.size is not None and len(data) != self.size:
-            return f"has {len(data)} bytes, expected {self.size} (truncated or overwritten)"
-        if self.checksum and len(data) >= 4:
+    def damage(self, coords: tuple[int, ...], problem: str, listed: bool = True) -> Damage:
+        return Damage(self.name, coords, self.where(coords), problem, self.shard(coords), listed)
+
+    def check_size(self, coords: tuple[int, ...], size: int | None) -> Damage | None:
+        """The damage of a chunk of `size` encoded bytes (None: missing), if any."""
+        if size is None:
+            return self.damage(coords, "missing")
+        if self.size is not None and size != self.size:
+            return self.damage(coords, f"has {size} bytes, expected {self.size} (truncated or overwritten)")
+        return None
+
+    def check_bytes(self, coords: tuple[int, ...], data) -> Damage | None:
+        """The damage of a chunk's encoded bytes (None: missing): size, then checksum."""
+        damage = self.check_size(coords, None if data is None else len(data))
+        if damage is None and data is not None and self.checksum and len(data) >= 4:
             data = np.ascontiguousarray(data, dtype=np.uint8)
             if google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:].tobytes(), "little"):
-                return "fails its CRC-32C checksum (overwritten or corrupted)"
-        return None
+                damage = self.damage(coords, "fails its CRC-32C checksum (overwritten or corrupted)", listed=False)
+        return damage
 
 
 def promises(group: zarr.Group, attrs: dict, shard_complete: np.ndarray, weights_written: bool) -> dict[str, ArrayPromise]:
@@ -168,28 +180,30 @@ def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dic
     for name, promise in promised.items():
         array = group[name] if decode else None
         for coords in promise.chunks():
-            key = promise.key(coords)
-            problem = None
-            if key not in files:
-                problem = "missing"
-            elif promise.size is not None and files[key] != promise.size:
-                problem = f"has {files[key]} bytes, expected {promise.size} (truncated or overwritten)"
-            elif decode:
-                problem = _decode_problem(array, promise, coords)
-            if problem:
-                damage.append(Damage(name, coords, promise.where(coords), problem, promise.shard(coords)))
+            found = promise.check_size(coords, files.get(promise.key(coords)))
+            if found is None and decode:
+                found = _decode_damage(array, promise, coords)
+            if found is not None:
+                damage.append(found)
     return damage
 
 
-def _decode_problem(array: zarr.Array, promise: ArrayPromise, coords: tuple[int, ...]) -> str | None:
+def _decode_damage(array: zarr.Array, promise: ArrayPromise, coords: tuple[int, ...]) -> Damage | None:
     selection = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(coords, promise.chunk_shape, promise.shape))
     try:
         array[selection]
     except DamagedStoreError as error:
-        return error.damage[0].problem
+        return error.damage[0]
     except Exception as error:  # whatever the codecs raise on bytes that are not theirs
-        return f"does not decode ({type(error).__name__}: {error})"
+        return promise.damage(coords, f"does not decode ({type(error).__name__}: {error})", listed=False)
     return None
+
+
+def guarded_group(location, promised: dict[str, ArrayPromise]) -> zarr.Group:
+    """The store's root group, read through a GuardedStore."""
+    with zarr_quietly():
+        return zarr.open_group(GuardedStore(location.zarr_store(read_only=True), location.url, promised), mode="r",
+                               zarr_format=3)
 
 
 class GuardedStore(WrapperStore):
@@ -210,15 +224,10 @@ class GuardedStore(WrapperStore):
         if found is None:
             return value
         promise, coords = found
-        if value is None:
-            problem = "missing"
-        elif byte_range is None:
-            problem = promise.check_bytes(coords, value.as_numpy_array())
-        else:
-            problem = None
-        if problem:
-            raise DamagedStoreError.of(self.url, Damage(promise.name, coords, promise.where(coords), problem,
-                                                        promise.shard(coords)))
+        if value is None or byte_range is None:
+            damage = promise.check_bytes(coords, None if value is None else value.as_numpy_array())
+            if damage is not None:
+                raise DamagedStoreError.of(self.url, damage)
         return value
 
     def _promise_of(self, key: str):

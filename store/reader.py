@@ -9,7 +9,7 @@ import zarr
 
 from . import schema
 from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreNotFoundError
-from .integrity import GuardedStore, find_damage, promises
+from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
 from .state import ABSENT, DAMAGED, FOREIGN_ZARR, PROGRESS_GROUP, REMNANT, STORE, inspect
 
@@ -148,8 +148,7 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
         return problems
     promised = _promises(group)
     if full:
-        group = zarr.open_group(GuardedStore(location.zarr_store(read_only=True), location.url, promised), mode="r",
-                                zarr_format=3, use_consolidated=False)
+        group = guarded_group(location, promised)
     problems += [str(damage) for damage in find_damage(group, promised, location.list_files(), decode=full)]
     state = completeness(open_group_checked(location))
     if not state["complete"]:

@@ -21,7 +21,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from . import schema
 from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreExistsError, StoreLockedError
 from .faults import crash_point
-from .integrity import Damage, find_damage, promises
+from .integrity import Damage, find_damage, guarded_group, promises
 from .location import Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, release_lock
 from .provenance import provenance
@@ -31,8 +31,6 @@ TARGET_CHUNK_BYTES = 4 * 2**20
 CODECS = ("none", "zstd")
 COORDINATE_BLOCK = 2**20
 """Index coordinates are written this many values at a time (memory stays flat in the sample count)."""
-ALWAYS_WRITE = {"write_empty_chunks": True}
-"""Every chunk is written, even one that equals the fill value: a missing chunk is then always damage."""
 
 log = logging.getLogger("orthosphere.store")
 
@@ -210,7 +208,7 @@ class StoreWriter:
         if missing:
             raise StoreError(f"write_weights needs every map; missing {missing}")
         for name in schema.WEIGHT_VARIABLES:
-            target = self.group[name].with_config(ALWAYS_WRITE)
+            target = writable(self.group, name)
             if tuple(arrays[name].shape) != target.shape:
                 raise StoreError(
                     f"weights {name!r} have shape {tuple(arrays[name].shape)}: expected {target.shape} "
@@ -235,16 +233,17 @@ class StoreWriter:
         """Whether the job finished: `complete` set, with the metadata consolidated."""
         return bool(self.group.attrs.get("complete")) and self.group.metadata.consolidated_metadata is not None
 
-    def find_damage(self) -> list[Damage]:
+    def find_damage(self, decode: bool = False) -> list[Damage]:
         """The chunks that complete shards (and written weights) promise but that are missing or
-        of the wrong size. The lock holder also removes the temporary files of writes that a kill
-        interrupted."""
+        of the wrong size (with `decode`: that do not decode). The lock holder also removes the
+        temporary files of writes that a kill interrupted."""
         files = self.location.list_files()
         if self.holds_lock:
             for key in [key for key in files if key.endswith(".partial")]:
                 self.location.remove_entry(key)
         promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
-        return find_damage(self.group, promised, files)
+        group = guarded_group(self.location, promised) if decode else self.group
+        return find_damage(group, promised, files, decode=decode)
 
     def reopen(self, damage: list[Damage]) -> list[int]:
         """Mark the store incomplete and the shards (or weights) holding damaged chunks unwritten,
@@ -313,10 +312,17 @@ class StoreWriter:
             raise StoreError(
                 f"store {self.url} has no per-sample array {name!r}: expected one of {self.per_sample_names()}"
             )
-        return array.with_config(ALWAYS_WRITE)
+        return writable(self.group, name)
 
     def per_sample_names(self) -> list[str]:
         return sorted(name for name, array in group_arrays(self.group) if name != "sample" and array.metadata.dimension_names[0] == "sample")
+
+
+def writable(group: zarr.Group, name: str) -> zarr.Array:
+    """The array, opened so that every chunk is written, even one equal to the fill value: a
+    missing chunk is then always damage."""
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        return group[name]
 
 
 def _check_count(name: str, value) -> None:
@@ -442,7 +448,7 @@ def _create_index_coords(group: zarr.Group, sizes: dict, layers: list[int]) -> N
 def _write_index_coords(group: zarr.Group, attrs) -> None:
     """The index coordinates' values: 0..n-1, the stored layers for `layer`."""
     for dim in schema.DIM_NAMES:
-        array = group[dim].with_config(ALWAYS_WRITE)
+        array = writable(group, dim)
         if dim == "layer":
             array[...] = np.asarray(attrs["layers"])
             continue
