@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -90,6 +91,18 @@ class Location:
         names = [name for name in self.entries() if name not in keep]
         for name in sorted(names, key=lambda name: name != "zarr.json"):
             self.remove_entry(name)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace a file inside the store in one step: a reader, or a kill, sees the old bytes or
+        the new ones, never half (a local rename; one PUT on object storage)."""
+        path = self.key(name)
+        if self.is_local:
+            temporary = f"{path}.{uuid.uuid4().hex}.partial"
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+            os.replace(temporary, path)
+        else:
+            self.fs.pipe_file(path, data)
 
     def remove_entry(self, name: str) -> None:
         """Remove a file or folder inside the store; a symbolic link is removed, never followed."""
