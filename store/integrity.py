@@ -161,14 +161,18 @@ def promises(group: zarr.Group, attrs: dict, shard_complete: np.ndarray, weights
 
 
 def _shard_of_chunks(n_samples: int, chunk: int, shards: list[tuple[int, int]], complete: np.ndarray) -> np.ndarray:
-    """For each chunk along sample, the complete shard that holds it, or -1."""
-    result = np.full(math.ceil(n_samples / chunk), -1, dtype=np.int64)
-    for index in range(len(result)):
-        start, stop = index * chunk, min((index + 1) * chunk, n_samples)
-        owners = [i for i, (first, last) in enumerate(shards) if first < stop and start < last]
-        if owners and all(complete[i] for i in owners):
-            result[index] = owners[0]
-    return result
+    """For each chunk along sample, the first shard it overlaps when every shard it overlaps is
+    complete, else -1 (shards are contiguous and sorted)."""
+    starts = np.arange(math.ceil(n_samples / chunk)) * chunk
+    stops = np.minimum(starts + chunk, n_samples)
+    if not shards:
+        return np.full(len(starts), -1, dtype=np.int64)
+    bounds = np.asarray(shards, dtype=np.int64)
+    first = np.searchsorted(bounds[:, 1], starts, side="right")  # the first shard ending after the chunk starts
+    last = np.searchsorted(bounds[:, 0], stops, side="left") - 1  # the last shard starting before it stops
+    unfinished = np.concatenate([[0], np.cumsum(~np.asarray(complete, dtype=bool))])
+    whole = (first <= last) & (unfinished[np.maximum(last, first - 1) + 1] == unfinished[first])
+    return np.where(whole, first, -1)
 
 
 def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dict[str, int],

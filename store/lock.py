@@ -1,7 +1,7 @@
 """One writer per store at a time: a lock file that names its holder, and a heartbeat.
 
-- The lock is taken by exclusive create: ``O_CREAT | O_EXCL | O_NOFOLLOW`` on a local or
-  network filesystem, a conditional write on object storage (fsspec ``pipe_file(mode="create")``,
+- The lock is taken by exclusive create: a hard link of a finished file on a local or network
+  filesystem (it fails if the lock exists; the lock is never half written), a conditional write on object storage (fsspec ``pipe_file(mode="create")``,
   S3's ``If-None-Match``); a backend that cannot create exclusively falls back to
   check-then-write, so the lock is read back to confirm that this writer holds it.
 - Its holder rewrites the heartbeat file beside it every ``HEARTBEAT_SECONDS``.
@@ -217,20 +217,27 @@ def _read(location: Location, name: str) -> str | None:
 
 
 def _write(location: Location, name: str, text: str, exclusive: bool) -> None:
+    """Write the file; `exclusive`: only if it does not exist (FileExistsError otherwise). Locally an
+    exclusive write is a hard link of a finished temporary file, so the file never exists half written."""
     path = location.key(name)
-    if location.is_local:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
-        try:
-            descriptor = os.open(path, flags, 0o644)
-        except OSError as error:
-            if error.errno != errno.EEXIST:
-                _refuse_link(location, name, error)
-            raise
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
+    if not location.is_local:
+        location.fs.pipe_file(path, text.encode(), mode="create" if exclusive else "overwrite")
         return
-    location.fs.pipe_file(path, text.encode(), mode="create" if exclusive else "overwrite")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    target = f"{path}.{uuid.uuid4().hex}.partial" if exclusive else path
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    try:
+        descriptor = os.open(target, flags, 0o644)
+    except OSError as error:
+        _refuse_link(location, name, error)
+        raise
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+    if exclusive:
+        try:
+            os.link(target, path)  # fails if the lock exists, even as a symbolic link
+        finally:
+            os.unlink(target)
 
 
 def _remove(location: Location, name: str) -> None:

@@ -149,6 +149,7 @@ class StoreWriter:
         self.holder = holder
         self.heartbeat = Heartbeat(location, holder) if holder is not None else None
         self._written: dict[int, set[str]] = {}
+        self._writable: dict[str, zarr.Array] = {}
 
     @property
     def url(self) -> str:
@@ -307,12 +308,14 @@ class StoreWriter:
             )
 
     def _array(self, name: str) -> zarr.Array:
-        array = self.group.get(name) if name != "sample" else None
-        if not isinstance(array, zarr.Array) or array.metadata.dimension_names[0] != "sample":
-            raise StoreError(
-                f"store {self.url} has no per-sample array {name!r}: expected one of {self.per_sample_names()}"
-            )
-        return writable(self.group, name)
+        if name not in self._writable:
+            array = self.group.get(name) if name != "sample" else None
+            if not isinstance(array, zarr.Array) or array.metadata.dimension_names[0] != "sample":
+                raise StoreError(
+                    f"store {self.url} has no per-sample array {name!r}: expected one of {self.per_sample_names()}"
+                )
+            self._writable[name] = writable(self.group, name)
+        return self._writable[name]
 
     def per_sample_names(self) -> list[str]:
         return sorted(name for name, array in group_arrays(self.group) if name != "sample" and array.metadata.dimension_names[0] == "sample")

@@ -7,6 +7,7 @@ import sys
 from importlib import metadata, resources
 
 import numpy as np
+import pytest
 
 import orthosphere
 from tests.synthetic import write_store
@@ -45,6 +46,7 @@ def test_version_and_python_m():
     assert resources.files("orthosphere").joinpath("py.typed").is_file()
 
 
+@pytest.mark.slow
 def test_analysis_needs_no_torch(tmp_path):
     rng = np.random.default_rng(0)
     sites = {"resid_pre": (6, 2, 5, 8), "resid_post": (6, 2, 5, 8), "q": (6, 2, 5, 2, 4), "k": (6, 2, 5, 2, 4)}
