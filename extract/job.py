@@ -153,7 +153,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     else:
         if found.kind == REMNANT:
             log.info("%s holds a store whose creation was interrupted: creating it afresh", job.out)
-        writer = _create(job, identity, replace=found.is_ours)
+        writer = _create(job, identity, replacing=found.is_ours)
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
@@ -185,8 +185,8 @@ def _reopen(job: ExtractJob) -> StoreWriter | None:
     return writer
 
 
-def _create(job: ExtractJob, identity: dict, replace: bool):
-    """A new store for the job (replacing the existing store or remnant at job.out when `replace`)."""
+def _create(job: ExtractJob, identity: dict, replacing: bool):
+    """A new store for the job (replacing the existing store or remnant at job.out when `replacing`)."""
     chunk = job.samples_per_chunk or chunk_samples(
         identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
         job.dtype, job.batch_size, job.n_shards,
@@ -194,7 +194,7 @@ def _create(job: ExtractJob, identity: dict, replace: bool):
     return create_store(
         job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
         n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
-        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replace,
+        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replacing,
         break_lock=job.break_lock, command=job.command, storage_options=job.storage_options,
     )
 
