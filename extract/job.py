@@ -45,6 +45,7 @@ from tqdm import tqdm
 from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
 from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
+from orthosphere.store.reader import not_a_store_error
 from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
 from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
@@ -263,10 +264,7 @@ def _existing_store(job: ExtractJob) -> Found:
     if not found.is_ours or job.overwrite:
         return found
     if found.kind == DAMAGED:
-        raise StoreError(
-            f"{job.out} is a damaged orthosphere store (its progress record is missing, so no shard can be trusted): "
-            "pass --overwrite to replace it"
-        )
+        raise not_a_store_error(location, DAMAGED)
     if job.resume:
         return found
     if found.kind == REMNANT:

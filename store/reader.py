@@ -23,31 +23,8 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
     consolidated copy when there is one.
     """
     found = inspect(location)
-    if found.kind == ABSENT:
-        raise StoreNotFoundError(
-            f"no store at {location.url}: the path does not exist; check it, or create a store "
-            "with `orthosphere extract`"
-        )
-    if found.kind == REMNANT:
-        raise StoreError(
-            f"{location.url} is a store whose creation was interrupted (nothing was written to it): rerun the job "
-            "that makes it, with --resume (or --overwrite)"
-        )
-    if found.kind == DAMAGED:
-        raise StoreError(
-            f"{location.url} is a damaged orthosphere store: its progress record {PROGRESS_GROUP}/shard_complete is "
-            "missing, so no shard can be trusted; replace it (`orthosphere extract ... --overwrite`)"
-        )
-    if found.kind == FOREIGN_ZARR:
-        raise StoreError(
-            f"{location.url} is a Zarr store but not an orthosphere store (no 'schema' attribute); "
-            "open it with zarr or xarray directly"
-        )
     if found.kind != STORE:
-        raise StoreError(
-            f"{location.url} is not a Zarr store (no zarr.json at its root): give the path of a store "
-            "written by orthosphere"
-        )
+        raise not_a_store_error(location, found.kind)
     try:
         with zarr_quietly():
             group = zarr.open_group(
@@ -67,6 +44,23 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
             "this orthosphere reads: upgrade orthosphere"
         )
     return group
+
+
+def not_a_store_error(location: Location, kind: str) -> StoreError:
+    """The error for a URL that holds no created orthosphere store (`kind`: see ``state``)."""
+    if kind == ABSENT:
+        return StoreNotFoundError(
+            f"no store at {location.url}: the path does not exist; check it, or create a store with `orthosphere extract`"
+        )
+    what = {
+        REMNANT: "is a store whose creation was interrupted (nothing was written to it): rerun the job that makes it, "
+                 "with --resume (or --overwrite)",
+        DAMAGED: f"is a damaged orthosphere store: its progress record {PROGRESS_GROUP}/shard_complete is missing, so "
+                 "no shard can be trusted; replace it (`orthosphere extract ... --overwrite`)",
+        FOREIGN_ZARR: "is a Zarr store but not an orthosphere store (no 'schema' attribute); open it with zarr or "
+                      "xarray directly",
+    }.get(kind, "is not a Zarr store (no zarr.json at its root): give the path of a store written by orthosphere")
+    return StoreError(f"{location.url} {what}")
 
 
 def read_attrs(url, storage_options: dict | None = None) -> dict:
