@@ -46,6 +46,13 @@ def test_version_and_python_m():
     assert resources.files("orthosphere").joinpath("py.typed").is_file()
 
 
+def test_importing_analyze_store_and_the_cli_imports_no_torch():
+    code = ("import sys, orthosphere.analyze, orthosphere.store, orthosphere.workflows.cli; "
+            "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'transformers', 'safetensors'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
 @pytest.mark.slow
 def test_analysis_needs_no_torch(tmp_path):
     rng = np.random.default_rng(0)
