@@ -15,6 +15,9 @@ from orthosphere.store import format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
 
+EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm")
+"""What the `extract` extra installs."""
+
 
 class CleanErrors(click.Group):
     """Every error as one line that names its input, instead of a traceback (kept for -v)."""
@@ -42,10 +45,6 @@ def one_line(error: Exception) -> str:
     if isinstance(error, MemoryError):
         return f"out of memory ({text or 'MemoryError'}): ask for less (fewer samples, a smaller batch or fewer layers)"
     return f"unexpected {type(error).__name__}: {text} (run with -v for the traceback; please report it)"
-
-
-EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate")
-"""What the `extract` extra installs."""
 
 
 def layer_list(ctx, param, text):
@@ -101,13 +100,15 @@ def validate_command(store, full, reopen, break_lock):
         click.echo(problem)
     if reopen and problems:
         with open_writer(store, break_lock=break_lock) as writer:
-            shards = writer.reopen(writer.find_damage(decode=full))
-        click.echo(f"reopened shard(s) {shards}: resume the job that wrote {store} (its command, with --resume) "
-                   "to rewrite them")
-    elif problems:
+            damage = writer.find_damage(decode=full)
+            if damage:
+                shards = writer.reopen(damage)
+                click.echo(f"reopened shard(s) {shards}: resume the job that wrote {store} (its command, with "
+                           "--resume) to rewrite them")
+                return
+    if problems:
         raise click.ClickException(f"store {store} has {len(problems)} problem(s), listed above")
-    else:
-        click.echo(f"store {store} is valid" + (": every chunk decodes" if full else ": every chunk is there"))
+    click.echo(f"store {store} is valid" + (": every chunk decodes" if full else ": every chunk is there"))
 
 
 @main.command("extract")
