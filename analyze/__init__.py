@@ -29,9 +29,12 @@ Conventions: the analysed tokens are the valid ones, without each sequence's sta
 valid position) unless ``exclude_start=False``. A factor is ``LABEL`` or ``LABEL[KEY=V1|V2,...]``
 over the store's label coordinates or ``pos`` (see ``factors.py``). Angles are in degrees.
 
-Results format (version 1): an ``xarray.DataTree`` written with ``DataTree.to_zarr`` to a local
-path or fsspec URL (``memory://``, ``s3://``); writing to existing results of the same store replaces
-only the groups of the analyses just run.
+Results format (version 1): an ``xarray.DataTree`` in a Zarr v3 group at a local path or fsspec URL
+(``memory://``, ``s3://``), one sub-group per analysis, written node by node with
+``Dataset.to_zarr``; readers see the groups listed in the root's consolidated metadata. Writing to
+existing results of the same store replaces only the groups of the analyses just run: a group being
+replaced is first dropped from that list, new groups are written beside the listed ones and then
+listed in one write of the root, so a crash loses at most the analyses being written.
 
 ``/`` attrs: ``orthosphere_results`` (1), ``store`` (URL), ``model``, ``task`` (the store's
 descriptions), ``store_provenance``, ``provenance`` (package version, git commit, command, created),

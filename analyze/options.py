@@ -31,6 +31,13 @@ def _fractions(name, value):
         raise AnalysisError(f"option {name}={list(value)!r}: expected a list of numbers in [0, 1]")
 
 
+def _noise_levels(name, value):
+    levels = value if isinstance(value, (list, tuple)) else [value]
+    if not levels or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 for v in levels):
+        raise AnalysisError(f"option {name}={value!r}: expected a number or a list of numbers strictly between "
+                            "0 and 1 (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]")
+
+
 def _count(minimum):
     def check(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -66,6 +73,7 @@ RULES = {
     "rank_threshold": _fraction,
     "confidence": _fraction,
     "quantiles": _fractions,
+    "levels": _noise_levels,
     "ratio_max": _positive,
     "ratio_bins": _count(1),
     "rank": _count(1),
@@ -79,17 +87,19 @@ RULES = {
 
 def check_options(**values) -> dict:
     """Check each option by the rule of its name (None means the default); lists become tuples."""
-    checked = {}
-    for name, value in values.items():
-        if isinstance(value, list):
-            value = tuple(value)
-        rule = RULES.get(name)
-        if isinstance(value, str) and rule in (_ints, _strings, _fractions):
-            raise AnalysisError(f"option {name}={value!r}: expected a list, not a single string")
-        if rule is not None and value is not None:
-            rule(name, value)
-        checked[name] = value
-    return checked
+    return {name: check_option(name, value) for name, value in values.items()}
+
+
+def check_option(name: str, value, rule_name: str | None = None):
+    """The option's value, checked by the rule of `rule_name` (default: its name); a list becomes a tuple."""
+    if isinstance(value, list):
+        value = tuple(value)
+    rule = RULES.get(rule_name or name)
+    if isinstance(value, str) and rule in (_ints, _strings, _fractions):
+        raise AnalysisError(f"option {name}={value!r}: expected a list, not a single string")
+    if rule is not None and value is not None:
+        rule(name, value)
+    return value
 
 
 def as_attrs(values: dict) -> dict:
@@ -98,11 +108,15 @@ def as_attrs(values: dict) -> dict:
 
 
 def parse_assignment(text: str) -> tuple[str, object]:
-    """An option given as text, KEY=VALUE (VALUE read as JSON when it is JSON, else kept as text)."""
-    key, separator, value = text.partition("=")
-    if not separator or not key.strip():
+    """An option given as text, KEY=VALUE (VALUE read as JSON when it is JSON, else kept as text),
+    checked by the rule of its name (the part after the last dot), so that a bad value is named as given."""
+    key, separator, text_value = text.partition("=")
+    key = key.strip()
+    if not separator or not key:
         raise AnalysisError(f"option {text!r}: expected KEY=VALUE, e.g. confidence=0.95 or replay.levels=[0.01,0.1]")
     try:
-        return key.strip(), json.loads(value)
+        value = json.loads(text_value)
     except json.JSONDecodeError:
-        return key.strip(), value
+        value = text_value
+    check_option(key, value, key.rpartition(".")[2])
+    return key, value

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import xarray as xr
+import zarr
 
-from orthosphere.store.location import as_location
+from orthosphere.store.location import as_location, commit_metadata, zarr_quietly
 from orthosphere.store.provenance import provenance
 
 from .errors import AnalysisError
@@ -146,29 +147,65 @@ def _is_results(location) -> bool:
 def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None, overwrite: bool = False) -> xr.DataTree:
     """Write results to `out`; groups already there from other analyses of the same store are kept.
     Refuses to write over anything that is not orthosphere results, or results of another store
-    unless `overwrite`. Returns the tree as written."""
+    unless `overwrite` (which replaces them all). Returns the tree as written, kept groups included.
+
+    Readers see the groups listed in the root's consolidated metadata. A group to replace is first
+    dropped from that list (one write of the root), then rewritten; new groups are written beside
+    the listed ones, then listed in one more write of the root. A crash loses at most the analyses
+    being written, never the others."""
     location = as_location(out, storage_options)
+    keep: list[str] = []
     if location.exists() and not location.is_empty_dir():
         if not _is_results(location):
             raise AnalysisError(
                 f"{location.url} exists and is not an orthosphere results tree: refusing to write over it; "
                 "choose a new path for the results"
             )
-        existing = open_results(location.url, storage_options).load()
+        existing = open_results(location.url, storage_options)
         if existing.attrs.get("store") != tree.attrs.get("store") and not overwrite:
             raise AnalysisError(
                 f"{location.url} holds results of store {existing.attrs.get('store')!r}, not of "
                 f"{tree.attrs.get('store')!r}: choose another path, or overwrite them (CLI: --overwrite)"
             )
         if not overwrite:
-            for name, child in existing.children.items():
-                if name not in tree.children:
-                    tree[name] = child.copy()
-            tree.attrs["analyses"] = [name for name in ANALYSES if name in tree.children]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
-        tree.to_zarr(location.zarr_store(read_only=False), mode="w", consolidated=True)
+            keep = [name for name in existing.children if name not in tree.children]
+            for name in keep:
+                tree[name] = existing[name].load().copy()
+    tree.attrs["analyses"] = [name for name in ANALYSES if name in tree.children]
+    attributes = as_attrs(dict(tree.attrs))
+    with zarr_quietly():
+        _keep_only(location, keep, attributes)
+        for name in tree.children:
+            if name not in keep:
+                _write_group(location, tree[name])
+        commit_metadata(location, attributes)
     return tree
+
+
+def _keep_only(location, keep: list[str], attributes: dict) -> None:
+    """Drop every group but `keep` from the root's consolidated metadata (one write), then from
+    the disk; a new results tree gets its root."""
+    if not location.is_zarr():
+        zarr.create_group(location.zarr_store(read_only=False), zarr_format=3,
+                          attributes={**attributes, "analyses": []})
+        return
+    root = json.loads(location.fs.cat_file(location.key("zarr.json")))
+    listed = (root.get("consolidated_metadata") or {}).get("metadata", {})
+    root.setdefault("consolidated_metadata", {"kind": "inline", "must_understand": False})["metadata"] = {
+        path: node for path, node in listed.items() if path.split("/")[0] in keep}
+    root.setdefault("attributes", {})["analyses"] = [name for name in root["attributes"].get("analyses", []) if name in keep]
+    location.write_atomic("zarr.json", json.dumps(root).encode())
+    for name in location.entries():
+        if name != "zarr.json" and name not in keep:
+            location.remove_entry(name)
+
+
+def _write_group(location, subtree: xr.DataTree) -> None:
+    """One analysis's group and its sub-groups, not yet listed in the root's metadata."""
+    store = location.zarr_store(read_only=False)
+    for node in subtree.subtree:
+        node.to_dataset(inherit=node is subtree).to_zarr(store, group=node.path.lstrip("/"), mode="w",
+                                                         consolidated=False, zarr_format=3)
 
 
 def open_results(url, storage_options: dict | None = None) -> xr.DataTree:

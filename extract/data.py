@@ -213,11 +213,26 @@ class TextDataset:
 def _read_lines(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise ConfigError(f"text file {path} not found: expected a file with one sequence per line")
-    with open(path, encoding="utf-8") as handle:
-        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle if line.strip()]
+    except UnicodeDecodeError:
+        raise ConfigError(_not_utf8(path)) from None
     if not lines:
         raise ConfigError(f"text file {path} is empty (no non-blank lines): expected one sequence per line")
     return lines
+
+
+def _not_utf8(path: str) -> str:
+    """The message for a file that is not UTF-8 text, naming its first line that does not decode."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return (f"text file {path} is not UTF-8 text: line {number} holds bytes that do not decode "
+                        f"({error.reason} at byte {error.start} of the line); convert it to UTF-8, or give a text file")
+    return f"text file {path} is not UTF-8 text; convert it to UTF-8, or give a text file"
 
 
 def _file_sha256(path: str) -> str:

@@ -21,8 +21,11 @@ with one, each shard is a Dask task that loads the model on the job's device (on
 writes its own chunks and records itself complete, while this coordinating process reads the
 model's description and weights on the CPU: it never needs the workers' device.
 
-For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with SIGKILL the
-N-th time it reaches POINT (store-created, chunk-written, shard-complete, before-finish).
+Whatever a kill leaves, ``--resume`` continues: a store whose creation was interrupted is
+created afresh (nothing was written to it), a created one continues with its unfinished shards,
+and chunks of complete shards found missing or truncated are rewritten; ``--overwrite`` replaces
+any of them. For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a
+named point (see ``orthosphere.store.faults``).
 """
 from __future__ import annotations
 
@@ -32,21 +35,21 @@ import logging
 import math
 import os
 import queue
-import signal
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from orthosphere.store import StoreError, StoreExistsError, StoreNotFoundError, create_store, open_writer, read_attrs
+from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
+from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
-from orthosphere.store.lock import is_stale, read_lock
+from orthosphere.store.reader import not_a_store_error
 from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
-from orthosphere.store.writer import samples_per_chunk_for
+from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
+from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
 from .data import ArithmeticData, TextData, open_dataset, parse_task
 from .model import ConfigError
@@ -58,7 +61,6 @@ QUEUE_DEPTH = 2
 """Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
 CHUNK_ROW_BYTES = 256 * 2**20
 """Most memory that one chunk of every site and layer may take (the writer holds up to one)."""
-CRASH_VARIABLE = "ORTHOSPHERE_CRASH_AT"
 IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
 """Store attributes that must match for a job to resume a store."""
 IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
@@ -85,6 +87,7 @@ class ExtractJob:
     samples_per_chunk: int | None = None
     resume: bool = False
     overwrite: bool = False
+    break_lock: bool = False
     device: str = "auto"
     model_dtype: str | None = None
     storage_options: dict | None = None
@@ -135,7 +138,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
     data = parse_task(job.task)
     _check_job(job)
-    existing = _existing_store(job)
+    found = _existing_store(job)
     loaded = load_source(job.model, job.device if client is None else "cpu", job.model_dtype)
     sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
@@ -144,15 +147,17 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
     }
-    if existing is not None and job.resume:
-        _check_same_job(job.out, existing, identity)
-        if existing.get("complete"):
+    if found.kind == STORE and job.resume:
+        _check_same_job(job.out, found.attrs, identity)
+        writer = _reopen(job)
+        if writer is None:
             log.info("store %s is already complete: nothing to do", job.out)
-            return ExtractResult(job.out, dataset.n_samples, 0, len(existing["shards"]), 0, 0.0, already_complete=True)
-        writer = open_writer(job.out, lock=True, break_lock=_stale_lock(job), storage_options=job.storage_options)
+            return ExtractResult(job.out, dataset.n_samples, 0, len(found.attrs["shards"]), 0, 0.0, already_complete=True)
         log.info("resuming the extraction into %s", writer.url)
     else:
-        writer = _create(job, identity, replacing=existing is not None)
+        if found.kind == REMNANT:
+            log.info("%s holds a store whose creation was interrupted: creating it afresh", job.out)
+        writer = _create(job, identity, replacing=found.is_ours)
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
@@ -169,8 +174,23 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     return result
 
 
+def _reopen(job: ExtractJob) -> StoreWriter | None:
+    """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
+    when the store is complete and whole."""
+    writer = open_writer(job.out, lock=True, break_lock=job.break_lock, storage_options=job.storage_options)
+    damage = writer.find_damage()
+    if damage:
+        shards = writer.reopen(damage)
+        log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting shard(s) %s",
+                    job.out, len(damage), damage[0], shards)
+    elif writer.is_finished():
+        writer.close()
+        return None
+    return writer
+
+
 def _create(job: ExtractJob, identity: dict, replacing: bool):
-    """A new store for the job (replacing the existing one when overwriting)."""
+    """A new store for the job (replacing the existing store or remnant at job.out when `replacing`)."""
     chunk = job.samples_per_chunk or chunk_samples(
         identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
         job.dtype, job.batch_size, job.n_shards,
@@ -178,8 +198,8 @@ def _create(job: ExtractJob, identity: dict, replacing: bool):
     return create_store(
         job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
         n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
-        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=job.overwrite,
-        break_lock=replacing and _stale_lock(job), command=job.command, storage_options=job.storage_options,
+        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replacing,
+        break_lock=job.break_lock, command=job.command, storage_options=job.storage_options,
     )
 
 
@@ -203,23 +223,6 @@ def _run_pending(job, loaded, dataset, plan: ShardPlan, writer, client, progress
         writer.url, plan.n_samples, len(pending), len(writer.shards), meter.tokens,
         time.perf_counter() - started, time.process_time() - cpu_started,
     )
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    """Layer indices from "0,2,5-7"; anything else is a ConfigError."""
-    layers = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        first, dash, last = item.partition("-")
-        try:
-            span = range(int(first), int(last) + 1) if dash else [int(first)]
-        except ValueError:
-            raise ConfigError(f"--layers {text!r}: {item!r} is not a layer index or range; expected e.g. 0,2,5-7") from None
-        if not span:
-            raise ConfigError(f"--layers {text!r}: the range {item!r} runs backwards; write it low-high, e.g. 5-7")
-        layers.extend(span)
-    if not layers:
-        raise ConfigError(f"--layers {text!r}: no layers given; expected e.g. 0,2,5-7")
-    return tuple(layers)
 
 
 def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int,
@@ -247,8 +250,9 @@ def _check_job(job: ExtractJob) -> None:
     check_dtype(job.dtype)
     check_device(job.device)
     model_dtype_of(job.model_dtype)
-    for name, value in (("batch size", job.batch_size), ("shard count", job.n_shards)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("--batch-size", job.batch_size), ("--shards", job.n_shards),
+                        ("--samples-per-chunk", job.samples_per_chunk), ("--samples", job.n_samples)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} {value!r}: expected a positive integer")
     if job.resume and job.overwrite:
         raise ConfigError(
@@ -256,19 +260,28 @@ def _check_job(job: ExtractJob) -> None:
         )
 
 
-def _existing_store(job: ExtractJob) -> dict | None:
-    """The attributes of the store at job.out, or None; an existing store needs --resume or --overwrite."""
-    try:
-        attrs = read_attrs(job.out, job.storage_options)
-    except StoreNotFoundError:
-        return None
-    if not (job.resume or job.overwrite):
-        state = "complete" if attrs.get("complete") else "incomplete"
+def _existing_store(job: ExtractJob) -> Found:
+    """What is at job.out; an existing store needs --resume or --overwrite, a damaged one --overwrite,
+    and what is not a store is never touched."""
+    location = as_location(job.out, job.storage_options)
+    found = inspect(location)
+    refuse_foreign(location, found)
+    if not found.is_ours or job.overwrite:
+        return found
+    if found.kind == DAMAGED:
+        raise not_a_store_error(location, DAMAGED)
+    if job.resume:
+        return found
+    if found.kind == REMNANT:
         raise StoreExistsError(
-            f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
-            "or --overwrite to replace it"
+            f"{job.out} holds a store whose creation was interrupted (nothing was written to it): pass --resume to "
+            "create it afresh, or --overwrite"
         )
-    return attrs
+    state = "complete" if found.attrs.get("complete") else "incomplete"
+    raise StoreExistsError(
+        f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
+        "or --overwrite to replace it"
+    )
 
 
 def _absolute(data):
@@ -279,15 +292,6 @@ def _absolute(data):
 def _absolute_url(url: str) -> str:
     location = as_location(url)
     return location.local_path if location.is_local else url
-
-
-def _stale_lock(job: ExtractJob) -> bool:
-    """Whether the store's lock was left by a process of this host that no longer runs (a crash)."""
-    holder = read_lock(as_location(job.out, job.storage_options))
-    stale = holder is not None and is_stale(holder)
-    if stale:
-        log.warning("breaking the stale lock of %s left by pid %s", job.out, holder.get("pid"))
-    return stale
 
 
 def _normalised(value):
@@ -332,19 +336,6 @@ def _layer_text(layers) -> str:
     if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
         return f"{layers[0]}-{layers[-1]}"
     return ",".join(map(str, layers))
-
-
-_crash_counts: Counter = Counter()
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for the crash tests (see the module docstring); a no-op unless asked for."""
-    wanted = os.environ.get(CRASH_VARIABLE)
-    if not wanted or wanted.partition(":")[0] != name:
-        return
-    _crash_counts[name] += 1
-    if _crash_counts[name] == int(wanted.partition(":")[2] or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- computing batches ------------------------------------------------------------------

@@ -206,8 +206,24 @@ def _load_arithmetic(directory: Path, device: torch.device, dtype: torch.dtype) 
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise ConfigError(f"model directory {directory} has no {WEIGHTS_FILE}: expected the weights beside {CONFIG_FILE}")
+    check_safetensors([weights])
     adapter = adapter_for(load_model(directory, device=device).to(dtype))
     return LoadedModel(adapter, CharacterTokenizer(), directory, "orthosphere", [weights])
+
+
+def check_safetensors(paths) -> None:
+    """Raise a ConfigError naming the first weights file that is missing, truncated or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ConfigError(
+                f"weights file {path} cannot be read ({error}): it is truncated, damaged or not a safetensors file; "
+                "copy or save the checkpoint again"
+            ) from None
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -243,6 +259,7 @@ def _model_class(model_type):
 def _load_hugging_face(directory: Path, config: dict, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     model_class = _model_class(config.get("model_type"))
     weight_files = _safetensors_files(directory)
+    check_safetensors(weight_files)
     model, info = model_class.from_pretrained(
         directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
         output_loading_info=True,

@@ -1,5 +1,6 @@
 """The store: one Zarr v3 group of schema v1 per extraction job, opened lazily with xarray."""
 from .errors import (
+    DamagedStoreError,
     IncompleteStoreError,
     StoreError,
     StoreExistsError,
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_SITES",
     "SCHEMA_VERSION",
     "SITES",
+    "DamagedStoreError",
     "IncompleteStoreError",
     "StoreError",
     "StoreExistsError",

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
 import fsspec
+import zarr
 from zarr.storage import FsspecStore, LocalStore
 
 
@@ -49,6 +52,9 @@ class Location:
         """Path of a file inside the store."""
         return f"{self.root.rstrip('/')}/{name}"
 
+    def is_link_to_nothing(self) -> bool:
+        return os.path.islink(self.local_path) and not os.path.exists(self.local_path)
+
     def exists(self) -> bool:
         return self.fs.exists(self.root)
 
@@ -58,8 +64,56 @@ class Location:
     def is_empty_dir(self) -> bool:
         return self.fs.isdir(self.root) and not self.fs.ls(self.root)
 
-    def remove(self) -> None:
-        self.fs.rm(self.root, recursive=True)
+    def entries(self) -> list[str]:
+        """The names directly inside the store's folder."""
+        if self.is_local:
+            return sorted(os.listdir(self.local_path))
+        return sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False))
+
+    def list_files(self) -> dict[str, int]:
+        """Every file under the store (symbolic links not followed): path inside the store -> bytes."""
+        if self.is_local:
+            files = {}
+            for folder, _, names in os.walk(self.local_path):
+                inside = os.path.relpath(folder, self.local_path).replace(os.sep, "/")
+                for name in names:
+                    key = name if inside == "." else f"{inside}/{name}"
+                    files[key] = os.lstat(os.path.join(folder, name)).st_size
+            return files
+        prefix = self.root.rstrip("/") + "/"
+        found = self.fs.find(self.root, detail=True)
+        return {path[len(prefix):]: int(entry.get("size") or 0) for path, entry in found.items() if path.startswith(prefix)}
+
+    def clear(self, keep=()) -> None:
+        """Remove everything inside the store but the names in `keep`, the root zarr.json first (so
+        that an interrupted clear never leaves something that looks like a store). The store's
+        folder stays, so a store reached through a symbolic link is emptied, never unlinked."""
+        names = [name for name in self.entries() if name not in keep]
+        for name in sorted(names, key=lambda name: name != "zarr.json"):
+            self.remove_entry(name)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace a file inside the store in one step: a reader, or a kill, sees the old bytes or
+        the new ones, never half (a local rename; one PUT on object storage)."""
+        path = self.key(name)
+        if self.is_local:
+            temporary = f"{path}.{uuid.uuid4().hex}.partial"
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+            os.replace(temporary, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def remove_entry(self, name: str) -> None:
+        """Remove a file or folder inside the store; a symbolic link is removed, never followed."""
+        if self.is_local:
+            path = os.path.join(self.local_path, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        else:
+            self.fs.rm(self.key(name), recursive=True)
 
     def size_bytes(self) -> int:
         return int(self.fs.du(self.root, total=True))
@@ -69,6 +123,16 @@ def as_location(url, storage_options: dict | None = None) -> Location:
     if isinstance(url, Location):
         return url
     return Location(os.fspath(url), dict(storage_options or {}))
+
+
+def commit_metadata(location: Location, attributes: dict | None = None) -> zarr.Group:
+    """Consolidate the store's metadata, then update its root attributes in one more write that
+    keeps the consolidated metadata: a reader never sees the new attributes without it."""
+    with zarr_quietly():
+        group = zarr.consolidate_metadata(location.zarr_store(read_only=False))
+        if attributes:
+            group.attrs.update(attributes)
+    return group
 
 
 def group_arrays(group) -> list:
@@ -83,4 +147,5 @@ def zarr_quietly():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Consolidated metadata")
         warnings.filterwarnings("ignore", message="Object at .orthosphere-lock")
+        warnings.filterwarnings("ignore", message=r"Object at .*\.partial is not recognized")
         yield

@@ -1,16 +1,39 @@
-"""One writer per store at a time: a lock file that names its holder."""
+"""One writer per store at a time: a lock file that names its holder, and a heartbeat.
+
+- The lock is taken by exclusive create: a hard link of a finished file on a local or network
+  filesystem (it fails if the lock exists; the lock is never half written), a conditional write on object storage (fsspec ``pipe_file(mode="create")``,
+  S3's ``If-None-Match``); a backend that cannot create exclusively falls back to
+  check-then-write, so the lock is read back to confirm that this writer holds it.
+- Its holder rewrites the heartbeat file beside it every ``HEARTBEAT_SECONDS``.
+- A lock is **stale** when its holder was a process on this host that no longer runs, or when
+  its heartbeat is older than ``STALE_SECONDS`` (any host: a job that died elsewhere). A stale
+  lock is broken automatically, with a warning; ``break_lock=True`` (CLI ``--break-lock``) also
+  breaks a lock that looks alive, for when you know its holder is dead.
+- Lock and heartbeat files are never followed or written through when they are symbolic links.
+"""
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import sys
+import threading
+import time
+import uuid
 from datetime import UTC, datetime
 
 from .errors import StoreLockedError
 from .location import Location
 
 LOCK_NAME = ".orthosphere-lock"
+HEARTBEAT_NAME = ".orthosphere-lock-heartbeat"
+HEARTBEAT_SECONDS = 30.0
+STALE_SECONDS = 600.0
+"""A heartbeat older than this (20 missed beats) marks its lock stale, whatever the host."""
+
+log = logging.getLogger("orthosphere.store")
 
 
 def holder_description() -> dict:
@@ -18,76 +41,230 @@ def holder_description() -> dict:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "command": " ".join(sys.argv),
-        "since": datetime.now(UTC).isoformat(timespec="seconds"),
+        "since": _now().isoformat(timespec="seconds"),
+        "token": uuid.uuid4().hex,
     }
 
 
 def read_lock(location: Location) -> dict | None:
-    path = location.key(LOCK_NAME)
-    if not location.fs.exists(path):
+    """The lock's holder; {} when the lock file exists but cannot be read (a writer killed while
+    taking it); None when there is no lock."""
+    text = _read(location, LOCK_NAME)
+    if text is None:
         return None
-    with location.fs.open(path, "r") as handle:
-        return json.load(handle)
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def stale_reason(location: Location, holder: dict) -> str | None:
+    """Why the lock of `holder` is stale, or None when its holder may still be running."""
+    if holder.get("host") == socket.gethostname() and not _process_runs(holder.get("pid")):
+        return f"its process {holder.get('pid')} no longer runs on this host"
+    age = time.time() - _last_heartbeat(location, holder)
+    if age > STALE_SECONDS:
+        return f"its last heartbeat was {age:.0f} s ago (a running writer beats every {HEARTBEAT_SECONDS:.0f} s)"
+    return None
+
+
+def acquire_lock(location: Location, break_lock: bool = False) -> dict:
+    """Take the store's lock: a stale lock is broken (with a warning), a live one only with
+    `break_lock`; otherwise raise StoreLockedError naming the holder and what to do."""
+    if break_lock:
+        for name in (LOCK_NAME, HEARTBEAT_NAME):
+            if location.is_local and os.path.islink(location.key(name)):
+                log.warning("removing the symbolic link %s (--break-lock); its target is left alone", location.key(name))
+                _remove(location, name)
+    holder = read_lock(location)
+    if holder is not None and _is_mine(holder):
+        return holder
+    if holder is not None:
+        reason = stale_reason(location, holder)
+        if reason is None and not break_lock:
+            raise StoreLockedError(_locked_message(location, holder))
+        log.warning("breaking the %s lock of %s held by %s (%s)", "stale" if reason else "live", location.url,
+                    _holder_text(holder), reason or "--break-lock given")
+        _remove(location, LOCK_NAME)
+    mine = holder_description()
+    try:
+        _write(location, LOCK_NAME, json.dumps(mine), exclusive=True)
+    except FileExistsError:
+        raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again") from None
+    if read_lock(location) != mine:
+        raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again")
+    _write(location, HEARTBEAT_NAME, _beat(mine), exclusive=False)
+    return mine
+
+
+def release_lock(location: Location) -> None:
+    """Remove the lock if this process holds it."""
+    holder = read_lock(location)
+    if holder is not None and _is_mine(holder):
+        _remove(location, HEARTBEAT_NAME)
+        _remove(location, LOCK_NAME)
+
+
+def holds_lock(location: Location, holder: dict) -> bool:
+    return read_lock(location) == holder
+
+
+class Heartbeat:
+    """A thread that refreshes the lock's heartbeat while its holder writes; `lost` is set when
+    another writer broke the lock (the holder must stop writing)."""
+
+    def __init__(self, location: Location, holder: dict):
+        self.location, self.holder = location, holder
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orthosphere-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                if not holds_lock(self.location, self.holder):
+                    self.lost = True
+                    log.error("the lock of %s was broken by another writer: this job stops writing", self.location.url)
+                    return
+                _write(self.location, HEARTBEAT_NAME, _beat(self.holder), exclusive=False)
+            except OSError as error:  # a storage hiccup: the next beat tries again
+                log.warning("could not refresh the lock heartbeat of %s: %s", self.location.url, error)
+
+
+def _locked_message(location: Location, holder: dict) -> str:
+    if not holder:
+        return (
+            f"store {location.url} has an unreadable lock file ({LOCK_NAME}: a writer was killed while taking it, or "
+            f"one is taking it now); it counts as stale {STALE_SECONDS:.0f} s after it was written: wait, or pass "
+            "--break-lock (break_lock=True) if no writer is running"
+        )
+    age = time.time() - _last_heartbeat(location, holder)
+    return (
+        f"store {location.url} is locked by a running writer: {_holder_text(holder)}, last heartbeat {age:.0f} s ago; "
+        "wait for it to finish or stop it; if you are sure it is dead, pass --break-lock (break_lock=True). "
+        f"A lock whose heartbeat is older than {STALE_SECONDS:.0f} s is broken automatically"
+    )
+
+
+def _holder_text(holder: dict) -> str:
+    if not holder:
+        return "an unknown writer"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}, "
+            f"running {holder.get('command')!r}")
 
 
 def _is_mine(holder: dict) -> bool:
     return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
 
 
-def is_stale(holder: dict) -> bool:
-    """A lock is stale when its holder was a process on this host that no longer runs."""
-    if holder.get("host") != socket.gethostname():
-        return False
+def _process_runs(pid) -> bool:
     try:
-        os.kill(int(holder["pid"]), 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:
         return False
-    return False
+    except (PermissionError, TypeError, ValueError):
+        return True  # another user's process, or no pid to check: assume it runs
+    return True
 
 
-def acquire_lock(location: Location, break_lock: bool = False) -> dict:
-    """Take the store's lock, or explain who holds it and how to break a stale one."""
-    holder = read_lock(location)
-    if holder is not None and _is_mine(holder):
-        return holder
-    if holder is not None and not break_lock:
-        stale = is_stale(holder)
-        state = "a process that no longer runs (stale lock)" if stale else "a running writer"
-        advice = (
-            "break it with break_lock=True (CLI: --break-lock)"
-            if stale
-            else "wait for it to finish, or stop it first; break_lock=True only if you are sure it is dead"
-        )
-        raise StoreLockedError(
-            f"store {location.url} is locked by {state}: pid {holder.get('pid')} on "
-            f"{holder.get('host')}, since {holder.get('since')}, running {holder.get('command')!r}; {advice}"
-        )
-    mine = holder_description()
-    _write_lock(location, mine, exclusive=holder is None)
-    return mine
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
-def _write_lock(location: Location, holder: dict, exclusive: bool) -> None:
-    path = location.key(LOCK_NAME)
-    payload = json.dumps(holder)
-    if location.is_local and exclusive:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+def _beat(holder: dict) -> str:
+    return json.dumps({"token": holder.get("token"), "at": time.time()})
+
+
+def _last_heartbeat(location: Location, holder: dict) -> float:
+    """When the holder last showed life (seconds since the epoch): its heartbeat when it is this
+    holder's, else when it took the lock, else when the lock file was written."""
+    try:
+        beat = json.loads(_read(location, HEARTBEAT_NAME) or "{}")
+        if isinstance(beat, dict) and beat.get("token") and beat.get("token") == holder.get("token"):
+            return float(beat["at"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        pass
+    try:
+        return datetime.fromisoformat(holder["since"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return _modified(location, LOCK_NAME)
+
+
+# --- files that are never followed through symbolic links ---------------------------------
+
+def _read(location: Location, name: str) -> str | None:
+    path = location.key(name)
+    if location.is_local:
         try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise StoreLockedError(
-                f"store {location.url} was locked by another writer a moment ago; try again later"
-            ) from None
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(payload)
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            _refuse_link(location, name, error)
+            raise
+        with os.fdopen(descriptor, "r", errors="replace") as handle:
+            return handle.read()
+    try:
+        return location.fs.cat_file(path).decode(errors="replace")
+    except FileNotFoundError:
+        return None
+
+
+def _write(location: Location, name: str, text: str, exclusive: bool) -> None:
+    """Write the file; `exclusive`: only if it does not exist (FileExistsError otherwise). Locally an
+    exclusive write is a hard link of a finished temporary file, so the file never exists half written."""
+    path = location.key(name)
+    if not location.is_local:
+        location.fs.pipe_file(path, text.encode(), mode="create" if exclusive else "overwrite")
         return
-    with location.fs.open(path, "w") as handle:
-        handle.write(payload)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    target = f"{path}.{uuid.uuid4().hex}.partial" if exclusive else path
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    try:
+        descriptor = os.open(target, flags, 0o644)
+    except OSError as error:
+        _refuse_link(location, name, error)
+        raise
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+    if exclusive:
+        try:
+            os.link(target, path)  # fails if the lock exists, even as a symbolic link
+        finally:
+            os.unlink(target)
 
 
-def release_lock(location: Location) -> None:
-    holder = read_lock(location)
-    if holder is not None and _is_mine(holder):
-        location.fs.rm(location.key(LOCK_NAME))
+def _remove(location: Location, name: str) -> None:
+    """Remove the file (a symbolic link itself, never its target)."""
+    try:
+        if location.is_local:
+            os.unlink(location.key(name))
+        else:
+            location.fs.rm_file(location.key(name))
+    except FileNotFoundError:
+        pass
+
+
+def _modified(location: Location, name: str) -> float:
+    path = location.key(name)
+    try:
+        if location.is_local:
+            return os.lstat(path).st_mtime
+        return location.fs.modified(path).timestamp()
+    except (OSError, NotImplementedError, AttributeError):
+        return time.time()
+
+
+def _refuse_link(location: Location, name: str, error: OSError) -> None:
+    if error.errno == errno.ELOOP or os.path.islink(location.key(name)):
+        raise StoreLockedError(
+            f"the lock file {location.key(name)} of store {location.url} is a symbolic link: orthosphere never "
+            "follows or writes through one; pass --break-lock (break_lock=True) to remove the link (its target is "
+            "left alone), or remove it yourself"
+        ) from None

@@ -1,4 +1,4 @@
-"""Open a store lazily as an xarray Dataset, check it against schema v1, describe it."""
+"""Open a store lazily as an xarray Dataset, check it against schema v1 and its chunks, describe it."""
 from __future__ import annotations
 
 import math
@@ -8,29 +8,23 @@ import xarray as xr
 import zarr
 
 from . import schema
-from .errors import IncompleteStoreError, StoreError, StoreNotFoundError
+from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreNotFoundError
+from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
-from .writer import PROGRESS_GROUP
+from .state import ABSENT, DAMAGED, FOREIGN_ZARR, PROGRESS_GROUP, REMNANT, STORE, inspect
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
 
 
 def open_group_checked(location: Location, mode: str = "r", consolidated: bool | None = None) -> zarr.Group:
-    """The store's root group, after checking that it exists and is an orthosphere store we can read.
+    """The store's root group, after checking that it exists and is a created orthosphere store we can read.
 
     consolidated=False reads every array's own metadata (what validate needs); None uses the
     consolidated copy when there is one.
     """
-    if not location.exists():
-        raise StoreNotFoundError(
-            f"no store at {location.url}: the path does not exist; check it, or create a store "
-            "with `orthosphere extract`"
-        )
-    if not location.is_zarr():
-        raise StoreError(
-            f"{location.url} is not a Zarr store (no zarr.json at its root): give the path of a store "
-            "written by orthosphere"
-        )
+    found = inspect(location)
+    if found.kind != STORE:
+        raise not_a_store_error(location, found.kind)
     try:
         with zarr_quietly():
             group = zarr.open_group(
@@ -39,11 +33,6 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise StoreError(f"{location.url} is not a readable Zarr v3 group: {error}") from error
     version = group.attrs.get("schema")
-    if version is None:
-        raise StoreError(
-            f"{location.url} is a Zarr store but not an orthosphere store (no 'schema' attribute); "
-            "open it with zarr or xarray directly"
-        )
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise StoreError(
             f"{location.url} has schema attribute {version!r}, not a schema version (a positive integer): "
@@ -57,21 +46,45 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
     return group
 
 
+def not_a_store_error(location: Location, kind: str) -> StoreError:
+    """The error for a URL that holds no created orthosphere store (`kind`: see ``state``)."""
+    if kind == ABSENT:
+        return StoreNotFoundError(
+            f"no store at {location.url}: the path does not exist; check it, or create a store with `orthosphere extract`"
+        )
+    what = {
+        REMNANT: "is a store whose creation was interrupted (nothing was written to it): rerun the job that makes it, "
+                 "with --resume (or --overwrite)",
+        DAMAGED: f"is a damaged orthosphere store: its progress record {PROGRESS_GROUP}/shard_complete is missing, so "
+                 "no shard can be trusted; replace it (`orthosphere extract ... --overwrite`)",
+        FOREIGN_ZARR: "is a Zarr store but not an orthosphere store (no 'schema' attribute); open it with zarr or "
+                      "xarray directly",
+    }.get(kind, "is not a Zarr store (no zarr.json at its root): give the path of a store written by orthosphere")
+    return StoreError(f"{location.url} {what}")
+
+
 def read_attrs(url, storage_options: dict | None = None) -> dict:
     """The store's root attributes (model, task, sites, ...), without opening the arrays."""
     return dict(open_group_checked(as_location(url, storage_options)).attrs)
 
 
 def completeness(group: zarr.Group) -> dict:
-    """How many shards are complete, and whether the job finished."""
+    """How many shards are complete, and whether the job finished: `complete` set, and the
+    metadata consolidated in the same write."""
     done = group[f"{PROGRESS_GROUP}/shard_complete"][:]
-    return {"complete": bool(group.attrs.get("complete")), "shards_done": int(done.sum()), "shards_total": int(done.size)}
+    finished = bool(group.attrs.get("complete")) and group.metadata.consolidated_metadata is not None
+    return {"complete": finished, "shards_done": int(done.sum()), "shards_total": int(done.size)}
 
 
 def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None,
-               samples_per_block: int | None = None) -> xr.Dataset:
+               samples_per_block: int | None = None, check_chunks: bool = True) -> xr.Dataset:
     """The store as a lazy, Dask-backed xarray Dataset, in Dask blocks of `samples_per_block`
-    samples (a multiple of the store's chunk length; default: one chunk)."""
+    samples (a multiple of the store's chunk length; default: one chunk).
+
+    Every chunk the store promises (every chunk of each complete shard, the weight maps, the index
+    coordinates) is checked to be there and of its size first (one listing of the store;
+    check_chunks=False skips it), and reads raise DamagedStoreError, naming the array and chunk,
+    where a promised chunk is missing, truncated or fails its checksum."""
     location = as_location(url, storage_options)
     group = open_group_checked(location)
     state = completeness(group)
@@ -86,15 +99,28 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
             "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
         )
+    promised = _promises(group)
+    if check_chunks:
+        damage = find_damage(group, promised, location.list_files())
+        if damage:
+            raise DamagedStoreError.of(location.url, damage)
     chunks = {"sample": samples_per_block} if samples_per_block else {}
+    guarded = GuardedStore(location.zarr_store(read_only=True), location.url, promised)
     with zarr_quietly():
-        return xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks=chunks)
+        return xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
 
 
-def validate(url, storage_options: dict | None = None) -> list[str]:
-    """Every way the store departs from schema v1; empty when valid."""
+def _promises(group: zarr.Group) -> dict:
+    progress = group[PROGRESS_GROUP]
+    return promises(group, dict(group.attrs), progress["shard_complete"][:], bool(progress["weights_written"][0]))
+
+
+def validate(url, storage_options: dict | None = None, full: bool = False) -> list[str]:
+    """Every way the store departs from schema v1, and every chunk it promises that is missing or
+    of the wrong size (with `full`: that does not decode, checksums included); empty when valid."""
+    location = as_location(url, storage_options)
     try:
-        group = open_group_checked(as_location(url, storage_options), consolidated=False)
+        group = open_group_checked(location, consolidated=False)
     except StoreError as error:
         return [str(error)]
     attrs = dict(group.attrs)
@@ -112,7 +138,13 @@ def validate(url, storage_options: dict | None = None) -> list[str]:
         problems += _variable_problems(group, name, var.dims, schema.resolved_dtype(var, attrs["dtype"]), sizes)
     for name in attrs["labels"]:
         problems += _variable_problems(group, name, schema.PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
-    state = completeness(group)
+    if problems:
+        return problems
+    promised = _promises(group)
+    if full:
+        group = guarded_group(location, promised)
+    problems += [str(damage) for damage in find_damage(group, promised, location.list_files(), decode=full)]
+    state = completeness(open_group_checked(location))
     if not state["complete"]:
         problems.append(f"incomplete: {state['shards_done']} of {state['shards_total']} shards complete, job not finished")
     return problems

@@ -1,27 +1,38 @@
-"""Create a store, write blocks of samples into their shards, record progress, finish."""
+"""Create a store, write blocks of samples into their shards, record progress, finish.
+
+Crash safety: the store's lock is taken first; the root (zarr.json with every attribute) is
+written next, then the arrays, then the progress record, and the metadata is consolidated, so
+that whatever a kill leaves is either a created store or a remnant that a job may replace (see
+``state``). A shard is marked complete only after its chunks are written; ``complete`` is set
+last, in the same write as the consolidated metadata, and only after a check that every chunk
+of every shard is there. Every chunk ends with a CRC-32C checksum.
+"""
 from __future__ import annotations
 
+import logging
 import math
+import os
+import shutil
 
 import numpy as np
 import zarr
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import schema
-from .errors import IncompleteStoreError, StoreError, StoreExistsError
-from .location import Location, as_location, group_arrays, zarr_quietly
-from .lock import acquire_lock, release_lock
+from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreExistsError, StoreLockedError
+from .faults import crash_point
+from .integrity import Damage, find_damage, guarded_group, promises
+from .location import Location, as_location, commit_metadata, group_arrays
+from .lock import Heartbeat, acquire_lock, release_lock
 from .provenance import provenance
+from .state import ABSENT, EMPTY, FOREIGN_ZARR, LOCK_FILES, PROGRESS_GROUP, REMNANT, Found, inspect
 
-PROGRESS_GROUP = "_progress"
 TARGET_CHUNK_BYTES = 4 * 2**20
 CODECS = ("none", "zstd")
+COORDINATE_BLOCK = 2**20
+"""Index coordinates are written this many values at a time (memory stays flat in the sample count)."""
 
-
-
-def consolidate(group: zarr.Group) -> None:
-    with zarr_quietly():
-        zarr.consolidate_metadata(group.store)
+log = logging.getLogger("orthosphere.store")
 
 
 def samples_per_chunk_for(variables: dict, sizes: dict, dtype: str) -> int:
@@ -63,7 +74,10 @@ def create_store(
     command: str | None = None,
     storage_options: dict | None = None,
 ) -> StoreWriter:
-    """Create an empty store of schema v1 and return its writer, which holds the store's lock."""
+    """Create an empty store of schema v1 and return its writer, which holds the store's lock.
+
+    overwrite=True replaces a store (or the remnant of an interrupted creation) at `url`;
+    break_lock=True breaks a lock that looks alive (a stale one is broken anyway)."""
     location = as_location(url, storage_options)
     model = schema.check_model(model)
     sites = schema.check_sites(sites)
@@ -74,56 +88,42 @@ def create_store(
     _check_count("n_pos", n_pos)
     if codec not in CODECS:
         raise StoreError(f"codec {codec!r}: expected one of {list(CODECS)}")
-    _make_room(location, overwrite, break_lock)
-
     sizes = schema.dim_sizes(model, n_samples, n_pos, len(layers))
     variables = schema.variables_for(sites, with_weights)
     if samples_per_chunk is None:
         samples_per_chunk = samples_per_chunk_for(variables, sizes, dtype)
     _check_count("samples_per_chunk", samples_per_chunk)
+    _check_room(location, variables, sizes, dtype)
     shards = shard_bounds(n_samples, samples_per_chunk, n_shards)
 
-    group = zarr.open_group(location.zarr_store(read_only=False), mode="w", zarr_format=3)
-    acquire_lock(location, break_lock=True)
-    compressors = None if codec == "none" else ZstdCodec(level=1)
-    for name, var in variables.items():
-        group.create_array(
-            name,
-            shape=tuple(sizes[d] for d in var.dims),
-            chunks=_chunks(var.dims, sizes, samples_per_chunk),
-            dtype=schema.resolved_dtype(var, dtype),
-            dimension_names=var.dims,
-            fill_value=0,
-            compressors=compressors,
-            # Activations are never all zero: skip zarr's scan for empty chunks on every write.
-            config={"write_empty_chunks": True},
-        )
-    _create_labels(group, labels, sizes, samples_per_chunk)
-    _create_index_coords(group, sizes, layers)
-    progress = group.create_group(PROGRESS_GROUP)
-    progress.create_array("shard_complete", shape=(len(shards),), chunks=(1,), dtype="bool", fill_value=False)
-    progress.create_array("weights_written", shape=(1,), chunks=(1,), dtype="bool", fill_value=False)
-    group.attrs.update(
-        {
-            "schema": schema.SCHEMA_VERSION,
-            "model": model,
-            "task": task,
-            "sites": list(sites),
-            "layers": layers,
-            "dtype": dtype,
-            "labels": labels,
-            "with_weights": with_weights,
-            "n_samples": n_samples,
-            "n_pos": n_pos,
-            "samples_per_chunk": samples_per_chunk,
-            "shards": shards,
-            "codec": codec,
-            "complete": False,
+    holder = _make_room(location, overwrite, break_lock)
+    try:
+        group = zarr.create_group(location.zarr_store(read_only=False), zarr_format=3, attributes={
+            "schema": schema.SCHEMA_VERSION, "model": model, "task": task, "sites": list(sites), "layers": layers,
+            "dtype": dtype, "labels": labels, "with_weights": with_weights, "n_samples": n_samples, "n_pos": n_pos,
+            "samples_per_chunk": samples_per_chunk, "shards": shards, "codec": codec, "complete": False,
             "provenance": provenance(command),
-        }
-    )
-    consolidate(group)
-    return StoreWriter(location, group, holds_lock=True)
+        })
+        crash_point("root-written")
+        compressors = (Crc32cCodec(),) if codec == "none" else (ZstdCodec(level=1), Crc32cCodec())
+        for name, var in variables.items():
+            group.create_array(
+                name, shape=tuple(sizes[d] for d in var.dims), chunks=_chunks(var.dims, sizes, samples_per_chunk),
+                dtype=schema.resolved_dtype(var, dtype), dimension_names=var.dims, fill_value=0,
+                compressors=compressors,
+            )
+            crash_point("array-created")
+        _create_labels(group, labels, sizes, samples_per_chunk)
+        _create_index_coords(group, sizes, layers)
+        progress = group.create_group(PROGRESS_GROUP)
+        progress.create_array("weights_written", shape=(1,), chunks=(1,), dtype="bool", fill_value=False)
+        progress.create_array("shard_complete", shape=(len(shards),), chunks=(1,), dtype="bool", fill_value=False)
+        crash_point("progress-created")
+        group = commit_metadata(location)
+    except BaseException:
+        release_lock(location)
+        raise
+    return StoreWriter(location, group, holder)
 
 
 def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_options: dict | None = None) -> StoreWriter:
@@ -132,23 +132,32 @@ def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_opt
     from .reader import open_group_checked
 
     group = open_group_checked(location, mode="r+")
-    if lock:
-        acquire_lock(location, break_lock=break_lock)
-    return StoreWriter(location, group, holds_lock=lock)
+    holder = acquire_lock(location, break_lock=break_lock) if lock else None
+    return StoreWriter(location, group, holder)
 
 
 class StoreWriter:
-    """Writes blocks of samples into a store; one shard's blocks never touch another shard's chunks."""
+    """Writes blocks of samples into a store; one shard's blocks never touch another shard's chunks.
 
-    def __init__(self, location: Location, group: zarr.Group, holds_lock: bool):
+    A writer that holds the store's lock keeps its heartbeat going, and stops writing (raises
+    StoreLockedError) if another writer broke the lock."""
+
+    def __init__(self, location: Location, group: zarr.Group, holder: dict | None):
         self.location = location
         self.group = group
         self.attrs = dict(group.attrs)
-        self.holds_lock = holds_lock
+        self.holder = holder
+        self.heartbeat = Heartbeat(location, holder) if holder is not None else None
+        self._written: dict[int, set[str]] = {}
+        self._writable: dict[str, zarr.Array] = {}
 
     @property
     def url(self) -> str:
         return self.location.url
+
+    @property
+    def holds_lock(self) -> bool:
+        return self.holder is not None
 
     @property
     def shards(self) -> list[tuple[int, int]]:
@@ -156,6 +165,9 @@ class StoreWriter:
 
     def shard_complete(self) -> np.ndarray:
         return self.group[f"{PROGRESS_GROUP}/shard_complete"][:]
+
+    def weights_written(self) -> bool:
+        return bool(self.group[f"{PROGRESS_GROUP}/weights_written"][0])
 
     def pending_shards(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(~self.shard_complete())]
@@ -172,11 +184,12 @@ class StoreWriter:
 
     def write(self, start: int, arrays: dict) -> None:
         """Write samples [start, start + n) of every named array (sample first, all stored layers)."""
+        self._check_lock()
         lengths = {len(values) for values in arrays.values()}
         if len(lengths) != 1:
             raise StoreError(f"arrays written together must have the same sample count, got {sorted(lengths)}")
         stop = start + lengths.pop()
-        self.shard_of(start, stop)
+        self._written.setdefault(self.shard_of(start, stop), set()).update(arrays)
         for name, values in arrays.items():
             target = self._array(name)
             expected = (stop - start,) + target.shape[1:]
@@ -189,13 +202,14 @@ class StoreWriter:
 
     def write_weights(self, arrays: dict) -> None:
         """Write the per-layer attention maps (all of w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)."""
+        self._check_lock()
         if not self.attrs["with_weights"]:
             raise StoreError(f"store {self.url} was created with with_weights=False")
         missing = sorted(set(schema.WEIGHT_VARIABLES) - set(arrays))
         if missing:
             raise StoreError(f"write_weights needs every map; missing {missing}")
         for name in schema.WEIGHT_VARIABLES:
-            target = self.group[name]
+            target = writable(self.group, name)
             if tuple(arrays[name].shape) != target.shape:
                 raise StoreError(
                     f"weights {name!r} have shape {tuple(arrays[name].shape)}: expected {target.shape} "
@@ -205,28 +219,80 @@ class StoreWriter:
         self.group[f"{PROGRESS_GROUP}/weights_written"][0] = True
 
     def mark_shard_complete(self, index: int) -> None:
+        """Record the shard complete. Per-sample arrays this writer did not write in the shard get
+        their fill value (0; labels: not applicable) first, so that a complete shard has every chunk."""
+        self._check_lock()
+        start, stop = self.shards[index]
+        for name in sorted(set(self.per_sample_names()) - self._written.pop(index, set())):
+            target = self._array(name)
+            for first in range(start, stop, self.attrs["samples_per_chunk"]):
+                last = min(first + self.attrs["samples_per_chunk"], stop)
+                target[first:last] = np.full((last - first,) + target.shape[1:], target.fill_value, dtype=target.dtype)
         self.group[f"{PROGRESS_GROUP}/shard_complete"][index] = True
 
+    def is_finished(self) -> bool:
+        """Whether the job finished: `complete` set, with the metadata consolidated."""
+        return bool(self.group.attrs.get("complete")) and self.group.metadata.consolidated_metadata is not None
+
+    def find_damage(self, decode: bool = False) -> list[Damage]:
+        """The chunks that complete shards (and written weights) promise but that are missing or
+        of the wrong size (with `decode`: that do not decode). The lock holder also removes the
+        temporary files of writes that a kill interrupted."""
+        files = self.location.list_files()
+        if self.holds_lock:
+            for key in [key for key in files if key.endswith(".partial")]:
+                self.location.remove_entry(key)
+        promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
+        group = guarded_group(self.location, promised) if decode else self.group
+        return find_damage(group, promised, files, decode=decode)
+
+    def reopen(self, damage: list[Damage]) -> list[int]:
+        """Mark the store incomplete and the shards (or weights) holding damaged chunks unwritten,
+        so that resuming the job rewrites them; index coordinates are rewritten here. Returns the
+        shards reopened."""
+        self._check_lock()
+        self.group.attrs["complete"] = False
+        self.attrs["complete"] = False
+        shards = sorted({item.shard for item in damage if item.shard is not None})
+        for index in shards:
+            self.group[f"{PROGRESS_GROUP}/shard_complete"][index] = False
+        if any(item.array in schema.WEIGHT_VARIABLES for item in damage):
+            self.group[f"{PROGRESS_GROUP}/weights_written"][0] = False
+        if any(item.array in schema.DIM_NAMES for item in damage):
+            _write_index_coords(self.group, self.attrs)
+        return shards
+
     def finish(self) -> None:
-        """Mark the store complete (every shard done, weights written) and consolidate metadata."""
+        """Mark the store complete (every shard done, weights written, every chunk there) and
+        consolidate its metadata, in that order."""
+        self._check_lock()
         pending = self.pending_shards()
         if pending:
             raise IncompleteStoreError(
                 f"cannot finish {self.url}: {len(pending)} of {len(self.shards)} shards are not complete "
                 f"(shards {pending[:10]}{'...' if len(pending) > 10 else ''}); write them, then finish"
             )
-        if self.attrs["with_weights"] and not self.group[f"{PROGRESS_GROUP}/weights_written"][0]:
+        if self.attrs["with_weights"] and not self.weights_written():
             raise IncompleteStoreError(f"cannot finish {self.url}: the attention maps were never written (write_weights)")
-        self.group.attrs["complete"] = True
-        self.attrs["complete"] = True
-        consolidate(self.group)
+        damage = self.find_damage()
+        if damage:
+            self.reopen(damage)
+            raise DamagedStoreError.of(self.url, damage)
+        group = commit_metadata(self.location)
+        crash_point("finish-consolidated")
+        group.attrs["complete"] = True
+        self.group, self.attrs["complete"] = group, True
+        crash_point("finished")
         self.close()
 
     def close(self) -> None:
         """Give the lock back; an unfinished store stays marked incomplete."""
-        if self.holds_lock:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.holder is not None:
             release_lock(self.location)
-            self.holds_lock = False
+            self.holder = None
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -234,16 +300,32 @@ class StoreWriter:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _array(self, name: str) -> zarr.Array:
-        array = self.group.get(name) if name != "sample" else None
-        if not isinstance(array, zarr.Array) or array.metadata.dimension_names[0] != "sample":
-            raise StoreError(
-                f"store {self.url} has no per-sample array {name!r}: expected one of {self.per_sample_names()}"
+    def _check_lock(self) -> None:
+        if self.heartbeat is not None and self.heartbeat.lost:
+            raise StoreLockedError(
+                f"the lock of {self.url} was broken by another writer: this job stopped writing; "
+                "resume it (--resume) once the other writer is done"
             )
-        return array
+
+    def _array(self, name: str) -> zarr.Array:
+        if name not in self._writable:
+            array = self.group.get(name) if name != "sample" else None
+            if not isinstance(array, zarr.Array) or array.metadata.dimension_names[0] != "sample":
+                raise StoreError(
+                    f"store {self.url} has no per-sample array {name!r}: expected one of {self.per_sample_names()}"
+                )
+            self._writable[name] = writable(self.group, name)
+        return self._writable[name]
 
     def per_sample_names(self) -> list[str]:
         return sorted(name for name, array in group_arrays(self.group) if name != "sample" and array.metadata.dimension_names[0] == "sample")
+
+
+def writable(group: zarr.Group, name: str) -> zarr.Array:
+    """The array, opened so that every chunk is written, even one equal to the fill value: a
+    missing chunk is then always damage."""
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        return group[name]
 
 
 def _check_count(name: str, value) -> None:
@@ -265,23 +347,72 @@ def _check_layers(layers, n_layers: int) -> list[int]:
     return layers
 
 
-def _make_room(location: Location, overwrite: bool, break_lock: bool) -> None:
-    """Refuse to replace an existing store unless asked; never delete what is not a store."""
-    if not location.exists():
+def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
+    """Take the lock of a new store; replace an existing one (or a remnant) only when asked;
+    never delete what is not a store. Returns the lock's holder."""
+    found = inspect(location)
+    refuse_foreign(location, found)
+    if found.kind in (ABSENT, EMPTY):
+        holder = acquire_lock(location, break_lock=break_lock)
+    elif not overwrite:
+        raise StoreExistsError(_exists_message(location, found))
+    else:
+        holder = acquire_lock(location, break_lock=break_lock)
+    crash_point("lock-taken")
+    if found.is_ours:
+        location.clear(keep=LOCK_FILES)
+        crash_point("cleared")
+    return holder
+
+
+def refuse_foreign(location: Location, found: Found) -> None:
+    """Raise unless the URL holds nothing, or a store (or remnant) that a job may replace."""
+    if found.kind in (ABSENT, EMPTY) or found.is_ours:
         return
-    if location.is_zarr():
-        if not overwrite:
-            raise StoreExistsError(
-                f"a store already exists at {location.url}: pass overwrite=True (CLI: --overwrite) "
-                "to replace it, or resume it (CLI: --resume)"
-            )
-        acquire_lock(location, break_lock=break_lock)
-        location.remove()
-    elif not location.is_empty_dir():
-        raise StoreError(
-            f"{location.url} exists and is not a Zarr store; refusing to write into it or delete it: "
-            "choose a new path"
+    kind = "a Zarr store that orthosphere did not write" if found.kind == FOREIGN_ZARR else "not a Zarr store"
+    raise StoreError(f"{location.url} exists and is {kind}; refusing to write into it or delete it: choose a new path")
+
+
+def _exists_message(location: Location, found: Found) -> str:
+    if found.kind == REMNANT:
+        return (
+            f"{location.url} holds a store whose creation was interrupted (nothing was written to it): pass "
+            "overwrite=True (CLI: --overwrite, or --resume, which starts it afresh) to replace it"
         )
+    state = "complete" if found.attrs.get("complete") else "incomplete"
+    return (
+        f"a store already exists at {location.url} ({state}): pass overwrite=True (CLI: --overwrite) "
+        "to replace it, or resume it (CLI: --resume)"
+    )
+
+
+def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) -> None:
+    """Refuse a local store larger than the free space of its filesystem, before anything is written."""
+    if not location.is_local:
+        return
+    per_sample = sum(
+        math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(schema.resolved_dtype(var, dtype)).itemsize
+        for var in variables.values() if var.dims[0] == "sample"
+    )
+    needed = per_sample * sizes["sample"]
+    folder = location.local_path
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise StoreError(
+            f"n_samples={sizes['sample']} (CLI: --samples): the store would need {_bytes(needed)} "
+            f"({_bytes(per_sample)} a sample) but {folder} has {_bytes(free)} free; ask for fewer samples, "
+            "sites or layers, or write it elsewhere"
+        )
+
+
+def _bytes(count: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB", "PB"):
+        if count < 1000 or unit == "PB":
+            return f"{count:,.0f} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
+        count /= 1000
+    return ""
 
 
 def _chunks(dims, sizes: dict, samples_per_chunk: int) -> tuple[int, ...]:
@@ -294,23 +425,36 @@ def _chunks(dims, sizes: dict, samples_per_chunk: int) -> tuple[int, ...]:
 def _create_labels(group: zarr.Group, labels: dict, sizes: dict, samples_per_chunk: int) -> None:
     for name, dtype in labels.items():
         missing = schema.label_missing_value(dtype)
-        array = group.create_array(
+        group.create_array(
             name,
             shape=(sizes["sample"], sizes["pos"]),
             chunks=(samples_per_chunk, sizes["pos"]),
             dtype=dtype,
             dimension_names=schema.PER_SAMPLE_DIMS,
             fill_value=missing,
+            compressors=(ZstdCodec(level=1), Crc32cCodec()),
+            attributes={"not_applicable": missing},
         )
-        array.attrs["not_applicable"] = missing
     if labels:
         # xarray reads the names listed in a variable's "coordinates" attribute as coordinates.
         group["tokens"].attrs["coordinates"] = " ".join(labels)
 
 
 def _create_index_coords(group: zarr.Group, sizes: dict, layers: list[int]) -> None:
-    values = {dim: np.arange(sizes[dim]) for dim in schema.DIM_NAMES if dim != "layer"}
-    values["layer"] = np.asarray(layers)
-    for dim, coord in values.items():
-        array = group.create_array(dim, shape=coord.shape, dtype="int64", dimension_names=(dim,))
-        array[...] = coord
+    for dim in schema.DIM_NAMES:
+        length = len(layers) if dim == "layer" else sizes[dim]
+        group.create_array(dim, shape=(length,), chunks=(min(length, COORDINATE_BLOCK),), dtype="int64",
+                           dimension_names=(dim,), compressors=(Crc32cCodec(),))
+    _write_index_coords(group, group.attrs)
+
+
+def _write_index_coords(group: zarr.Group, attrs) -> None:
+    """The index coordinates' values: 0..n-1, the stored layers for `layer`."""
+    for dim in schema.DIM_NAMES:
+        array = writable(group, dim)
+        if dim == "layer":
+            array[...] = np.asarray(attrs["layers"])
+            continue
+        for start in range(0, array.shape[0], COORDINATE_BLOCK):
+            stop = min(start + COORDINATE_BLOCK, array.shape[0])
+            array[start:stop] = np.arange(start, stop)

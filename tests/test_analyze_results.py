@@ -102,3 +102,36 @@ def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     assert result.exit_code == 0, result.output
     local = analyze(store, only=["norms"], options={"sites": ["resid_pre", "k"]})
     np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)
+
+
+class Killed(Exception):
+    """Stands for a kill: write_results stops where it is, with no clean-up."""
+
+
+def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp_path, monkeypatch):
+    out = tmp_path / "results.zarr"
+    analyze(store, out, only=["norms", "neighbours"], options={"layers": [0], "norms.sites": ["resid_pre"]})
+    before = open_results(out).load()
+
+    def kill(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr("orthosphere.analyze.results.commit_metadata", kill)  # new group written, not yet listed
+    with pytest.raises(Killed):
+        analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "n_bootstrap": 0})
+    after = open_results(out).load()
+    assert set(after.children) == {"norms", "neighbours"} and after.attrs["analyses"] == ["norms", "neighbours"]
+    xr.testing.assert_identical(after["neighbours"].to_dataset(), before["neighbours"].to_dataset())
+    xr.testing.assert_identical(after["norms/resid_pre"].to_dataset(), before["norms/resid_pre"].to_dataset())
+
+    monkeypatch.setattr("orthosphere.analyze.results._write_group", kill)  # while replacing neighbours
+    with pytest.raises(Killed):
+        analyze(store, out, only=["neighbours"], options={"layers": [1]})
+    after = open_results(out).load()
+    assert set(after.children) == {"norms"}  # only the analysis being replaced is lost
+    xr.testing.assert_identical(after["norms/resid_pre"].to_dataset(), before["norms/resid_pre"].to_dataset())
+
+    monkeypatch.undo()
+    analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "n_bootstrap": 0})
+    assert set(open_results(out).children) == {"norms", "subspaces"}
+    assert sorted(path.name for path in out.iterdir()) == ["norms", "subspaces", "zarr.json"]

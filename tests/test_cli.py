@@ -1,11 +1,17 @@
-"""The command line: help for every verb, `info`, clean errors, the Dask back-end options."""
+"""The command line: help for every verb, `info`, `validate`, the Dask back-end options, and every
+bad input as one clear line."""
 import json
+import os
+import shutil
 
 import pytest
 from click.testing import CliRunner
 
-from orthosphere.workflows.cli import main
-from tests.test_store import fill, make_store
+from orthosphere.store import IncompleteStoreError, open_store
+from orthosphere.store.lock import LOCK_NAME
+from orthosphere.workflows.cli import layer_list, main
+from tests.test_extract_models import write_arithmetic_model, write_hf_model
+from tests.test_store import fill, foreign_lock, make_store
 
 
 @pytest.fixture
@@ -48,3 +54,131 @@ def test_info_on_missing_store_is_one_clear_line(tmp_path):
 def test_workers_and_scheduler_are_exclusive(store):
     result = CliRunner().invoke(main, ["--workers", "2", "--scheduler", "tcp://127.0.0.1:1", "info", store])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_layers_parse_and_bad_layers_are_one_line(store):
+    assert layer_list(None, None, "0,2,5-7") == (0, 2, 5, 6, 7)
+    for text, detail in [("0,x", "'x' is not a layer index or range"), ("5-3", "the range '5-3' runs backwards"), (",", "no layers given")]:
+        result = CliRunner().invoke(main, ["analyze", store, "--out", "unused.zarr", "--layers", text])
+        assert result.exit_code == 2 and f"Invalid value for '--layers': '{text}': {detail}" in result.output
+
+
+# Every bad input: one line naming the input, no traceback (only with -v), nothing lost ----------
+
+def run(*arguments):
+    return CliRunner().invoke(main, [str(argument) for argument in arguments])
+
+
+def error_line(result) -> str:
+    """The one line of the error (exit status 1, no traceback)."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_arithmetic_model(tmp_path_factory.mktemp("cli") / "model")
+
+
+def extract_arguments(model, out, *more):
+    return ["extract", model, "--task", "arithmetic:split=test,seed=3", "--device", "cpu", "--out", out, *more]
+
+
+def test_absurd_sample_count(tmp_path, model_dir):
+    out = tmp_path / "store.zarr"
+    line = error_line(run(*extract_arguments(model_dir, out, "--samples", 10**12)))
+    assert "n_samples=1000000000000 (CLI: --samples): the store would need" in line and "free; ask for fewer" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("option", ["--samples", "--samples-per-chunk", "--batch-size", "--shards"])
+def test_counts_that_are_not_positive(tmp_path, model_dir, option):
+    arguments = extract_arguments(model_dir, tmp_path / "store.zarr", option, 0)
+    if option != "--samples":
+        arguments += ["--samples", 8]
+    assert error_line(run(*arguments)) == f"Error: {option} 0: expected a positive integer"
+    assert not (tmp_path / "store.zarr").exists()
+
+
+def test_truncated_weights(tmp_path, model_dir):
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = error_line(run(*extract_arguments(model, tmp_path / "store.zarr", "--samples", 8)))
+    assert f"weights file {weights} cannot be read (" in line and "truncated, damaged or not a safetensors file" in line
+    assert not (tmp_path / "store.zarr").exists()
+
+
+def test_binary_text_input(tmp_path):
+    model = write_hf_model(tmp_path / "llama", "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"the cat sat\n\x89PNG\r\n\x1a\n\x00\xff binary\n")
+    result = run("extract", model, "--task", f"text:path={corpus}", "--device", "cpu", "--out", tmp_path / "s.zarr")
+    assert error_line(result) == (f"Error: text file {corpus} is not UTF-8 text: line 2 holds bytes that do not decode "
+                                  "(invalid start byte at byte 0 of the line); convert it to UTF-8, or give a text file")
+
+
+def test_option_value_that_does_not_parse(store, tmp_path):
+    result = run("analyze", store, "--out", tmp_path / "results.zarr", "--option", "replay.levels=abc")
+    assert error_line(result) == ("Error: option replay.levels='abc': expected a number or a list of numbers strictly "
+                                  "between 0 and 1 (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]")
+    assert not (tmp_path / "results.zarr").exists()
+
+
+def test_analysing_a_store_with_a_deleted_chunk(store, tmp_path):
+    os.unlink(os.path.join(store, "q", "c", "2", "1", "0", "0", "0"))
+    line = error_line(run("analyze", store, "--out", tmp_path / "results.zarr", "--only", "norms"))
+    assert line.startswith(f"Error: store {store} is damaged (1 chunk): array 'q' chunk (2, 1, 0, 0, 0) "
+                           "(samples 4-5, layer 1): missing. To repair it, resume the job that wrote it")
+
+
+def test_analysing_a_store_with_an_overwritten_chunk(store, tmp_path):
+    path = os.path.join(store, "k", "c", "0", "2", "0", "0", "0")
+    with open(path, "r+b") as handle:
+        handle.write(b"\x00" * 8)
+    line = error_line(run("analyze", store, "--out", tmp_path / "results.zarr", "--only", "norms"))
+    assert ("array 'k' chunk (0, 2, 0, 0, 0) (samples 0-1, layer 2): fails its CRC-32C checksum (overwritten or "
+            f"corrupted). To repair it, `orthosphere validate {store} --full --reopen`") in line
+
+
+def test_validate_lists_damage_and_reopens_its_shards(store):
+    assert run("validate", store).output.strip() == f"store {store} is valid: every chunk is there"
+    os.unlink(os.path.join(store, "resid_pre", "c", "5", "0", "0", "0"))
+    with open(os.path.join(store, "v", "c", "1", "0", "0", "0", "0"), "r+b") as handle:
+        handle.write(b"\x01" * 4)
+    fast = run("validate", store)
+    assert fast.output.splitlines()[0] == "array 'resid_pre' chunk (5, 0, 0, 0) (sample 10, layer 0): missing"
+    assert error_line(fast) == f"Error: store {store} has 1 problem(s), listed above"
+    full = run("validate", store, "--full")
+    assert "array 'v' chunk (1, 0, 0, 0, 0) (samples 2-3, layer 0): fails its CRC-32C checksum" in full.output
+    assert error_line(full) == f"Error: store {store} has 2 problem(s), listed above"
+    reopened = run("validate", store, "--full", "--reopen")
+    assert reopened.exit_code == 0 and "reopened shard(s) [0, 2]: resume the job" in reopened.output
+    with pytest.raises(IncompleteStoreError, match="2 of 3 shards are missing"):
+        open_store(store)
+
+
+def test_break_lock(tmp_path, model_dir):
+    out = tmp_path / "store.zarr"
+    assert run(*extract_arguments(model_dir, out, "--samples", 8)).exit_code == 0
+    foreign_lock(str(out), seconds_ago=3)
+    line = error_line(run(*extract_arguments(model_dir, out, "--samples", 8, "--resume")))
+    assert "is locked by a running writer: pid 4242 on gpu-node-7" in line and "pass --break-lock" in line
+    result = run(*extract_arguments(model_dir, out, "--samples", 8, "--resume", "--break-lock"))
+    assert result.exit_code == 0 and "already complete (8 samples): nothing to do" in result.output
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_unexpected_errors_are_one_line_and_traceback_with_verbose(store, monkeypatch):
+    def broken(url):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr("orthosphere.workflows.cli.info", broken)
+    assert error_line(run("info", store)) == ("Error: unexpected RuntimeError: boom second line (run with -v for the "
+                                              "traceback; please report it)")
+    verbose = run("-v", "info", store)
+    assert verbose.exit_code == 1 and isinstance(verbose.exception, RuntimeError)

@@ -9,8 +9,10 @@ uninterrupted run, and a further resume must do nothing.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -18,20 +20,21 @@ import numpy as np
 import pytest
 import zarr
 
-from orthosphere.store import open_store, read_attrs
+from orthosphere.store import DamagedStoreError, StoreError, open_store, read_attrs
 from tests.test_extract_models import write_arithmetic_model
 
 N_SAMPLES, SAMPLES_PER_CHUNK, N_SHARDS = 30, 4, 4  # shards of 8, 8, 8 and 6 samples
 CLI = os.path.join(os.path.dirname(sys.executable), "orthosphere")
 
 
-def run_cli(model, out, crash_at=None, resume=False):
+def run_cli(model, out, crash_at=None, resume=False, extra=()):
     arguments = [CLI, "extract", str(model),
                  "--task", "arithmetic:split=test,seed=2", "--samples", str(N_SAMPLES), "--out", str(out),
                  "--samples-per-chunk", str(SAMPLES_PER_CHUNK), "--shards", str(N_SHARDS),
                  "--batch-size", "3", "--device", "cpu"]
     if resume:
         arguments.append("--resume")
+    arguments.extend(extra)
     environment = {key: value for key, value in os.environ.items() if key != "ORTHOSPHERE_CRASH_AT"}
     if crash_at:
         environment["ORTHOSPHERE_CRASH_AT"] = crash_at
@@ -79,9 +82,68 @@ def test_killed_extraction_resumes_to_a_bitwise_identical_store(tmp_path, model_
     assert resumed.returncode == 0, resumed.stderr
     assert "complete: 30 samples; ran 0 of 4 shards" in resumed.stdout and "breaking the stale lock" in resumed.stderr
     assert read_attrs(str(out))["complete"]
-    result = arrays_of(out)
+    assert_identical(out, uninterrupted)
+    again = run_cli(model_dir, out, resume=True)
+    assert again.returncode == 0 and "already complete (30 samples): nothing to do" in again.stdout
+
+
+def assert_identical(url, uninterrupted):
+    result = arrays_of(url)
     assert result.keys() == uninterrupted.keys()
     for name, values in uninterrupted.items():
         np.testing.assert_array_equal(result[name], values, err_msg=name)
-    again = run_cli(model_dir, out, resume=True)
-    assert again.returncode == 0 and "already complete (30 samples): nothing to do" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["root-written", "array-created:5", "finish-consolidated", "finished"])
+def test_kill_while_the_store_is_created_or_finished_resumes_with_one_resume(tmp_path, model_dir, uninterrupted, point):
+    out = tmp_path / "store.zarr"
+    killed = run_cli(model_dir, out, crash_at=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    if point == "finished":  # complete, only its lock left behind
+        open_store(str(out))
+    else:
+        with pytest.raises(StoreError):  # never readable as a finished store
+            open_store(str(out))
+    resumed = run_cli(model_dir, out, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_identical(out, uninterrupted)
+
+
+@pytest.mark.slow
+def test_kill_while_overwriting_leaves_a_store_that_overwrite_replaces(tmp_path, model_dir, uninterrupted):
+    out = tmp_path / "store.zarr"
+    assert run_cli(model_dir, out).returncode == 0
+    killed = run_cli(model_dir, out, crash_at="cleared", extra=["--overwrite"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    refused = run_cli(model_dir, out)
+    assert refused.returncode == 1 and "creation was interrupted (nothing was written to it): pass --resume" in refused.stderr
+    again = run_cli(model_dir, out, extra=["--overwrite"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_identical(out, uninterrupted)
+
+
+@pytest.mark.slow
+def test_remnant_of_an_older_version_is_replaced(tmp_path, model_dir, uninterrupted):
+    """The state the first version left when killed mid-creation: a root group without attributes,
+    its lock, some empty arrays."""
+    out = tmp_path / "store.zarr"
+    group = zarr.open_group(str(out), mode="w", zarr_format=3)
+    group.create_array("tokens", shape=(N_SAMPLES, 4), dtype="int32")
+    (out / ".orthosphere-lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1}))
+    resumed = run_cli(model_dir, out, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_identical(out, uninterrupted)
+
+
+@pytest.mark.slow
+def test_resume_rewrites_a_deleted_chunk_of_a_complete_store(tmp_path, model_dir, uninterrupted):
+    out = tmp_path / "store.zarr"
+    assert run_cli(model_dir, out).returncode == 0
+    os.unlink(out / "k" / "c" / "3" / "1" / "0" / "0" / "0")  # samples 12-15: shard 1
+    with pytest.raises(DamagedStoreError, match=r"array 'k' chunk \(3, 1, 0, 0, 0\) \(samples 12-15, layer 1\): missing"):
+        open_store(str(out))
+    resumed = run_cli(model_dir, out, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "rewriting shard(s) [1]" in resumed.stderr and "ran 1 of 4 shards" in resumed.stdout
+    assert_identical(out, uninterrupted)

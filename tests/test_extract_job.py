@@ -19,7 +19,6 @@ from orthosphere.extract.job import (
     WriteBehind,
     chunk_samples,
     extract,
-    parse_layers,
 )
 from orthosphere.extract.model import ConfigError
 from orthosphere.store import StoreExistsError, open_store, read_attrs
@@ -57,7 +56,6 @@ def test_task_specs_parse():
     assert (parsed.split, parsed.seed) == ("extrapolation", 7)
     assert parsed.spec.digit_lengths == (1, 2, 3) and parsed.spec.extrapolation_counts == (8, 9)
     assert parse_task("text:path=lines.txt,max_length=16") == TextData("lines.txt", 16)
-    assert parse_layers("0,2,5-7") == (0, 2, 5, 6, 7)
 
 
 @pytest.mark.parametrize("spec,detail", [
@@ -74,11 +72,6 @@ def test_task_specs_parse():
 def test_task_spec_that_does_not_parse(spec, detail):
     with pytest.raises(ConfigError, match=rf"task spec .* does not parse.*{detail}"):
         parse_task(spec)
-
-
-def test_layers_that_do_not_parse():
-    with pytest.raises(ConfigError, match="'x' is not a layer index or range"):
-        parse_layers("0,x")
 
 
 # --- data -----------------------------------------------------------------------------------------

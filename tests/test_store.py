@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import subprocess
 import sys
+import time
 import uuid
+from datetime import UTC, datetime
 
 import dask.array
 import numpy as np
@@ -13,6 +17,7 @@ import pytest
 import zarr
 
 from orthosphere.store import (
+    DamagedStoreError,
     IncompleteStoreError,
     StoreError,
     StoreExistsError,
@@ -26,6 +31,8 @@ from orthosphere.store import (
     read_attrs,
     validate,
 )
+from orthosphere.store.location import as_location
+from orthosphere.store.lock import HEARTBEAT_NAME, LOCK_NAME, STALE_SECONDS, read_lock
 from orthosphere.store.schema import WEIGHT_VARIABLES
 
 MODEL = {"family": "test", "n_layers": 3, "d_model": 8, "n_heads": 4, "n_kv_heads": 2, "d_head": 2, "attn_scale": 0.7, "causal": True}
@@ -196,6 +203,19 @@ def test_s3_round_trip(s3_bucket):
 
 # Locking -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_lock_is_created_exclusively(tmp_path, request, monkeypatch, where):
+    """Two writers that both saw no lock: only one creates it (O_EXCL locally, a conditional write on S3)."""
+    url = str(tmp_path / "store.zarr") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/runs/store.zarr"
+    fill(make_store(url))
+    foreign_lock(url, seconds_ago=0)
+    monkeypatch.setattr("orthosphere.store.lock.read_lock", lambda location: None)
+    with pytest.raises(StoreLockedError, match="locked by another writer a moment ago"):
+        open_writer(url)
+    monkeypatch.undo()
+    assert read_lock(as_location(url))["host"] == "gpu-node-7"
+
+
 HOLD_LOCK = """
 import sys, time
 from orthosphere.store import create_store
@@ -228,23 +248,101 @@ def test_lock_names_a_running_holder(tmp_path):
         holder.wait()
 
 
-def test_stale_lock_is_detected_and_can_be_broken(tmp_path):
+def test_lock_of_a_dead_process_of_this_host_is_broken_with_a_warning(tmp_path, caplog):
     url = str(tmp_path / "store.zarr")
     holder = hold_lock(url, "die")
     holder.wait()
-    with pytest.raises(StoreLockedError, match="stale lock.*break_lock=True"):
-        open_writer(url)
-    writer = open_writer(url, break_lock=True)
-    lock = json.loads((tmp_path / "store.zarr" / ".orthosphere-lock").read_text())
+    writer = open_writer(url)
+    assert f"breaking the stale lock of {url} held by pid {holder.pid}" in caplog.text
+    assert "no longer runs on this host" in caplog.text
+    lock = json.loads((tmp_path / "store.zarr" / LOCK_NAME).read_text())
     assert lock["pid"] == os.getpid()
     writer.close()
-    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+    assert not (tmp_path / "store.zarr" / LOCK_NAME).exists()
+    assert not (tmp_path / "store.zarr" / HEARTBEAT_NAME).exists()
+
+
+def foreign_lock(url, seconds_ago, token="theirs"):
+    """A lock left by a job on another host whose last heartbeat was `seconds_ago` seconds ago."""
+    location = as_location(url)
+    location.fs.makedirs(location.root, exist_ok=True)
+    since = datetime.fromtimestamp(time.time() - seconds_ago - 60, UTC).isoformat(timespec="seconds")
+    holder = {"host": "gpu-node-7", "pid": 4242, "command": "orthosphere extract ...", "since": since, "token": token}
+    location.fs.pipe_file(location.key(LOCK_NAME), json.dumps(holder).encode())
+    location.fs.pipe_file(location.key(HEARTBEAT_NAME), json.dumps({"token": token, "at": time.time() - seconds_ago}).encode())
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog, where):
+    url = str(tmp_path / "store.zarr") if where == "local" else f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
+    fill(make_store(url))
+    foreign_lock(url, seconds_ago=5)
+    with pytest.raises(StoreLockedError, match=r"running writer: pid 4242 on gpu-node-7.*last heartbeat \d+ s ago.*"
+                                               r"pass --break-lock \(break_lock=True\)"):
+        open_writer(url)
+    foreign_lock(url, seconds_ago=STALE_SECONDS + 5)
+    open_writer(url).close()
+    assert "breaking the stale lock" in caplog.text and "its last heartbeat was" in caplog.text
+    foreign_lock(url, seconds_ago=5)
+    writer = open_writer(url, break_lock=True)
+    assert "breaking the live lock" in caplog.text and read_lock(as_location(url))["pid"] == os.getpid()
+    writer.close()
+    assert read_lock(as_location(url)) is None
+
+
+def test_heartbeat_refreshes_and_a_broken_lock_stops_the_writer(tmp_path, monkeypatch):
+    monkeypatch.setattr("orthosphere.store.lock.HEARTBEAT_SECONDS", 0.05)
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    first = json.loads((tmp_path / "store.zarr" / HEARTBEAT_NAME).read_text())["at"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / "store.zarr" / HEARTBEAT_NAME).read_text())["at"] > first
+    (tmp_path / "store.zarr" / LOCK_NAME).unlink()
+    foreign_lock(url, seconds_ago=0)  # another writer broke the lock and took it
+    time.sleep(0.5)
+    with pytest.raises(StoreLockedError, match="was broken by another writer: this job stopped writing"):
+        writer.write(0, sample_block(0, 4))
+    writer.close()
+    assert read_lock(as_location(url))["host"] == "gpu-node-7"  # the other writer's lock stays
+
+
+def test_unreadable_lock_needs_break_lock(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    (tmp_path / "store.zarr" / LOCK_NAME).write_text("")  # a writer killed while taking the lock
+    with pytest.raises(StoreLockedError, match="unreadable lock file.*--break-lock"):
+        open_writer(url)
+    open_writer(url, break_lock=True).close()
+
+
+def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / "store.zarr" / LOCK_NAME).symlink_to(target)
+    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*--break-lock"):
+        open_writer(url)
+    with pytest.raises(StoreLockedError, match="is a symbolic link"):
+        make_store(url, overwrite=True)
+    open_writer(url, break_lock=True).close()
+    assert target.read_text() == "keep me" and not (tmp_path / "store.zarr" / LOCK_NAME).exists()
+
+
+def test_overwrite_through_a_symlinked_store_replaces_the_target_and_keeps_the_link(tmp_path):
+    target, link = tmp_path / "disk" / "store.zarr", tmp_path / "store.zarr"
+    fill(make_store(str(target)))
+    link.symlink_to(target, target_is_directory=True)
+    writer = make_store(str(link), overwrite=True, n_samples=4)
+    writer.close()
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert read_attrs(str(target))["n_samples"] == 4 and not (target / LOCK_NAME).exists()
 
 
 def test_finish_releases_the_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
-    assert not (tmp_path / "store.zarr" / ".orthosphere-lock").exists()
+    assert not (tmp_path / "store.zarr" / LOCK_NAME).exists()
 
 
 # Bad input -----------------------------------------------------------------------------
@@ -386,3 +484,70 @@ def test_malformed_score_terms_are_refused(score, message):
         check_model(model)
     good = {"scale": [0.5, 0.5], "sliding_window": [None, 4], "softcap": [None, 30.0], "alibi_slopes": None}
     assert check_model({**model, "score": good})["score"] == good
+
+# Damaged chunks ------------------------------------------------------------------------
+
+def chunk_path(url, array, coords):
+    return os.path.join(url, array, "c", *map(str, coords))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk(tmp_path, damage):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "q", (1, 2, 0, 0, 0))
+    if damage == "deleted":
+        os.unlink(path)
+    else:
+        with open(path, "r+b") as handle:
+            handle.truncate(10)
+    problem = "missing" if damage == "deleted" else r"has 10 bytes, expected 324 \(truncated or overwritten\)"
+    expected = rf"array 'q' chunk \(1, 2, 0, 0, 0\) \(samples 2-3, layer 2\): {problem}"
+    with pytest.raises(DamagedStoreError, match=rf"store {url} is damaged \(1 chunk\): {expected}.*--resume"):
+        open_store(url)
+    assert len(validate(url)) == 1 and re.fullmatch(expected, validate(url)[0])
+    lazy = open_store(url, check_chunks=False)
+    with pytest.raises(DamagedStoreError, match=expected):  # never read as zeros
+        lazy.q.isel(sample=slice(2, 4)).load()
+
+
+def test_overwritten_chunk_fails_its_checksum_when_read_and_in_full_validation(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "resid_pre", (4, 0, 0, 0))
+    size = os.path.getsize(path)
+    with open(path, "wb") as handle:
+        handle.write(np.random.default_rng(0).bytes(size))
+    expected = r"array 'resid_pre' chunk \(4, 0, 0, 0\) \(samples 8-9, layer 0\): fails its CRC-32C checksum"
+    dataset = open_store(url)  # the fast check sees every chunk there, of its size
+    assert validate(url) == []
+    with pytest.raises(DamagedStoreError, match=expected):
+        dataset.resid_pre.sum().compute()
+    restored = pickle.loads(pickle.dumps(dataset))  # as Dask ships it to workers
+    with pytest.raises(DamagedStoreError, match=expected):
+        restored.resid_pre.load()
+    problems = validate(url, full=True)
+    assert len(problems) == 1 and re.match(expected, problems[0])
+
+
+def test_only_complete_shards_promise_their_chunks(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    start, stop = writer.shards[1]
+    writer.write(start, sample_block(start, stop))
+    writer.mark_shard_complete(1)
+    writer.close()
+    partial = open_store(url, allow_incomplete=True)
+    assert float(partial.resid_pre.isel(sample=slice(0, 4)).sum()) == 0  # shard 0 never written: fill values
+    os.unlink(chunk_path(url, "k", (2, 0, 0, 0, 0)))
+    with pytest.raises(DamagedStoreError, match=r"array 'k' chunk \(2, 0, 0, 0, 0\) \(samples 4-5, layer 0\): missing"):
+        open_store(url, allow_incomplete=True)
+
+
+def test_arrays_not_written_in_a_shard_are_filled_when_it_completes(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))  # writes resid_pre, q, k and two labels; never resid_mid, v, pred, ...
+    dataset = open_store(url)
+    assert float(abs(dataset.v).sum()) == 0 and int(abs(dataset.pred).sum()) == 0
+    assert os.path.exists(chunk_path(url, "v", (5, 2, 0, 0, 0)))
+    assert validate(url, full=True) == []

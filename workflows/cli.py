@@ -1,4 +1,8 @@
-"""The `orthosphere` command line: one verb per stage (info, train, extract, analyze, report, run)."""
+"""The `orthosphere` command line: one verb per stage (info, validate, train, extract, analyze, report, run).
+
+Every error is one line that names its input (the traceback only with -v). The verbs that need
+PyTorch (extract, train, run, analyze --online) import it when they run, so that the others work
+with the base installation (`pip install orthosphere`, without the `extract` extra)."""
 from __future__ import annotations
 
 import json
@@ -7,19 +11,59 @@ import sys
 
 import click
 
-from orthosphere.store import StoreError, format_info, info
+from orthosphere.store import format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
 
+EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm")
+"""What the `extract` extra installs."""
+
 
 class CleanErrors(click.Group):
-    """Print a user's input errors as one clear line instead of a traceback."""
+    """Every error as one line that names its input, instead of a traceback (kept for -v)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (StoreError, ValueError, FileNotFoundError, FileExistsError) as error:
-            raise click.ClickException(str(error)) from error
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as error:
+            if ctx.params.get("verbose"):
+                raise
+            raise click.ClickException(one_line(error)) from error
+
+
+def one_line(error: Exception) -> str:
+    """The error's message on one line. Bad input (ValueError and its kin: every orthosphere error)
+    and file or storage errors (OSError) name their input; anything else is unexpected."""
+    text = " ".join(str(error).split())
+    if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] in EXTRA_MODULES:
+        return (f"this needs {error.name.split('.')[0]}, which is not installed: install the extract extra "
+                "(pip install 'orthosphere[extract]')")
+    if isinstance(error, (ValueError, OSError)) and text:
+        return text
+    if isinstance(error, MemoryError):
+        return f"out of memory ({text or 'MemoryError'}): ask for less (fewer samples, a smaller batch or fewer layers)"
+    return f"unexpected {type(error).__name__}: {text} (run with -v for the traceback; please report it)"
+
+
+def layer_list(ctx, param, text):
+    """A --layers value, "0,2,5-7", as layer indices (None when not given)."""
+    if text is None:
+        return None
+    layers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        first, dash, last = item.partition("-")
+        try:
+            span = range(int(first), int(last) + 1) if dash else [int(first)]
+        except ValueError:
+            raise click.BadParameter(f"{text!r}: {item!r} is not a layer index or range; expected e.g. 0,2,5-7") from None
+        if not span:
+            raise click.BadParameter(f"{text!r}: the range {item!r} runs backwards; write it low-high, e.g. 5-7")
+        layers.extend(span)
+    if not layers:
+        raise click.BadParameter(f"{text!r}: no layers given; expected e.g. 0,2,5-7")
+    return tuple(layers)
 
 
 def model_options(command=None, *, with_dtype: bool = True):
@@ -56,6 +100,30 @@ def info_command(store, as_json):
     click.echo(json.dumps(summary, indent=2, default=str) if as_json else format_info(summary))
 
 
+@main.command("validate")
+@click.argument("store")
+@click.option("--full", is_flag=True, help="Also decode every chunk, checksums included (reads the whole store).")
+@click.option("--reopen", is_flag=True,
+              help="Mark the shards that hold damaged chunks unfinished, so that resuming the job rewrites them.")
+@click.option("--break-lock", is_flag=True, help="With --reopen: break the store's lock even if its holder looks alive.")
+def validate_command(store, full, reopen, break_lock):
+    """Check STORE against the schema, and that every chunk it promises is there and of its size (--full: decodes)."""
+    problems = validate(store, full=full)
+    for problem in problems:
+        click.echo(problem)
+    if reopen and problems:
+        with open_writer(store, break_lock=break_lock) as writer:
+            damage = writer.find_damage(decode=full)
+            if damage:
+                shards = writer.reopen(damage)
+                click.echo(f"reopened shard(s) {shards}: resume the job that wrote {store} (its command, with "
+                           "--resume) to rewrite them")
+                return
+    if problems:
+        raise click.ClickException(f"store {store} has {len(problems)} problem(s), listed above")
+    click.echo(f"store {store} is valid" + (": every chunk decodes" if full else ": every chunk is there"))
+
+
 @main.command("extract")
 @click.argument("model")
 @click.option("--task", "task_spec", required=True, metavar="SPEC",
@@ -64,7 +132,7 @@ def info_command(store, as_json):
 @click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
 @click.option("--sites", default=None, metavar="LIST",
               help="Comma-separated sites, default all but pattern: resid_pre,resid_mid,resid_post,attn_in,q,k,v,pattern.")
-@click.option("--layers", default=None, metavar="LIST", help="Layers to store, e.g. 0,2,5-7 (default: all).")
+@click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--shards", type=int, default=1, show_default=True,
@@ -75,19 +143,21 @@ def info_command(store, as_json):
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--break-lock", is_flag=True,
+              help="Break the store's lock even if its holder looks alive (a stale lock is broken anyway).")
 @click.pass_context
 def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
-                    samples_per_chunk, device, model_dtype, workers, scheduler, resume, overwrite):
+                    samples_per_chunk, device, model_dtype, workers, scheduler, resume, overwrite, break_lock):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
-    from orthosphere.extract.job import ExtractJob, extract, parse_layers
+    from orthosphere.extract.job import ExtractJob, extract
 
     backend = Backend(workers=workers or ctx.obj.workers, scheduler=scheduler or ctx.obj.scheduler)
     job = ExtractJob(
         model=model, task=task_spec, out=out, n_samples=samples,
         sites=None if sites is None else tuple(filter(None, sites.split(","))),
-        layers=None if layers is None else parse_layers(layers),
-        dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-        resume=resume, overwrite=overwrite, device=device, model_dtype=model_dtype, command=" ".join(sys.argv),
+        layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
+        resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
+        command=" ".join(sys.argv),
     )
     with dask_client(backend) as client:
         result = extract(job, client=client)
@@ -99,7 +169,8 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
 @click.option("--only", default=None, metavar="LIST",
               help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,replay.")
-@click.option("--layers", default=None, metavar="LIST", help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
+@click.option("--layers", default=None, metavar="LIST", callback=layer_list,
+              help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
 @click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
 @click.option("--site", default=None, help="subspaces, spheres, neighbours: the residual site (default resid_pre).")
 @click.option("--factor", "factors", multiple=True, metavar="SPEC",
@@ -123,12 +194,11 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
     from orthosphere.analyze.options import parse_assignment
-    from orthosphere.extract.job import parse_layers
 
-    from .online_check import analyze_with_online_check
+    from .analysis import analyze_with_online_check
 
     options = {
-        "layers": None if layers is None else list(parse_layers(layers)),
+        "layers": None if layers is None else list(layers),
         "sites": None if sites is None else sites.split(","),
         "site": site, "factors": list(factors) or None, "rank": rank, "rank_threshold": rank_threshold,
         "n_bootstrap": n_bootstrap, "seed": seed,

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import xarray as xr
 
-from orthosphere.analyze import analyze, write_results
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys
 from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
@@ -107,18 +106,6 @@ def with_online_check(tree: xr.DataTree, store, model, **options) -> xr.DataTree
                           "the replay analysis (CLI: --only ...,replay)")
     tree["replay/online"] = xr.DataTree(online_check_like(tree["replay"].to_dataset(), store, model, **options))
     return tree
-
-
-def analyze_with_online_check(store, out, *, online_model=None, online_samples: int | None = None,
-                              online_device: str = "cpu", overwrite: bool = False, **analyze_options) -> xr.DataTree:
-    """`orthosphere.analyze.analyze` of `store`, plus the online check with `online_model` on
-    `online_device` when given (the replay's noise in every layer at once too), written to `out`."""
-    tree = analyze(store, **analyze_options)
-    if online_model is not None:
-        log.info("online check of %s with %s on %s", store, online_model, online_device)
-        tree = with_online_check(tree, store, str(online_model), all_layers=True, max_samples=online_samples,
-                                 device=online_device)
-    return write_results(tree, out, overwrite=overwrite)
 
 
 def check_model_matches(stored: dict, live: dict) -> None:

@@ -237,7 +237,7 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
 def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:
     """Run the analyses (and the online check with `online_model`) unless complete results of
     this store are already there."""
-    from .online_check import analyze_with_online_check
+    from .analysis import analyze_with_online_check
 
     if not force and _complete(out, pipeline, online_model is not None):
         log.info("results %s are complete: skipping the analyses", out)

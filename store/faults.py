@@ -1,0 +1,28 @@
+"""Fault injection for the crash tests: ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with
+SIGKILL the N-th time (default: the first) it reaches the named point.
+
+The points, in the order a job meets them: ``lock-taken``, ``root-written``, ``array-created``
+(after each array), ``progress-created`` (store created, metadata not yet consolidated),
+``store-created``, ``chunk-written`` (after each whole-chunk write), ``shard-complete``,
+``before-finish``, ``finish-consolidated`` (metadata consolidated, ``complete`` not yet set),
+``finished`` (complete, lock not yet released); ``cleared`` (an overwritten store emptied).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+CRASH_VARIABLE = "ORTHOSPHERE_CRASH_AT"
+
+_counts: Counter = Counter()
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if ORTHOSPHERE_CRASH_AT names this point and count; a no-op otherwise."""
+    wanted = os.environ.get(CRASH_VARIABLE)
+    if not wanted or wanted.partition(":")[0] != name:
+        return
+    _counts[name] += 1
+    if _counts[name] == int(wanted.partition(":")[2] or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,81 @@
+"""What lies at a store's URL, read from the files themselves (no zarr): nothing, an empty folder,
+a store whose creation (or replacement) was interrupted, a created store, or something else.
+
+A store is created root first (zarr.json with every attribute), then its arrays, then its
+progress record ``_progress/shard_complete``: a store is *created* once that record exists. Before,
+it is a *remnant* that a job may replace, because nothing was written into it: it holds the lock
+file of the job that made it, or a root with the schema attribute, and no chunk of any
+per-sample array. Replacing a store clears its root zarr.json first, so an interrupted
+replacement leaves a remnant too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .errors import StoreError
+from .location import Location
+
+PROGRESS_GROUP = "_progress"
+PROGRESS_RECORD = f"{PROGRESS_GROUP}/shard_complete"
+LOCK_FILES = (".orthosphere-lock", ".orthosphere-lock-heartbeat")
+INDEX_ARRAYS = ("sample", "pos", "layer", "head", "kv_head")
+"""Arrays written when the store is created (their chunks say nothing about samples)."""
+
+ABSENT, EMPTY, REMNANT, STORE, DAMAGED, FOREIGN_ZARR, FOREIGN = (
+    "absent", "empty", "remnant", "store", "damaged", "foreign zarr", "foreign")
+
+
+@dataclass(frozen=True)
+class Found:
+    """What is at a store's URL: its kind (one of the names above), its root attributes and
+    whether its metadata is consolidated."""
+
+    kind: str
+    attrs: dict = field(default_factory=dict)
+    consolidated: bool = False
+
+    @property
+    def is_ours(self) -> bool:
+        """Whether a job may replace it (with --overwrite, or --resume for a remnant)."""
+        return self.kind in (REMNANT, STORE, DAMAGED)
+
+
+def inspect(location: Location) -> Found:
+    if location.is_local and location.is_link_to_nothing():
+        raise StoreError(f"{location.url} is a symbolic link to a path that does not exist: fix or remove the link")
+    if not location.exists():
+        return Found(ABSENT)
+    if not location.fs.isdir(location.root):
+        return Found(FOREIGN)
+    names = location.entries()
+    if not names:
+        return Found(EMPTY)
+    root = _root_document(location) if "zarr.json" in names else None
+    attrs = root.get("attributes") or {} if isinstance(root, dict) else {}
+    consolidated = isinstance(root, dict) and root.get("consolidated_metadata") is not None
+    has_schema = "schema" in attrs
+    if has_schema and location.fs.exists(location.key(f"{PROGRESS_RECORD}/zarr.json")):
+        return Found(STORE, attrs, consolidated)
+    has_lock = any(name in names for name in LOCK_FILES)
+    empty_group = root is not None and not attrs and set(names) <= {"zarr.json", *LOCK_FILES}
+    if (has_lock or has_schema or empty_group) and not _holds_samples(location, names):
+        return Found(REMNANT, attrs, consolidated)
+    if has_schema:
+        return Found(DAMAGED, attrs, consolidated)
+    return Found(FOREIGN_ZARR if root is not None else FOREIGN, attrs, consolidated)
+
+
+def _root_document(location: Location) -> dict | None:
+    """The root zarr.json, or {} when it cannot be read as JSON."""
+    try:
+        document = json.loads(location.fs.cat_file(location.key("zarr.json")))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def _holds_samples(location: Location, names: list[str]) -> bool:
+    """Whether any array but the index coordinates holds a chunk (a store's data, never a remnant)."""
+    candidates = [name for name in names if name not in ("zarr.json", PROGRESS_GROUP, *LOCK_FILES, *INDEX_ARRAYS)]
+    return any(location.fs.exists(location.key(f"{name}/c")) for name in candidates)
