@@ -102,17 +102,17 @@ from .neighbours import neighbours
 from .norms import norm_spread
 from .results import ANALYSES, analyze, open_results, run_analyses, write_results
 from .spheres import sphere_structure
-from .subspaces import factor_subspaces, fit_subspaces
+from .subspaces import FactorSubspaces, factor_subspaces
 
 __all__ = [
     "ANALYSES",
     "AnalysisError",
     "Factor",
+    "FactorSubspaces",
     "NonFiniteError",
     "analyze",
     "attention_from_qk",
     "factor_subspaces",
-    "fit_subspaces",
     "neighbours",
     "norm_spread",
     "open_for_analysis",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
@@ -34,6 +33,7 @@ from .inputs import (
     token_mask,
 )
 from .options import check_options
+from .plan import Plan, planned
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 
@@ -109,9 +109,9 @@ def _sites(dataset: xr.Dataset, sites) -> list[str]:
     return sites
 
 
-def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
+def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
                 exclude_start: bool = True, mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0,
-                ratio_bins: int = 100) -> xr.DataTree:
+                ratio_bins: int = 100) -> Plan:
     """Norm spread of every chosen site (default: every vector site stored): one child group per site.
 
     weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
@@ -142,20 +142,26 @@ def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_atten
             lazy[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
             names = (site,) + (attention_inputs if uses_attention else ())
             finite.reads((site, layer), *((name, layer) for name in names))
-    (sums,) = dask.compute(lazy)
-    finite.check({key: vector[-1] for key, vector in sums.items()})
-    children = {}
-    for site in sites:
-        group_dim = _group_dim(site, weighted)
-        n_groups = dataset.sizes[group_dim] if group_dim else 1
-        per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
-        summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
-        summary.attrs.update({
-            "weighting": "attention" if weighted else "uniform",
-            "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
-            if weighted and site != "q" else "none",
-            "mass": mass,
-            "exclude_start": exclude_start,
-        })
-        children[site] = xr.DataTree(dataset=summary)
-    return xr.DataTree(children=children)
+
+    def finish(sums):
+        finite.check({key: vector[-1] for key, vector in sums.items()})
+        children = {}
+        for site in sites:
+            group_dim = _group_dim(site, weighted)
+            n_groups = dataset.sizes[group_dim] if group_dim else 1
+            per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
+            summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
+            summary.attrs.update({
+                "weighting": "attention" if weighted else "uniform",
+                "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
+                if weighted and site != "q" else "none",
+                "mass": mass,
+                "exclude_start": exclude_start,
+            })
+            children[site] = xr.DataTree(dataset=summary)
+        return xr.DataTree(children=children)
+
+    return Plan(lazy, finish)
+
+
+norm_spread = planned(plan_norm_spread)

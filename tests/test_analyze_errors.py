@@ -128,7 +128,7 @@ def test_spheres_need_tokens_that_every_factor_reads(tmp_path):
     dataset = open_for_analysis(small_store(tmp_path / "s.zarr", resid=resid[:, None].astype("float32"),
                                             labels=labels))
     with pytest.raises(AnalysisError, match="no token .* is read by every factor"):
-        sphere_structure(dataset, factors=["alpha", "gamma"], exclude_start=False)
+        sphere_structure(dataset, factors=["alpha", "gamma"], exclude_start=False, estimator="marginal")
 
 
 def test_unknown_analyses_and_options_are_refused(dataset):
