@@ -6,15 +6,16 @@ import numpy as np
 
 def leading_subspaces(matrices: np.ndarray, rank: int) -> np.ndarray:
     """Orthonormal bases (..., d, rank) of the leading right singular vectors of matrices (..., k, d),
-    from the eigenvectors of the smaller Gram matrix: much cheaper than an SVD for the many
-    bootstrap and null draws, and accurate for directions whose singular values stand clear of zero."""
+    from the eigenvectors of the smaller Gram matrix (computed in the matrices' precision, decomposed
+    in float64): much cheaper than an SVD for the many bootstrap and null draws, and accurate for
+    directions whose singular values stand clear of zero."""
     k, d = matrices.shape[-2:]
     if k <= d:
-        values, vectors = np.linalg.eigh(matrices @ np.swapaxes(matrices, -1, -2))
+        values, vectors = np.linalg.eigh((matrices @ np.swapaxes(matrices, -1, -2)).astype("float64"))
         top = vectors[..., ::-1][..., :rank]
         norms = np.sqrt(np.maximum(values[..., ::-1][..., None, :rank], np.finfo(float).tiny))
-        return np.swapaxes(matrices, -1, -2) @ top / norms
-    _, vectors = np.linalg.eigh(np.swapaxes(matrices, -1, -2) @ matrices)
+        return np.swapaxes(matrices, -1, -2) @ (top / norms).astype(matrices.dtype)
+    _, vectors = np.linalg.eigh((np.swapaxes(matrices, -1, -2) @ matrices).astype("float64"))
     return vectors[..., ::-1][..., :rank]
 
 

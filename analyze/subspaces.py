@@ -161,13 +161,15 @@ class LayerFit:
 
 def _draws(effects: FactorEffects, coefficients: np.ndarray, rank: int, with_effects: bool):
     """Leading subspaces (draws, d, rank) and total variances (draws,) of drawn effects: the groups'
-    influences weighted by the coefficients, added to the fitted effects (bootstrap) or alone (null)."""
+    influences weighted by the coefficients, added to the fitted effects (bootstrap) or alone (null).
+    In float32: a draw's subspace needs no more precision than its sampling spread allows."""
+    influence = effects.influence.astype("float32")
     bases, totals = [], []
     for start in range(0, len(coefficients), DRAW_BATCH):
-        drawn = np.tensordot(coefficients[start: start + DRAW_BATCH], effects.influence, axes=(1, 0))
+        drawn = np.tensordot(coefficients[start: start + DRAW_BATCH].astype("float32"), influence, axes=(1, 0))
         if with_effects:
-            drawn += effects.weighted
-        totals.append(np.einsum("nkd,nkd->n", drawn, drawn))
+            drawn += effects.weighted.astype("float32")
+        totals.append(np.einsum("nkd,nkd->n", drawn, drawn, dtype="float64"))
         bases.append(leading_subspaces(drawn, rank))
     return np.concatenate(bases), np.concatenate(totals)
 
@@ -256,7 +258,7 @@ class FactorSubspaces:
 
     def __init__(self, *, site: str = "resid_pre", factors=None, layers=None, exclude_start: bool = True,
                  estimator: str = "joint", rank_threshold: float = 0.95, rank: int | None = None,
-                 max_classes: int | None = 128, n_bootstrap: int = 200, bootstrap_groups: int = 32,
+                 max_classes: int | None = 64, n_bootstrap: int = 200, bootstrap_groups: int = 32,
                  confidence: float = 0.9, n_null: int = 100, significance: float = 0.05, seed: int = 0,
                  independence_deg: float = 10.0, orthogonality_deg: float = 10.0):
         options = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,

@@ -1,14 +1,17 @@
 """The results DataTree on disk (local, memory://, s3://), its attrs, merging, and the analyze verb."""
 from __future__ import annotations
 
+import logging
 import uuid
+from collections import Counter
 
 import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from dask.callbacks import Callback
 
-from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results
+from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results, run_analyses
 from orthosphere.workflows.cli import main
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
 
@@ -102,3 +105,48 @@ def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     assert result.exit_code == 0, result.output
     local = analyze(store, only=["norms"], options={"sites": ["resid_pre", "k"]})
     np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)
+
+
+class ChunkReads(Callback):
+    """Counts the store's chunk reads per activation variable: the tasks that take the variable's
+    zarr array (the key original-open_dataset-VARIABLE-...) as input."""
+
+    def __init__(self, variables=("resid_pre", "resid_post", "q", "k")):
+        super().__init__()
+        self.variables = variables
+        self.reads = Counter()
+
+    def _posttask(self, key, result, dsk, state, worker_id):
+        for dependency in state["dependencies"][key]:
+            name = dependency[0] if isinstance(dependency, tuple) else dependency
+            variable = name.removeprefix("original-open_dataset-").rsplit("-", 1)[0]
+            if name.startswith("original-open_dataset-") and variable in self.variables:
+                self.reads[variable] += 1
+
+
+def test_all_analyses_read_each_chunk_once_per_pass(store):
+    dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples
+    n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])
+    options = {"factors": ["alpha", "beta"], "n_bootstrap": 5, "n_null": 5}
+    replay = {"replay.targets": ["q", "k"], "replay.n_draws": 2, "replay.n_bootstrap": 10}
+    with ChunkReads() as counter:
+        run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+    assert counter.reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
+    with ChunkReads() as counter:  # the control: analyses run one by one read the chunks they share again
+        for name in ("subspaces", "neighbours"):
+            run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
+    assert counter.reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
+    with ChunkReads() as counter:  # the spheres read their site once more, projecting onto the fitted bases
+        run_analyses(dataset, only=["subspaces", "spheres"], options=options)
+    assert counter.reads == Counter({"resid_pre": 2 * n_chunks})
+
+
+def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatch):
+    monkeypatch.setattr("orthosphere.analyze.plan.LOG_EVERY_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="orthosphere.analyze"):
+        analyze(store, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "n_bootstrap": 5})
+    messages = [record.getMessage() for record in caplog.records]
+    assert "analyze subspaces (pass 1): started" in messages and "analyze spheres (pass 1): started" in messages
+    progress = [m for m in messages if m.startswith("analyze subspaces (pass 1):") and "% of" in m]
+    assert progress and all(" s left" in m for m in progress)
+    assert any(m.startswith("analyze spheres (pass 1): done in") for m in messages)
