@@ -157,3 +157,17 @@ def test_minus_one_is_a_class_and_only_the_stored_not_applicable_value_is_missin
     assert dataset["carry"].attrs["not_applicable"] == MISSING
     classes, _ = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
     np.testing.assert_array_equal(classes["carry"].values, [-1, 0, 1])
+
+
+def test_text_stores_default_to_token_identity_and_position(tmp_path):
+    rng = np.random.default_rng(0)
+    n_samples, n_pos = 40, 12
+    token = rng.zipf(1.5, (n_samples, n_pos)) % 200
+    labels = {"token_str": np.char.add("t", token.astype(str)).astype(object),
+              "position": np.broadcast_to(np.arange(n_pos, dtype="int16"), (n_samples, n_pos)).copy()}
+    resid = rng.normal(size=(n_samples, 1, n_pos, 8)).astype("float32")
+    dataset = open_for_analysis(write_store(tmp_path / "text.zarr", {"resid_pre": resid}, labels=labels))
+    result = factor_subspaces(dataset, max_classes=16, n_bootstrap=0, n_null=0)
+    assert result["factor"].values.tolist() == ["token_str", "pos"]  # not `position`, which restates pos
+    assert result["n_classes"].values.tolist() == [16, n_pos - 1]
+    assert result["pooled_classes"].sel(factor="token_str").item() == len(np.unique(token[:, 1:])) - 15
