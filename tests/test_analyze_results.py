@@ -150,3 +150,15 @@ def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatc
     progress = [m for m in messages if m.startswith("analyze subspaces (pass 1):") and "% of" in m]
     assert progress and all(" s left" in m for m in progress)
     assert any(m.startswith("analyze spheres (pass 1): done in") for m in messages)
+
+
+def test_the_report_tabulates_label_association_beside_the_angles_and_their_null(store, tmp_path):
+    from orthosphere.workflows.report import figure_association, load_runs
+
+    out = tmp_path / "results.zarr"
+    tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "n_bootstrap": 10})
+    figure = figure_association(load_runs([out]))
+    cells = [cell.get_text().get_text() for cell in figure.axes[0].tables[0].get_celld().values()]
+    subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")
+    assert f"{subspaces.label_nmi.item():.2f}" in cells and f"{subspaces.min_angle.mean('layer').item():.1f}" in cells
+    assert f"{subspaces.null_min_angle.mean('layer').item():.1f}" in cells and "null (°)" in cells
