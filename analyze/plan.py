@@ -49,16 +49,18 @@ def planned(planner: Callable[..., Plan]) -> Callable:
     return analysis
 
 
-def run_plans(plans: dict[str, Plan], label: str = "") -> dict[str, Any]:
-    """Run plans to their results: one computation per pass, shared by every plan in that pass."""
+def run_plans(plans: dict[str, Plan], ready: Callable[[dict], dict[str, Plan]] = lambda results: {}) -> dict[str, Any]:
+    """Run plans to their results: one computation per pass, shared by every plan in that pass.
+    After each pass, ``ready(results so far)`` may add the plans of analyses that can start now."""
     results, pending, number = {}, dict(plans), 0
+    pending.update(ready(results))
     while pending:
         number += 1
-        computed = compute({name: plan.lazy for name, plan in pending.items()},
-                           f"{label or ', '.join(pending)} (pass {number})")
+        computed = compute({name: plan.lazy for name, plan in pending.items()}, f"pass {number} ({', '.join(pending)})")
         finished = {name: plan.finish(computed[name]) for name, plan in pending.items()}
         pending = {name: value for name, value in finished.items() if isinstance(value, Plan)}
         results.update({name: value for name, value in finished.items() if not isinstance(value, Plan)})
+        pending.update(ready(results))
     return results
 
 

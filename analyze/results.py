@@ -94,22 +94,27 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
     chosen = {name: get_analysis(name) for name in names}
     analyses = [chosen[name] for name in ANALYSES if name in chosen]
     given = split_options(analyses, options)
-    outputs: dict = {}
     waiting = list(analyses)
-    while waiting:
-        ready = [analysis for analysis in waiting
-                 if all(name in outputs or name not in chosen for name in analysis.takes)]
+
+    def ready(outputs: dict) -> dict:
+        """Plans of the waiting analyses whose inputs are there (analyses without a plan run now)."""
         plans = {}
-        for analysis in ready:
-            log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
-            inputs = {name: outputs[name] for name in analysis.takes if name in outputs}
-            planner = getattr(analysis.function, "plan", None)
-            if planner is None:
-                outputs[analysis.name] = analysis.function(dataset, **given[analysis.name], **inputs)
-            else:
-                plans[analysis.name] = planner(dataset, **given[analysis.name], **inputs)
-        outputs.update(run_plans(plans))
-        waiting = [analysis for analysis in waiting if analysis not in ready]
+        while True:
+            startable = [analysis for analysis in waiting
+                         if all(name in outputs or name not in chosen for name in analysis.takes)]
+            if not startable:
+                return plans
+            for analysis in startable:
+                waiting.remove(analysis)
+                log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
+                inputs = {name: outputs[name] for name in analysis.takes if name in outputs}
+                planner = getattr(analysis.function, "plan", None)
+                if planner is None:
+                    outputs[analysis.name] = analysis.function(dataset, **given[analysis.name], **inputs)
+                else:
+                    plans[analysis.name] = planner(dataset, **given[analysis.name], **inputs)
+
+    outputs = run_plans({}, ready)
     return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
             for analysis in analyses}
 

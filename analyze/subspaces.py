@@ -397,7 +397,7 @@ def label_association(counts: Counts, layout: Layout) -> tuple[np.ndarray, np.nd
 def _log_design(design: Design, url: str) -> None:
     layout, solution = design.layout, design.solution
     described = ", ".join(
-        f"{name}: {found.size} classes" + (f" ({found.pooled_classes} rare ones pooled into one)" if found.pooled_classes else "")
+        f"{name}: {found.size} classes" + (f" (the last pooling {found.pooled_classes} less frequent ones)" if found.pooled_classes else "")
         for name, found in design.classes.items())
     log.info("subspaces of %s: %s", url, described)
     if solution is None:

@@ -146,10 +146,10 @@ def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatc
     with caplog.at_level(logging.INFO, logger="orthosphere.analyze"):
         analyze(store, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "n_bootstrap": 5})
     messages = [record.getMessage() for record in caplog.records]
-    assert "analyze subspaces (pass 1): started" in messages and "analyze spheres (pass 1): started" in messages
-    progress = [m for m in messages if m.startswith("analyze subspaces (pass 1):") and "% of" in m]
+    assert "analyze pass 1 (subspaces): started" in messages and "analyze pass 2 (spheres): started" in messages
+    progress = [m for m in messages if m.startswith("analyze pass 1 (subspaces):") and "% of" in m]
     assert progress and all(" s left" in m for m in progress)
-    assert any(m.startswith("analyze spheres (pass 1): done in") for m in messages)
+    assert any(m.startswith("analyze pass 2 (spheres): done in") for m in messages)
 
 
 def test_the_report_tabulates_label_association_beside_the_angles_and_their_null(store, tmp_path):
