@@ -73,8 +73,8 @@ def compute(lazy, label: str):
     client = _default_client()
     started = time.perf_counter()
     log.info("analyze %s: started", label)
-    # unoptimised: fusing would merge a chunk's read into the one kernel that reads it in one part of
-    # the graph and leave another part reading it again
+    # unoptimised: Dask optimises each kind of collection apart, and would fuse a chunk's read into the
+    # kernel of one analysis and read the chunk again for another's; unfused, they share one read task
     if client is None:
         with LogProgress(label):
             values = dask.compute(*collections, optimize_graph=False)
@@ -83,7 +83,7 @@ def compute(lazy, label: str):
         _watch_futures(futures, label)
         values = client.gather(futures)
     log.info("analyze %s: done in %.1f s", label, time.perf_counter() - started)
-    return repack(values)[0]
+    return repack(list(values))[0]
 
 
 class ProgressLog:

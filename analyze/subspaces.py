@@ -308,7 +308,8 @@ class FactorSubspaces:
         lazy = {}
         for layer in layers:
             vector = sample_block_sums(kernel, packer.size, layer_data(array, layer), groups, columns)
-            fit = dask.delayed(_fit_layer_of_design)(vector, shared, packer=packer, settings=settings,
+            (chunk,) = vector.to_delayed(optimize_graph=False)  # unoptimised: its reads stay shared
+            fit = dask.delayed(_fit_layer_of_design)(chunk, shared, packer=packer, settings=settings,
                                                      heads=heads.get(layer, {}))
             lazy[layer] = (vector[packer.offsets["nonfinite"]], fit)
             finite.reads(layer, (self.site, layer))

@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import xarray as xr
+import zarr.storage
 from click.testing import CliRunner
-from dask.callbacks import Callback
 
 from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results, run_analyses
 from orthosphere.workflows.cli import main
@@ -107,38 +107,43 @@ def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)
 
 
-class ChunkReads(Callback):
-    """Counts the store's chunk reads per activation variable: the tasks that take the variable's
-    zarr array (the key original-open_dataset-VARIABLE-...) as input."""
+@pytest.fixture
+def chunk_reads(monkeypatch):
+    """Counts the chunks of each activation variable read from local stores (zarr keys VARIABLE/c/...)."""
+    reads = Counter()
+    get = zarr.storage.LocalStore.get
 
-    def __init__(self, variables=("resid_pre", "resid_post", "q", "k")):
-        super().__init__()
-        self.variables = variables
-        self.reads = Counter()
+    async def counted(self, key, *args, **kwargs):
+        variable, _, rest = key.partition("/")
+        if rest.startswith("c/") and variable in ("resid_pre", "resid_post", "q", "k"):
+            reads[variable] += 1
+        return await get(self, key, *args, **kwargs)
 
-    def _posttask(self, key, result, dsk, state, worker_id):
-        for dependency in state["dependencies"][key]:
-            name = dependency[0] if isinstance(dependency, tuple) else dependency
-            variable = name.removeprefix("original-open_dataset-").rsplit("-", 1)[0]
-            if name.startswith("original-open_dataset-") and variable in self.variables:
-                self.reads[variable] += 1
+    monkeypatch.setattr(zarr.storage.LocalStore, "get", counted)
+    return reads
 
 
-def test_all_analyses_read_each_chunk_once_per_pass(store):
-    dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples
+def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
+    dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples, one zarr chunk each
     n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])
     options = {"factors": ["alpha", "beta"], "n_bootstrap": 5, "n_null": 5}
     replay = {"replay.targets": ["q", "k"], "replay.n_draws": 2, "replay.n_bootstrap": 10}
-    with ChunkReads() as counter:
+    run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+    assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
+    chunk_reads.clear()  # the same on a distributed cluster (workers in this process, where the count is)
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster):
         run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
-    assert counter.reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
-    with ChunkReads() as counter:  # the control: analyses run one by one read the chunks they share again
-        for name in ("subspaces", "neighbours"):
-            run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
-    assert counter.reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
-    with ChunkReads() as counter:  # the spheres read their site once more, projecting onto the fitted bases
-        run_analyses(dataset, only=["subspaces", "spheres"], options=options)
-    assert counter.reads == Counter({"resid_pre": 2 * n_chunks})
+    assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
+    chunk_reads.clear()  # the control: analyses run one by one read the chunks they share again
+    for name in ("subspaces", "neighbours"):
+        run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
+    assert chunk_reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
+    chunk_reads.clear()  # the spheres read their site once more, projecting onto the fitted bases
+    run_analyses(dataset, only=["subspaces", "spheres"], options=options)
+    assert chunk_reads == Counter({"resid_pre": 2 * n_chunks})
 
 
 def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatch):
