@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 
-from .attention import attention_source, layer_attention
+from .attention import attention_from_qk, attention_parameters, attention_source
 from .blocks import sample_block_sums, single_block
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, spread_variables
@@ -38,17 +38,30 @@ from .plan import Plan, planned
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 
 
-def received_attention(pattern: da.Array, mask: da.Array) -> da.Array:
-    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries."""
-    mask = align(mask, pattern)
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Array:
+    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
+    the stored pattern or recomputed from q and k; one task per block, so a block's whole attention
+    pattern is never kept as a task's output."""
+    if attention_source(dataset) == "pattern":
+        pattern = dataset["pattern"].sel(layer=layer).data
+        return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
+                            dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+    parameters = attention_parameters(dataset)
+    q = dataset["q"].sel(layer=layer).data
+    k, valid, mask = (align(array, q) for array in (dataset["k"].sel(layer=layer).data, dataset["valid"].data, mask))
 
-    def block(pattern_block, mask_block):
-        weights = single_block(mask_block).astype("float32")
-        received = (weights[:, None, None, :] @ single_block(pattern_block))[:, :, 0, :]
-        return received * weights[:, None, :]
+    def block(mask_block, q_block, k_block, valid_block):
+        pattern = attention_from_qk(single_block(q_block), single_block(k_block), valid_block, **parameters)
+        return _received(mask_block, pattern)
 
-    return da.blockwise(block, "shk", pattern, "shqk", mask, "sq", concatenate=False, dtype="float32",
-                        meta=np.empty((0, 0, 0), dtype="float32"))
+    return da.blockwise(block, "shk", mask, "sq", q, "sqhd", k, "skgd", valid, "sk", concatenate=False,
+                        dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+
+
+def _received(mask, pattern):
+    weights = single_block(mask).astype("float32")
+    received = (weights[:, None, None, :] @ single_block(pattern))[:, :, 0, :]
+    return received * weights[:, None, :]
 
 
 def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
@@ -131,7 +144,7 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
     attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
     lazy = {}
     for layer in layers:
-        attention = (received_attention(layer_attention(dataset, layer), mask),) if source is not None else ()
+        attention = (received_attention(dataset, layer, mask),) if source is not None else ()
         for site in sites:
             kind = site if site in HEAD_SITES else "d_model"
             group_dim = _group_dim(site, weighted)
