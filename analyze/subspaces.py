@@ -184,46 +184,57 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     sums = parts["sums"]
     effects = (joint_effects(sums, counts, layout, solution) if solution is not None
                else marginal_effects(sums, counts, layout))
-    total = sums.sum(axis=0)
     fit = LayerFit([], [], [], [], [])
     for a, factor in enumerate(effects):
         block = layout.block(a)
-        singular, directions = np.linalg.svd(factor.weighted, full_matrices=False)[1:]
-        n_classes = layout.sizes[a]
-        singular = singular[: min(n_classes - 1, len(singular))]
-        rank = choose_rank(singular, n_classes, settings.rank_threshold, settings.rank)
-        n = counts.factor_counts(layout, a).sum()
-        spread = parts["squares"][block].sum() - total[block].sum(axis=0) @ total[block].sum(axis=0) / n
+        total = sums[:, block].sum(axis=(0, 1))
+        spread = parts["squares"][block].sum() - total @ total / counts.factor_counts(layout, a).sum()
+        singular, rank, basis = _subspace(factor, layout.sizes[a], settings)
         fit.singular.append(singular)
         fit.rank.append(rank)
-        fit.basis.append(directions[:rank].T)
+        fit.basis.append(basis)
         fit.between_fraction.append(float((singular**2).sum() / spread) if spread > 0 else np.nan)
         fit.structure_p.append(np.nan)
-    replicates = [(_draws(factor, settings.bootstrap, rank, True)[0] if len(settings.bootstrap) and rank else None)
+    replicates = [_draws(factor, settings.bootstrap, rank, True)[0] if len(settings.bootstrap) and rank else None
                   for factor, rank in zip(effects, fit.rank)]
-    tails = [50 * (1 - settings.confidence), 50 * (1 + settings.confidence)]
-    null_tails = [50 * settings.significance, 100 - 50 * settings.significance]
     for a, factor in enumerate(effects):
+        null_bases = None
         if len(settings.null):
             null_bases, null_totals = _draws(factor, settings.null, max(fit.rank[a], 1), False)
             measured = (fit.singular[a] ** 2).sum()
             fit.structure_p[a] = float((1 + np.count_nonzero(null_totals >= measured)) / (1 + len(null_totals)))
         for b in range(len(effects)):
-            if b == a or not fit.rank[a] or not fit.rank[b]:
-                continue
-            fit.angles[a, b] = principal_angles(fit.basis[a], fit.basis[b])
-            if replicates[a] is not None and replicates[b] is not None:
-                fit.angles_ci[a, b] = np.moveaxis(
-                    np.percentile(principal_angles(replicates[a], replicates[b]), tails, axis=0), 0, -1)
-            if len(settings.null):
-                null_angles = principal_angles(null_bases[..., : fit.rank[a]], fit.basis[b])
-                fit.null_angles[a, b] = np.median(null_angles, axis=0)
-                fit.null_angles_ci[a, b] = np.moveaxis(np.percentile(null_angles, null_tails, axis=0), 0, -1)
+            if b != a and fit.rank[a] and fit.rank[b]:
+                _pair_angles(fit, a, b, replicates, null_bases, settings)
         for kind, spaces in heads.items():
             for h, space in enumerate(spaces):
                 if fit.rank[a]:
                     fit.head_angles[kind, a, h] = principal_angles(fit.basis[a], space)
     return fit
+
+
+def _subspace(factor: FactorEffects, n_classes: int, settings: DrawSettings):
+    """Singular values (at most classes - 1), chosen rank and orthonormal basis (d, rank) of a factor."""
+    singular, directions = np.linalg.svd(factor.weighted, full_matrices=False)[1:]
+    singular = singular[: min(n_classes - 1, len(singular))]
+    rank = choose_rank(singular, n_classes, settings.rank_threshold, settings.rank)
+    return singular, rank, directions[:rank].T
+
+
+def _pair_angles(fit: LayerFit, a: int, b: int, replicates: list, null_bases, settings: DrawSettings) -> None:
+    """The angles of factor a with factor b, their bootstrap interval, and those of a's null draws."""
+    fit.angles[a, b] = principal_angles(fit.basis[a], fit.basis[b])
+    if replicates[a] is not None and replicates[b] is not None:
+        fit.angles_ci[a, b] = _interval(principal_angles(replicates[a], replicates[b]), settings.confidence)
+    if null_bases is not None:
+        null_angles = principal_angles(null_bases[..., : fit.rank[a]], fit.basis[b])
+        fit.null_angles[a, b] = np.median(null_angles, axis=0)
+        fit.null_angles_ci[a, b] = _interval(null_angles, 1 - settings.significance)
+
+
+def _interval(draws: np.ndarray, level: float) -> np.ndarray:
+    """Central interval (..., bound) holding `level` of the draws (first axis)."""
+    return np.moveaxis(np.percentile(draws, [50 * (1 - level), 50 * (1 + level)], axis=0), 0, -1)
 
 
 # ---------------------------------------------------------------------------------------------
