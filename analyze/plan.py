@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,11 +21,14 @@ from typing import Any
 import dask
 from dask.base import unpack_collections
 from dask.callbacks import Callback
+from dask.utils import key_split
 
 log = logging.getLogger("orthosphere.analyze")
 
 LOG_EVERY_SECONDS = 10.0
 """A pass logs its progress at most this often (and when it starts and ends)."""
+THREADS = os.cpu_count() or 1
+"""Threads of Dask's local scheduler (its default pool), for the estimate of the time left."""
 
 
 @dataclass
@@ -87,37 +92,58 @@ def compute(lazy, label: str):
 
 
 class ProgressLog:
-    """Logs "label: 40 % of 1,200 tasks after 12 s, about 18 s left" at most every LOG_EVERY_SECONDS."""
+    """Logs "label: 40 % of 1,200 tasks after 12 s, about 18 s left" at most every LOG_EVERY_SECONDS;
+    the time left is the given estimate, else extrapolated from the share of tasks done."""
 
     def __init__(self, label: str):
         self.label = label
         self.started = time.perf_counter()
         self.last = self.started
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, done: int, total: int, left: float | None = None) -> None:
         now = time.perf_counter()
         if now - self.last < LOG_EVERY_SECONDS or not total or done >= total:
             return
         self.last = now
         elapsed = now - self.started
         share = done / total
-        left = f", about {elapsed / share * (1 - share):.0f} s left" if share > 0 else ""
-        log.info("analyze %s: %d %% of %d tasks after %.0f s%s", self.label, 100 * share, total, elapsed, left)
+        if left is None and share > 0:
+            left = elapsed / share * (1 - share)
+        estimate = f", about {left:.0f} s left" if left is not None else ""
+        log.info("analyze %s: %d %% of %d tasks after %.0f s%s", self.label, 100 * share, total, elapsed, estimate)
 
 
 class LogProgress(Callback):
-    """Progress of a computation on Dask's local scheduler (threads or processes of this machine)."""
+    """Progress of a computation on Dask's local scheduler. The time left sums, over the kinds of
+    task (reads, each analysis's kernels, fits, ...), the tasks left times their kind's mean duration
+    so far, over the threads: tasks of very different costs are not counted alike."""
 
     def __init__(self, label: str):
         super().__init__()
         self.progress = ProgressLog(label)
         self.total = 0
+        self.left: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.done: Counter = Counter()
+        self.began: dict = {}
 
     def _start_state(self, dsk, state):
-        self.total = sum(len(state[kind]) for kind in ("ready", "waiting", "running", "finished"))
+        keys = [key for kind in ("ready", "waiting", "running") for key in state[kind]]
+        self.total = len(keys) + len(state["finished"])
+        self.left = Counter(key_split(key) for key in keys)
+
+    def _pretask(self, key, dsk, state):
+        self.began[key] = time.perf_counter()
 
     def _posttask(self, key, result, dsk, state, worker_id):
-        self.progress.update(len(state["finished"]), self.total)
+        kind = key_split(key)
+        self.left[kind] -= 1
+        self.done[kind] += 1
+        self.seconds[kind] += time.perf_counter() - self.began.pop(key, time.perf_counter())
+        overall = sum(self.seconds.values()) / max(sum(self.done.values()), 1)
+        work = sum(count * (self.seconds[kind] / self.done[kind] if self.done[kind] else overall)
+                   for kind, count in self.left.items() if count > 0)
+        self.progress.update(len(state["finished"]), self.total, work / THREADS)
 
 
 def _default_client():
