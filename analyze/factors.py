@@ -154,15 +154,20 @@ def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray], m
     return selected
 
 
-def _block_classes(factors, missing, mask, names, *label_blocks):
-    """One block's values and counts per factor, and the patterns (bit masks of the factors that
-    apply) of its tokens."""
-    blocks = dict(zip(names, label_blocks))
-    found, pattern = [], np.zeros(mask.shape, dtype="int64")
-    for number, (factor, missing_of_factor) in enumerate(zip(factors, missing)):
-        selected = _selected(factor, mask, blocks, missing_of_factor)
-        found.append(np.unique(blocks[factor.label][selected], return_counts=True))
+def _selections(factors, missing, mask, blocks) -> tuple[list[np.ndarray], np.ndarray]:
+    """Where each factor is read in a block, and each token's pattern (bit a set: factor a applies)."""
+    selections = [_selected(factor, mask, blocks, missing_of_factor) for factor, missing_of_factor in zip(factors, missing)]
+    pattern = np.zeros(mask.shape, dtype="int64")
+    for number, selected in enumerate(selections):
         pattern |= selected.astype("int64") << number
+    return selections, pattern
+
+
+def _block_classes(factors, missing, mask, names, *label_blocks):
+    """One block's values and counts per factor, and the patterns present among its tokens."""
+    blocks = dict(zip(names, label_blocks))
+    selections, pattern = _selections(factors, missing, mask, blocks)
+    found = [np.unique(blocks[factor.label][selected], return_counts=True) for factor, selected in zip(factors, selections)]
     return found, np.unique(pattern[pattern > 0])
 
 
@@ -250,7 +255,7 @@ def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Arr
     return da.map_blocks(block, mask, *arrays, dtype=bool, meta=np.empty((0, 0), dtype=bool))
 
 
-def _codes(factor: Factor, classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> np.ndarray:
+def _codes(classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """(sample, pos) int32 class code of each selected token (pooled classes: len(values)), else -1."""
     codes = np.full(selected.shape, -1, dtype="int32")
     values = labels[selected]
@@ -268,11 +273,8 @@ def design_columns(dataset: xr.Dataset, factors: list[Factor], classes: dict[str
 
     def block(mask_block, *label_blocks):
         blocks = dict(zip(names, label_blocks))
-        pattern, codes = np.zeros(mask_block.shape, dtype="int64"), []
-        for number, (factor, missing_of_factor) in enumerate(zip(factors, missing)):
-            selected = _selected(factor, mask_block, blocks, missing_of_factor)
-            pattern |= selected.astype("int64") << number
-            codes.append(_codes(factor, classes[factor.name], selected, blocks[factor.label]))
+        selections, pattern = _selections(factors, missing, mask_block, blocks)
+        codes = [_codes(classes[factor.name], selected, blocks[factor.label]) for factor, selected in zip(factors, selections)]
         return layout.token_columns(pattern, codes)
 
     return da.map_blocks(block, mask, *arrays, dtype="int32", new_axis=2, chunks=mask.chunks + ((1 + len(factors),),),
