@@ -2,9 +2,14 @@
 
 Every analysis takes a store opened lazily (``open_for_analysis(url)``, or ``orthosphere.store.open_store``)
 and streams over it with Dask: per block of samples it reduces the activations to small float64
-partial sums, summed as a tree and computed once (``dask.compute``; a ``distributed.Client`` made the
-default runs them on its cluster). Nothing ever holds a whole variable in memory. NaN or Inf in any
-activation an analysis reads stops it with ``NonFiniteError`` naming the variable, layers and samples.
+partial sums, summed as a tree (a ``distributed.Client`` made the default runs them on its cluster).
+Nothing ever holds a whole variable in memory. ``analyze`` / ``run_analyses`` plan the chosen
+analyses together: one Dask computation per pass runs all of them, so each chunk of the store is read
+once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, replay; pass 2: the spheres,
+which project the tokens onto the subspaces fitted in pass 1). Each pass logs its progress (share
+of tasks done, time, an estimate of the time left) on the ``orthosphere.analyze`` logger. NaN or Inf
+in any activation an analysis reads stops it with ``NonFiniteError`` naming the variable, layers and
+samples.
 
     from orthosphere.analyze import analyze, open_results
     tree = analyze("runs/store.zarr", "runs/results.zarr", only=["norms", "subspaces"],
@@ -17,17 +22,27 @@ activation an analysis reads stops it with ``NonFiniteError`` naming the variabl
 
 - ``norms``: ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
   quantiles, ratio_max, ratio_bins)``
-- ``subspaces``: ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, rank_threshold,
-  rank, n_bootstrap, bootstrap_groups, confidence, seed, independence_deg, orthogonality_deg)``
-- ``spheres``: ``sphere_structure(dataset, *, site, factors, layers, exclude_start, rank_threshold,
-  rank, mass, quantiles, ratio_max, ratio_bins)`` (bases from ``subspaces`` of the same run when
-  fitted the same way)
+- ``subspaces``: ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
+  rank_threshold, rank, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null, significance,
+  seed, independence_deg, orthogonality_deg)``, the parameters of the estimator ``FactorSubspaces``
+  (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``, and ``design.py`` for the fit)
+- ``spheres``: ``sphere_structure(dataset, *, site, factors, layers, exclude_start, estimator,
+  rank_threshold, rank, max_classes, mass, quantiles, ratio_max, ratio_bins, subspaces)``: with
+  ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its bases,
+  site, factors and layers (fit options given besides must agree); else fitted here
 - ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
 - ``replay``: ``orthosphere.analyze.replay.replay`` (norm-perturbation replay; see its module)
 
 Conventions: the analysed tokens are the valid ones, without each sequence's start token (its first
 valid position) unless ``exclude_start=False``. A factor is ``LABEL`` or ``LABEL[KEY=V1|V2,...]``
-over the store's label coordinates or ``pos`` (see ``factors.py``). Angles are in degrees.
+over the store's label coordinates or ``pos`` (see ``factors.py``). Default factors: the task's own
+(arithmetic: ``digit_value[role=digit]``, ``operand[role=digit]``, ``pos``); for text (a store
+labelled ``token_str``) ``token_str`` and ``pos``; else every label and ``pos``. A factor keeps at
+most ``max_classes`` classes (64): its ``max_classes - 1`` most frequent, the rest pooled into one
+class "<N other classes>" (ties: the smaller value kept); ``max_classes=None`` keeps all. The
+default ``estimator="joint"`` fits all factors together (tokens where a factor does not apply get
+their own intercept per pattern of applying factors), ``"marginal"`` takes each factor's class
+means alone. Angles are in degrees.
 
 Results format (version 1): an ``xarray.DataTree`` in a Zarr v3 group at a local path or fsspec URL
 (``memory://``, ``s3://``), one sub-group per analysis, written node by node with
@@ -58,22 +73,39 @@ and ``kv_head`` for k, v:
 ``/subspaces``; dims ``layer``, ``factor``, ``other`` (the factors again), ``component``,
 ``basis_vector``, ``d_model``, ``angle`` (principal angle index, ascending), ``bound`` ("low", "high"),
 ``head``, ``kv_head``; NaN pads ranks and angles that do not exist (and the diagonal factor == other):
-  n_classes (factor), n_tokens (factor)  classes and tokens each factor is read on
+  n_classes, n_tokens (factor)           classes (the pooled one included) and tokens each factor is read on
+  pooled_classes, pooled_tokens (factor) classes pooled into one beyond max_classes, and their tokens
+  label_nmi (factor, other)              normalised mutual information of the two labels on the tokens
+                                         both read (0 unrelated, 1 each determines the other)
+  shared_tokens (factor, other)          tokens both factors read
+  variance_inflation (factor)            noise of the joint fit's centred effects over that of a fit of the
+                                         factor alone (1: balanced crossed design; NaN: marginal estimator)
+  condition_number ()                    of the unit-diagonal Z'Z beyond its trivial null directions (joint
+                                         fit; above 100 a warning is logged)
   subspace_rank (layer, factor)          chosen rank
-  singular_value (layer, factor, component)   of the sqrt(n_c)-weighted centred class means
-  explained (layer, factor, component)   cumulative share of the between-class variance
-  between_fraction (layer, factor)       between-class variance / total variance of its tokens
+  singular_value (layer, factor, component)   of the sqrt(n_c)-weighted centred effects (joint or marginal)
+  explained (layer, factor, component)   cumulative share of their variance
+  between_fraction (layer, factor)       their variance / total variance of the factor's tokens
+  structure_p (layer, factor)            share of null draws (the factor's labels carrying no information)
+                                         whose effects hold as much variance (add-one; NaN without a null)
   basis (layer, factor, d_model, basis_vector)   orthonormal basis of the subspace
   angles, angles_ci (layer, factor, other, angle[, bound])   principal angles, bootstrap interval
   min_angle, min_angle_ci (layer, factor, other[, bound])    the smallest angle (independence)
   overlap (layer, factor, other)         mean squared cosine of the angles (0 orthogonal, 1 nested)
-  relation (layer, factor, other)        "dependent" | "independent" | "orthogonal" (from min_angle)
-  q_angles, q_angles_ci, q_min_angle, q_min_angle_ci, q_overlap (layer, factor, head, ...)
+  null_angles, null_angles_ci (layer, factor, other, angle[, bound])   median and central 1 - significance
+                                         interval of the angles between factor's null subspace (same rank)
+                                         and other's fitted one: what chance gives
+  null_min_angle, null_min_angle_ci (layer, factor, other[, bound])   the same for the smallest angle
+  relation (layer, factor, other)        "no structure" (either factor's structure_p > significance) |
+                                         "dependent" | "independent" | "orthogonal" (from the high bound of
+                                         min_angle_ci, min_angle without a bootstrap; see attrs relation_rule)
+  q_angles, q_min_angle, q_overlap (layer, factor, head, ...)
   k_angles, ... (layer, factor, kv_head, ...)   the same with each head's read subspace, the column
                                          space of w_q[h] (w_k[g]) in the space of attn_in; present
-                                         only when the store holds weights
-  attrs: site, factors, classes ({factor: [values]}), fit (what fixes the bases), head_angles,
-  n_bootstrap, bootstrap_groups, seed, confidence, independence_deg, orthogonality_deg
+                                         only when the store holds weights (point estimates)
+  attrs: site, factors, estimator, classes ({factor: [values]}), fit (what fixes the bases),
+  head_angles, relation_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
+  independence_deg, orthogonality_deg
 
 ``/spheres``; dims ``layer``, ``factor``, ``other``, ``part`` (the factors and "rest"),
 ``quantile``, ``ratio``, ``d_model``:
@@ -91,7 +123,8 @@ and ``kv_head`` for k, v:
   deviation (layer)                      sqrt(sum_parts Var |x_part|^2 + E[c^2]) / E|x|^2: 0 for
                                          perfect orthogonal spheres
   radius_share (layer, part), cross_term_share (layer)   split of the deviation's square
-  attrs: site, factors, bases ("from the subspaces results" | "fitted here"), mass, exclude_start
+  attrs: site, factors, bases ("from the subspaces results" | "fitted here"), estimator, mass,
+  exclude_start
 
 ``/neighbours``; dim ``layer``: rank_collapse, rank_collapse_std (over sequences), angular_step,
 angular_step_std (degrees, over tokens), log_norm_ratio, log_norm_ratio_std (log |post| / |pre|),
@@ -107,18 +140,18 @@ from .neighbours import neighbours
 from .norms import norm_spread
 from .results import ANALYSES, analyze, open_results, run_analyses, write_results
 from .spheres import sphere_structure
-from .subspaces import factor_subspaces, fit_subspaces
+from .subspaces import FactorSubspaces, factor_subspaces
 
 __all__ = [
     "ANALYSES",
     "AnalysisError",
     "Factor",
+    "FactorSubspaces",
     "NonFiniteError",
     "ScoreTerms",
     "analyze",
     "attention_from_qk",
     "factor_subspaces",
-    "fit_subspaces",
     "neighbours",
     "norm_spread",
     "open_for_analysis",

@@ -1,6 +1,10 @@
 """Streaming reductions over sample chunks: one small float64 vector per chunk, summed as a tree."""
 from __future__ import annotations
 
+import functools
+import operator
+
+import dask
 import dask.array as da
 import numpy as np
 
@@ -65,3 +69,15 @@ class Packer:
             name: vector[self.offsets[name] : self.offsets[name] + int(np.prod(shape, dtype=int))].reshape(shape)
             for name, shape in self.shapes.items()
         }
+
+
+def tree_sum(parts: list, split_every: int = 8):
+    """A delayed sum of delayed parts (arrays or sparse matrices), added as a tree."""
+    parts = list(parts)
+    while len(parts) > 1:
+        parts = [dask.delayed(_add_all)(parts[start: start + split_every]) for start in range(0, len(parts), split_every)]
+    return parts[0]
+
+
+def _add_all(items):
+    return functools.reduce(operator.add, items)

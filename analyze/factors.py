@@ -20,6 +20,8 @@ from .errors import AnalysisError
 from .inputs import align, store_url
 
 POSITION = "pos"
+TEXT_FACTORS = ("token_str", POSITION)
+"""Default factors of a text store: token identity (its most frequent classes, see ``cap_classes``) and position."""
 _SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*$")
 
 
@@ -68,11 +70,23 @@ def store_labels(dataset: xr.Dataset) -> list[str]:
     return [name for name, coord in dataset.coords.items() if coord.dims == ("sample", "pos") and name not in dataset.dims]
 
 
+def default_factor_specs(dataset: xr.Dataset) -> list[str]:
+    """The factors read when none are named: the task's own ``factors`` when its description names
+    them; for text (a store labelled with ``token_str``) the token identity and the position
+    (TEXT_FACTORS); else every label of the store, and the position."""
+    task_factors = dataset.attrs.get("task", {}).get("factors")
+    if task_factors:
+        return list(task_factors)
+    labels = store_labels(dataset)
+    if "token_str" in labels:
+        return list(TEXT_FACTORS)
+    return labels + [POSITION]
+
+
 def parse_factors(dataset: xr.Dataset, specs) -> list[Factor]:
-    """The factors named by `specs` (default: the task's own `factors` when its description names
-    them, else every label of the store, and the position)."""
+    """The factors named by `specs` (default: see ``default_factor_specs``), checked against the store."""
     if specs is None:
-        specs = dataset.attrs.get("task", {}).get("factors") or store_labels(dataset) + [POSITION]
+        specs = default_factor_specs(dataset)
     factors = [Factor.parse(spec) for spec in specs]
     names = [factor.name for factor in factors]
     repeated = sorted({name for name in names if names.count(name) > 1})
@@ -140,28 +154,75 @@ def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray], m
     return selected
 
 
+def _selections(factors, missing, mask, blocks) -> tuple[list[np.ndarray], np.ndarray]:
+    """Where each factor is read in a block, and each token's pattern (bit a set: factor a applies)."""
+    selections = [_selected(factor, mask, blocks, missing_of_factor) for factor, missing_of_factor in zip(factors, missing)]
+    pattern = np.zeros(mask.shape, dtype="int64")
+    for number, selected in enumerate(selections):
+        pattern |= selected.astype("int64") << number
+    return selections, pattern
+
+
 def _block_classes(factors, missing, mask, names, *label_blocks):
+    """One block's values and counts per factor, and the patterns present among its tokens."""
     blocks = dict(zip(names, label_blocks))
-    found = []
-    for factor, missing_of_factor in zip(factors, missing):
-        values = blocks[factor.label][_selected(factor, mask, blocks, missing_of_factor)]
-        found.append(np.unique(values, return_counts=True))
-    return found
+    selections, pattern = _selections(factors, missing, mask, blocks)
+    found = [np.unique(blocks[factor.label][selected], return_counts=True) for factor, selected in zip(factors, selections)]
+    return found, np.unique(pattern[pattern > 0])
 
 
 def _merge_classes(per_block):
     merged = []
-    for per_factor in zip(*per_block):
+    for per_factor in zip(*(found for found, _ in per_block)):
         values = np.concatenate([values for values, _ in per_factor])
         counts = np.concatenate([counts for _, counts in per_factor])
         classes, inverse = np.unique(values, return_inverse=True)
         merged.append((classes, np.bincount(inverse.ravel(), weights=counts, minlength=len(classes)).astype("int64")))
-    return merged
+    patterns = np.unique(np.concatenate([patterns for _, patterns in per_block]))
+    return merged, patterns
 
 
-def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array) -> dict[str, np.ndarray]:
-    """Each factor's classes (sorted values) over the analysed tokens: a cheap pass over the labels only.
-    A factor with no tokens or a single class is an error."""
+@dataclass(frozen=True)
+class FactorClasses:
+    """The classes a factor is read with: the `values` kept (sorted; a token's class code indexes
+    them) and, when the factor had more than ``max_classes`` classes, one more class pooling the
+    rarest ones (code len(values))."""
+
+    values: np.ndarray
+    counts: np.ndarray  # tokens per class, the pooled class last
+    pooled_classes: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.values) + (1 if self.pooled_classes else 0)
+
+    @property
+    def pooled_tokens(self) -> int:
+        return int(self.counts[-1]) if self.pooled_classes else 0
+
+    @property
+    def names(self) -> list[str]:
+        """The classes as text; the pooled class reads "<N other classes>"."""
+        pooled = [f"<{self.pooled_classes} other classes>"] if self.pooled_classes else []
+        return [str(value) for value in self.values] + pooled
+
+
+def cap_classes(values: np.ndarray, counts: np.ndarray, max_classes: int | None) -> FactorClasses:
+    """Keep every class, or at most max_classes: the max_classes - 1 most frequent (ties: the smaller
+    value first), the others pooled into one class."""
+    if max_classes is None or len(values) <= max_classes:
+        return FactorClasses(values, counts)
+    order = np.lexsort((np.arange(len(values)), -counts))
+    kept = np.sort(order[: max_classes - 1])
+    pooled = np.setdiff1d(np.arange(len(values)), kept)
+    return FactorClasses(values[kept], np.append(counts[kept], counts[pooled].sum()), len(pooled))
+
+
+def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array,
+                     max_classes: int | None = None) -> tuple[dict[str, FactorClasses], np.ndarray]:
+    """Each factor's classes over the analysed tokens (see ``cap_classes``), and the patterns present
+    (bit a of a pattern set: factor a applies): a cheap pass over the labels only. A factor with no
+    tokens or a single class is an error."""
     names = sorted({label for factor in factors for label in factor.labels})
     arrays = [label_data(dataset, name, mask) for name in names]
     missing = [missing_value(dataset, factor.label) for factor in factors]
@@ -169,7 +230,7 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array)
         dask.delayed(_block_classes)(factors, missing, mask_block, names, *blocks)
         for mask_block, *blocks in zip(*(array.to_delayed().ravel() for array in [mask, *arrays]))
     ]
-    (merged,) = dask.compute(dask.delayed(_merge_classes)(per_block))
+    (merged, patterns), = dask.compute(dask.delayed(_merge_classes)(per_block))
     classes = {}
     for factor, (values, counts) in zip(factors, merged):
         if len(values) < 2:
@@ -178,8 +239,8 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array)
                 f"factor {factor.name!r} has {found} among the analysed tokens of store {store_url(dataset)}: "
                 "a factor subspace needs at least two classes; choose another factor or widen its restriction"
             )
-        classes[factor.name] = values
-    return classes
+        classes[factor.name] = cap_classes(values, counts, max_classes)
+    return classes, patterns
 
 
 def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Array:
@@ -194,17 +255,27 @@ def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Arr
     return da.map_blocks(block, mask, *arrays, dtype=bool, meta=np.empty((0, 0), dtype=bool))
 
 
-def factor_codes(dataset: xr.Dataset, factor: Factor, classes: np.ndarray, mask: da.Array) -> da.Array:
-    """Lazy (sample, pos) int32 class index of each token, -1 where the factor does not count it."""
-    names = list(dict.fromkeys(factor.labels))
+def _codes(classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(sample, pos) int32 class code of each selected token (pooled classes: len(values)), else -1."""
+    codes = np.full(selected.shape, -1, dtype="int32")
+    values = labels[selected]
+    found = np.minimum(np.searchsorted(classes.values, values), len(classes.values) - 1)
+    codes[selected] = np.where(classes.values[found] == values, found, len(classes.values))
+    return codes
+
+
+def design_columns(dataset: xr.Dataset, factors: list[Factor], classes: dict[str, FactorClasses],
+                   layout, mask: da.Array) -> da.Array:
+    """Lazy (sample, pos, 1 + factors) int32 design columns of each token (see ``Layout.token_columns``)."""
+    names = sorted({label for factor in factors for label in factor.labels})
     arrays = [label_data(dataset, name, mask) for name in names]
-    missing = missing_value(dataset, factor.label)
+    missing = [missing_value(dataset, factor.label) for factor in factors]
 
     def block(mask_block, *label_blocks):
         blocks = dict(zip(names, label_blocks))
-        selected = _selected(factor, mask_block, blocks, missing)
-        codes = np.full(mask_block.shape, -1, dtype="int32")
-        codes[selected] = np.searchsorted(classes, blocks[factor.label][selected])
-        return codes
+        selections, pattern = _selections(factors, missing, mask_block, blocks)
+        codes = [_codes(classes[factor.name], selected, blocks[factor.label]) for factor, selected in zip(factors, selections)]
+        return layout.token_columns(pattern, codes)
 
-    return da.map_blocks(block, mask, *arrays, dtype="int32", meta=np.empty((0, 0), dtype="int32"))
+    return da.map_blocks(block, mask, *arrays, dtype="int32", new_axis=2, chunks=mask.chunks + ((1 + len(factors),),),
+                         meta=np.empty((0, 0, 0), dtype="int32"))

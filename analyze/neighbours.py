@@ -8,13 +8,13 @@
 """
 from __future__ import annotations
 
-import dask
 import numpy as np
 import xarray as xr
 
 from .blocks import Packer, sample_block_sums
 from .inputs import FiniteCheck, check_layers, layer_data, square_norms, token_mask
 from .options import check_options
+from .plan import Plan, planned
 from .subspaces import d_model_site
 
 PACKER = Packer({
@@ -60,8 +60,8 @@ def _mean_and_spread(total, square_total, count):
     return mean, np.sqrt(max(square_total / count - mean**2, 0.0)) if count else np.nan
 
 
-def neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str = "resid_post", layers=None,
-               exclude_start: bool = True) -> xr.Dataset:
+def plan_neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str = "resid_post", layers=None,
+                    exclude_start: bool = True) -> Plan:
     """Rank collapse at `site` (the stream a block reads) and the angular step from `site` to
     `step_site` (the stream it writes), per layer."""
     check_options(site=site, step_site=step_site, layers=layers, exclude_start=exclude_start)
@@ -75,20 +75,26 @@ def neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str =
         lazy[layer] = sample_block_sums(_neighbour_sums, PACKER.size, layer_data(start, layer), layer_data(end, layer),
                                         mask)
         finite.reads(layer, (site, layer), (step_site, layer))
-    (sums,) = dask.compute(lazy)
-    finite.check({layer: PACKER.unpack(vector)["nonfinite"] for layer, vector in sums.items()})
-    names = ("rank_collapse", "rank_collapse_std", "angular_step", "angular_step_std", "log_norm_ratio",
-             "log_norm_ratio_std", "n_sequences", "n_tokens")
-    values = {name: [] for name in names}
-    for layer in layers:
-        s = PACKER.unpack(sums[layer])
-        collapse = _mean_and_spread(s["collapse_sum"], s["collapse_square_sum"], s["sequences"])
-        angle = _mean_and_spread(s["angle_sum"], s["angle_square_sum"], s["tokens"])
-        log_ratio = _mean_and_spread(s["log_ratio_sum"], s["log_ratio_square_sum"], s["tokens"])
-        for name, value in zip(names, (*collapse, *angle, *log_ratio, int(s["sequences"]), int(s["tokens"]))):
-            values[name].append(value)
-    return xr.Dataset(
-        {name: (("layer",), np.asarray(value)) for name, value in values.items()},
-        coords={"layer": layers},
-        attrs={"site": site, "step_site": step_site, "angle_unit": "degrees", "exclude_start": exclude_start},
-    )
+
+    def finish(sums):
+        finite.check({layer: PACKER.unpack(vector)["nonfinite"] for layer, vector in sums.items()})
+        names = ("rank_collapse", "rank_collapse_std", "angular_step", "angular_step_std", "log_norm_ratio",
+                 "log_norm_ratio_std", "n_sequences", "n_tokens")
+        values = {name: [] for name in names}
+        for layer in layers:
+            s = PACKER.unpack(sums[layer])
+            collapse = _mean_and_spread(s["collapse_sum"], s["collapse_square_sum"], s["sequences"])
+            angle = _mean_and_spread(s["angle_sum"], s["angle_square_sum"], s["tokens"])
+            log_ratio = _mean_and_spread(s["log_ratio_sum"], s["log_ratio_square_sum"], s["tokens"])
+            for name, value in zip(names, (*collapse, *angle, *log_ratio, int(s["sequences"]), int(s["tokens"]))):
+                values[name].append(value)
+        return xr.Dataset(
+            {name: (("layer",), np.asarray(value)) for name, value in values.items()},
+            coords={"layer": layers},
+            attrs={"site": site, "step_site": step_site, "angle_unit": "degrees", "exclude_start": exclude_start},
+        )
+
+    return Plan(lazy, finish)
+
+
+neighbours = planned(plan_neighbours)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from functools import partial
 
-import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
 
-from .attention import attention_source, layer_attention
+from .attention import ScoreTerms, attention_from_qk, attention_source
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .errors import AnalysisError
@@ -37,21 +36,35 @@ from .inputs import (
     token_mask,
 )
 from .options import check_options
+from .plan import Plan, planned
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 
 
-def received_attention(pattern: da.Array, mask: da.Array) -> da.Array:
-    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries."""
-    mask = align(mask, pattern)
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Array:
+    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
+    the stored pattern or recomputed from q and k; one task per block, so a block's whole attention
+    pattern is never kept as a task's output."""
+    if attention_source(dataset) == "pattern":
+        pattern = dataset["pattern"].sel(layer=layer).data
+        return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
+                            dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+    terms = ScoreTerms.of_layer(dataset.attrs.get("model", {}), layer)
+    q = dataset["q"].sel(layer=layer).data
+    k, valid, mask = (align(array, q) for array in (dataset["k"].sel(layer=layer).data, dataset["valid"].data, mask))
 
-    def block(pattern_block, mask_block):
-        weights = single_block(mask_block).astype("float32")
-        received = (weights[:, None, None, :] @ single_block(pattern_block))[:, :, 0, :]
-        return received * weights[:, None, :]
+    def block(mask_block, q_block, k_block, valid_block):
+        pattern = attention_from_qk(single_block(q_block), single_block(k_block), valid_block, terms)
+        return _received(mask_block, pattern)
 
-    return da.blockwise(block, "shk", pattern, "shqk", mask, "sq", concatenate=False, dtype="float32",
-                        meta=np.empty((0, 0, 0), dtype="float32"))
+    return da.blockwise(block, "shk", mask, "sq", q, "sqhd", k, "skgd", valid, "sk", concatenate=False,
+                        dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+
+
+def _received(mask, pattern):
+    weights = single_block(mask).astype("float32")
+    received = (weights[:, None, None, :] @ single_block(pattern))[:, :, 0, :]
+    return received * weights[:, None, :]
 
 
 def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
@@ -112,9 +125,9 @@ def _sites(dataset: xr.Dataset, sites) -> list[str]:
     return sites
 
 
-def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
+def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
                 exclude_start: bool = True, mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0,
-                ratio_bins: int = 100) -> xr.DataTree:
+                ratio_bins: int = 100) -> Plan:
     """Norm spread of every chosen site (default: every vector site stored): one child group per site.
 
     weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
@@ -134,7 +147,7 @@ def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_atten
     attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
     lazy = {}
     for layer in layers:
-        attention = (received_attention(layer_attention(dataset, layer), mask),) if source is not None else ()
+        attention = (received_attention(dataset, layer, mask),) if source is not None else ()
         for site in sites:
             kind = site if site in HEAD_SITES else "d_model"
             group_dim = _group_dim(site, weighted)
@@ -145,21 +158,27 @@ def norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_atten
             lazy[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
             names = (site,) + (attention_inputs if uses_attention else ())
             finite.reads((site, layer), *((name, layer) for name in names))
-    (sums,) = dask.compute(lazy)
-    finite.check({key: vector[-1] for key, vector in sums.items()})
-    children = {}
-    for site in sites:
-        group_dim = _group_dim(site, weighted)
-        n_groups = dataset.sizes[group_dim] if group_dim else 1
-        per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
-        summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
-        summary.attrs.update({
-            "weighting": "attention" if weighted else "uniform",
-            "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
-            if weighted and site != "q" else "none",
-            "mass": mass,
-            "exclude_start": exclude_start,
-            "normalised_by": normalised_by(dataset.attrs.get("model", {}), site),
-        })
-        children[site] = xr.DataTree(dataset=summary)
-    return xr.DataTree(children=children)
+
+    def finish(sums):
+        finite.check({key: vector[-1] for key, vector in sums.items()})
+        children = {}
+        for site in sites:
+            group_dim = _group_dim(site, weighted)
+            n_groups = dataset.sizes[group_dim] if group_dim else 1
+            per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
+            summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
+            summary.attrs.update({
+                "weighting": "attention" if weighted else "uniform",
+                "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
+                if weighted and site != "q" else "none",
+                "mass": mass,
+                "exclude_start": exclude_start,
+                "normalised_by": normalised_by(dataset.attrs.get("model", {}), site),
+            })
+            children[site] = xr.DataTree(dataset=summary)
+        return xr.DataTree(children=children)
+
+    return Plan(lazy, finish)
+
+
+norm_spread = planned(plan_norm_spread)

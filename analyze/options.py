@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from .design import ESTIMATORS
 from .errors import AnalysisError
 
 
@@ -56,6 +57,19 @@ def _degrees(name, value):
         raise AnalysisError(f"option {name}={value!r}: expected an angle in degrees from 0 to 90")
 
 
+def _estimator(name, value):
+    if value not in ESTIMATORS:
+        raise AnalysisError(f"option {name}={value!r}: expected one of {list(ESTIMATORS)}")
+
+
+def _max_classes(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise AnalysisError(
+            f"option {name}={value!r}: expected an integer >= 2, the most classes a factor keeps (its rarest "
+            "classes beyond that are pooled into one), or none to keep every class"
+        )
+
+
 def _name(name, value):
     if not isinstance(value, str) or not value:
         raise AnalysisError(f"option {name}={value!r}: expected a name")
@@ -78,6 +92,10 @@ RULES = {
     "ratio_bins": _count(1),
     "rank": _count(1),
     "n_bootstrap": _count(0),
+    "n_null": _count(0),
+    "significance": _fraction,
+    "estimator": _estimator,
+    "max_classes": _max_classes,
     "bootstrap_groups": _count(2),
     "seed": _count(0),
     "independence_deg": _degrees,

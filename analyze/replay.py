@@ -79,6 +79,7 @@ from .attention import ScoreTerms, allowed_keys, finish_scores, score_bias
 from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
+from .plan import Plan, planned
 
 TARGETS = ("q", "k", "m")
 DISTRIBUTIONS = ("uniform", "gaussian")
@@ -404,10 +405,10 @@ def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> 
 # The study over a store: Dask tasks per (layer, sample chunk, range of draws), reduced, computed once.
 
 
-def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
-           distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
-           collapse_target: float = 0.01, n_bootstrap: int = 1000, confidence: float = 0.95,
-           layers=None, n_bins: int = 20) -> xr.Dataset:
+def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
+                distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
+                collapse_target: float = 0.01, n_bootstrap: int = 1000, confidence: float = 0.95,
+                layers=None, n_bins: int = 20) -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
@@ -424,18 +425,25 @@ def replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: in
         for name in ("q", "k", "v") if with_messages else ("q", "k"):
             finite.watch(name, layer, layer_data(ds[name], layer))
     graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
-    per_layer, flags = dask.compute(graphs, finite.flags)
-    finite.raise_if_any(flags)
-    result = _assemble(per_layer, ds, layers, settings, n_bins)
-    _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
-    result.attrs.update({
-        "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
-        "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
-        "collapse_target": collapse_target, "n_bootstrap": n_bootstrap, "confidence": confidence,
-        "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
-        "n_samples": int(ds.sizes["sample"]),
-    })
-    return result
+
+    def finish(computed):
+        per_layer, flags = computed
+        finite.raise_if_any(flags)
+        result = _assemble(per_layer, ds, layers, settings, n_bins)
+        _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
+        result.attrs.update({
+            "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
+            "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
+            "collapse_target": collapse_target, "n_bootstrap": n_bootstrap, "confidence": confidence,
+            "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
+            "n_samples": int(ds.sizes["sample"]),
+        })
+        return result
+
+    return Plan((graphs, finite.flags), finish)
+
+
+replay = planned(plan_replay)
 
 
 def store_model(ds: xr.Dataset) -> dict:
@@ -478,7 +486,7 @@ def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
 
     array = data.data if isinstance(data.data, darray.Array) else darray.from_array(data.values)
     array = array.rechunk({0: chunks, **{axis: -1 for axis in range(1, array.ndim)}})
-    return list(array.to_delayed().ravel())
+    return list(array.to_delayed(optimize_graph=False).ravel())  # the store's read tasks, shared with other analyses
 
 
 def _layer_graph(ds, layer, settings, model, with_messages, n_bins):

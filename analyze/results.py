@@ -17,6 +17,7 @@ from orthosphere.store.provenance import provenance
 from .errors import AnalysisError
 from .inputs import open_for_analysis
 from .options import as_attrs
+from .plan import run_plans
 
 RESULTS_FORMAT = 1
 ANALYSES = {
@@ -28,8 +29,10 @@ ANALYSES = {
     "replay": "orthosphere.analyze.replay:replay",
 }
 """The registry, in the order the analyses run: name -> "module:function". An analysis is a function
-f(dataset, *, option=default, ...) -> xr.Dataset or xr.DataTree; its keyword parameters are its
-options, except one named after an analysis that runs before it, which receives that result."""
+f(dataset, *, option=default, ...) -> xr.Dataset or xr.DataTree (or an object with ``to_dataset()``,
+such as a fitted FactorSubspaces); its keyword parameters are its options, except one named after
+an analysis that runs before it, which receives that analysis's result. A function with a ``plan``
+attribute (see ``plan.planned``) has its work planned with the others' (see ``run_analyses``)."""
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +84,54 @@ def split_options(analyses: list[Analysis], values: dict | None) -> dict[str, di
 
 
 def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) -> dict[str, xr.DataTree]:
-    """Run the chosen analyses (all by default, in registry order) on an opened store."""
+    """Run the chosen analyses (all by default) on an opened store, planned together: every analysis
+    whose inputs are ready adds its lazy work to one Dask computation per pass, so each chunk of the
+    store is read once in a pass whatever the number of analyses that need it. Analyses that take an
+    earlier one's result (spheres: the fitted subspaces) are planned once it is there, in the next
+    pass; analyses without a plan (accuracy, which reads no activations) compute on their own."""
     names = list(ANALYSES) if only is None else list(only)
     if not names:
         raise AnalysisError(f"no analysis chosen: expected any of {list(ANALYSES)}")
     chosen = {name: get_analysis(name) for name in names}
     analyses = [chosen[name] for name in ANALYSES if name in chosen]
     given = split_options(analyses, options)
-    results: dict[str, xr.DataTree] = {}
-    for analysis in analyses:
-        log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
-        inputs = {name: results[name].to_dataset() for name in analysis.takes if name in results}
-        result = analysis.function(dataset, **given[analysis.name], **inputs)
-        tree = result if isinstance(result, xr.DataTree) else xr.DataTree(dataset=result)
-        tree.attrs.update({
-            "analysis": analysis.name,
-            "options": as_attrs(analysis.defaults | given[analysis.name]),
-            "store": dataset.attrs.get("url"),
-            "provenance": provenance(),
-        })
-        results[analysis.name] = tree
-    return results
+    waiting = list(analyses)
+
+    def ready(outputs: dict) -> dict:
+        """Plans of the waiting analyses whose inputs are there (analyses without a plan run now)."""
+        plans = {}
+        while True:
+            startable = [analysis for analysis in waiting
+                         if all(name in outputs or name not in chosen for name in analysis.takes)]
+            if not startable:
+                return plans
+            for analysis in startable:
+                waiting.remove(analysis)
+                log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
+                inputs = {name: outputs[name] for name in analysis.takes if name in outputs}
+                planner = getattr(analysis.function, "plan", None)
+                if planner is None:
+                    outputs[analysis.name] = analysis.function(dataset, **given[analysis.name], **inputs)
+                else:
+                    plans[analysis.name] = planner(dataset, **given[analysis.name], **inputs)
+
+    outputs = run_plans({}, ready)
+    return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
+            for analysis in analyses}
+
+
+def _tree(analysis: Analysis, result, options: dict, dataset: xr.Dataset) -> xr.DataTree:
+    """An analysis's result as a results group, with what produced it in its attrs."""
+    if not isinstance(result, (xr.Dataset, xr.DataTree)):
+        result = result.to_dataset()
+    tree = result if isinstance(result, xr.DataTree) else xr.DataTree(dataset=result)
+    tree.attrs.update({
+        "analysis": analysis.name,
+        "options": as_attrs(analysis.defaults | options),
+        "store": dataset.attrs.get("url"),
+        "provenance": provenance(),
+    })
+    return tree
 
 
 def results_tree(dataset: xr.Dataset, results: dict[str, xr.DataTree], command: str | None = None) -> xr.DataTree:

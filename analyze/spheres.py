@@ -1,7 +1,8 @@
 """Sphere structure: how far the representation is from orthogonal spheres (the paper's Theorem 2).
 
-With the factor subspaces of a layer (bases U_a, from /subspaces of the same run or fitted here),
-every analysed token x splits uniquely into components x_a = U_a c_a in the factor subspaces and
+With the factor subspaces of a layer (bases U_a of a fitted ``FactorSubspaces``: by default the
+joint, demixed fit, so that correlated labels do not tilt the bases), every analysed token x
+splits uniquely into components x_a = U_a c_a in the factor subspaces and
 a rest x_r orthogonal to all of them (c = pinv([U_1 ... U_k]) x; x_a is the orthogonal projection
 P_a x when the subspaces are orthogonal). Then |x|^2 = sum_a |x_a|^2 + |x_r|^2 + c, with cross
 terms c = 2 sum_{a<b} x_a . x_b. Orthogonal spheres mean every |x_a| (and |x_r|) is constant and
@@ -14,12 +15,15 @@ square into the parts' radius variation and the cross terms. Per factor also: th
 (mean, coefficient of variation, band holding `mass` around the median, quantiles, histogram) and
 an algebraic sphere fit of the points c_a (centre, radius, residual, centre offset from the origin).
 The analysed tokens are those on which every factor is read (their restrictions intersected).
+
+The components depend on bases fitted from all the tokens, so the spheres read their site once
+more after the fit: given fitted subspaces (``subspaces=``, as ``run_analyses`` passes those of
+the same run), in one pass; else the fit is a first pass of their own.
 """
 from __future__ import annotations
 
 from functools import partial
 
-import dask
 import numpy as np
 import xarray as xr
 
@@ -27,26 +31,30 @@ from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
 from .factors import factor_tokens, parse_factors
 from .histogram import N_SLOTS, log_histogram, spread_variables
-from .inputs import FiniteCheck, check_layers, layer_data, square_norms, store_url, token_mask
+from .inputs import FiniteCheck, layer_data, square_norms, store_url, token_mask
 from .norms import QUANTILES
 from .options import as_attrs, check_options
-from .subspaces import d_model_site, fit_subspaces
+from .plan import Plan, planned
+from .subspaces import FactorSubspaces, d_model_site
 
 
-def _bases(dataset, fit: dict, subspaces: xr.Dataset | None) -> tuple[dict, str]:
-    """Per layer, each factor's orthonormal basis (d, rank): from `subspaces` when it was fitted the same way."""
-    if subspaces is not None and subspaces.attrs.get("fit") == as_attrs(fit):
-        bases = {
-            layer: {
-                name: subspaces["basis"].sel(layer=layer, factor=name).values[
-                    :, : int(subspaces["subspace_rank"].sel(layer=layer, factor=name))]
-                for name in fit["factors"]
-            }
-            for layer in fit["layers"]
-        }
-        return bases, "from the subspaces results"
-    fitted = fit_subspaces(dataset, **fit)
-    return {layer: {name: f.basis for name, f in fitted.fits[layer].items()} for layer in fitted.layers}, "fitted here"
+def _fitted_subspaces(subspaces, fit: dict):
+    """The given fitted subspaces, checked against the fit options the spheres were given (None: unset)."""
+    if not isinstance(subspaces, FactorSubspaces) or not hasattr(subspaces, "fits_"):
+        raise AnalysisError(
+            f"spheres take fitted subspaces (FactorSubspaces(...).fit(dataset)), got {type(subspaces).__name__}: "
+            "fit them first, or pass none and let the spheres fit their own"
+        )
+    given = {name: value for name, value in fit.items() if value is not None}
+    fitted = subspaces.fit_options
+    different = {name: (value, fitted[name]) for name, value in as_attrs(given).items() if fitted[name] != value}
+    if different:
+        raise AnalysisError(
+            "the spheres were given subspaces fitted otherwise than they were asked for ("
+            + "; ".join(f"{name}: asked {asked!r}, fitted {found!r}" for name, (asked, found) in different.items())
+            + "): give those options to both analyses (a plain option, not spheres.OPTION), or pass no subspaces"
+        )
+    return subspaces
 
 
 class LayerGeometry:
@@ -138,49 +146,68 @@ def _sphere_fit(zz, za, square_sum, count, basis):
     return basis @ centre, radius, residual, offset
 
 
-def sphere_structure(dataset: xr.Dataset, *, site: str = "resid_pre", factors=None, layers=None,
-                     exclude_start: bool = True, rank_threshold: float = 0.95, rank: int | None = None,
-                     mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0, ratio_bins: int = 100,
-                     subspaces: xr.Dataset | None = None) -> xr.Dataset:
+def plan_sphere_structure(dataset: xr.Dataset, *, site: str | None = None, factors=None, layers=None,
+                          exclude_start: bool | None = None, estimator: str | None = None,
+                          rank_threshold: float | None = None, rank: int | None = None,
+                          max_classes: int | None = None, mass: float = 0.9, quantiles=QUANTILES,
+                          ratio_max: float = 2.0, ratio_bins: int = 100,
+                          subspaces: FactorSubspaces | None = None) -> Plan:
     """Radii, sphere fits, cross terms and the deviation from orthogonal spheres, per layer.
 
-    site, factors, layers, exclude_start, rank_threshold, rank: as for factor_subspaces, whose
-    results (`subspaces`) provide the bases when fitted the same way (else they are fitted here);
-    mass, quantiles, ratio_max, ratio_bins: as for norm_spread, applied to each radius |x_a|.
+    subspaces: fitted FactorSubspaces whose bases (and site, factors, layers) the spheres use; then
+    site, factors, layers, exclude_start, estimator, rank_threshold, rank and max_classes, when
+    given, must agree with its fit. Without it, the spheres fit their own subspaces with these
+    (None: FactorSubspaces' defaults; no bootstrap, no null). mass, quantiles, ratio_max,
+    ratio_bins: as for norm_spread, applied to each radius |x_a|.
     """
     spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
-    fit = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,
-                        rank_threshold=rank_threshold, rank=rank)
+    fit = {"site": site, "factors": factors, "layers": layers, "exclude_start": exclude_start, "estimator": estimator,
+           "rank_threshold": rank_threshold, "rank": rank, "max_classes": max_classes}
+    if subspaces is not None:
+        return _moments_plan(dataset, _fitted_subspaces(subspaces, fit), spread, "from the subspaces results")
+    own = FactorSubspaces(**{name: value for name, value in fit.items() if value is not None}, n_bootstrap=0, n_null=0)
+    d_model_site(dataset, own.site, "sphere structure")
+    first = own.plan(dataset)
+    return Plan(first.lazy, lambda computed: _moments_plan(dataset, first.finish(computed), spread, "fitted here"))
+
+
+def _moments_plan(dataset: xr.Dataset, subspaces: FactorSubspaces, spread: dict, source: str) -> Plan:
+    """The pass over the site that projects every analysed token onto the fitted subspaces."""
+    site, layers, names = subspaces.site_, subspaces.layers_, subspaces.factors_
     array = d_model_site(dataset, site, "sphere structure")
-    layers = check_layers(dataset, layers)
-    factors = parse_factors(dataset, factors)
-    names = [factor.name for factor in factors]
-    bases, source = _bases(dataset, fit | {"layers": layers, "factors": names}, subspaces)
-    mask = token_mask(dataset, exclude_start)
+    factors = parse_factors(dataset, names)
+    mask = token_mask(dataset, subspaces.exclude_start)
     tokens = factor_tokens(dataset, factors[0], mask)  # each factor's tokens lie inside the mask already
     for factor in factors[1:]:
         tokens = tokens & factor_tokens(dataset, factor, mask)
+    bases = {layer: dict(zip(names, subspaces.bases(layer))) for layer in layers}
     finite = FiniteCheck(dataset)
     lazy, packers = {}, {}
     for layer in layers:
-        geometry = LayerGeometry([bases[layer][name] for name in names])
+        geometry = LayerGeometry(subspaces.bases(layer))
         packers[layer] = _packer(geometry.ranks)
         kernel = partial(_sphere_moments, geometry=geometry, packer=packers[layer])
         lazy[layer] = sample_block_sums(kernel, packers[layer].size, layer_data(array, layer), tokens)
         finite.reads(layer, (site, layer))
-    (sums,) = dask.compute(lazy)
-    finite.check({layer: packers[layer].unpack(vector)["nonfinite"] for layer, vector in sums.items()})
-    count = packers[layers[0]].unpack(sums[layers[0]])["count"]
-    if count == 0:
-        raise AnalysisError(
-            f"no token of store {store_url(dataset)} is read by every factor {names}: their restrictions do not "
-            "intersect; choose factors that apply to common tokens"
-        )
-    result = _sphere_dataset(layers, names, bases, {layer: packers[layer].unpack(sums[layer]) for layer in layers},
-                             spread)
-    result.attrs.update({"site": site, "factors": names, "bases": source, "mass": mass,
-                         "exclude_start": exclude_start})
-    return result
+
+    def finish(sums):
+        finite.check({layer: packers[layer].unpack(vector)["nonfinite"] for layer, vector in sums.items()})
+        count = packers[layers[0]].unpack(sums[layers[0]])["count"]
+        if count == 0:
+            raise AnalysisError(
+                f"no token of store {store_url(dataset)} is read by every factor {names}: their restrictions do not "
+                "intersect; choose factors that apply to common tokens"
+            )
+        result = _sphere_dataset(layers, names, bases, {layer: packers[layer].unpack(sums[layer]) for layer in layers},
+                                 spread)
+        result.attrs.update({"site": site, "factors": names, "bases": source, "estimator": subspaces.estimator,
+                             "mass": spread["mass"], "exclude_start": subspaces.exclude_start})
+        return result
+
+    return Plan(lazy, finish)
+
+
+sphere_structure = planned(plan_sphere_structure)
 
 
 def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:

@@ -1,13 +1,42 @@
-"""Factor subspaces: class-conditional means and their SVD per layer, principal angles between the
-subspaces of every pair of factors and with each head's read subspaces, bootstrap intervals.
+"""Factor subspaces: where each factor (a label, or the position) lives in the residual stream,
+how its subspace sits against the others' and against each head's read subspace, judged against
+what chance gives.
 
-One streaming pass over the site sums, per layer, factor, class and bootstrap group of samples,
-the token vectors (float64) and counts; everything else is small linear algebra on those sums.
-Bootstrap replicates resample the groups (samples hashed into `bootstrap_groups` groups by a
-seeded hash of their index) with multinomial weights, so intervals need no second pass.
+``FactorSubspaces`` (scikit-learn style: parameters, ``fit(dataset)``, fitted attributes ending in
+``_``) fits every chosen factor at every chosen layer in one streamed pass over the activations
+(after two cheap passes over the labels), from the sufficient statistics of ``design.py``:
+per-(group, class) sums of the vectors and the class co-occurrence counts. With
+``estimator="joint"`` (the default) all factors are fitted together, so correlated labels do not
+leak into each other's subspace; ``"marginal"`` takes each factor's own class means. A factor's
+subspace is spanned by the leading right singular vectors of its count-weighted centred effects;
+its rank is ``rank`` or the fewest directions holding ``rank_threshold`` of their variance.
+
+Factors with many classes (token identity over a real vocabulary) keep their ``max_classes - 1``
+most frequent classes and pool the rest into one class (``factors.cap_classes``): the streamed
+sums and every bootstrap or null draw then cost the same whatever the vocabulary.
+
+Uncertainty and chance, both from ``bootstrap_groups`` seeded groups of samples (so tokens of
+one sequence, which are not independent, stay together):
+
+- **bootstrap** (``n_bootstrap``): groups resampled with replacement, each replicate's effects
+  taken to first order (the fit's influence of each group), giving ``confidence`` intervals of
+  the principal angles between factors;
+- **null** (``n_null``): the effects a factor would show if its labels carried no information,
+  drawn by flipping the signs of the groups' residual sums (a wild cluster bootstrap, the
+  label-permutation null of a linear fit without re-reading the data). It gives each factor's
+  ``structure_p`` (the share of null draws whose effects hold as much variance as the measured
+  ones) and the **null angles**: principal angles between a factor's null subspace (same rank)
+  and the other factor's fitted subspace, reported beside the measured ones.
+
+A pair's relation: "no structure" when either factor's structure_p exceeds ``significance``
+(its angles would be those of noise); else, from the bootstrap interval of the smallest angle
+(the angle itself without a bootstrap), "dependent" when it lies below ``independence_deg``,
+"orthogonal" when it reaches within ``orthogonality_deg`` of 90, else "independent".
 """
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -15,11 +44,24 @@ import dask
 import numpy as np
 import xarray as xr
 from scipy import sparse
+from scipy.stats import entropy
+from sklearn.metrics import mutual_info_score
 
-from .blocks import Packer, sample_block_sums
+from .blocks import Packer, sample_block_sums, tree_sum
+from .design import (
+    Counts,
+    FactorEffects,
+    JointSolution,
+    Layout,
+    check_shared_tokens,
+    count_block,
+    joint_effects,
+    marginal_effects,
+    solve_joint,
+)
 from .errors import AnalysisError
-from .factors import Factor, discover_classes, factor_codes, parse_factors
-from .geometry import between_class_svd, choose_rank, column_space, overlap_fraction, principal_angles
+from .factors import FactorClasses, design_columns, discover_classes, parse_factors
+from .geometry import choose_rank, column_space, leading_subspaces, principal_angles
 from .inputs import (
     D_MODEL_SITES,
     SITES,
@@ -29,39 +71,22 @@ from .inputs import (
     require_site,
     sample_values,
     square_norms,
+    store_url,
     token_mask,
 )
 from .options import as_attrs, check_options
+from .plan import Plan, run_plans
+
+log = logging.getLogger("orthosphere.analyze")
 
 BOUNDS = ("low", "high")
-
-
-@dataclass
-class FactorFit:
-    """One factor's subspace at one layer."""
-
-    singular: np.ndarray  # (min(classes - 1, d),) singular values of the weighted centred means
-    rank: int
-    basis: np.ndarray  # (d, rank) orthonormal
-    between_fraction: float  # between-class variance / total variance of the factor's tokens
-    replicates: np.ndarray | None = None  # (n_bootstrap, d, rank)
-
-    @property
-    def explained(self) -> np.ndarray:
-        variance = self.singular**2
-        return np.cumsum(variance) / variance.sum() if variance.sum() > 0 else np.full(variance.shape, np.nan)
-
-
-@dataclass
-class Subspaces:
-    """Every factor's fit at every layer, and what it was fitted on."""
-
-    site: str
-    layers: list[int]
-    factors: list[Factor]
-    classes: dict[str, np.ndarray]
-    n_tokens: dict[str, int]
-    fits: dict[int, dict[str, FactorFit]] = field(default_factory=dict)
+RELATIONS = ("no structure", "dependent", "independent", "orthogonal")
+CONDITION_WARNING = 100.0
+"""A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
+DRAW_BATCH = 32
+"""Bootstrap and null draws are computed this many at a time (their effects: batch x classes x d)."""
+FIT_OPTIONS = ("site", "factors", "layers", "exclude_start", "estimator", "rank_threshold", "rank", "max_classes")
+"""The parameters that fix the bases (the spheres reuse fitted subspaces only when these agree)."""
 
 
 def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
@@ -81,79 +106,326 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
     return require_site(dataset, site, purpose)
 
 
-def _class_sums(x, groups, *codes, packer, n_classes, n_groups):
-    """Per factor: sums of token vectors and counts per (group, class), and the sum of squared norms.
-    A (group, class) cell of one block sums few tokens, so float32 sums lose nothing that matters;
-    blocks are then accumulated in float64."""
+# ---------------------------------------------------------------------------------------------
+# The streamed pass: per block of samples, sums of the vectors and squared norms per (group, column).
+
+
+def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups: int):
+    """Sums of the token vectors per (group, design column), of their squared norms per column, and
+    the count of non-finite ones. A (group, class) cell of one block sums few tokens, so float32
+    sums lose nothing that matters; blocks are then accumulated in float64."""
     squares = square_norms(x).ravel()
     vectors = x.reshape(-1, x.shape[-1])
+    columns = columns.reshape(len(vectors), -1)
     token_group = np.repeat(groups, x.shape[1])
-    out = {"nonfinite": np.count_nonzero(~np.isfinite(squares))}
-    for number, (code, classes) in enumerate(zip(codes, n_classes)):
-        code = code.ravel()
-        rows = np.flatnonzero(code >= 0)
-        index = token_group[rows] * classes + code[rows]
-        onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
-                                   shape=(n_groups * classes, len(vectors)))
-        out[f"sums{number}"] = onehot @ vectors
-        out[f"counts{number}"] = np.bincount(index, minlength=n_groups * classes)
-        out[f"squares{number}"] = squares[rows].sum(dtype="float64")
-    return packer.pack(out)
+    rows, which = np.nonzero(columns >= 0)
+    index = token_group[rows] * n_columns + columns[rows, which]
+    onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
+                               shape=(n_groups * n_columns, len(vectors)))
+    column_squares = np.bincount(columns[rows, which], weights=squares[rows].astype("float64"), minlength=n_columns)
+    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "sums": onehot @ vectors,
+                        "squares": column_squares})
 
 
-def _fit(sums, counts, squares, *, rank_threshold, rank, weights) -> FactorFit:
-    n_classes = sums.shape[1]
-    singular, directions = between_class_svd(sums.sum(axis=0), counts.sum(axis=0))
-    singular = singular[: min(n_classes - 1, sums.shape[2])]
-    chosen = choose_rank(singular, n_classes, rank_threshold, rank)
-    n = counts.sum()
-    grand = sums.sum(axis=(0, 1)) / n
-    total = squares - n * grand @ grand
-    fit = FactorFit(singular, chosen, directions[:chosen].T, float((singular**2).sum() / total) if total > 0 else np.nan)
-    if weights is not None:
-        _, replicate_directions = between_class_svd(np.tensordot(weights, sums, axes=(1, 0)), weights @ counts)
-        fit.replicates = np.swapaxes(replicate_directions[:, :chosen, :], 1, 2)
+# ---------------------------------------------------------------------------------------------
+# One layer's fit: effects, subspaces, draws and angles (a Dask task per layer).
+
+
+@dataclass(frozen=True)
+class DrawSettings:
+    """How the bootstrap and null draws of every layer are made and read."""
+
+    rank_threshold: float
+    rank: int | None
+    bootstrap: np.ndarray  # (n_bootstrap, groups) coefficients: resampling weights less one
+    null: np.ndarray  # (n_null, groups) random signs
+    confidence: float
+    significance: float
+
+
+@dataclass
+class LayerFit:
+    """One layer's factor subspaces and angles (lists by factor; dicts by (factor, other) or (factor, head))."""
+
+    singular: list[np.ndarray]
+    rank: list[int]
+    basis: list[np.ndarray]
+    between_fraction: list[float]
+    structure_p: list[float]
+    angles: dict = field(default_factory=dict)
+    angles_ci: dict = field(default_factory=dict)
+    null_angles: dict = field(default_factory=dict)
+    null_angles_ci: dict = field(default_factory=dict)
+    head_angles: dict = field(default_factory=dict)
+
+
+def _draws(effects: FactorEffects, coefficients: np.ndarray, rank: int, with_effects: bool):
+    """Leading subspaces (draws, d, rank) and total variances (draws,) of drawn effects: the groups'
+    influences weighted by the coefficients, added to the fitted effects (bootstrap) or alone (null).
+    In float32: a draw's subspace needs no more precision than its sampling spread allows."""
+    influence = effects.influence.astype("float32")
+    bases, totals = [], []
+    for start in range(0, len(coefficients), DRAW_BATCH):
+        drawn = np.tensordot(coefficients[start: start + DRAW_BATCH].astype("float32"), influence, axes=(1, 0))
+        if with_effects:
+            drawn += effects.weighted.astype("float32")
+        totals.append(np.einsum("nkd,nkd->n", drawn, drawn, dtype="float64"))
+        bases.append(leading_subspaces(drawn, rank))
+    return np.concatenate(bases), np.concatenate(totals)
+
+
+def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
+              settings: DrawSettings, heads: dict[str, list[np.ndarray]]) -> LayerFit | None:
+    """Every factor's subspace at one layer, its bootstrap and null draws, and the angles (None when
+    the layer holds NaN or Inf: the finite check then names them)."""
+    parts = packer.unpack(vector)
+    if parts["nonfinite"]:
+        return None
+    sums = parts["sums"]
+    effects = (joint_effects(sums, counts, layout, solution) if solution is not None
+               else marginal_effects(sums, counts, layout))
+    fit = LayerFit([], [], [], [], [])
+    for a, factor in enumerate(effects):
+        block = layout.block(a)
+        total = sums[:, block].sum(axis=(0, 1))
+        spread = parts["squares"][block].sum() - total @ total / counts.factor_counts(layout, a).sum()
+        singular, rank, basis = _subspace(factor, layout.sizes[a], settings)
+        fit.singular.append(singular)
+        fit.rank.append(rank)
+        fit.basis.append(basis)
+        fit.between_fraction.append(float((singular**2).sum() / spread) if spread > 0 else np.nan)
+        fit.structure_p.append(np.nan)
+    replicates = [_draws(factor, settings.bootstrap, rank, True)[0] if len(settings.bootstrap) and rank else None
+                  for factor, rank in zip(effects, fit.rank)]
+    for a, factor in enumerate(effects):
+        null_bases = None
+        if len(settings.null):
+            null_bases, null_totals = _draws(factor, settings.null, max(fit.rank[a], 1), False)
+            measured = (fit.singular[a] ** 2).sum()
+            fit.structure_p[a] = float((1 + np.count_nonzero(null_totals >= measured)) / (1 + len(null_totals)))
+        for b in range(len(effects)):
+            if b != a and fit.rank[a] and fit.rank[b]:
+                _pair_angles(fit, a, b, replicates, null_bases, settings)
+        for kind, spaces in heads.items():
+            for h, space in enumerate(spaces):
+                if fit.rank[a]:
+                    fit.head_angles[kind, a, h] = principal_angles(fit.basis[a], space)
     return fit
 
 
-def fit_subspaces(dataset: xr.Dataset, *, site="resid_pre", factors=None, layers=None, exclude_start=True,
-                  rank_threshold=0.95, rank=None, n_bootstrap=0, bootstrap_groups=32, seed=0) -> Subspaces:
-    """Fit every factor's subspace at every layer in one streaming pass (plus a cheap pass over the labels)."""
-    array = d_model_site(dataset, site, "factor subspaces")
-    layers = check_layers(dataset, layers)
-    factors = parse_factors(dataset, factors)
-    mask = token_mask(dataset, exclude_start)
-    classes = discover_classes(dataset, factors, mask)
-    codes = [factor_codes(dataset, factor, classes[factor.name], mask) for factor in factors]
-    n_groups = bootstrap_groups if n_bootstrap else 1
-    n_classes = [len(classes[factor.name]) for factor in factors]
-    d_model = array.sizes["d_model"]
-    shapes = {"nonfinite": ()}
-    for number, size in enumerate(n_classes):
-        shapes.update({f"sums{number}": (n_groups, size, d_model), f"counts{number}": (n_groups, size), f"squares{number}": ()})
-    packer = Packer(shapes)
-    groups = sample_values(dataset, mask).map_blocks(bootstrap_group, seed, n_groups, dtype="int64")
-    kernel = partial(_class_sums, packer=packer, n_classes=n_classes, n_groups=n_groups)
-    finite = FiniteCheck(dataset)
-    lazy = {}
-    for layer in layers:
-        lazy[layer] = sample_block_sums(kernel, packer.size, layer_data(array, layer), groups, *codes)
-        finite.reads(layer, (site, layer))
-    (sums,) = dask.compute(lazy)
-    finite.check({layer: packer.unpack(vector)["nonfinite"] for layer, vector in sums.items()})
-    rng = np.random.default_rng(seed)
-    weights = rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=n_bootstrap) if n_bootstrap else None
-    counts = packer.unpack(sums[layers[0]])
-    n_tokens = {factor.name: int(counts[f"counts{n}"].sum()) for n, factor in enumerate(factors)}
-    result = Subspaces(site, layers, factors, classes, n_tokens)
-    for layer in layers:
-        parts = packer.unpack(sums[layer])
-        result.fits[layer] = {
-            factor.name: _fit(parts[f"sums{n}"], parts[f"counts{n}"], parts[f"squares{n}"],
-                              rank_threshold=rank_threshold, rank=rank, weights=weights)
-            for n, factor in enumerate(factors)
-        }
-    return result
+def _subspace(factor: FactorEffects, n_classes: int, settings: DrawSettings):
+    """Singular values (at most classes - 1), chosen rank and orthonormal basis (d, rank) of a factor."""
+    singular, directions = np.linalg.svd(factor.weighted, full_matrices=False)[1:]
+    singular = singular[: min(n_classes - 1, len(singular))]
+    rank = choose_rank(singular, n_classes, settings.rank_threshold, settings.rank)
+    return singular, rank, directions[:rank].T
+
+
+def _pair_angles(fit: LayerFit, a: int, b: int, replicates: list, null_bases, settings: DrawSettings) -> None:
+    """The angles of factor a with factor b, their bootstrap interval, and those of a's null draws."""
+    fit.angles[a, b] = principal_angles(fit.basis[a], fit.basis[b])
+    if replicates[a] is not None and replicates[b] is not None:
+        fit.angles_ci[a, b] = _interval(principal_angles(replicates[a], replicates[b]), settings.confidence)
+    if null_bases is not None:
+        null_angles = principal_angles(null_bases[..., : fit.rank[a]], fit.basis[b])
+        fit.null_angles[a, b] = np.median(null_angles, axis=0)
+        fit.null_angles_ci[a, b] = _interval(null_angles, 1 - settings.significance)
+
+
+def _interval(draws: np.ndarray, level: float) -> np.ndarray:
+    """Central interval (..., bound) holding `level` of the draws (first axis)."""
+    return np.moveaxis(np.percentile(draws, [50 * (1 - level), 50 * (1 + level)], axis=0), 0, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimator.
+
+
+@dataclass
+class Design:
+    """What the label passes found: the factors' classes, the design's layout and counts, and the
+    joint fit's solution (None for the marginal estimator)."""
+
+    classes: dict[str, FactorClasses]
+    layout: Layout
+    counts: Counts
+    solution: JointSolution | None
+    association: np.ndarray  # (factor, other) normalised mutual information of the labels
+    shared_tokens: np.ndarray  # (factor, other)
+
+
+class FactorSubspaces:
+    """Factor subspaces of a residual-stream site, fitted jointly (default) or per factor.
+
+    Parameters (all keyword): site; factors (specs, default ``factors.default_factor_specs``);
+    layers (default all); exclude_start; estimator ("joint" or "marginal"); rank_threshold, rank;
+    max_classes (None: keep every class); n_bootstrap, bootstrap_groups, confidence; n_null,
+    significance; seed; independence_deg, orthogonality_deg. See the module docstring.
+
+    Fitted attributes: ``site_``, ``layers_``, ``factors_`` (names), ``classes_`` ({factor:
+    FactorClasses}), ``n_tokens_``, ``design_`` (counts, association, condition), ``fits_``
+    ({layer: LayerFit}); ``bases(layer)`` gives each factor's orthonormal basis (d_model, rank).
+    """
+
+    def __init__(self, *, site: str = "resid_pre", factors=None, layers=None, exclude_start: bool = True,
+                 estimator: str = "joint", rank_threshold: float = 0.95, rank: int | None = None,
+                 max_classes: int | None = 64, n_bootstrap: int = 200, bootstrap_groups: int = 32,
+                 confidence: float = 0.9, n_null: int = 100, significance: float = 0.05, seed: int = 0,
+                 independence_deg: float = 10.0, orthogonality_deg: float = 10.0):
+        options = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,
+                                estimator=estimator, rank_threshold=rank_threshold, rank=rank,
+                                max_classes=max_classes, n_bootstrap=n_bootstrap, bootstrap_groups=bootstrap_groups,
+                                confidence=confidence, n_null=n_null, significance=significance, seed=seed,
+                                independence_deg=independence_deg, orthogonality_deg=orthogonality_deg)
+        for name, value in options.items():
+            setattr(self, name, value)
+
+    @property
+    def fit_options(self) -> dict:
+        """The parameters that fix the bases, as fitted (layers and factors resolved)."""
+        options = {name: getattr(self, name) for name in FIT_OPTIONS}
+        if hasattr(self, "layers_"):
+            options.update(layers=list(self.layers_), factors=list(self.factors_))
+        return as_attrs(options)
+
+    def fit(self, dataset: xr.Dataset) -> FactorSubspaces:
+        """Fit on an opened store (``open_for_analysis``); returns self."""
+        run_plans({"subspaces": self.plan(dataset)})
+        return self
+
+    def plan(self, dataset: xr.Dataset) -> Plan:
+        """Read the labels now (two cheap passes), and return the Plan of the streamed pass, which
+        finishes into this estimator, fitted."""
+        array = d_model_site(dataset, self.site, "factor subspaces")
+        layers = check_layers(dataset, self.layers)
+        factors = parse_factors(dataset, self.factors)
+        url = store_url(dataset)
+        mask = token_mask(dataset, self.exclude_start)
+        classes, patterns = discover_classes(dataset, factors, mask, self.max_classes)
+        names = [factor.name for factor in factors]
+        self._check_rank(classes, dataset.sizes["d_model"])
+        layout = Layout(tuple(names), tuple(classes[name].size for name in names), tuple(int(p) for p in patterns))
+        n_groups = self.bootstrap_groups if (self.n_bootstrap or self.n_null) else 1
+        groups = sample_values(dataset, mask).map_blocks(bootstrap_group, self.seed, n_groups, dtype="int64")
+        columns = design_columns(dataset, factors, classes, layout, mask)
+        design = self._design(classes, layout, columns, groups, n_groups, url)
+        packer = Packer({"nonfinite": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
+                         "squares": (layout.n_columns,)})
+        kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
+        settings = self._draw_settings(n_groups)
+        heads = head_read_spaces(dataset, layers)
+        shared = dask.delayed(design, pure=True)
+        finite = FiniteCheck(dataset)
+        lazy = {}
+        for layer in layers:
+            vector = sample_block_sums(kernel, packer.size, layer_data(array, layer), groups, columns)
+            (chunk,) = vector.to_delayed(optimize_graph=False)  # unoptimised: its reads stay shared
+            fit = dask.delayed(_fit_layer_of_design)(chunk, shared, packer=packer, settings=settings,
+                                                     heads=heads.get(layer, {}))
+            lazy[layer] = (vector[packer.offsets["nonfinite"]], fit)
+            finite.reads(layer, (self.site, layer))
+
+        def finish(computed):
+            finite.check({layer: nonfinite for layer, (nonfinite, _) in computed.items()})
+            self.site_, self.layers_, self.factors_ = self.site, layers, names
+            self.classes_, self.design_ = classes, design
+            self.n_tokens_ = {name: int(classes[name].counts.sum()) for name in names}
+            self.fits_ = {layer: fit for layer, (_, fit) in computed.items()}
+            self.has_weights_ = bool(heads)
+            self.d_model_ = dataset.sizes["d_model"]
+            self.heads_ = {"q": dataset["head"].values, "k": dataset["kv_head"].values}
+            return self
+
+        return Plan(lazy, finish)
+
+    def _check_rank(self, classes: dict[str, FactorClasses], d_model: int) -> None:
+        if self.rank is None:
+            return
+        for name, found in classes.items():
+            limit = min(found.size - 1, d_model)
+            if self.rank > limit:
+                raise AnalysisError(
+                    f"rank={self.rank} is more than factor {name!r} allows: its {found.size} classes span at most "
+                    f"{limit} dimension(s) of d_model {d_model}; choose rank <= {limit} or leave rank unset "
+                    "(then rank_threshold chooses each factor's rank)"
+                )
+
+    def _design(self, classes, layout: Layout, columns, groups, n_groups: int, url: str) -> Design:
+        """The second label pass: co-occurrence counts, then the joint solution and the association."""
+        parts = [dask.delayed(count_block)(c, g, layout.n_columns, n_groups)
+                 for c, g in zip(columns.to_delayed().ravel(), groups.to_delayed().ravel())]
+        (stacked,) = dask.compute(tree_sum(parts))
+        n = layout.n_columns
+        gram = np.asarray(sum(stacked[g * n: (g + 1) * n] for g in range(n_groups)).todense())
+        counts = Counts(gram, stacked.tocsr(), n_groups)
+        solution = None
+        if self.estimator == "joint":
+            check_shared_tokens(counts, layout, url)
+            solution = solve_joint(counts, layout, url)
+        association, shared = label_association(counts, layout)
+        design = Design(classes, layout, counts, solution, association, shared)
+        _log_design(design, url)
+        return design
+
+    def _draw_settings(self, n_groups: int) -> DrawSettings:
+        rng = np.random.default_rng(self.seed)
+        bootstrap = (rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=self.n_bootstrap) - 1.0
+                     if self.n_bootstrap else np.zeros((0, n_groups)))
+        null = rng.choice([-1.0, 1.0], size=(self.n_null, n_groups)) if self.n_null else np.zeros((0, n_groups))
+        return DrawSettings(self.rank_threshold, self.rank, bootstrap, null, self.confidence, self.significance)
+
+    def bases(self, layer: int) -> list[np.ndarray]:
+        """Each factor's orthonormal basis (d_model, rank) at a fitted layer, in the order of factors_."""
+        return self.fits_[layer].basis
+
+    def to_dataset(self) -> xr.Dataset:
+        """The results group /subspaces (see the package docstring for its variables)."""
+        return subspace_dataset(self)
+
+
+def _fit_layer_of_design(vector, design: Design, **kwargs) -> LayerFit:
+    return fit_layer(vector, counts=design.counts, layout=design.layout, solution=design.solution, **kwargs)
+
+
+def label_association(counts: Counts, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(factor, other) normalised mutual information of the labels on the tokens both read
+    (arithmetic-mean normalisation, as sklearn's default: 0 unrelated, 1 one determines the other
+    and back), and the number of those tokens."""
+    n = len(layout.names)
+    association, shared = np.full((n, n), np.nan), np.zeros((n, n), dtype="int64")
+    for a in range(n):
+        for b in range(n):
+            table = counts.contingency(layout, a, b)
+            shared[a, b] = int(table.sum())
+            if a == b or not shared[a, b]:
+                continue
+            table = table[table.sum(axis=1) > 0][:, table.sum(axis=0) > 0]
+            denominator = (entropy(table.sum(axis=1)) + entropy(table.sum(axis=0))) / 2
+            information = mutual_info_score(None, None, contingency=table)
+            association[a, b] = information / denominator if denominator > 0 else 1.0
+    return association, shared
+
+
+def _log_design(design: Design, url: str) -> None:
+    layout, solution = design.layout, design.solution
+    described = ", ".join(
+        f"{name}: {found.size} classes" + (f" (the last pooling {found.pooled_classes} less frequent ones)" if found.pooled_classes else "")
+        for name, found in design.classes.items())
+    log.info("subspaces of %s: %s", url, described)
+    if solution is None:
+        return
+    log.info("subspaces: joint fit, condition number %.3g, variance inflation %s", solution.condition,
+             {name: round(float(value), 2) for name, value in zip(layout.names, solution.variance_inflation)})
+    if solution.condition > CONDITION_WARNING:
+        n = len(layout.names)
+        pairs = sorted(((design.association[a, b], layout.names[a], layout.names[b])
+                        for a in range(n) for b in range(a + 1, n) if np.isfinite(design.association[a, b])), reverse=True)
+        strongest = "; ".join(f"{a} ~ {b}: NMI {value:.2f}" for value, a, b in pairs[:3])
+        log.warning(
+            "subspaces of %s: the joint fit is ill-conditioned (condition number %.3g > %g): the factors' labels are "
+            "strongly associated (%s), which inflates the noise of their effects %s-fold; read their angles with "
+            "their intervals, or drop one of the associated factors", url, solution.condition, CONDITION_WARNING,
+            strongest, {name: round(float(v), 1) for name, v in zip(layout.names, solution.variance_inflation)})
 
 
 def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
@@ -168,138 +440,133 @@ def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[s
     }
 
 
-class AngleTable:
-    """Principal angles (degrees, ascending, NaN-padded) with bootstrap intervals, filled pair by pair."""
-
-    def __init__(self, shape: tuple[int, ...], n_angles: int, confidence: float):
-        self.angles = np.full(shape + (n_angles,), np.nan)
-        self.intervals = np.full(shape + (n_angles, 2), np.nan)
-        self.min_interval = np.full(shape + (2,), np.nan)
-        self.overlap = np.full(shape, np.nan)
-        self.percentiles = [50 * (1 - confidence), 50 * (1 + confidence)]
-
-    def fill(self, index, a: np.ndarray, b: np.ndarray, a_replicates=None, b_replicates=None) -> None:
-        angles = principal_angles(a, b)
-        self.angles[index][: angles.size] = angles
-        self.overlap[index] = overlap_fraction(a, b)
-        if a_replicates is None or angles.size == 0:
-            return
-        replicate_angles = principal_angles(a_replicates, b if b_replicates is None else b_replicates)
-        bounds = np.moveaxis(np.percentile(replicate_angles, self.percentiles, axis=0), 0, -1)
-        self.intervals[index][: angles.size] = bounds
-        self.min_interval[index] = bounds[0]
-
-    @property
-    def min_angle(self) -> np.ndarray:
-        return self.angles[..., 0]
+# ---------------------------------------------------------------------------------------------
+# The results group.
 
 
-def _relation(min_angle: np.ndarray, independence_deg: float, orthogonality_deg: float) -> np.ndarray:
-    relation = np.where(min_angle >= 90 - orthogonality_deg, "orthogonal",
-                        np.where(min_angle >= independence_deg, "independent", "dependent"))
+def _relation(structure_p: np.ndarray, min_angle: np.ndarray, high: np.ndarray, *, significance: float,
+              independence_deg: float, orthogonality_deg: float) -> np.ndarray:
+    """(layer, factor, other) relation from the factors' structure p-values (layer, factor), the
+    smallest angle and the high bound of its interval (the angle itself where there is none)."""
+    high = np.where(np.isnan(high), min_angle, high)
+    structured = ~(structure_p > significance)  # NaN (no null drawn): structured
+    both = structured[:, :, None] & structured[:, None, :]
+    relation = np.where(high < independence_deg, "dependent",
+                        np.where(high >= 90 - orthogonality_deg, "orthogonal", "independent"))
+    relation = np.where(both, relation, "no structure")
     return np.where(np.isnan(min_angle), "", relation).astype(object)
 
 
-def subspace_dataset(dataset: xr.Dataset, subspaces: Subspaces, *, confidence: float, independence_deg: float,
-                     orthogonality_deg: float) -> xr.Dataset:
-    """The results group /subspaces (see the package docstring for its variables)."""
-    layers, names = subspaces.layers, [factor.name for factor in subspaces.factors]
-    d_model = dataset.sizes["d_model"]
-    fits = subspaces.fits
-    n_components = max(len(fits[layers[0]][name].singular) for name in names)
-    heads = head_read_spaces(dataset, layers)
-    max_rank = max(fit.rank for layer in layers for fit in fits[layer].values())
-    n_angles = max(1, max_rank)
-    shape = (len(layers), len(names))
-    pairs = AngleTable(shape + (len(names),), n_angles, confidence)
-    n_heads, n_kv_heads = dataset.sizes["head"], dataset.sizes["kv_head"]
-    reads = {"q": AngleTable(shape + (n_heads,), n_angles, confidence),
-             "k": AngleTable(shape + (n_kv_heads,), n_angles, confidence)}
-    singular = np.full(shape + (n_components,), np.nan)
-    explained = np.full(shape + (n_components,), np.nan)
-    basis = np.full(shape + (d_model, max(max_rank, 1)), np.nan)
-    rank = np.zeros(shape, dtype="int64")
-    between = np.full(shape, np.nan)
+def _padded(values: dict, shape: tuple, width: int, *extra) -> np.ndarray:
+    """Angles (or intervals) by index into a NaN array shape + (width,) + extra."""
+    out = np.full(shape + (width,) + extra, np.nan)
+    for index, value in values.items():
+        out[index][: len(value)] = value
+    return out
+
+
+def _overlap(angles: dict, shape: tuple) -> np.ndarray:
+    """Mean squared cosine of each entry's principal angles (0 orthogonal, 1 one span inside the other)."""
+    out = np.full(shape, np.nan)
+    for index, value in angles.items():
+        out[index] = np.mean(np.cos(np.radians(value)) ** 2)
+    return out
+
+
+def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
+    """The results group /subspaces of a fitted FactorSubspaces."""
+    layers, names = fitted.layers_, fitted.factors_
+    fits, design = fitted.fits_, fitted.design_
+    n_layers, n_factors = len(layers), len(names)
+    max_rank = max([rank for fit in fits.values() for rank in fit.rank] + [1])
+    n_components = max(len(s) for fit in fits.values() for s in fit.singular)
+    shape = (n_layers, n_factors)
+    singular, explained = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
+    basis = np.full(shape + (fitted.d_model_, max_rank), np.nan)
+    per_pair = {name: {} for name in ("angles", "angles_ci", "null_angles", "null_angles_ci")}
+    heads = {"q": {}, "k": {}}
     for i, layer in enumerate(layers):
-        for j, name in enumerate(names):
-            fit = fits[layer][name]
-            singular[i, j, : fit.singular.size] = fit.singular
-            explained[i, j, : fit.singular.size] = fit.explained
-            basis[i, j, :, : fit.rank] = fit.basis
-            rank[i, j] = fit.rank
-            between[i, j] = fit.between_fraction
-            for m, other in enumerate(names):
-                if m != j:
-                    partner = fits[layer][other]
-                    pairs.fill((i, j, m), fit.basis, partner.basis, fit.replicates, partner.replicates)
-            for kind, spaces in heads.get(layer, {}).items():
-                for h, space in enumerate(spaces):
-                    reads[kind].fill((i, j, h), fit.basis, space, fit.replicates)
-    factor_dims = ("layer", "factor")
+        fit = fits[layer]
+        for a in range(n_factors):
+            variance = fit.singular[a] ** 2
+            singular[i, a, : len(variance)] = fit.singular[a]
+            if variance.sum() > 0:
+                explained[i, a, : len(variance)] = np.cumsum(variance) / variance.sum()
+            basis[i, a, :, : fit.rank[a]] = fit.basis[a]
+        for name in per_pair:
+            per_pair[name].update({(i, a, b): value for (a, b), value in getattr(fit, name).items()})
+        for (kind, a, h), value in fit.head_angles.items():
+            heads[kind][i, a, h] = value
+    pair_shape = shape + (n_factors,)
+    angles = _padded(per_pair["angles"], pair_shape, max_rank)
+    angles_ci = _padded(per_pair["angles_ci"], pair_shape, max_rank, 2)
+    null_angles = _padded(per_pair["null_angles"], pair_shape, max_rank)
+    null_angles_ci = _padded(per_pair["null_angles_ci"], pair_shape, max_rank, 2)
+    structure_p = np.array([fits[layer].structure_p for layer in layers])
+    overlap = _overlap(per_pair["angles"], pair_shape)
+    relation = _relation(structure_p, angles[..., 0], angles_ci[..., 0, 1], significance=fitted.significance,
+                         independence_deg=fitted.independence_deg, orthogonality_deg=fitted.orthogonality_deg)
+    fd, pair = ("layer", "factor"), ("layer", "factor", "other")
+    solution = design.solution
     data = {
-        "n_classes": (("factor",), [len(subspaces.classes[name]) for name in names]),
-        "n_tokens": (("factor",), [subspaces.n_tokens[name] for name in names]),
-        "subspace_rank": (factor_dims, rank),
-        "singular_value": (factor_dims + ("component",), singular),
-        "explained": (factor_dims + ("component",), explained),
-        "between_fraction": (factor_dims, between),
-        "basis": (factor_dims + ("d_model", "basis_vector"), basis),
-        "angles": (factor_dims + ("other", "angle"), pairs.angles),
-        "angles_ci": (factor_dims + ("other", "angle", "bound"), pairs.intervals),
-        "min_angle": (factor_dims + ("other",), pairs.min_angle),
-        "min_angle_ci": (factor_dims + ("other", "bound"), pairs.min_interval),
-        "overlap": (factor_dims + ("other",), pairs.overlap),
-        "relation": (factor_dims + ("other",), _relation(pairs.min_angle, independence_deg, orthogonality_deg)),
+        "n_classes": (("factor",), [design.classes[name].size for name in names]),
+        "n_tokens": (("factor",), [fitted.n_tokens_[name] for name in names]),
+        "pooled_classes": (("factor",), [design.classes[name].pooled_classes for name in names]),
+        "pooled_tokens": (("factor",), [design.classes[name].pooled_tokens for name in names]),
+        "label_nmi": (("factor", "other"), design.association),
+        "shared_tokens": (("factor", "other"), design.shared_tokens),
+        "variance_inflation": (("factor",), solution.variance_inflation if solution else np.full(n_factors, np.nan)),
+        "condition_number": ((), solution.condition if solution else np.nan),
+        "subspace_rank": (fd, np.array([fits[layer].rank for layer in layers], dtype="int64")),
+        "singular_value": (fd + ("component",), singular),
+        "explained": (fd + ("component",), explained),
+        "between_fraction": (fd, np.array([fits[layer].between_fraction for layer in layers])),
+        "structure_p": (fd, structure_p),
+        "basis": (fd + ("d_model", "basis_vector"), basis),
+        "angles": (pair + ("angle",), angles),
+        "angles_ci": (pair + ("angle", "bound"), angles_ci),
+        "min_angle": (pair, angles[..., 0]),
+        "min_angle_ci": (pair + ("bound",), angles_ci[..., 0, :]),
+        "overlap": (pair, overlap),
+        "null_angles": (pair + ("angle",), null_angles),
+        "null_angles_ci": (pair + ("angle", "bound"), null_angles_ci),
+        "null_min_angle": (pair, null_angles[..., 0]),
+        "null_min_angle_ci": (pair + ("bound",), null_angles_ci[..., 0, :]),
+        "relation": (pair, relation),
     }
-    if heads:
+    if fitted.has_weights_:
         for kind, head_dim in (("q", "head"), ("k", "kv_head")):
-            table = reads[kind]
+            table = _padded(heads[kind], shape + (len(fitted.heads_[kind]),), max_rank)
+            head_overlap = _overlap(heads[kind], shape + (len(fitted.heads_[kind]),))
             data.update({
-                f"{kind}_angles": (factor_dims + (head_dim, "angle"), table.angles),
-                f"{kind}_angles_ci": (factor_dims + (head_dim, "angle", "bound"), table.intervals),
-                f"{kind}_min_angle": (factor_dims + (head_dim,), table.min_angle),
-                f"{kind}_min_angle_ci": (factor_dims + (head_dim, "bound"), table.min_interval),
-                f"{kind}_overlap": (factor_dims + (head_dim,), table.overlap),
+                f"{kind}_angles": (fd + (head_dim, "angle"), table),
+                f"{kind}_min_angle": (fd + (head_dim,), table[..., 0]),
+                f"{kind}_overlap": (fd + (head_dim,), head_overlap),
             })
-    coords = {
-        "layer": layers,
-        "factor": np.array(names, dtype=object),
-        "other": np.array(names, dtype=object),
-        "bound": np.array(BOUNDS, dtype=object),
-        "head": dataset["head"].values,
-        "kv_head": dataset["kv_head"].values,
-    }
+    coords = {"layer": layers, "factor": np.array(names, dtype=object), "other": np.array(names, dtype=object),
+              "bound": np.array(BOUNDS, dtype=object), "head": fitted.heads_["q"], "kv_head": fitted.heads_["k"]}
     attrs = {
-        "site": subspaces.site,
-        "factors": names,
-        "classes": {name: [str(value) for value in subspaces.classes[name]] for name in names},
-        "head_angles": "computed from w_q, w_k" if heads else "not computed: the store has no weights",
+        "site": fitted.site_, "factors": names, "estimator": fitted.estimator,
+        "classes": {name: design.classes[name].names for name in names},
+        "head_angles": "computed from w_q, w_k" if fitted.has_weights_ else "not computed: the store has no weights",
+        "fit": fitted.fit_options,
+        "relation_rule": ("no structure: a factor's structure_p > significance; else from the high bound of "
+                          "min_angle_ci (min_angle without a bootstrap): < independence_deg dependent, "
+                          ">= 90 - orthogonality_deg orthogonal, else independent"),
+        **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "n_null",
+                                                    "significance", "seed", "independence_deg", "orthogonality_deg")},
     }
-    return xr.Dataset(data, coords=coords, attrs=attrs)
+    return xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
 
 
-def factor_subspaces(dataset: xr.Dataset, *, site: str = "resid_pre", factors=None, layers=None,
-                     exclude_start: bool = True, rank_threshold: float = 0.95, rank: int | None = None,
-                     n_bootstrap: int = 200, bootstrap_groups: int = 32, confidence: float = 0.9, seed: int = 0,
-                     independence_deg: float = 10.0, orthogonality_deg: float = 10.0) -> xr.Dataset:
-    """Factor subspaces at a residual-stream site, their explained variance and rank, and principal
-    angles (between factors and with each head's read subspaces) with bootstrap intervals.
+def factor_subspaces(dataset: xr.Dataset, **options) -> xr.Dataset:
+    """Factor subspaces at a residual-stream site, as the results group /subspaces: ranks, explained
+    variance, principal angles between factors and with each head's read subspaces, bootstrap
+    intervals, the null, label association and each pair's relation. The options are the
+    parameters of ``FactorSubspaces`` (see the module docstring)."""
+    return FactorSubspaces(**options).fit(dataset).to_dataset()
 
-    factors: factor specs (default: every label of the store, and pos); rank: a fixed rank, else the
-    fewest directions holding rank_threshold of the between-class variance; n_bootstrap replicates
-    over bootstrap_groups seeded groups of samples give `confidence` intervals; a pair whose smallest
-    angle is below independence_deg is "dependent", within orthogonality_deg of 90 "orthogonal",
-    else "independent".
-    """
-    fit = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,
-                        rank_threshold=rank_threshold, rank=rank)
-    check_options(n_bootstrap=n_bootstrap, bootstrap_groups=bootstrap_groups, confidence=confidence, seed=seed,
-                  independence_deg=independence_deg, orthogonality_deg=orthogonality_deg)
-    subspaces = fit_subspaces(dataset, **fit, n_bootstrap=n_bootstrap, bootstrap_groups=bootstrap_groups, seed=seed)
-    result = subspace_dataset(dataset, subspaces, confidence=confidence, independence_deg=independence_deg,
-                              orthogonality_deg=orthogonality_deg)
-    result.attrs["fit"] = as_attrs(fit | {"layers": subspaces.layers, "factors": [f.name for f in subspaces.factors]})
-    result.attrs.update({"n_bootstrap": n_bootstrap, "bootstrap_groups": bootstrap_groups, "seed": seed,
-                         "confidence": confidence, "independence_deg": independence_deg,
-                         "orthogonality_deg": orthogonality_deg})
-    return result
+
+factor_subspaces.__signature__ = inspect.signature(factor_subspaces).replace(parameters=[
+    inspect.signature(factor_subspaces).parameters["dataset"], *inspect.signature(FactorSubspaces).parameters.values()])
+factor_subspaces.plan = lambda dataset, **options: FactorSubspaces(**options).plan(dataset)

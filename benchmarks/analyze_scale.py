@@ -1,20 +1,27 @@
-"""Scale benchmark of the analyses: norms + subspaces + spheres over a synthetic store several
-times larger than a Dask worker's memory limit, on a LocalCluster.
+"""Scale benchmark of the analyses, two cases, each against a raw read pass measured in the same run.
 
-Prints, side by side in one run:
-- the throughput of a raw pass that only reads and sums every array the analyses read, once;
-- the throughput of the analyses (bytes of activations they read, each pass counted, per second)
-  and its ratio to the raw pass, per analysis and for the three together (target >= 0.7);
-- the wall time of the analyses against that of reading the store once;
-- the peak resident memory of each worker (sampled), the bytes workers spilled to disk, and
-  whether any worker was restarted (killed).
+(a) out-of-core: norms + subspaces + spheres over a synthetic store several times larger than a
+    Dask worker's memory limit, on a LocalCluster: each analysis run on its own (each reading the
+    store itself) and all three in one `analyze` call (planned together: one pass for norms and
+    subspaces, and the spheres' pass over resid_pre, which needs the fitted bases). Prints the
+    throughput (bytes of activations read per second, each pass counted) as a ratio to the raw
+    pass (target >= 0.7 for the one call), the wall time as a multiple of one raw pass, and the
+    workers' peak memory, spill and restarts.
+(b) language model: a store shaped like a small real language model (30 layers, d_model 576,
+    9 query and 3 key-value heads of 64, 128 positions, float16, every default site) whose
+    token-identity label has over 2,000 classes. The default analyses of `orthosphere analyze`
+    (default factors for text: token identity, its rarest classes pooled, and position) in one
+    call, with Dask's threads as the CLI uses them; their time as a multiple of one raw pass over
+    every site (target <= 3x), with and without the replay.
 
-    python benchmarks/analyze_scale.py                       # 2 GB store, 2 workers of 512 MB
-    python benchmarks/analyze_scale.py --size-gb 4 --memory-limit 1GB
+    python benchmarks/analyze_scale.py --case out-of-core        # 2 GB store, 2 workers of 512 MB
+    python benchmarks/analyze_scale.py --case out-of-core --size-gb 4 --memory-limit 1GB
+    python benchmarks/analyze_scale.py --case language-model
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import tempfile
 import threading
@@ -25,32 +32,23 @@ import dask
 import numpy as np
 from distributed import Client, LocalCluster
 
-from orthosphere.analyze import factor_subspaces, norm_spread, open_for_analysis, sphere_structure
-from orthosphere.store import create_store
+from orthosphere.analyze import FactorSubspaces, norm_spread, open_for_analysis, run_analyses, sphere_structure
+from orthosphere.store import DEFAULT_SITES, create_store
 
 N_LAYERS, N_POS, D_MODEL, N_HEADS, D_HEAD = 4, 32, 128, 4, 32
 SITES = ("resid_pre", "q", "k")
 FACTORS = ["alpha", "beta", "pos"]
+OPTIONS = {"sites": ["resid_pre", "k"], "factors": FACTORS, "n_bootstrap": 50}
+"""(a): norms of resid_pre and k weighted by the attention recomputed from q and k; subspaces of alpha,
+beta and pos with 50 bootstrap replicates (and the default null); spheres on those bases."""
 READS = {"norms": ("resid_pre", "q", "k"), "subspaces": ("resid_pre",), "spheres": ("resid_pre",)}
 """The site arrays each analysis reads once (norms reads q and k to recompute the attention)."""
 
+LM = {"n_layers": 30, "d_model": 576, "n_heads": 9, "n_kv_heads": 3, "d_head": 64, "n_pos": 128, "n_samples": 64,
+      "vocabulary": 49152}
 
-def run_analyses(dataset) -> dict[str, float]:
-    """Seconds of each analysis, as `orthosphere analyze --only norms,subspaces,spheres` runs them
-    (spheres take the bases of the subspaces)."""
-    seconds = {}
-    started = time.perf_counter()
-    norm_spread(dataset, sites=["resid_pre", "k"])
-    seconds["norms"] = time.perf_counter() - started
-    started = time.perf_counter()
-    subspaces = factor_subspaces(dataset, factors=FACTORS, n_bootstrap=50)
-    seconds["subspaces"] = time.perf_counter() - started
-    started = time.perf_counter()
-    spheres = sphere_structure(dataset, factors=FACTORS, subspaces=subspaces)
-    seconds["spheres"] = time.perf_counter() - started
-    assert spheres.attrs["bases"] == "from the subspaces results"
-    return seconds
 
+# (a) ------------------------------------------------------------------------------------------
 
 def build_store(path: Path, size_gb: float, seed: int = 0) -> str:
     """A store of random activations, written in chunk blocks, with planted structure in resid_pre:
@@ -77,11 +75,15 @@ def build_store(path: Path, size_gb: float, seed: int = 0) -> str:
         writer.write(start, {"resid_pre": resid, "q": rng.normal(size=heads).astype("float32"),
                              "k": rng.normal(size=heads).astype("float32"), "valid": np.ones((n, N_POS), bool),
                              **labels})
-    writer.write_weights({name: np.asarray(writer.group[name][...]) for name in
-                          ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")})
+    _finish(writer, rng)
+    return str(path)
+
+
+def _finish(writer, rng) -> None:
+    shapes = {name: writer.group[name].shape for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")}
+    writer.write_weights({name: (0.05 * rng.normal(size=shape)).astype("float32") for name, shape in shapes.items()})
     writer.mark_shard_complete(0)
     writer.finish()
-    return str(path)
 
 
 class MemoryWatch:
@@ -127,27 +129,37 @@ def site_bytes(dataset, site: str) -> int:
     return int(dataset[site].nbytes)
 
 
-def raw_pass(dataset) -> float:
-    """Seconds to read and sum every site array once."""
+def raw_pass(dataset, sites) -> float:
+    """Seconds to read and sum every chosen site array once."""
     started = time.perf_counter()
-    dask.compute([dataset[site].data.sum(dtype="float64") for site in SITES])
+    dask.compute([dataset[site].data.sum(dtype="float64") for site in sites])
     return time.perf_counter() - started
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=2.0, help="store size (default 2)")
-    parser.add_argument("--memory-limit", default="512MB", help="memory limit of each worker (default 512MB)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--dir", default=None, help="where to write the store (default: a temporary directory)")
-    args = parser.parse_args()
+def separately(dataset) -> dict[str, float]:
+    """Seconds of each analysis run on its own (spheres taking the subspaces' bases, as before)."""
+    seconds = {}
+    started = time.perf_counter()
+    norm_spread(dataset, sites=OPTIONS["sites"])
+    seconds["norms"] = time.perf_counter() - started
+    started = time.perf_counter()
+    subspaces = FactorSubspaces(factors=FACTORS, n_bootstrap=OPTIONS["n_bootstrap"]).fit(dataset)
+    subspaces.to_dataset()
+    seconds["subspaces"] = time.perf_counter() - started
+    started = time.perf_counter()
+    sphere_structure(dataset, subspaces=subspaces)
+    seconds["spheres"] = time.perf_counter() - started
+    return seconds
+
+
+def out_of_core(args) -> None:
     directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-scale-"))
     try:
         started = time.perf_counter()
         url = build_store(directory / "store.zarr", args.size_gb)
         dataset = open_for_analysis(url)
         total = sum(site_bytes(dataset, site) for site in SITES)
-        print(f"store: {total / 2**30:.2f} GiB of activations ({dataset.sizes['sample']} samples, {N_LAYERS} layers, "
+        print(f"(a) store: {total / 2**30:.2f} GiB of activations ({dataset.sizes['sample']} samples, {N_LAYERS} layers, "
               f"{N_POS} positions, d_model {D_MODEL}, {N_HEADS} heads of {D_HEAD}), written in "
               f"{time.perf_counter() - started:.0f} s")
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, memory_limit=args.memory_limit,
@@ -156,22 +168,28 @@ def main():
             print(f"cluster: {args.workers} workers x 1 thread, memory limit {limit / 2**20:.0f} MiB each "
                   f"(store = {total / limit:.1f} x one worker's limit)")
             workers_before = set(client.scheduler_info()["workers"])
-            raw_pass(dataset)  # warm the page cache and the workers alike for both passes
-            raw_seconds = raw_pass(dataset)
+            raw_pass(dataset, SITES)  # warm the page cache and the workers alike for every pass
+            raw_seconds = raw_pass(dataset, SITES)
             raw_rate = total / raw_seconds
             print(f"raw pass (read + sum {', '.join(SITES)}): {raw_seconds:.1f} s, {raw_rate / 2**20:.0f} MiB/s")
-            with MemoryWatch(client) as watch:
-                seconds = run_analyses(dataset)
+            seconds = separately(dataset)
             for name, elapsed in seconds.items():
                 read = sum(site_bytes(dataset, site) for site in READS[name])
-                rate = read / elapsed
-                print(f"{name:<10} {elapsed:6.1f} s, reads {read / 2**30:.2f} GiB: {rate / 2**20:5.0f} MiB/s, "
-                      f"ratio to the raw pass {rate / raw_rate:.2f}")
+                print(f"  alone: {name:<10} {elapsed:6.1f} s, reads {read / 2**30:.2f} GiB: "
+                      f"{read / elapsed / 2**20:5.0f} MiB/s, ratio to the raw pass {read / elapsed / raw_rate:.2f}")
             read = sum(site_bytes(dataset, site) for name in READS for site in READS[name])
-            together = sum(seconds.values())
-            print(f"all three  {together:6.1f} s, reads {read / 2**30:.2f} GiB: {read / together / 2**20:5.0f} MiB/s, "
-                  f"ratio to the raw pass {read / together / raw_rate:.2f}; wall time {together / raw_seconds:.1f} x "
-                  "one raw pass over the store")
+            alone = sum(seconds.values())
+            print(f"  alone, the three: {alone:6.1f} s, reads {read / 2**30:.2f} GiB: ratio to the raw pass "
+                  f"{read / alone / raw_rate:.2f}; wall time {alone / raw_seconds:.1f} x one raw pass")
+            with MemoryWatch(client) as watch:
+                started = time.perf_counter()
+                run_analyses(dataset, only=list(READS), options=OPTIONS)
+                together = time.perf_counter() - started
+            read = total + site_bytes(dataset, "resid_pre")  # pass 1 reads every site once; the spheres resid_pre again
+            print(f"  one analyze call: {together:6.1f} s, reads {read / 2**30:.2f} GiB (every site once, resid_pre "
+                  f"once more for the spheres): ratio to the raw pass {read / together / raw_rate:.2f} "
+                  f"(counting each byte once: {total / together / raw_rate:.2f}); wall time "
+                  f"{together / raw_seconds:.1f} x one raw pass, {alone / together:.2f} x faster than alone")
             peaks = ", ".join(f"{peak / 2**20:.0f}" for peak in watch.peaks.values())
             restarted = set(client.scheduler_info()["workers"]) != workers_before
             print(f"peak worker memory (MiB): {peaks} (limit {limit / 2**20:.0f}); spilled to disk: "
@@ -179,6 +197,104 @@ def main():
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+# (b) ------------------------------------------------------------------------------------------
+
+def token_ids(rng: np.random.Generator, shape, vocabulary: int) -> np.ndarray:
+    """Token ids drawn from a Zipf-like law over the vocabulary, as in text (a few frequent tokens, a long tail)."""
+    ranks = np.arange(1, vocabulary + 1)
+    weights = 1.0 / (ranks + 2.7) ** 0.9
+    return rng.choice(vocabulary, size=shape, p=weights / weights.sum())
+
+
+def build_language_model_store(path: Path, seed: int = 0) -> str:
+    """Every default site of a small language model's shape in float16; the residual stream holds a
+    token embedding (in 128 of the 576 dimensions), a positional code of rank 12 and noise, drifting
+    across layers; labels token_str and position as the text task writes them."""
+    layers, d, n_pos, n_samples = LM["n_layers"], LM["d_model"], LM["n_pos"], LM["n_samples"]
+    model = {"family": "llama", "source": "synthetic", "norm_placement": "pre", "norm_type": "rms",
+             "n_layers": layers, "d_model": d, "n_heads": LM["n_heads"], "n_kv_heads": LM["n_kv_heads"],
+             "d_head": LM["d_head"], "attn_scale": LM["d_head"] ** -0.5, "causal": True}
+    writer = create_store(path, model=model, task={"name": "text", "max_length": n_pos}, n_samples=n_samples,
+                          n_pos=n_pos, sites=DEFAULT_SITES, dtype="float16",
+                          labels={"token_str": "str", "position": "int32"}, overwrite=True)
+    rng = np.random.default_rng(seed)
+    tokens = token_ids(rng, (n_samples, n_pos), LM["vocabulary"])
+    used, codes = np.unique(tokens, return_inverse=True)
+    embedding = rng.normal(size=(len(used), 128)) @ np.linalg.qr(rng.normal(size=(d, 128)))[0].T
+    frequencies = np.arange(n_pos)[:, None] * np.geomspace(0.01, 1.0, 6)
+    positional = np.concatenate([np.sin(frequencies), np.cos(frequencies)], axis=1) @ rng.normal(size=(12, d))
+    drift = rng.normal(size=(layers, d)) * 0.5
+    block = writer.attrs["samples_per_chunk"]
+    for start in range(0, n_samples, block):
+        stop = min(start + block, n_samples)
+        n = stop - start
+        base = 3 * embedding[codes.reshape(tokens.shape)[start:stop]] + positional[None]
+        resid = base[:, None] + drift[None, :, None] + rng.normal(size=(n, layers, n_pos, d))
+        arrays = {"resid_pre": resid, "resid_mid": resid + 0.3 * rng.normal(size=resid.shape),
+                  "resid_post": resid + 0.5 * rng.normal(size=resid.shape),
+                  "attn_in": resid / np.sqrt(np.mean(resid**2, axis=-1, keepdims=True)),
+                  "q": rng.normal(size=(n, layers, n_pos, LM["n_heads"], LM["d_head"])),
+                  "k": rng.normal(size=(n, layers, n_pos, LM["n_kv_heads"], LM["d_head"])),
+                  "v": rng.normal(size=(n, layers, n_pos, LM["n_kv_heads"], LM["d_head"]))}
+        arrays = {name: value.astype("float16") for name, value in arrays.items()}
+        ids = tokens[start:stop]
+        arrays.update({"tokens": ids.astype("int32"), "valid": np.ones((n, n_pos), bool),
+                       "target": np.roll(ids, -1, axis=1).astype("int32"), "scored": np.ones((n, n_pos), bool),
+                       "token_str": np.char.add("t", ids.astype(str)).astype(object),
+                       "position": np.broadcast_to(np.arange(n_pos, dtype="int32"), (n, n_pos))})
+        writer.write(start, arrays)
+    _finish(writer, rng)
+    return str(path)
+
+
+def language_model(args) -> None:
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-lm-"))
+    try:
+        started = time.perf_counter()
+        url = build_language_model_store(directory / "store.zarr")
+        dataset = open_for_analysis(url)
+        total = sum(site_bytes(dataset, site) for site in DEFAULT_SITES)
+        n_classes = len(np.unique(dataset["token_str"].values))
+        print(f"(b) store: {total / 2**30:.2f} GiB of float16 activations, sites {', '.join(DEFAULT_SITES)}; "
+              f"{LM['n_samples']} samples x {LM['n_pos']} positions, {LM['n_layers']} layers, d_model {LM['d_model']}, "
+              f"{LM['n_heads']} / {LM['n_kv_heads']} heads of {LM['d_head']}; token_str has {n_classes} classes; "
+              f"written in {time.perf_counter() - started:.0f} s")
+        raw_pass(dataset, DEFAULT_SITES)
+        raw_seconds = raw_pass(dataset, DEFAULT_SITES)
+        print(f"raw pass (read + sum every site): {raw_seconds:.1f} s, {total / raw_seconds / 2**20:.0f} MiB/s")
+        runs = {"default analyses but the replay": [name for name in ("accuracy", "norms", "subspaces", "spheres",
+                                                                      "neighbours")],
+                "default analyses": None}
+        for label, only in runs.items():
+            started = time.perf_counter()
+            results = run_analyses(dataset, only=only)
+            elapsed = time.perf_counter() - started
+            print(f"{label}: {elapsed:.1f} s = {elapsed / raw_seconds:.1f} x one raw pass")
+        subspaces = results["subspaces"].to_dataset()
+        print(f"  subspaces: factors {subspaces.attrs['factors']}, classes {subspaces['n_classes'].values.tolist()} "
+              f"({subspaces['pooled_classes'].values.tolist()} pooled), ranks at layer 0 "
+              f"{subspaces['subspace_rank'].isel(layer=0).values.tolist()}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=("out-of-core", "language-model", "both"), default="both")
+    parser.add_argument("--size-gb", type=float, default=2.0, help="(a) store size (default 2)")
+    parser.add_argument("--memory-limit", default="512MB", help="(a) memory limit of each worker (default 512MB)")
+    parser.add_argument("--workers", type=int, default=2, help="(a) workers of the LocalCluster")
+    parser.add_argument("--dir", default=None, help="where to write the stores (default: a temporary directory)")
+    parser.add_argument("--log", action="store_true", help="show the analyses' progress log")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO if args.log else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.case in ("out-of-core", "both"):
+        out_of_core(args)
+    if args.case in ("language-model", "both"):
+        language_model(args)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,56 @@ def plant_neighbours(n_samples: int, n_pos: int, d_model: int, collapse: float, 
         post[sample, 1:] = np.cos(theta) * tokens + np.sin(theta) * turn
         pre[sample, 0] = post[sample, 0] = 10.0
     return pre, post
+
+
+# Correlated labels: random (not axis-aligned) subspaces, unequal class counts, a factor that one
+# label partly determines, a factor read on a subset of tokens.
+
+def random_basis(d_model: int, rank: int, rng: np.random.Generator, exclude: np.ndarray | None = None) -> np.ndarray:
+    """A random orthonormal basis (d_model, rank), orthogonal to the columns of `exclude` if given."""
+    matrix = rng.normal(size=(d_model, rank))
+    if exclude is not None:
+        matrix -= exclude @ (exclude.T @ matrix)
+    return np.linalg.qr(matrix)[0]
+
+
+def bases_at_angles(d_model: int, rank_a: int, rank_b: int, angles_deg, rng: np.random.Generator):
+    """Random bases (d_model, rank_a) and (d_model, rank_b) whose principal angles are angles_deg
+    (ascending, one per column of b; len(angles_deg) == rank_b <= rank_a)."""
+    a = random_basis(d_model, rank_a, rng)
+    away = random_basis(d_model, rank_b, rng, exclude=a)
+    theta = np.radians(np.asarray(angles_deg, float))
+    return a, a[:, :rank_b] * np.cos(theta) + away * np.sin(theta)
+
+
+def balanced_effects(probabilities: np.ndarray, basis: np.ndarray, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """Class effects (class, d_model) in the span of `basis` whose spread, weighted by the class
+    probabilities, is scale^2 along every basis vector: their subspace has rank basis.shape[1] at
+    any rank_threshold, and every class differs (classes > rank)."""
+    coefficients = rng.normal(size=(len(probabilities), basis.shape[1]))
+    coefficients -= probabilities @ coefficients
+    spread = coefficients.T @ (probabilities[:, None] * coefficients)
+    values, vectors = np.linalg.eigh(spread)
+    return scale * coefficients @ vectors / np.sqrt(values) @ vectors.T @ basis.T
+
+
+def sphere_points(n_classes: int, basis: np.ndarray, radius: float, rng: np.random.Generator) -> np.ndarray:
+    """n_classes points (class, d_model) of norm `radius` in random directions of the span of `basis`."""
+    directions = rng.normal(size=(n_classes, basis.shape[1]))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    return radius * directions @ basis.T
+
+
+def skewed(n_classes: int, rng: np.random.Generator, spread: float = 1.0) -> np.ndarray:
+    """Unequal class probabilities (log-normal weights)."""
+    weights = np.exp(spread * rng.normal(size=n_classes))
+    return weights / weights.sum()
+
+
+def correlated_labels(n_tokens: int, probabilities: list[np.ndarray], determined: float, rng: np.random.Generator):
+    """Labels (token,) of factors drawn with the given class probabilities, except that on a share
+    `determined` of the tokens the second factor's class is a function of the first's (c_b = c_a mod K_b)."""
+    labels = [rng.choice(len(p), size=n_tokens, p=p) for p in probabilities]
+    tied = rng.random(n_tokens) < determined
+    labels[1] = np.where(tied, labels[0] % len(probabilities[1]), labels[1])
+    return labels

@@ -54,6 +54,27 @@ def test_a_factor_with_a_single_class_is_refused(dataset):
         factor_subspaces(dataset, factors=["alpha[beta=9]"], n_bootstrap=0)
 
 
+def test_a_rank_larger_than_the_classes_allow_is_refused(dataset):
+    with pytest.raises(AnalysisError) as error:
+        factor_subspaces(dataset, factors=["alpha", "beta"], rank=4, n_bootstrap=0)
+    message = str(error.value)
+    assert "rank=4 is more than factor 'beta' allows: its 4 classes span at most 3 dimension(s)" in message
+    assert "choose rank <= 3 or leave rank unset" in message
+    with pytest.raises(AnalysisError, match="rank=4 is more than factor 'beta' allows"):
+        sphere_structure(dataset, factors=["alpha", "beta"], rank=4)
+
+
+def test_a_cap_of_zero_classes_and_an_unknown_estimator_are_refused(dataset):
+    with pytest.raises(AnalysisError, match=r"max_classes=0: expected an integer >= 2, the most classes a factor keeps"):
+        factor_subspaces(dataset, factors=["alpha"], max_classes=0)
+    with pytest.raises(AnalysisError, match=r"max_classes=1: expected an integer >= 2"):
+        analyze(dataset.attrs["url"], only=["subspaces"], options={"max_classes": 1})
+    with pytest.raises(AnalysisError, match=r"estimator='ridge': expected one of \['joint', 'marginal'\]"):
+        factor_subspaces(dataset, factors=["alpha"], estimator="ridge")
+    with pytest.raises(AnalysisError, match=r"n_null=-1: expected an integer >= 0"):
+        factor_subspaces(dataset, factors=["alpha"], n_null=-1)
+
+
 def test_factor_specs_and_option_values_are_checked(dataset):
     with pytest.raises(AnalysisError, match="is not understood"):
         factor_subspaces(dataset, factors=["alpha[beta"], n_bootstrap=0)
@@ -128,7 +149,7 @@ def test_spheres_need_tokens_that_every_factor_reads(tmp_path):
     dataset = open_for_analysis(small_store(tmp_path / "s.zarr", resid=resid[:, None].astype("float32"),
                                             labels=labels))
     with pytest.raises(AnalysisError, match="no token .* is read by every factor"):
-        sphere_structure(dataset, factors=["alpha", "gamma"], exclude_start=False)
+        sphere_structure(dataset, factors=["alpha", "gamma"], exclude_start=False, estimator="marginal")
 
 
 def test_unknown_analyses_and_options_are_refused(dataset):

@@ -1,14 +1,17 @@
 """The results DataTree on disk (local, memory://, s3://), its attrs, merging, and the analyze verb."""
 from __future__ import annotations
 
+import logging
 import uuid
+from collections import Counter
 
 import numpy as np
 import pytest
 import xarray as xr
+import zarr.storage
 from click.testing import CliRunner
 
-from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results
+from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results, run_analyses
 from orthosphere.workflows.cli import main
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
 
@@ -135,3 +138,64 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
     analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "n_bootstrap": 0})
     assert set(open_results(out).children) == {"norms", "subspaces"}
     assert sorted(path.name for path in out.iterdir()) == ["norms", "subspaces", "zarr.json"]
+
+@pytest.fixture
+def chunk_reads(monkeypatch):
+    """Counts the chunks of each activation variable read from local stores (zarr keys VARIABLE/c/...)."""
+    reads = Counter()
+    get = zarr.storage.LocalStore.get
+
+    async def counted(self, key, *args, **kwargs):
+        variable, _, rest = key.partition("/")
+        if rest.startswith("c/") and variable in ("resid_pre", "resid_post", "q", "k"):
+            reads[variable] += 1
+        return await get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(zarr.storage.LocalStore, "get", counted)
+    return reads
+
+
+def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
+    dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples, one zarr chunk each
+    n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])
+    options = {"factors": ["alpha", "beta"], "n_bootstrap": 5, "n_null": 5}
+    replay = {"replay.targets": ["q", "k"], "replay.n_draws": 2, "replay.n_bootstrap": 10}
+    run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+    assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
+    chunk_reads.clear()  # the same on a distributed cluster (workers in this process, where the count is)
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster):
+        run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+    assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
+    chunk_reads.clear()  # the control: analyses run one by one read the chunks they share again
+    for name in ("subspaces", "neighbours"):
+        run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
+    assert chunk_reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
+    chunk_reads.clear()  # the spheres read their site once more, projecting onto the fitted bases
+    run_analyses(dataset, only=["subspaces", "spheres"], options=options)
+    assert chunk_reads == Counter({"resid_pre": 2 * n_chunks})
+
+
+def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatch):
+    monkeypatch.setattr("orthosphere.analyze.plan.LOG_EVERY_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="orthosphere.analyze"):
+        analyze(store, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "n_bootstrap": 5})
+    messages = [record.getMessage() for record in caplog.records]
+    assert "analyze pass 1 (subspaces): started" in messages and "analyze pass 2 (spheres): started" in messages
+    progress = [m for m in messages if m.startswith("analyze pass 1 (subspaces):") and "% of" in m]
+    assert progress and all(" s left" in m for m in progress)
+    assert any(m.startswith("analyze pass 2 (spheres): done in") for m in messages)
+
+
+def test_the_report_tabulates_label_association_beside_the_angles_and_their_null(store, tmp_path):
+    from orthosphere.workflows.report import figure_association, load_runs
+
+    out = tmp_path / "results.zarr"
+    tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "n_bootstrap": 10})
+    figure = figure_association(load_runs([out]))
+    cells = [cell.get_text().get_text() for cell in figure.axes[0].tables[0].get_celld().values()]
+    subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")
+    assert f"{subspaces.label_nmi.item():.2f}" in cells and f"{subspaces.min_angle.mean('layer').item():.1f}" in cells
+    assert f"{subspaces.null_min_angle.mean('layer').item():.1f}" in cells and "null (°)" in cells

@@ -4,7 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthosphere.analyze import analyze, factor_subspaces, open_for_analysis, sphere_structure
+from orthosphere.analyze import (
+    AnalysisError,
+    FactorSubspaces,
+    analyze,
+    factor_subspaces,
+    open_for_analysis,
+    sphere_structure,
+)
 from tests.synthetic import PlantedFactor, plane, plant_factors, weighted_band, write_store
 
 D_MODEL = 12
@@ -81,12 +88,19 @@ def test_planted_cross_talk_gives_the_planted_cross_term_share(spheres):
     np.testing.assert_allclose(layer["radius_cv"], [0.1, 0.0], atol=0.01)
 
 
-def test_spheres_reuse_the_bases_of_the_same_run_and_refit_otherwise(spheres):
+def test_spheres_use_the_fitted_subspaces_they_are_given(spheres):
     dataset, result, _ = spheres
     tree = analyze(dataset.attrs["url"], only=["subspaces", "spheres"],
                    options={"factors": ["alpha", "beta"], "n_bootstrap": 0, "layers": [1]})
     assert tree["spheres"].attrs["bases"] == "from the subspaces results"
     np.testing.assert_allclose(tree["spheres"]["radius_cv"].values, result["radius_cv"].sel(layer=[1]).values, rtol=1e-6)
-    subspaces = factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=0, rank=1)
-    refit = sphere_structure(dataset, factors=["alpha", "beta"], layers=[1], subspaces=subspaces)
-    assert refit.attrs["bases"] == "fitted here"
+    fitted = FactorSubspaces(factors=["alpha", "beta"], layers=[1], n_bootstrap=0, n_null=0, rank=1).fit(dataset)
+    given = sphere_structure(dataset, subspaces=fitted)
+    assert given.attrs["bases"] == "from the subspaces results"
+    assert given["subspace_rank"].values.tolist() == [[1, 1]] and given["layer"].values.tolist() == [1]
+    with pytest.raises(AnalysisError, match=r"fitted otherwise than they were asked for \(rank: asked 2, fitted 1\)"):
+        sphere_structure(dataset, subspaces=fitted, rank=2)
+    with pytest.raises(AnalysisError, match="spheres take fitted subspaces"):
+        sphere_structure(dataset, subspaces=FactorSubspaces())
+    with pytest.raises(AnalysisError, match="spheres take fitted subspaces .*got Dataset"):
+        sphere_structure(dataset, subspaces=factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=0))

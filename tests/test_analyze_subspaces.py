@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orthosphere.analyze import factor_subspaces, open_for_analysis
+from orthosphere.analyze import AnalysisError, factor_subspaces, open_for_analysis
 from orthosphere.analyze.geometry import principal_angles
 from orthosphere.analyze.subspaces import bootstrap_group
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
@@ -91,13 +91,41 @@ def test_angles_with_each_heads_read_subspace(planted):
 
 def test_fixed_rank_and_restricted_factors(planted):
     dataset, _ = planted
-    result = factor_subspaces(dataset, factors=["alpha[beta=0|1]", "beta[alpha=c0|c3]", "pos"], rank=1,
-                              n_bootstrap=0, layers=[3])
-    assert result["subspace_rank"].values.tolist() == [[1, 1, 1]]
+    restricted = ["alpha[beta=0|1]", "beta[alpha=c0|c3]"]
+    # alpha's classes c0, c3 occur only where beta applies too, and c1, c2, c4 only where it does not:
+    # jointly, their contrast is confounded with the difference between those kinds of tokens
+    with pytest.raises(AnalysisError, match="cannot separate factors"):
+        factor_subspaces(dataset, factors=restricted, n_bootstrap=0, layers=[3])
+    result = factor_subspaces(dataset, factors=restricted, estimator="marginal", rank=1, n_bootstrap=0,
+                              n_null=0, layers=[3])
+    assert result["subspace_rank"].values.tolist() == [[1, 1]]
     assert result["n_tokens"].sel(factor="alpha[beta=0|1]").item() == 300 * 20 // 2
     assert result["n_tokens"].sel(factor="beta[alpha=c0|c3]").item() == 300 * 20 * 2 // 5
+    assert np.isnan(result["angles_ci"].values).all() and np.isnan(result["structure_p"].values).all()
+    assert result["shared_tokens"].sel(factor="alpha[beta=0|1]", other="beta[alpha=c0|c3]").item() == 300 * 20 * 2 * 2 // 20
+
+
+def test_the_position_determines_the_crossed_labels_so_only_the_marginal_fit_reads_all_three(planted):
+    dataset, _ = planted  # the crossed design cycles alpha and beta with the position
+    with pytest.raises(AnalysisError, match=r"cannot separate factors \['alpha', 'beta', 'pos'\]"):
+        factor_subspaces(dataset, factors=["alpha", "beta", "pos"], n_bootstrap=0, layers=[3])
+    result = factor_subspaces(dataset, factors=["alpha", "beta", "pos"], estimator="marginal", n_bootstrap=0,
+                              n_null=0, layers=[3])
     assert result["n_classes"].sel(factor="pos").item() == 20
-    assert np.isnan(result["angles_ci"].values).all()
+    assert result.attrs["estimator"] == "marginal" and np.isnan(result["condition_number"].item())
+    # the position determines alpha (not the other way): NMI = H(alpha) / mean(H(alpha), H(pos))
+    np.testing.assert_allclose(result["label_nmi"].sel(factor="alpha", other="pos"),
+                               np.log(5) / ((np.log(5) + np.log(20)) / 2), rtol=1e-9)
+
+
+def test_a_balanced_design_gives_the_same_answers_either_way(planted):
+    dataset, joint = planted
+    marginal = factor_subspaces(dataset, factors=["alpha", "beta"], estimator="marginal", n_bootstrap=100, seed=3)
+    for name in ("angles", "subspace_rank", "singular_value", "between_fraction"):
+        np.testing.assert_allclose(joint[name].values, marginal[name].values, rtol=1e-6, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(joint["variance_inflation"].values, 1.0, rtol=1e-9)
+    np.testing.assert_allclose(joint["label_nmi"].sel(factor="alpha", other="beta"), 0.0, atol=1e-12)
+    assert joint["condition_number"].item() < 10
 
 
 def test_bootstrap_is_seeded_and_groups_do_not_depend_on_chunking():
@@ -127,5 +155,19 @@ def test_minus_one_is_a_class_and_only_the_stored_not_applicable_value_is_missin
     resid = np.random.default_rng(0).normal(size=(4, 1, 6, 8)).astype("float32")
     dataset = open_for_analysis(write_store(tmp_path / "s.zarr", {"resid_pre": resid}, labels={"carry": carry}))
     assert dataset["carry"].attrs["not_applicable"] == MISSING
-    classes = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
-    np.testing.assert_array_equal(classes["carry"], [-1, 0, 1])
+    classes, _ = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
+    np.testing.assert_array_equal(classes["carry"].values, [-1, 0, 1])
+
+
+def test_text_stores_default_to_token_identity_and_position(tmp_path):
+    rng = np.random.default_rng(0)
+    n_samples, n_pos = 40, 12
+    token = rng.zipf(1.5, (n_samples, n_pos)) % 200
+    labels = {"token_str": np.char.add("t", token.astype(str)).astype(object),
+              "position": np.broadcast_to(np.arange(n_pos, dtype="int16"), (n_samples, n_pos)).copy()}
+    resid = rng.normal(size=(n_samples, 1, n_pos, 8)).astype("float32")
+    dataset = open_for_analysis(write_store(tmp_path / "text.zarr", {"resid_pre": resid}, labels=labels))
+    result = factor_subspaces(dataset, max_classes=16, n_bootstrap=0, n_null=0)
+    assert result["factor"].values.tolist() == ["token_str", "pos"]  # not `position`, which restates pos
+    assert result["n_classes"].values.tolist() == [16, n_pos - 1]
+    assert result["pooled_classes"].sel(factor="token_str").item() == len(np.unique(token[:, 1:])) - 15

@@ -150,6 +150,34 @@ def figure_angles(runs: list[Run]):
     return figure
 
 
+def figure_association(runs: list[Run]):
+    """Per placement and pair of factors: how associated their labels are (NMI), the smallest angle
+    (mean over layers) beside what chance gives (the null's), and the most frequent relation."""
+    panels = groups(runs, "subspaces", "label_nmi")
+    if not panels:
+        return None
+    rows = []
+    for run, subspaces in panels:
+        names = [str(name) for name in subspaces.factor.values]
+        for a, first in enumerate(names):
+            for second in names[a + 1:]:
+                pair = {"factor": first, "other": second}
+                relations, counts = np.unique([str(value) for value in subspaces.relation.sel(pair).values], return_counts=True)
+                null = subspaces.null_min_angle.sel(pair).mean("layer").item() if "null_min_angle" in subspaces else np.nan
+                rows.append([run.placement, first, second, f"{subspaces.label_nmi.sel(pair).item():.2f}",
+                             f"{subspaces.min_angle.sel(pair).mean('layer').item():.1f}", f"{null:.1f}",
+                             str(relations[np.argmax(counts)])])
+    figure, axis = plt.subplots(figsize=(11, 0.3 * len(rows) + 0.9))
+    axis.axis("off")
+    table = axis.table(cellText=rows, loc="upper center", cellLoc="left",
+                       colLabels=["model", "factor", "other", "label NMI", "smallest angle (°)", "null (°)",
+                                  "relation (most layers)"])
+    table.auto_set_font_size(False)
+    table.set_fontsize(7)
+    axis.set_title(f"Label association and angles against chance (estimator: {panels[0][1].attrs.get('estimator')})")
+    return figure
+
+
 def figure_sphere_deviation(runs: list[Run]):
     lines = groups(runs, "spheres", "deviation")
     if not lines:
@@ -259,6 +287,7 @@ def figure_accuracy(runs: list[Run]):
 FIGURES = {
     "norm_spread": ("Norm spread", figure_norm_spread),
     "angles": ("Principal angles", figure_angles),
+    "association": ("Label association and chance", figure_association),
     "sphere_deviation": ("Sphere structure", figure_sphere_deviation),
     "collapse": ("Collapse against noise", figure_collapse),
     "max_attention": ("Max attention", figure_max_attention),

@@ -1,0 +1,214 @@
+"""The least-squares fit of factor effects from streamed sufficient statistics.
+
+**Joint** (the default): each analysed token x is modelled as x = mu_p + sum_a E_a[c_a] + e,
+with an intercept mu_p for the token's *pattern* p (the set of factors that apply to it) and one
+effect per applying factor a for the token's class c_a. A factor that does not apply to a token
+(``digit_value[role=digit]`` on a sign, say) adds nothing to that token's row of the one-hot
+design Z, and the token's pattern gives it its own intercept, so tokens of another kind never
+pull on the factor's effects; tokens to which no factor applies are left out. The effects solve
+the normal equations (Z'Z) B = Z'X, where Z'Z holds the class counts and the co-occurrence counts
+between factors and Z'X the sums of the vectors per class and per pattern: sums over tokens,
+streamed in one pass.
+
+Z'Z is singular: within a pattern each factor's classes add up to the intercept, so each
+factor's effects are fixed only up to one constant vector. The fit takes the pseudo-inverse of
+Z'Z scaled to unit diagonal (any generalised inverse gives the same fitted values) and centres
+each factor's effects with its class counts (sum_c n_c E_a[c] = 0), which removes exactly that
+freedom. Anything free beyond it (two factors with identical labels, or groups of classes that
+never occur with the rest) leaves centred effects that the data do not determine: the fit then
+refuses, naming the factors. The condition number of the scaled Z'Z beyond those trivial
+directions and each factor's variance inflation (the noise of its centred effects relative to a
+fit of it alone; 1 for a balanced crossed design) say how much correlated labels cost.
+
+**Marginal**: each factor's effects are its class means less the mean of its tokens, as if the
+other factors did not exist (correlated factors leak into each other's effects).
+
+Both give, per factor, the count-weighted centred effects W_a = sqrt(n_c) E_a[c] (class x d),
+whose leading right singular vectors span the factor's subspace, and their first-order change
+when the tokens of one group of samples are weighted differently (the *influence* of that group):
+the bootstrap resamples groups, and the null flips the signs of their residuals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from .errors import AnalysisError
+
+ESTIMATORS = ("joint", "marginal")
+NULL_TOLERANCE = 1e-10
+"""Eigenvalues of the unit-diagonal Z'Z below this share of the largest count as zero."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The columns of the one-hot design: one intercept per pattern, then each factor's classes.
+
+    patterns are bit masks (bit a set: factor a applies), sorted; sizes are the factors' numbers
+    of classes."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    patterns: tuple[int, ...]
+
+    @property
+    def n_columns(self) -> int:
+        return len(self.patterns) + sum(self.sizes)
+
+    def block(self, factor: int) -> slice:
+        start = len(self.patterns) + sum(self.sizes[:factor])
+        return slice(start, start + self.sizes[factor])
+
+    def token_columns(self, pattern_bits: np.ndarray, codes: list[np.ndarray]) -> np.ndarray:
+        """(..., 1 + factors) int32 design columns of each token: its pattern's intercept, then each
+        factor's class column; -1 where the factor does not apply (everywhere for tokens of no factor)."""
+        columns = np.full(pattern_bits.shape + (1 + len(codes),), -1, dtype="int32")
+        counted = pattern_bits > 0
+        columns[..., 0] = np.where(counted, np.searchsorted(self.patterns, pattern_bits), -1)
+        for number, code in enumerate(codes):
+            columns[..., 1 + number] = np.where(code >= 0, code + self.block(number).start, -1)
+        return columns
+
+
+@dataclass
+class Counts:
+    """Label-only statistics of a design: Z'Z (columns x columns) and, per bootstrap group, Z_g'Z_g
+    stacked as a sparse (groups * columns, columns) matrix."""
+
+    gram: np.ndarray
+    group_grams: sparse.csr_matrix
+    n_groups: int
+
+    def factor_counts(self, layout: Layout, factor: int) -> np.ndarray:
+        block = layout.block(factor)
+        return np.diag(self.gram)[block]
+
+    def contingency(self, layout: Layout, a: int, b: int) -> np.ndarray:
+        """Tokens of each pair of classes of factors a and b (class of a x class of b)."""
+        return self.gram[layout.block(a), layout.block(b)]
+
+    def group_gram(self, group: int) -> sparse.csr_matrix:
+        n = self.gram.shape[0]
+        return self.group_grams[group * n: (group + 1) * n]
+
+
+def count_block(columns: np.ndarray, groups: np.ndarray, n_columns: int, n_groups: int) -> sparse.csr_matrix:
+    """One block's stacked Z_g'Z_g (groups * columns, columns) from its tokens' design columns."""
+    columns = columns.reshape(-1, columns.shape[-1])
+    token_group = np.repeat(groups, len(columns) // max(len(groups), 1))
+    rows, which = np.nonzero(columns >= 0)
+    cols = columns[rows, which]
+    ones = np.ones(rows.size)
+    design = sparse.csr_matrix((ones, (rows, cols)), shape=(len(columns), n_columns))
+    grouped = sparse.csr_matrix((ones, (rows, token_group[rows] * n_columns + cols)),
+                                shape=(len(columns), n_groups * n_columns))
+    return (grouped.T @ design).tocsr()
+
+
+@dataclass
+class JointSolution:
+    """A generalised inverse of Z'Z and what it says about the design."""
+
+    g_inverse: np.ndarray  # (columns, columns)
+    condition: float  # of the unit-diagonal Z'Z beyond the trivial directions
+    variance_inflation: np.ndarray  # (factors,)
+
+
+def centre(effects: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Effects (..., class, d) less their count-weighted mean over classes."""
+    mean = np.tensordot(counts, effects, axes=(0, -2)) / counts.sum()
+    return effects - np.expand_dims(mean, -2)
+
+
+def solve_joint(counts: Counts, layout: Layout, url: str) -> JointSolution:
+    """The joint fit's generalised inverse; an AnalysisError when it cannot separate the factors."""
+    gram = counts.gram
+    scale = np.sqrt(np.diag(gram))
+    values, vectors = np.linalg.eigh(gram / np.outer(scale, scale))
+    null = values < NULL_TOLERANCE * values[-1]
+    n_factors = len(layout.names)
+    if null.sum() > n_factors:
+        raise AnalysisError(_confounded_message(vectors[:, null] / scale[:, None], counts, layout, url))
+    kept = ~null
+    g_inverse = (vectors[:, kept] / values[kept]) @ vectors[:, kept].T / np.outer(scale, scale)
+    inflation = np.empty(n_factors)
+    for a in range(n_factors):
+        n = counts.factor_counts(layout, a)
+        block = layout.block(a)
+        covariance = centre(centre(g_inverse[block, block], n).T, n)  # C G_aa C'
+        inflation[a] = np.trace(np.sqrt(np.outer(n, n)) * covariance) / (len(n) - 1)
+    return JointSolution(g_inverse, float(values[-1] / values[kept][0]), inflation)
+
+
+def _confounded_message(null_vectors: np.ndarray, counts: Counts, layout: Layout, url: str) -> str:
+    """Which factors' centred effects the null directions of Z'Z move."""
+    moved = []
+    for a in range(len(layout.names)):
+        block = null_vectors[layout.block(a)]
+        moved.append(np.linalg.norm(centre(block.T[:, :, None], counts.factor_counts(layout, a))[..., 0]))
+    moved = np.asarray(moved)
+    names = [name for name, size in zip(layout.names, moved) if size > 1e-3 * moved.max()]
+    return (
+        f"the joint fit cannot separate factors {names} in store {url}: the data do not determine some of "
+        "their effects (their labels are the same or one determines the other, or groups of their classes "
+        "never occur with the rest of the classes); drop one of them, choose factors that vary "
+        "independently, or fit each factor alone with estimator='marginal'"
+    )
+
+
+def check_shared_tokens(counts: Counts, layout: Layout, url: str) -> None:
+    """Every factor of a joint fit must share tokens with another: a factor read on tokens that no
+    other factor reads is not fitted jointly with anything."""
+    if len(layout.names) < 2:
+        return
+    for a, name in enumerate(layout.names):
+        shared = sum(counts.contingency(layout, a, b).sum() for b in range(len(layout.names)) if b != a)
+        if shared == 0:
+            raise AnalysisError(
+                f"factor {name!r} shares no token of store {url} with the other factors "
+                f"{[n for n in layout.names if n != name]}: a joint fit cannot separate what never occurs "
+                "together; choose factors that apply to common tokens, or fit each factor alone with "
+                "estimator='marginal'"
+            )
+
+
+@dataclass
+class FactorEffects:
+    """One factor's count-weighted centred effects (class, d) and their influence per group (group, class, d)."""
+
+    weighted: np.ndarray
+    influence: np.ndarray
+
+
+def joint_effects(sums: np.ndarray, counts: Counts, layout: Layout, solution: JointSolution) -> list[FactorEffects]:
+    """Per factor, the joint fit's weighted centred effects and their group influences, from the sums
+    of the vectors per (group, column) (groups, columns, d)."""
+    theta = solution.g_inverse @ sums.sum(axis=0)
+    residuals = np.stack([sums[g] - counts.group_gram(g) @ theta for g in range(sums.shape[0])])
+    start = len(layout.patterns)
+    influence = solution.g_inverse[start:] @ residuals
+    found = []
+    for a in range(len(layout.names)):
+        block = layout.block(a)
+        n = counts.factor_counts(layout, a)
+        weight = np.sqrt(n)[:, None]
+        found.append(FactorEffects(weight * centre(theta[block], n),
+                                   weight * centre(influence[:, block.start - start: block.stop - start], n)))
+    return found
+
+
+def marginal_effects(sums: np.ndarray, counts: Counts, layout: Layout) -> list[FactorEffects]:
+    """Per factor, its class means less the mean of its tokens (weighted), and their group influences."""
+    found = []
+    for a in range(len(layout.names)):
+        block = layout.block(a)
+        group_sums = sums[:, block]
+        group_counts = np.stack([counts.group_gram(g).diagonal()[block] for g in range(sums.shape[0])])
+        n = group_counts.sum(axis=0)
+        means = group_sums.sum(axis=0) / n[:, None]
+        influence = (group_sums - group_counts[..., None] * means) / n[:, None]
+        weight = np.sqrt(n)[:, None]
+        found.append(FactorEffects(weight * centre(means, n), weight * centre(influence, n)))
+    return found
