@@ -76,7 +76,10 @@ def unsupported_message(what: str) -> str:
 class Recording:
     """Activations of one forward pass, gathered by hooks into CPU tensors laid out as in the store."""
 
-    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool):
+    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool, allocate=None):
+        """allocate(shape, dtype, pin_memory) gives each forward pass's buffers (default: new ones);
+        a pool that takes them back once written spares a fresh allocation per batch."""
+        self.allocate = allocate or _new_buffer
         self.sites = tuple(sites)
         self.layers = tuple(layers)
         self.slot = {layer: index for index, layer in enumerate(self.layers)}
@@ -95,7 +98,7 @@ class Recording:
         buffer = self._buffers.get(site)
         if buffer is None:
             shape = (value.shape[0], len(self.layers), *value.shape[1:])
-            buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+            buffer = self.allocate(shape, self.dtype, self.pin_memory)
             self._buffers[site] = buffer
         if self.pin_memory:
             buffer[:, self.slot[layer]].copy_(value.detach(), non_blocking=True)
@@ -116,6 +119,10 @@ class Recording:
             torch.cuda.synchronize()
         buffers, self._buffers, self._filled = self._buffers, {}, set()
         return buffers
+
+
+def _new_buffer(shape, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
 
 _THREADS_LOCK = threading.Lock()
@@ -215,10 +222,11 @@ class Adapter:
         return tuple(layers)
 
     @contextlib.contextmanager
-    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32):
-        """Record the sites of the layers on every forward pass; take() returns and resets them."""
+    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32, allocate=None):
+        """Record the sites of the layers on every forward pass; take() returns and resets them
+        (buffers from allocate, see Recording)."""
         sites, layers = self.check_sites(sites), self.check_layers(layers)
-        recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda")
+        recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda", allocate=allocate)
         handles = [handle for layer in layers for handle in self._residual_hooks(layer, recording)]
         for layer in layers:
             self.routes[layer].recording = recording

@@ -36,12 +36,20 @@ GGUF_MAGIC = b"GGUF"
 
 
 class Tokenizer:
-    """Text to token ids, and ids back to token strings (for the `token_str` label)."""
+    """Text to token ids, and ids back to token strings (for the `token_str` label); bos_id and
+    eos_id are the start and end tokens it knows (None: none)."""
 
     name = ""
     pad_id = 0
+    bos_id: int | None = None
+    eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, with the special tokens the tokenizer adds to a text (BOS, [CLS]
+        ... [SEP]) or without them."""
         raise NotImplementedError
 
     def token_strings(self, ids) -> list[str]:
@@ -53,9 +61,11 @@ class CharacterTokenizer(Tokenizer):
 
     name = "arithmetic-characters"
     pad_id = tasks.PAD_ID
+    bos_id = tasks.TOKEN_ID["["]
+    eos_id = tasks.TOKEN_ID["]"]
 
-    def encode(self, text):
-        return tasks.token_ids(text)
+    def encode_batch(self, texts, special_tokens=True):
+        return [tasks.token_ids(text) for text in texts]
 
     def token_strings(self, ids):
         return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
@@ -69,9 +79,12 @@ class HuggingFaceTokenizer(Tokenizer):
         self.name = type(tokenizer).__name__
         candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0)
         self.pad_id = next(i for i in candidates if i is not None)
+        self.bos_id = next((i for i in (tokenizer.bos_token_id, tokenizer.cls_token_id) if i is not None), None)
+        self.eos_id = next((i for i in (tokenizer.eos_token_id, tokenizer.sep_token_id) if i is not None), None)
 
-    def encode(self, text):
-        return list(self.tokenizer(text)["input_ids"])
+    def encode_batch(self, texts, special_tokens=True):
+        encoded = self.tokenizer(texts, add_special_tokens=special_tokens, return_attention_mask=False, verbose=False)
+        return encoded["input_ids"]
 
     def token_strings(self, ids):
         return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])

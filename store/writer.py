@@ -204,6 +204,9 @@ class StoreWriter:
             target[...] = np.asarray(arrays[name], dtype="float32")
         self.group[f"{PROGRESS_GROUP}/weights_written"][0] = True
 
+    def weights_written(self) -> bool:
+        return bool(self.group[f"{PROGRESS_GROUP}/weights_written"][0])
+
     def mark_shard_complete(self, index: int) -> None:
         self.group[f"{PROGRESS_GROUP}/shard_complete"][index] = True
 
@@ -215,7 +218,7 @@ class StoreWriter:
                 f"cannot finish {self.url}: {len(pending)} of {len(self.shards)} shards are not complete "
                 f"(shards {pending[:10]}{'...' if len(pending) > 10 else ''}); write them, then finish"
             )
-        if self.attrs["with_weights"] and not self.group[f"{PROGRESS_GROUP}/weights_written"][0]:
+        if self.attrs["with_weights"] and not self.weights_written():
             raise IncompleteStoreError(f"cannot finish {self.url}: the attention maps were never written (write_weights)")
         self.group.attrs["complete"] = True
         self.attrs["complete"] = True
