@@ -22,7 +22,6 @@ the file and line (or row).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -68,16 +67,6 @@ def corpus_files(data) -> list[Path]:
     if data.source == "hf":
         return saved_dataset_files(data.path, data.split)
     return [Path(data.path)]
-
-
-def files_sha256(paths) -> str:
-    """SHA-256 over the files' bytes, in order (a corpus that changes cannot resume a store)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(2**24), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def parquet_rows(data) -> int | None:

@@ -27,7 +27,8 @@ is a Dask task that loads the model (once per worker), writes its own chunks and
 itself complete.
 
 For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with SIGKILL the
-N-th time it reaches POINT (store-created, chunk-written, shard-complete, before-finish).
+N-th time it reaches POINT (store-created, samples-written: a block of a corpus's token arrays,
+chunk-written, shard-complete, before-finish).
 """
 from __future__ import annotations
 
@@ -229,6 +230,7 @@ def write_samples(writer, dataset, block_bytes: int = 64 * 2**20) -> None:
         start, stop = writer.shards[index]
         for first in range(start, stop, block):
             writer.write(first, dataset.batch(first, min(first + block, stop)))
+            crash_point("samples-written")
 
 
 def _create(job: ExtractJob, identity: dict, replacing: bool):

@@ -38,7 +38,8 @@ import weakref
 
 import numpy as np
 
-from .corpus import CorpusError, corpus_files, files_sha256, parquet_rows, read_documents
+from .corpus import CorpusError, corpus_files, parquet_rows, read_documents
+from .hashing import files_sha256
 
 log = logging.getLogger("orthosphere.extract")
 

@@ -2,8 +2,8 @@
 
 ``load_source(path, device)`` returns a ``LoadedModel``: the model's adapter (capture.py), its
 tokenizer (or None) and, from ``describe()``, its description for the store, which adds where
-the model came from and a SHA-256 of its weights so that a resumed job can tell a different
-model apart.
+the model came from and a SHA-256 of its weights (hashing.py: computed once per version of the
+files) so that a resumed job can tell a different model apart.
 
 - A directory whose ``config.json`` says ``"family": "arithmetic"``: the project's own
   arithmetic transformer (``config.json`` + ``model.safetensors``); its tokenizer maps the
@@ -18,7 +18,6 @@ Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 
 from . import tasks
 from .capture import HUGGING_FACE_ADAPTERS, Adapter, UnsupportedModelError, adapter_for, unsupported_message
+from .hashing import files_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -108,7 +108,7 @@ class LoadedModel:
                 **self.adapter.describe(),
                 "source": os.path.abspath(self.path),
                 "format": self.source_format,
-                "weights_sha256": weights_sha256(self.weight_files),
+                "weights_sha256": files_sha256(self.weight_files),
             }
         return dict(self._description)
 
@@ -152,16 +152,6 @@ def load_source(path, device: str = "auto") -> LoadedModel:
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == GGUF_MAGIC
-
-
-def weights_sha256(paths) -> str:
-    """SHA-256 over the weight files' bytes, in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(2**24), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_config(directory: Path) -> dict:

@@ -1,12 +1,18 @@
 """The ``bfloat16`` Zarr v3 data type: activations of models run in bfloat16, stored bit for bit.
 
 Zarr v3's core has no bfloat16; this is the extension data type named ``bfloat16`` (the name
-TensorStore and zarrs use), each value the 2 little-endian bytes of a bfloat16, read in numpy as
-``ml_dtypes.bfloat16``. orthosphere registers it with zarr-python through the ``zarr.data_type``
-entry point, so that, wherever orthosphere is installed, plain ``zarr`` and
-``xarray.open_zarr`` read such arrays without importing orthosphere. numpy arithmetic on
-ml_dtypes.bfloat16 is limited (xarray's reductions refuse it): convert first with
-``ds.q.astype("float32")`` (exact), as ``orthosphere.store.open_store`` does for every bfloat16
+TensorStore and zarrs give it), each value the 2 little-endian bytes of a bfloat16, read in numpy
+as ``ml_dtypes.bfloat16``. Importing ``orthosphere.store`` registers it with zarr-python, and from
+then on plain ``zarr`` and ``xarray.open_zarr`` read such arrays in that process::
+
+    import orthosphere.store  # registers the bfloat16 data type with zarr
+    import xarray as xr
+    q = xr.open_zarr("run.zarr")["q"].astype("float32")
+
+(zarr-python 3.1 collects data types from a ``zarr.data_type`` entry point but never loads them,
+so the import is needed; without it zarr says "No Zarr data type found that matches 'bfloat16'".)
+numpy arithmetic on ml_dtypes.bfloat16 is limited (xarray's reductions refuse it): convert with
+``.astype("float32")`` (exact), as ``orthosphere.store.open_store`` does for every bfloat16
 variable.
 """
 from __future__ import annotations
@@ -43,5 +49,4 @@ class BFloat16(BaseFloat):
         return 2
 
 
-# Known in this process even where the entry point is not installed (a source checkout).
 data_type_registry.register(BFloat16._zarr_v3_name, BFloat16)
