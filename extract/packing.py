@@ -2,9 +2,9 @@
 
 ``TokenizedCorpus`` reads the documents in order (corpus.py), tokenises them in batches with the
 model's tokenizer and appends the ids to a token stream (int32) and a table of documents (source
-index, first token, length), both files in a temporary folder that is removed on close: memory
-stays bounded whatever the corpus size, every document is tokenised once, and the number of
-samples is known when the stream ends.
+index, first token, length), both files in a temporary folder (under ``$TMPDIR``: 4 bytes a token)
+that is removed on close: memory stays bounded whatever the corpus size, every document is
+tokenised once, and the number of samples is known when the stream ends.
 
 Packed (task option ``context=N``), as activation caches such as SAELens lay out a corpus::
 
