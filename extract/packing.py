@@ -78,10 +78,11 @@ class TokenizedCorpus:
         self._cleanup()
 
     def _tokenise(self, stop_tokens: int | None, stop_documents: int | None) -> None:
-        stream_path, table_path = (os.path.join(self.folder, name) for name in ("tokens.int32", "documents.int64"))
+        stream_path = os.path.join(self.folder, "tokens.int32")
+        table = _DocumentTable(self.folder)
         self.n_tokens = self.n_documents = self.truncated_documents = 0
         current = None  # [source index, first token, length] of the document being read
-        with open(stream_path, "wb") as stream, open(table_path, "wb") as table:
+        with open(stream_path, "wb") as stream, table:
             for piece, ids in self._encoded_pieces():
                 if stop_tokens is not None and self.n_tokens >= stop_tokens:
                     break
@@ -89,7 +90,7 @@ class TokenizedCorpus:
                     if not len(ids):
                         continue
                     if current is not None:
-                        table.write(np.asarray(current, dtype=np.int64).tobytes())
+                        table.append(current)
                         current = None
                         if stop_documents is not None and self.n_documents >= stop_documents:
                             break
@@ -103,12 +104,11 @@ class TokenizedCorpus:
                 current[2] += len(ids)
                 self.n_tokens += len(ids)
             if current is not None:
-                table.write(np.asarray(current, dtype=np.int64).tobytes())
+                table.append(current)
         if self.n_tokens == 0:
             raise CorpusError(f"corpus {self.data.path} holds no documents (no non-blank text): give a corpus with text")
         self.stream = np.memmap(stream_path, dtype=np.int32, mode="r", shape=(self.n_tokens,))
-        table = np.memmap(table_path, dtype=np.int64, mode="r", shape=(self.n_documents, 3))
-        self.sources, self.starts, self.lengths = table[:, 0], table[:, 1], table[:, 2]
+        self.sources, self.starts, self.lengths = table.columns(self.n_documents)
 
     def _encoded_pieces(self):
         for batch in _batches(read_documents(self.data)):
@@ -155,6 +155,40 @@ class TokenizedCorpus:
             "sha256": files_sha256(corpus_files(data)),
             "tokenizer": getattr(self.tokenizer, "name", ""),
         }
+
+
+class _DocumentTable:
+    """Each document's source index, first token and length, appended to one file a column."""
+
+    NAMES = ("sources", "starts", "lengths")
+    HELD = 4096
+
+    def __init__(self, folder: str):
+        self.paths = [os.path.join(folder, f"{name}.int64") for name in self.NAMES]
+        self.files = [open(path, "wb") for path in self.paths]
+        self.held: list[list[int]] = []
+
+    def append(self, record: list[int]) -> None:
+        self.held.append(list(record))
+        if len(self.held) >= self.HELD:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.held:
+            for handle, column in zip(self.files, np.asarray(self.held, dtype=np.int64).T):
+                handle.write(np.ascontiguousarray(column).tobytes())
+            self.held = []
+
+    def __enter__(self) -> _DocumentTable:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._flush()
+        for handle in self.files:
+            handle.close()
+
+    def columns(self, n_documents: int) -> list[np.memmap]:
+        return [np.memmap(path, dtype=np.int64, mode="r", shape=(n_documents,)) for path in self.paths]
 
 
 def _batches(pieces):
