@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xarray as xr
 import zarr
 
 from . import schema
 from .errors import IncompleteStoreError, StoreError, StoreNotFoundError
 from .location import Location, as_location, group_arrays, zarr_quietly
 from .writer import PROGRESS_GROUP
+
+if TYPE_CHECKING:
+    import xarray
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
 
@@ -69,7 +72,7 @@ def completeness(group: zarr.Group) -> dict:
 
 
 def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None,
-               samples_per_block: int | None = None) -> xr.Dataset:
+               samples_per_block: int | None = None) -> xarray.Dataset:
     """The store as a lazy, Dask-backed xarray Dataset, in Dask blocks of `samples_per_block`
     samples (a multiple of the store's chunk length; default: one chunk). bfloat16 activations are
     read as float32 (exactly: every bfloat16 is a float32)."""
@@ -87,6 +90,8 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
             "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
         )
+    import xarray as xr  # here, not at the top: extraction, which writes stores, need not import xarray and pandas
+
     chunks = {"sample": samples_per_block} if samples_per_block else {}
     with zarr_quietly():
         dataset = xr.open_zarr(location.zarr_store(read_only=True), consolidated=True, zarr_format=3, chunks=chunks)
