@@ -30,7 +30,6 @@ from pathlib import Path
 
 from .model import ConfigError
 
-SOURCES = ("text", "jsonl", "parquet", "hf")
 PIECE_BYTES = 2**20
 """A whole text file is read (and tokenised) in pieces of about this many bytes."""
 ROW_BATCH = 1024

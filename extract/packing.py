@@ -208,7 +208,6 @@ class CorpusSamples:
     """What packed windows and padded documents share: labels, targets, the task description."""
 
     labels = CORPUS_LABELS
-    prewritten = ()
 
     def __init__(self, corpus: TokenizedCorpus, *, causal: bool, pad_id: int):
         self.corpus, self.causal, self.pad_id = corpus, causal, pad_id
