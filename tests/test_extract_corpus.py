@@ -284,7 +284,8 @@ def test_packed_shards_on_dask_read_their_tokens_from_the_store(tmp_path, model_
 
     text = write_lines(tmp_path / "corpus.txt", lines)
     reference = arrays_of(run(model_dir, tmp_path / "local.zarr", f"text:path={text},context=16"))
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+    # one thread: two captures on one model at once are the subject of another change (capture state per forward pass)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
         extract(ExtractJob(model=str(model_dir), task=f"text:path={text},context=16", out=str(tmp_path / "dask.zarr"),
                            batch_size=3, device="cpu", samples_per_chunk=2, n_shards=3), client=client, progress=False)
     assert_same_arrays(arrays_of(open_store(str(tmp_path / "dask.zarr"))), reference)
