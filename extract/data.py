@@ -34,6 +34,7 @@ operand, digit_place, digit_value, carry; corpora: token_str, document, offset).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -182,13 +183,19 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
     if data.layout == "padded":
         corpus = TokenizedCorpus(data, tokenizer, special_tokens=True, separator=None, vocab_size=vocab_size,
                                  max_document_tokens=data.length, stop_documents=n_samples)
-        return PaddedDocuments(corpus, max_length=data.length, n_samples=n_samples, causal=causal, pad_id=tokenizer.pad_id)
-    bos = _special(bos_id, data.bos, "BOS", "bos=false")
-    separator = _special(eos_id, data.separator, "end-of-sequence", "separator=none")
-    body = data.length - (bos is not None)
-    corpus = TokenizedCorpus(data, tokenizer, special_tokens=False, separator=separator, vocab_size=vocab_size,
-                             stop_tokens=None if n_samples is None else n_samples * body + 1)
-    return PackedWindows(corpus, context=data.length, bos=bos, n_samples=n_samples, causal=causal, pad_id=tokenizer.pad_id)
+        layout = functools.partial(PaddedDocuments, max_length=data.length)
+    else:
+        bos = _special(bos_id, data.bos, "BOS", "bos=false")
+        separator = _special(eos_id, data.separator, "end-of-sequence", "separator=none")
+        body = data.length - (bos is not None)
+        corpus = TokenizedCorpus(data, tokenizer, special_tokens=False, separator=separator, vocab_size=vocab_size,
+                                 stop_tokens=None if n_samples is None else n_samples * body + 1)
+        layout = functools.partial(PackedWindows, context=data.length, bos=bos)
+    try:
+        return layout(corpus, n_samples=n_samples, causal=causal, pad_id=tokenizer.pad_id)
+    except BaseException:
+        corpus.close()
+        raise
 
 
 def _special(token: int | None, wanted: bool, name: str, instead: str) -> int | None:
