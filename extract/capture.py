@@ -140,11 +140,11 @@ class Adapter:
         return tuple(layers)
 
     @contextlib.contextmanager
-    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32):
+    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32, allocate=None):
         """Record the sites of the layers on every forward pass of this thread inside the block;
-        take() returns and resets them."""
+        take() returns and resets them (buffers from allocate, see Recording)."""
         sites, layers = self.check_sites(sites), self.check_layers(layers)
-        recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda")
+        recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda", allocate=allocate)
         with tracing(self, recording=recording):
             yield recording
 

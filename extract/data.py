@@ -1,41 +1,66 @@
-"""What an extraction runs over: the arithmetic task or a text file, as fixed-width batches.
+"""What an extraction runs over: the arithmetic task or a text corpus, as fixed-width samples.
 
 Task specs (``orthosphere extract --task SPEC``)::
 
     arithmetic:split=test,seed=0                   # any split, any seed (these are the defaults)
     arithmetic:split=extrapolation,seed=3,digit_lengths=1/2,train_counts=2/3/5,interpolation_counts=4,extrapolation_counts=6/7
-    text:path=corpus.txt,max_length=128            # one sequence per line
+    text:path=corpus.txt,context=128               # one document a line, packed into windows of 128 tokens
+    text:path=book.txt,document=file,context=512   # the whole file as one document
+    jsonl:path=corpus.jsonl,field=text,context=128
+    parquet:path=corpus.parquet,column=text,context=128          # a file, or a folder of *.parquet files
+    hf:path=saved-dataset,split=train,column=text,context=128    # saved with datasets' save_to_disk
+    parquet:path=ids.parquet,column=input_ids,tokenized=true,context=128   # token ids, already tokenised
+    text:path=corpus.txt,max_length=128            # one padded sample a document, cut to 128 tokens
 
 Arithmetic options besides split and seed are the task's TaskSpec fields, lists written
-with ``/``. A text file gives one sample per non-blank line, tokenised with the model's
-tokenizer (with the special tokens it adds), truncated to ``max_length`` tokens and padded
-to the longest sample; ``valid`` marks the real tokens. A causal model's target is the next
-token (scored where both are real); a bidirectional model's target is the token itself.
+with ``/``.
+
+A corpus (``text``, ``jsonl``, ``parquet``, ``hf``; read by corpus.py, streamed) is tokenised once
+by the model's tokenizer and laid out (packing.py) either as **packed windows** (``context=N``:
+documents concatenated with the tokenizer's end-of-sequence token between them, cut into windows
+of N tokens that each start with BOS; no padding; ``bos=false`` drops the BOS,
+``separator=none`` the separator) or as **one padded sample per document** (``max_length=N``,
+the default with N = 128: the document with its tokenizer's special tokens, cut to N tokens,
+padded to the longest; ``valid`` marks the real tokens). Packing is the better choice for
+real corpora: it stores no padding and sees every token; padding keeps documents apart and
+aligned at position 0. ``field=`` (JSONL) and ``column=`` (Parquet, saved datasets) name the
+documents' text, ``text`` by default; with ``tokenized=true`` it holds lists of token ids
+instead, used as given. A causal model's target is the next token; a bidirectional model's
+target is the token itself.
 
 A data set hands out any sample range: ``dataset.batch(start, stop)`` gives numpy arrays
 (sample, pos): tokens, valid, target, scored and the labels (arithmetic: token_str, role,
-operand, digit_place, digit_value, carry; text: token_str, position).
+operand, digit_place, digit_value, carry; corpora: token_str, document, offset).
 """
 from __future__ import annotations
 
-import hashlib
-import os
+import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from . import tasks
 from .model import ConfigError
+from .packing import PackedWindows, PaddedDocuments, TokenizedCorpus
 
-TEXT_MAX_LENGTH = 128
+DEFAULT_MAX_LENGTH = 128
 SPEC_FORMS = (
-    "arithmetic:split=NAME,seed=N[,train_counts=2/3/5,...] or text:path=FILE[,max_length=N]"
+    "arithmetic:split=NAME,seed=N[,train_counts=2/3/5,...]; text:path=FILE[,document=line|file]; "
+    "jsonl:path=FILE[,field=text]; parquet:path=FILE_OR_FOLDER[,column=text]; hf:path=FOLDER[,split=NAME][,column=text]; "
+    "a corpus takes context=N[,bos=true|false][,separator=eos|none] (packed windows) or max_length=N "
+    "(one padded sample a document), and tokenized=true for a column of token ids"
 )
 ARITHMETIC_LABELS = {
     "token_str": "str", "role": "str", "operand": "int16",
     "digit_place": "int16", "digit_value": "int16", "carry": "int16",
 }
-TEXT_LABELS = {"token_str": "str", "position": "int32"}
+CORPUS_OPTIONS = {
+    "text": {"document"},
+    "jsonl": {"field", "tokenized"},
+    "parquet": {"column", "tokenized"},
+    "hf": {"column", "split", "tokenized"},
+}
+LAYOUT_OPTIONS = {"path", "context", "max_length", "bos", "separator"}
 
 
 @dataclass(frozen=True)
@@ -46,20 +71,30 @@ class ArithmeticData:
 
 
 @dataclass(frozen=True)
-class TextData:
+class CorpusData:
+    """A corpus and how to lay it out (see the module docstring)."""
+
+    source: str
     path: str
-    max_length: int = TEXT_MAX_LENGTH
+    column: str = "text"
+    document: str = "line"
+    split: str | None = None
+    tokenized: bool = False
+    layout: str = "padded"
+    length: int = DEFAULT_MAX_LENGTH
+    bos: bool = True
+    separator: bool = True
 
 
-def parse_task(spec: str) -> ArithmeticData | TextData:
+def parse_task(spec: str) -> ArithmeticData | CorpusData:
     """Parse a task spec; anything that does not parse is a ConfigError naming the forms."""
     name, _, rest = spec.partition(":")
     options = _options(spec, rest)
     try:
         if name == "arithmetic":
             return _arithmetic(options)
-        if name == "text":
-            return _text(spec, options)
+        if name in CORPUS_OPTIONS:
+            return _corpus(name, options)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"task spec {spec!r} does not parse ({error}): expected {SPEC_FORMS}") from None
     raise ConfigError(f"task spec {spec!r} does not parse: unknown task {name!r}; expected {SPEC_FORMS}")
@@ -97,25 +132,79 @@ def _arithmetic(options: dict) -> ArithmeticData:
     return ArithmeticData(split, seed, tasks.TaskSpec.from_dict(spec_values) if spec_values else tasks.DEFAULT_SPEC)
 
 
-def _text(spec: str, options: dict) -> TextData:
-    unknown = sorted(set(options) - {"path", "max_length"})
+def _flag(key: str, value: str, true: str = "true", false: str = "false") -> bool:
+    if value not in (true, false):
+        raise ValueError(f"{key}={value!r}: expected {true} or {false}")
+    return value == true
+
+
+def _corpus(source: str, options: dict) -> CorpusData:
+    allowed = CORPUS_OPTIONS[source] | LAYOUT_OPTIONS
+    unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"unknown text option(s) {unknown}; expected path and max_length")
+        raise ValueError(f"unknown {source} option(s) {unknown}; expected {sorted(allowed)}")
     if not options.get("path"):
-        raise ValueError("text needs path=FILE")
-    max_length = _integer("max_length", options.get("max_length", str(TEXT_MAX_LENGTH)))
-    if max_length < 1:
-        raise ValueError(f"max_length={max_length} must be positive")
-    return TextData(options["path"], max_length)
+        raise ValueError(f"{source} needs path=...")
+    if "context" in options and "max_length" in options:
+        raise ValueError("context=N (packed windows) and max_length=N (padded documents) exclude each other: give one")
+    packed = "context" in options
+    length = _integer("context" if packed else "max_length", options.get("context", options.get("max_length", str(DEFAULT_MAX_LENGTH))))
+    bos = _flag("bos", options.get("bos", "true"))
+    if not packed and ({"bos", "separator"} & set(options)):
+        raise ValueError("bos= and separator= shape packed windows: give context=N with them")
+    if length < 1 + (packed and bos):
+        raise ValueError(f"{'context' if packed else 'max_length'}={length} is too short: expected at least {1 + (packed and bos)}")
+    document = options.get("document", "line")
+    if document not in ("line", "file"):
+        raise ValueError(f"document={document!r}: expected line (one document a line) or file (the whole file)")
+    return CorpusData(
+        source=source, path=options["path"], column=options.get("field", options.get("column", "text")),
+        document=document, split=options.get("split"), tokenized=_flag("tokenized", options.get("tokenized", "false")),
+        layout="packed" if packed else "padded", length=length, bos=bos,
+        separator=_flag("separator", options.get("separator", "eos"), true="eos", false="none"),
+    )
 
 
-def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = True, n_pos: int | None = None):
-    """The data set of a parsed spec; text needs the model's tokenizer and whether it is causal."""
+def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = True, bos_id: int | None = None,
+                 eos_id: int | None = None, vocab_size: int | None = None):
+    """The data set of a parsed spec. A corpus is tokenised here, once, with the model's tokenizer;
+    bos_id and eos_id are the start and end tokens (the tokenizer's, else the model's)."""
+    if n_samples is not None:
+        _check_samples(n_samples)
     if isinstance(data, ArithmeticData):
         if n_samples is None:
             raise ConfigError("the arithmetic task needs a sample count: pass --samples N")
         return ArithmeticDataset(data, n_samples)
-    return TextDataset(data, n_samples=n_samples, tokenizer=tokenizer, causal=causal, n_pos=n_pos)
+    if tokenizer is None:
+        raise ConfigError(
+            "a text corpus needs the model's tokenizer, and this model has none: add its tokenizer files "
+            "(tokenizer.json ...) to the model directory, or use the arithmetic task"
+        )
+    if data.layout == "padded":
+        corpus = TokenizedCorpus(data, tokenizer, special_tokens=True, separator=None, vocab_size=vocab_size,
+                                 max_document_tokens=data.length, stop_documents=n_samples)
+        layout = functools.partial(PaddedDocuments, max_length=data.length)
+    else:
+        bos = _special(bos_id, data.bos, "BOS", "bos=false")
+        separator = _special(eos_id, data.separator, "end-of-sequence", "separator=none")
+        body = data.length - (bos is not None)
+        corpus = TokenizedCorpus(data, tokenizer, special_tokens=False, separator=separator, vocab_size=vocab_size,
+                                 stop_tokens=None if n_samples is None else n_samples * body + 1)
+        layout = functools.partial(PackedWindows, context=data.length, bos=bos)
+    try:
+        return layout(corpus, n_samples=n_samples, causal=causal, pad_id=tokenizer.pad_id)
+    except BaseException:
+        corpus.close()
+        raise
+
+
+def _special(token: int | None, wanted: bool, name: str, instead: str) -> int | None:
+    if not wanted:
+        return None
+    if token is None:
+        raise ConfigError(f"packing needs a {name} token, and neither the tokenizer nor the model config names one: "
+                          f"pass {instead} in the task spec")
+    return int(token)
 
 
 def _check_samples(n_samples) -> None:
@@ -127,6 +216,7 @@ class ArithmeticDataset:
     """Examples 0 .. n_samples - 1 of one split and seed of the arithmetic task."""
 
     labels = ARITHMETIC_LABELS
+    prewritten = ()
 
     def __init__(self, data: ArithmeticData, n_samples: int):
         _check_samples(n_samples)
@@ -148,93 +238,14 @@ class ArithmeticDataset:
         return arrays
 
 
-class TextDataset:
-    """The non-blank lines of a text file, tokenised, truncated and padded."""
+class StoredTokens:
+    """A corpus's samples as the coordinating process wrote them into the store: each shard reads
+    its tokens and mask back, so that neither the corpus nor a tokenizer is needed where it runs."""
 
-    labels = TEXT_LABELS
+    prewritten = ("tokens", "valid")
 
-    def __init__(self, data: TextData, *, n_samples, tokenizer, causal: bool, n_pos: int | None = None):
-        if tokenizer is None:
-            raise ConfigError(
-                "text data needs the model's tokenizer, and this model has none: add its tokenizer files "
-                "(tokenizer.json ...) to the model directory, or use the arithmetic task"
-            )
-        self.data, self.tokenizer, self.causal = data, tokenizer, causal
-        self.lines = _read_lines(data.path)
-        if n_samples is None:
-            n_samples = len(self.lines)
-        _check_samples(n_samples)
-        if n_samples > len(self.lines):
-            raise ConfigError(
-                f"text file {data.path} has {len(self.lines)} non-blank lines, fewer than --samples {n_samples}: "
-                "ask for fewer samples or give a longer file"
-            )
-        self.n_samples = int(n_samples)
-        self.n_pos = n_pos if n_pos is not None else max(len(self._encode(line)) for line in self.lines[: self.n_samples])
-
-    def describe(self) -> dict:
-        return {
-            "name": "text",
-            "path": os.path.abspath(self.data.path),
-            "sha256": _file_sha256(self.data.path),
-            "n_lines": len(self.lines),
-            "max_length": self.data.max_length,
-            "tokenizer": self.tokenizer.name,
-            "target": "next token" if self.causal else "same token",
-        }
-
-    def _encode(self, line: str) -> list[int]:
-        return self.tokenizer.encode(line)[: self.data.max_length]
+    def __init__(self, group):
+        self.tokens, self.valid = group["tokens"], group["valid"]
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        n = stop - start
-        tokens = np.full((n, self.n_pos), self.tokenizer.pad_id, dtype=np.int32)
-        valid = np.zeros((n, self.n_pos), dtype=bool)
-        token_str = np.full((n, self.n_pos), "", dtype=object)
-        for row, line in enumerate(self.lines[start:stop]):
-            ids = self._encode(line)[: self.n_pos]
-            tokens[row, : len(ids)] = ids
-            valid[row, : len(ids)] = True
-            token_str[row, : len(ids)] = self.tokenizer.token_strings(ids)
-        position = np.where(valid, np.arange(self.n_pos, dtype=np.int32), -1).astype(np.int32)
-        if self.causal:
-            target = np.full_like(tokens, self.tokenizer.pad_id)
-            target[:, :-1] = tokens[:, 1:]
-            scored = np.zeros_like(valid)
-            scored[:, :-1] = valid[:, :-1] & valid[:, 1:]
-        else:
-            target, scored = tokens.copy(), valid.copy()
-        return {
-            "tokens": tokens, "valid": valid, "target": target, "scored": scored,
-            "token_str": token_str.astype(str), "position": position,
-        }
-
-
-def _read_lines(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"text file {path} not found: expected a file with one sequence per line")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = [line.rstrip("\n") for line in handle if line.strip()]
-    except UnicodeDecodeError:
-        raise ConfigError(_not_utf8(path)) from None
-    if not lines:
-        raise ConfigError(f"text file {path} is empty (no non-blank lines): expected one sequence per line")
-    return lines
-
-
-def _not_utf8(path: str) -> str:
-    """The message for a file that is not UTF-8 text, naming its first line that does not decode."""
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                return (f"text file {path} is not UTF-8 text: line {number} holds bytes that do not decode "
-                        f"({error.reason} at byte {error.start} of the line); convert it to UTF-8, or give a text file")
-    return f"text file {path} is not UTF-8 text; convert it to UTF-8, or give a text file"
-
-
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        return {"tokens": self.tokens[start:stop], "valid": self.valid[start:stop]}

@@ -9,12 +9,18 @@
    unfinished shards; a complete store is left alone;
 4. write the attention maps, run every unfinished shard, then finish the store.
 
+A corpus is tokenised once, by this process (packing.py), which writes every pending shard's
+token arrays and labels into the store before the shards run; each shard then reads its tokens
+back from the store, so no worker needs the corpus or a tokenizer.
+
 Each shard runs its samples in batches starting at the shard's first sample, so a shard's
 values never depend on which process runs it or when: a resumed job is bitwise identical to
 an uninterrupted one. Writes happen behind compute: the forward pass hands each batch to a
 bounded queue that one writer thread drains, regrouping batches into whole chunks, and the
 thread marks a shard complete only after its last chunk is written. Memory is bounded by the
-queue depth, whatever the number of samples.
+queue depth, whatever the number of samples: the capture's batch buffers come from a pool that
+takes them back once written, so no batch pays for fresh memory. A float16 store refuses
+values beyond float16's range (they would be stored as inf).
 
 Without a Dask client the shards run one after another in this process, on the job's device;
 with one, each shard is a Dask task that loads the model on the job's device (once per worker),
@@ -22,10 +28,11 @@ writes its own chunks and records itself complete, while this coordinating proce
 model's description and weights on the CPU: it never needs the workers' device.
 
 Whatever a kill leaves, ``--resume`` continues: a store whose creation was interrupted is
-created afresh (nothing was written to it), a created one continues with its unfinished shards,
-and chunks of complete shards found missing or truncated are rewritten; ``--overwrite`` replaces
-any of them. For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a
-named point (see ``orthosphere.store.faults``).
+created afresh (nothing was written to it), a created one continues with its unfinished shards
+(a corpus's token arrays of those shards are written again), and chunks of complete shards found
+missing or truncated are rewritten; ``--overwrite`` replaces any of them. For the crash tests,
+``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a named point (see
+``orthosphere.store.faults``; ``samples-written`` follows each block of a corpus's token arrays).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import torch
 from tqdm import tqdm
 
 from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
+from orthosphere.store.bfloat16 import BFLOAT16
 from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
 from orthosphere.store.reader import not_a_store_error
@@ -51,7 +59,7 @@ from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, var
 from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
-from .data import ArithmeticData, TextData, open_dataset, parse_task
+from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, parse_task
 from .model import ConfigError
 from .sources import LoadedModel, check_device, load_source, model_dtype_of
 
@@ -101,7 +109,7 @@ class ShardPlan:
     model: str
     device: str
     model_dtype: str | None
-    data: ArithmeticData | TextData
+    data: ArithmeticData | CorpusData
     n_samples: int
     n_pos: int
     causal: bool
@@ -142,7 +150,15 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     loaded = load_source(job.model, job.device if client is None else "cpu", job.model_dtype)
     sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
-    dataset = open_dataset(data, n_samples=job.n_samples, tokenizer=loaded.tokenizer, causal=description["causal"])
+    dataset = _open_data(data, job, loaded, description)
+    try:
+        return _extract(job, data, loaded, dataset, description, sites, layers, found, client, progress)
+    finally:
+        if isinstance(data, CorpusData):
+            dataset.close()
+
+
+def _extract(job, data, loaded, dataset, description, sites, layers, found, client, progress) -> ExtractResult:
     identity = {
         "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
@@ -166,8 +182,11 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
         job.storage_options,
     )
     with writer:
-        writer.write_weights(loaded.adapter.all_head_weights(layers))
-        result = _run_pending(job, loaded, dataset, plan, writer, client, progress)
+        if not writer.weights_written():
+            writer.write_weights(loaded.adapter.all_head_weights(layers))
+        if isinstance(data, CorpusData):
+            write_samples(writer, dataset)
+        result = _run_pending(job, loaded, plan, writer, client, progress)
         crash_point("before-finish")
         writer.finish()
     log.info("store complete at %s", writer.url)
@@ -189,6 +208,54 @@ def _reopen(job: ExtractJob) -> StoreWriter | None:
     return writer
 
 
+def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
+    """The job's data set (a corpus is tokenised here), checked against the model's positions."""
+    config = getattr(loaded.adapter.model, "config", None)
+    tokenizer = loaded.tokenizer
+
+    def special(name: str):
+        own = getattr(tokenizer, f"{name}_id", None)
+        return own if own is not None else getattr(config, f"{name}_token_id", None)
+
+    dataset = open_dataset(
+        data, n_samples=job.n_samples, tokenizer=tokenizer, causal=description["causal"], bos_id=special("bos"),
+        eos_id=special("eos"), vocab_size=description.get("vocab_size"),
+    )
+    limit = max_positions(loaded.adapter.model)
+    if limit is not None and dataset.n_pos > limit:
+        if isinstance(data, CorpusData):
+            dataset.close()
+        option = "context" if isinstance(data, CorpusData) and data.layout == "packed" else "max_length"
+        raise ConfigError(
+            f"samples of {dataset.n_pos} positions are longer than the model's {limit} positions: "
+            f"use {option}={limit} or less in the task spec"
+        )
+    return dataset
+
+
+def max_positions(model) -> int | None:
+    """The longest sequence the model takes: max_position_embeddings (or n_positions) of a Hugging
+    Face config, max_len of an arithmetic model with learned positions; None where unbounded."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return config.max_len if getattr(config, "positions", None) == "learned" else None
+
+
+def write_samples(writer, dataset, block_bytes: int = 64 * 2**20) -> None:
+    """Write a corpus's token arrays and labels (tokens, valid, target, scored, token_str, document,
+    offset) of every pending shard, in blocks of whole chunks."""
+    chunk = writer.attrs["samples_per_chunk"]
+    block = chunk * max(1, block_bytes // (32 * dataset.n_pos * chunk))
+    for index in writer.pending_shards():
+        start, stop = writer.shards[index]
+        for first in range(start, stop, block):
+            writer.write(first, dataset.batch(first, min(first + block, stop)))
+            crash_point("samples-written")
+
+
 def _create(job: ExtractJob, identity: dict, replacing: bool):
     """A new store for the job (replacing the existing store or remnant at job.out when `replacing`)."""
     chunk = job.samples_per_chunk or chunk_samples(
@@ -203,7 +270,7 @@ def _create(job: ExtractJob, identity: dict, replacing: bool):
     )
 
 
-def _run_pending(job, loaded, dataset, plan: ShardPlan, writer, client, progress: bool) -> ExtractResult:
+def _run_pending(job, loaded, plan: ShardPlan, writer, client, progress: bool) -> ExtractResult:
     """Run the store's unfinished shards, in this process or as Dask tasks, with a progress bar."""
     pending = writer.pending_shards()
     n_pending = sum(writer.shards[i][1] - writer.shards[i][0] for i in pending)
@@ -216,7 +283,7 @@ def _run_pending(job, loaded, dataset, plan: ShardPlan, writer, client, progress
     with tqdm(total=n_pending, unit="sample", desc="extract", disable=not progress, dynamic_ncols=True) as bar:
         meter = Meter(bar)
         if client is None:
-            _run_in_process(loaded, dataset, plan, writer, pending, meter)
+            _run_in_process(loaded, plan, writer, pending, meter)
         else:
             _run_on_dask(client, plan, pending, meter)
     return ExtractResult(
@@ -285,8 +352,8 @@ def _existing_store(job: ExtractJob) -> Found:
 
 
 def _absolute(data):
-    """The data with a text file's path made absolute, for workers that may run elsewhere."""
-    return replace(data, path=os.path.abspath(data.path)) if isinstance(data, TextData) else data
+    """The data with a corpus's path made absolute, for the store's record of the job."""
+    return replace(data, path=os.path.abspath(data.path)) if isinstance(data, CorpusData) else data
 
 
 def _absolute_url(url: str) -> str:
@@ -354,42 +421,102 @@ class Meter:
         self.bar.update(n_samples)
 
 
-def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, emit) -> int:
-    """Run samples [start, stop) in batches from `start`; emit(batch_start, arrays) per batch.
-    Returns the number of real tokens."""
+def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, sink, meter: Meter | None = None) -> int:
+    """Run samples [start, stop) in batches from `start`, each handed to sink.put(first, arrays,
+    release) with its buffers' release; returns the number of real tokens."""
     dtype = getattr(torch, plan.dtype)
     device = adapter.device
+    pool = BufferPool(plan.batch_size)
     tokens_seen = 0
-    with torch.inference_mode(), adapter.capture(plan.sites, plan.layers, dtype) as recording:
+    with torch.inference_mode(), adapter.capture(plan.sites, plan.layers, dtype, allocate=pool.take) as recording:
         for first in range(start, stop, plan.batch_size):
-            arrays = dataset.batch(first, min(first + plan.batch_size, stop))
-            tokens = torch.from_numpy(arrays["tokens"]).to(device=device, dtype=torch.long)
-            valid = torch.from_numpy(arrays["valid"]).to(device)
+            inputs = dataset.batch(first, min(first + plan.batch_size, stop))
+            tokens = torch.from_numpy(inputs["tokens"]).to(device=device, dtype=torch.long)
+            valid = torch.from_numpy(inputs["valid"]).to(device)
             logits = adapter.forward(tokens, valid)
+            arrays = {name: values for name, values in inputs.items() if name not in dataset.prewritten}
             arrays["pred"] = logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
-            arrays.update({site: values.numpy() for site, values in recording.take().items()})
-            tokens_seen += int(arrays["valid"].sum())
-            emit(first, arrays)
+            buffers = recording.take()
+            if dtype == torch.float16:
+                check_float16_range(buffers, plan.layers, first)
+            arrays.update({site: as_numpy(values) for site, values in buffers.items()})
+            sink.put(first, arrays, functools.partial(pool.give, list(buffers.values())))
+            n_tokens = int(inputs["valid"].sum())
+            tokens_seen += n_tokens
+            if meter is not None:
+                meter.update(len(inputs["valid"]), n_tokens)
     return tokens_seen
 
 
-def _run_in_process(loaded: LoadedModel, dataset, plan: ShardPlan, writer, pending, meter: Meter) -> None:
+class Float16OverflowError(ConfigError):
+    """Activations beyond float16's range: stored as float16 they would be inf."""
+
+
+def check_float16_range(buffers: dict, layers, first: int) -> None:
+    """Refuse float16 activations that overflowed (|x| > 65504 became inf), naming where."""
+    for site, values in buffers.items():
+        low, high = torch.aminmax(values)
+        if torch.isinf(low) or torch.isinf(high):
+            infinite = torch.isinf(values).flatten(2).any(dim=2)  # (batch, layer)
+            samples, slots = (index.tolist() for index in torch.nonzero(infinite, as_tuple=True))
+            raise Float16OverflowError(
+                f"site {site} of layer {layers[slots[0]]} (sample {first + samples[0]}) holds values beyond float16's "
+                "range (|x| > 65504), which float16 would store as inf: extract with --dtype bfloat16 (same range as "
+                "float32, 16 bits) or --dtype float32"
+            )
+
+
+def as_numpy(values: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array sharing its memory (bfloat16 as ml_dtypes.bfloat16)."""
+    if values.dtype == torch.bfloat16:
+        return values.view(torch.int16).numpy().view(BFLOAT16)
+    return values.numpy()
+
+
+class BufferPool:
+    """Batch buffers handed back after they are written, so that the next batch reuses memory that is
+    already mapped (fresh memory costs a page fault per 4 kB, more than the copy into it). Only
+    buffers of a whole batch are kept; a shard's shorter last batch gets new ones."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        with self.lock:
+            held = self.free.get((tuple(shape), dtype, pin_memory))
+            if held:
+                return held.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    def give(self, buffers) -> None:
+        with self.lock:
+            for buffer in buffers:
+                if buffer.shape[0] == self.batch_size:
+                    self.free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.is_pinned()), []).append(buffer)
+
+
+def _run_in_process(loaded: LoadedModel, plan: ShardPlan, writer, pending, meter: Meter) -> None:
     """Every pending shard in this process, behind one writer thread."""
+    dataset = _shard_dataset(plan, writer)
     sink = WriteBehind(writer)
     try:
         for index in pending:
             start, stop = writer.shards[index]
-
-            def emit(first, arrays):
-                sink.put(first, arrays)
-                meter.update(len(arrays["tokens"]), int(arrays["valid"].sum()))
-
-            compute_range(loaded.adapter, dataset, plan, start, stop, emit)
+            compute_range(loaded.adapter, dataset, plan, start, stop, sink, meter)
             sink.end_shard(index)
     except BaseException:
         sink.abort()
         raise
     sink.close()
+
+
+def _shard_dataset(plan: ShardPlan, writer):
+    """What a shard reads its samples from: the arithmetic task, or the tokens written into the store."""
+    if isinstance(plan.data, ArithmeticData):
+        return open_dataset(plan.data, n_samples=plan.n_samples)
+    return StoredTokens(writer.group)
 
 
 @dataclass(frozen=True)
@@ -418,14 +545,12 @@ def run_shard(plan: ShardPlan, index: int) -> ShardReport:
     """A Dask task: run one shard, write its chunks (without the store's lock, which the
     coordinating process holds) and record it complete."""
     loaded = _worker_model(plan.model, plan.device, plan.model_dtype)
-    dataset = open_dataset(
-        plan.data, n_samples=plan.n_samples, tokenizer=loaded.tokenizer, causal=plan.causal, n_pos=plan.n_pos
-    )
     writer = open_writer(plan.url, lock=False, storage_options=plan.storage_options)
+    dataset = _shard_dataset(plan, writer)
     start, stop = writer.shards[index]
     sink = WriteBehind(writer)
     try:
-        tokens = compute_range(loaded.adapter, dataset, plan, start, stop, sink.put)
+        tokens = compute_range(loaded.adapter, dataset, plan, start, stop, sink)
         sink.end_shard(index)
     except BaseException:
         sink.abort()
@@ -451,11 +576,17 @@ def _run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
 
 
 class ChunkAligner:
-    """Regroups consecutive blocks of samples into blocks that cover whole chunks."""
+    """Regroups consecutive blocks of samples into blocks that cover whole chunks.
 
-    def __init__(self, samples_per_chunk: int):
-        self.chunk = samples_per_chunk
-        self.pieces: list[tuple[int, dict]] = []
+    A block given with a `release` callback is released (pop_released) once no piece of it is held.
+    With reuse=True, blocks joined into one chunk are copied into the same buffers every time: each
+    returned block is then valid only until the next call (the writer thread writes it at once)."""
+
+    def __init__(self, samples_per_chunk: int, reuse: bool = False):
+        self.chunk, self.reuse = samples_per_chunk, reuse
+        self.pieces: list[tuple[int, dict, object]] = []
+        self.released: list = []
+        self.joined: dict[str, np.ndarray] = {}
 
     @property
     def start(self) -> int:
@@ -463,14 +594,14 @@ class ChunkAligner:
 
     @property
     def stop(self) -> int:
-        first, arrays = self.pieces[-1]
+        first, arrays, _ = self.pieces[-1]
         return first + _length(arrays)
 
-    def add(self, first: int, arrays: dict) -> list[tuple[int, dict]]:
+    def add(self, first: int, arrays: dict, release=None) -> list[tuple[int, dict]]:
         """Take a block; return the whole chunks now complete (as one block, or none)."""
         if self.pieces and first != self.stop:
             raise RuntimeError(f"block at sample {first} does not follow the previous one, which ends at {self.stop}")
-        self.pieces.append((first, arrays))
+        self.pieces.append((first, arrays, release))
         boundary = self.stop // self.chunk * self.chunk
         return [self._take(boundary)] if boundary > self.start else []
 
@@ -478,22 +609,39 @@ class ChunkAligner:
         """Everything held (the shard's end, which is chunk-aligned or the store's end)."""
         return [self._take(self.stop)] if self.pieces else []
 
+    def pop_released(self) -> list:
+        """The release callbacks of the blocks handed out whole since the last call."""
+        released, self.released = self.released, []
+        return released
+
     def _take(self, boundary: int) -> tuple[int, dict]:
         start, before, after = self.start, [], []
-        for first, arrays in self.pieces:
+        for first, arrays, release in self.pieces:
             n = _length(arrays)
             if first + n <= boundary:
                 before.append(arrays)
+                if release is not None:
+                    self.released.append(release)
             elif first >= boundary:
-                after.append((first, arrays))
+                after.append((first, arrays, release))
             else:
                 cut = boundary - first
                 before.append({name: values[:cut] for name, values in arrays.items()})
-                after.append((boundary, {name: values[cut:] for name, values in arrays.items()}))
+                after.append((boundary, {name: values[cut:] for name, values in arrays.items()}, release))
         self.pieces = after
         if len(before) == 1:
             return start, before[0]
-        return start, {name: np.concatenate([block[name] for block in before]) for name in before[0]}
+        return start, {name: self._join(name, [block[name] for block in before]) for name in before[0]}
+
+    def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
+        if not self.reuse:
+            return np.concatenate(parts)
+        shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
+        dtype = np.result_type(*parts)
+        held = self.joined.get(name)
+        if held is None or held.shape != shape or held.dtype != dtype:
+            held = self.joined[name] = np.empty(shape, dtype)
+        return np.concatenate(parts, out=held)
 
 
 def _length(arrays: dict) -> int:
@@ -510,9 +658,10 @@ class WriteBehind:
         self.thread = threading.Thread(target=self._drain, name="orthosphere-store-writer", daemon=True)
         self.thread.start()
 
-    def put(self, first: int, arrays: dict) -> None:
-        """Queue a batch of samples starting at `first`; blocks only while the queue is full."""
-        self._send(("block", first, arrays))
+    def put(self, first: int, arrays: dict, release=None) -> None:
+        """Queue a batch of samples starting at `first`; blocks only while the queue is full. The
+        writer thread calls release() once the batch's arrays are written."""
+        self._send(("block", first, arrays, release))
 
     def end_shard(self, index: int) -> None:
         """Write what the shard still holds, then mark it complete."""
@@ -541,17 +690,19 @@ class WriteBehind:
                 continue
 
     def _drain(self) -> None:
-        aligner = ChunkAligner(self.writer.attrs["samples_per_chunk"])
+        aligner = ChunkAligner(self.writer.attrs["samples_per_chunk"], reuse=True)
         while (item := self.queue.get()) is not None:
             if self.error is not None:
                 continue
             try:
                 if item[0] == "block":
-                    self._write(aligner.add(item[1], item[2]))
+                    self._write(aligner.add(*item[1:]))
                 else:
                     self._write(aligner.flush())
                     self.writer.mark_shard_complete(item[1])
                     crash_point("shard-complete")
+                for release in aligner.pop_released():
+                    release()
             except BaseException as error:  # handed to the producer by _send / close
                 self.error = error
 

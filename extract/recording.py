@@ -10,9 +10,14 @@ class Recording:
     From a CUDA device, each value is copied into pinned memory on a stream of this recording's own,
     after the work that produced it, so the copies overlap the next layers' compute; ``take`` waits
     for that stream only (another thread's captures on the device are not waited for).
+
+    ``allocate(shape, dtype, pin_memory)`` gives each forward pass's buffers (default: new ones);
+    ``take`` hands them over to the caller, so a pool that takes them back once they are written
+    spares a fresh allocation per batch.
     """
 
-    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool):
+    def __init__(self, sites, layers, dtype: torch.dtype, pin_memory: bool, allocate=None):
+        self.allocate = allocate or new_buffer
         self.sites = tuple(sites)
         self.layers = tuple(layers)
         self.slot = {layer: index for index, layer in enumerate(self.layers)}
@@ -32,7 +37,7 @@ class Recording:
         buffer = self._buffers.get(site)
         if buffer is None:
             shape = (value.shape[0], len(self.layers), *value.shape[1:])
-            buffer = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+            buffer = self.allocate(shape, self.dtype, self.pin_memory)
             self._buffers[site] = buffer
         value = value.detach()
         if self.pin_memory and value.is_cuda:
@@ -58,3 +63,7 @@ class Recording:
             self._copies.synchronize()
         buffers, self._buffers, self._filled = self._buffers, {}, set()
         return buffers
+
+
+def new_buffer(shape, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)

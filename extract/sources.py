@@ -2,9 +2,10 @@
 
 ``load_source(path, device, model_dtype)`` returns a ``LoadedModel``: the model's adapter
 (capture.py), its tokenizer (or None) and, from ``describe()``, its description for the store,
-which adds where the model came from and a SHA-256 of its weights so that a resumed job can
-tell a different model apart. ``model_dtype`` (float32, bfloat16 or float16; default float32)
-is the dtype the model is loaded and run in; the description records it.
+which adds where the model came from and a SHA-256 of its weights (hashing.py: computed once per
+version of the files) so that a resumed job can tell a different model apart. ``model_dtype``
+(float32, bfloat16 or float16; default float32) is the dtype the model is loaded and run in; the
+description records it.
 
 - A directory whose ``config.json`` says ``"family": "arithmetic"``: the project's own
   arithmetic transformer (``config.json`` + ``model.safetensors``); its tokenizer maps the
@@ -21,7 +22,6 @@ Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ import torch
 from . import tasks
 from .capture import Adapter, adapter_for
 from .families import UnsupportedModelError, family_for, unsupported
+from .hashing import files_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -41,12 +42,20 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Tokenizer:
-    """Text to token ids, and ids back to token strings (for the `token_str` label)."""
+    """Text to token ids, and ids back to token strings (for the `token_str` label); bos_id and
+    eos_id are the start and end tokens it knows (None: none)."""
 
     name = ""
     pad_id = 0
+    bos_id: int | None = None
+    eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, with the special tokens the tokenizer adds to a text (BOS, [CLS]
+        ... [SEP]) or without them."""
         raise NotImplementedError
 
     def token_strings(self, ids) -> list[str]:
@@ -58,9 +67,11 @@ class CharacterTokenizer(Tokenizer):
 
     name = "arithmetic-characters"
     pad_id = tasks.PAD_ID
+    bos_id = tasks.TOKEN_ID["["]
+    eos_id = tasks.TOKEN_ID["]"]
 
-    def encode(self, text):
-        return tasks.token_ids(text)
+    def encode_batch(self, texts, special_tokens=True):
+        return [tasks.token_ids(text) for text in texts]
 
     def token_strings(self, ids):
         return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
@@ -74,9 +85,12 @@ class HuggingFaceTokenizer(Tokenizer):
         self.name = type(tokenizer).__name__
         candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0)
         self.pad_id = next(i for i in candidates if i is not None)
+        self.bos_id = next((i for i in (tokenizer.bos_token_id, tokenizer.cls_token_id) if i is not None), None)
+        self.eos_id = next((i for i in (tokenizer.eos_token_id, tokenizer.sep_token_id) if i is not None), None)
 
-    def encode(self, text):
-        return list(self.tokenizer(text)["input_ids"])
+    def encode_batch(self, texts, special_tokens=True):
+        encoded = self.tokenizer(texts, add_special_tokens=special_tokens, return_attention_mask=False, verbose=False)
+        return encoded["input_ids"]
 
     def token_strings(self, ids):
         return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
@@ -100,7 +114,7 @@ class LoadedModel:
                 **self.adapter.describe(),
                 "source": os.path.abspath(self.path),
                 "format": self.source_format,
-                "weights_sha256": weights_sha256(self.weight_files),
+                "weights_sha256": files_sha256(self.weight_files),
             }
         return dict(self._description)
 
@@ -177,16 +191,6 @@ def load_source(path, device: str = "auto", model_dtype: str | None = None) -> L
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == GGUF_MAGIC
-
-
-def weights_sha256(paths) -> str:
-    """SHA-256 over the weight files' bytes, in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(2**24), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_config(directory: Path) -> dict:

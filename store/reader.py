@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xarray as xr
 import zarr
 
 from . import schema
@@ -12,6 +12,9 @@ from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreNo
 from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
 from .state import ABSENT, DAMAGED, FOREIGN_ZARR, PROGRESS_GROUP, REMNANT, STORE, inspect
+
+if TYPE_CHECKING:
+    import xarray
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
 
@@ -77,9 +80,10 @@ def completeness(group: zarr.Group) -> dict:
 
 
 def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | None = None,
-               samples_per_block: int | None = None, check_chunks: bool = True) -> xr.Dataset:
+               samples_per_block: int | None = None, check_chunks: bool = True) -> xarray.Dataset:
     """The store as a lazy, Dask-backed xarray Dataset, in Dask blocks of `samples_per_block`
-    samples (a multiple of the store's chunk length; default: one chunk).
+    samples (a multiple of the store's chunk length; default: one chunk). bfloat16 activations are
+    read as float32 (exactly: every bfloat16 is a float32).
 
     Every chunk the store promises (every chunk of each complete shard, the weight maps, the index
     coordinates) is checked to be there and of its size first (one listing of the store;
@@ -104,10 +108,14 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
         damage = find_damage(group, promised, location.list_files())
         if damage:
             raise DamagedStoreError.of(location.url, damage)
+    import xarray as xr  # here, not at the top: extraction, which writes stores, need not import xarray and pandas
+
     chunks = {"sample": samples_per_block} if samples_per_block else {}
     guarded = GuardedStore(location.zarr_store(read_only=True), location.url, promised)
     with zarr_quietly():
-        return xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
+        dataset = xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
+    widened = {name: variable.astype(np.float32) for name, variable in dataset.data_vars.items() if schema.is_bfloat16(variable.dtype)}
+    return dataset.assign(widened)
 
 
 def _promises(group: zarr.Group) -> dict:
@@ -185,6 +193,7 @@ def info(url, storage_options: dict | None = None) -> dict:
         for name, array in sorted(group_arrays(group))
         if name not in schema.DIM_NAMES
     }
+    size = location.size_bytes()
     return {
         "url": location.url,
         "schema": attrs["schema"],
@@ -199,10 +208,37 @@ def info(url, storage_options: dict | None = None) -> dict:
         "samples_per_chunk": attrs.get("samples_per_chunk"),
         "codec": attrs.get("codec"),
         "arrays": arrays,
-        "size_bytes": location.size_bytes(),
+        "size_bytes": size,
+        **_token_bytes(group, attrs, size),
         **completeness(group),
         "provenance": attrs.get("provenance"),
     }
+
+
+def _token_bytes(group: zarr.Group, attrs: dict, size: int) -> dict:
+    """Real (valid) tokens, the sites' bytes per position and the store's bytes per real token
+    (its size on disk less the weight maps, which a store holds once whatever its length)."""
+    valid = group["valid"]
+    step = valid.chunks[0] * max(1, 2**24 // (valid.chunks[0] * valid.shape[1]))
+    real = sum(int(np.count_nonzero(valid[start:start + step])) for start in range(0, valid.shape[0], step))
+    positions = valid.shape[0] * valid.shape[1]
+    weights = sum(math.prod(group[name].shape) * 4 for name in schema.WEIGHT_VARIABLES if name in group)
+    sites = sum(math.prod(group[site].shape[1:]) * group[site].dtype.itemsize for site in attrs.get("sites", []) if site in group)
+    return {
+        "real_tokens": real,
+        "positions": positions,
+        "weight_bytes": weights,
+        "site_bytes_per_position": sites / max(1, valid.shape[1]),
+        "bytes_per_real_token": (size - weights) / real if real else None,
+    }
+
+
+def _per_token(summary: dict) -> str:
+    if summary["bytes_per_real_token"] is None:
+        return "no real tokens written yet"
+    per_token, sites = summary["bytes_per_real_token"], summary["site_bytes_per_position"]
+    return (f"{per_token / 1e3:,.2f} kB per real token besides the weight maps "
+            f"({per_token / sites:.3f}x the sites' {sites / 1e3:,.2f} kB a position)")
 
 
 def format_info(summary: dict) -> str:
@@ -220,7 +256,10 @@ def format_info(summary: dict) -> str:
         f"{summary['samples_per_chunk']} samples per chunk",
         f"dtype     {summary['dtype']} (codec {summary['codec']})",
         f"labels    {', '.join(summary['labels'] or {}) or '-'}",
-        f"size      {summary['size_bytes'] / 2**20:.2f} MiB on disk",
+        f"size      {summary['size_bytes'] / 2**20:.2f} MiB on disk, of which {summary['weight_bytes'] / 2**20:.2f} MiB "
+        "weight maps",
+        f"tokens    {summary['real_tokens']:,} real of {summary['positions']:,} positions "
+        f"({100 * summary['real_tokens'] / max(1, summary['positions']):.1f} %); {_per_token(summary)}",
         "arrays:",
     ]
     for name, array in summary["arrays"].items():

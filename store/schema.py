@@ -5,11 +5,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .bfloat16 import BFLOAT16
 from .errors import StoreError
 
 SCHEMA_VERSION = 1
 
-ACTIVATION_DTYPES = ("float16", "float32")
+ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
+"""float16 holds |x| <= 65504 only; bfloat16 (Zarr extension data type, see bfloat16.py) has
+float32's range with 8 bits of precision: the bits of a model run in bfloat16."""
 
 # Model description keys that fix the sizes of the arrays.
 MODEL_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_head")
@@ -93,17 +96,20 @@ def check_sites(sites) -> tuple[str, ...]:
 
 
 def check_dtype(dtype) -> str:
-    """The activation dtype's name; only float16 and float32 are allowed."""
+    """The activation dtype's name: float16, bfloat16 or float32."""
     try:
         name = np.dtype(dtype).name
     except TypeError:
         name = str(dtype)
     if name not in ACTIVATION_DTYPES:
         raise StoreError(
-            f"dtype {dtype!r} is not supported for activations: expected one of "
-            f"{list(ACTIVATION_DTYPES)} (Zarr v3 has no bfloat16; use float16 or float32)"
+            f"dtype {dtype!r} is not supported for activations: expected one of {list(ACTIVATION_DTYPES)}"
         )
     return name
+
+
+def is_bfloat16(dtype) -> bool:
+    return np.dtype(dtype) == BFLOAT16
 
 
 def check_model(model: dict) -> dict:
@@ -171,7 +177,7 @@ def resolved_dtype(variable: Variable, activation_dtype: str) -> str:
     return activation_dtype if variable.dtype == "activation" else variable.dtype
 
 
-LABEL_DTYPES = ("str", "int16", "int32")
+LABEL_DTYPES = ("str", "int16", "int32", "int64")
 
 
 def label_missing_value(dtype: str):
@@ -181,7 +187,7 @@ def label_missing_value(dtype: str):
 
 
 def check_labels(labels: dict) -> dict[str, str]:
-    """Label name -> storage dtype: "str" (variable-length) or int16/int32 (missing value: see
+    """Label name -> storage dtype: "str" (variable-length) or int16/int32/int64 (missing value: see
     ``label_missing_value``)."""
     labels = dict(labels)
     for name, dtype in labels.items():

@@ -118,8 +118,8 @@ def test_binary_text_input(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"the cat sat\n\x89PNG\r\n\x1a\n\x00\xff binary\n")
     result = run("extract", model, "--task", f"text:path={corpus}", "--device", "cpu", "--out", tmp_path / "s.zarr")
-    assert error_line(result) == (f"Error: text file {corpus} is not UTF-8 text: line 2 holds bytes that do not decode "
-                                  "(invalid start byte at byte 0 of the line); convert it to UTF-8, or give a text file")
+    assert error_line(result) == (f"Error: {corpus}, line 2: invalid UTF-8 (invalid start byte at byte 0 of the line): "
+                                  "expected UTF-8 text; convert the file to UTF-8 (e.g. iconv -t UTF-8)")
 
 
 def test_option_value_that_does_not_parse(store, tmp_path):

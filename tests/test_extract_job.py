@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from orthosphere.extract import tasks
-from orthosphere.extract.data import ArithmeticData, TextData, parse_task
+from orthosphere.extract.data import ArithmeticData, CorpusData, parse_task
 from orthosphere.extract.job import (
     ChunkAligner,
     ExtractJob,
@@ -55,7 +55,9 @@ def test_task_specs_parse():
     parsed = parse_task("arithmetic:split=extrapolation,seed=7,digit_lengths=1/2/3,extrapolation_counts=8/9")
     assert (parsed.split, parsed.seed) == ("extrapolation", 7)
     assert parsed.spec.digit_lengths == (1, 2, 3) and parsed.spec.extrapolation_counts == (8, 9)
-    assert parse_task("text:path=lines.txt,max_length=16") == TextData("lines.txt", 16)
+    assert parse_task("text:path=lines.txt,max_length=16") == CorpusData("text", "lines.txt", length=16)
+    assert parse_task("jsonl:path=c.jsonl,field=body,context=64,bos=false") == CorpusData(
+        "jsonl", "c.jsonl", column="body", layout="packed", length=64, bos=False)
 
 
 @pytest.mark.parametrize("spec,detail", [
@@ -66,8 +68,16 @@ def test_task_specs_parse():
     ("arithmetic:seed=1,seed=2", "each key once"),
     ("arithmetic:colour=red", r"unknown arithmetic option\(s\) \['colour'\]"),
     ("arithmetic:interpolation_counts=3", "interpolation_counts"),
-    ("text:max_length=9", "text needs path=FILE"),
-    ("text:path=a.txt,max_length=0", "must be positive"),
+    ("text:max_length=9", "text needs path="),
+    ("text:path=a.txt,max_length=0", "max_length=0 is too short"),
+    ("text:path=a.txt,context=1", "context=1 is too short: expected at least 2"),
+    ("text:path=a.txt,context=8,max_length=8", "exclude each other"),
+    ("text:path=a.txt,bos=false", "give context=N with them"),
+    ("text:path=a.txt,document=page", "document='page'"),
+    ("text:path=a.txt,field=body", r"unknown text option\(s\) \['field'\]"),
+    ("parquet:path=a.parquet,field=body", r"unknown parquet option\(s\) \['field'\]"),
+    ("jsonl:path=a.jsonl,context=8,separator=newline", "separator='newline': expected eos or none"),
+    ("hf:path=d,tokenized=yes", "tokenized='yes': expected true or false"),
 ])
 def test_task_spec_that_does_not_parse(spec, detail):
     with pytest.raises(ConfigError, match=rf"task spec .* does not parse.*{detail}"):
@@ -98,7 +108,8 @@ def test_text_lines_are_tokenised_padded_and_labelled(tmp_path):
     assert store.sizes["sample"] == 3 and store.sizes["pos"] == 4
     np.testing.assert_array_equal(store["valid"].values, [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     assert list(store["token_str"].values[1]) == ["a", "dog", "ran", "on"]
-    np.testing.assert_array_equal(store["position"].values[0], [0, 1, 2, -1])
+    np.testing.assert_array_equal(store["offset"].values[0, :3], [0, 1, 2])
+    np.testing.assert_array_equal(store["document"].values[:, 0], [0, 2, 3])  # lines 0, 2 and 3 (line 1 is blank)
     np.testing.assert_array_equal(store["target"].values[0, :2], store["tokens"].values[0, 1:3])
     np.testing.assert_array_equal(store["scored"].values[0], [1, 1, 0, 0])
     assert store.attrs["task"]["target"] == "next token" and len(store.attrs["task"]["sha256"]) == 64
@@ -107,10 +118,10 @@ def test_text_lines_are_tokenised_padded_and_labelled(tmp_path):
 def test_empty_text_file_and_too_few_lines(tmp_path):
     model_dir = write_hf_model(tmp_path / "gpt2", "gpt2")
     empty = write_text(tmp_path / "empty.txt", ["", "   "])
-    with pytest.raises(ConfigError, match="is empty"):
+    with pytest.raises(ConfigError, match="holds no documents"):
         extract(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
     short = write_text(tmp_path / "short.txt", ["the cat", "a dog"])
-    with pytest.raises(ConfigError, match="has 2 non-blank lines, fewer than --samples 5"):
+    with pytest.raises(ConfigError, match="has 2 documents, fewer than --samples 5"):
         extract(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
     with pytest.raises(ConfigError, match="not found"):
         extract(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
@@ -120,7 +131,7 @@ def test_empty_text_file_and_too_few_lines(tmp_path):
 def test_text_needs_a_tokenizer(tmp_path):
     model_dir = write_hf_model(tmp_path / "bare", "llama", with_tokenizer=False)
     text = write_text(tmp_path / "lines.txt")
-    with pytest.raises(ConfigError, match="text data needs the model's tokenizer"):
+    with pytest.raises(ConfigError, match="a text corpus needs the model's tokenizer"):
         extract(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text}"), progress=False)
 
 

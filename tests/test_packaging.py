@@ -20,7 +20,7 @@ import sys
 class NotInstalled:
     '''Behave as if the `extract` extra were not installed.'''
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm"}:
+        if name.split(".")[0] in {"torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm", "pyarrow"}:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 sys.meta_path.insert(0, NotInstalled())

@@ -429,7 +429,7 @@ def test_validate_reports_wrong_dtype(tmp_path):
         ({"sites": ["resid_pre", "attn_out"]}, r"unknown site\(s\) \['attn_out'\]: expected any of"),
         ({"n_samples": 0}, r"n_samples=0: expected a positive integer"),
         ({"n_pos": -1}, r"n_pos=-1: expected a positive integer"),
-        ({"dtype": "bfloat16"}, r"dtype 'bfloat16' is not supported"),
+        ({"dtype": "float64"}, r"dtype 'float64' is not supported"),
         ({"layers": [0, 5]}, r"layer\(s\) \[5\] out of range: the model has 3 layers"),
         ({"labels": {"role": "float32"}}, r"label 'role' has dtype 'float32'"),
         ({"labels": {"tokens": "str"}}, r"label name 'tokens' clashes"),

@@ -15,7 +15,7 @@ from orthosphere.store import format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
 
-EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm")
+EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm", "pyarrow")
 """What the `extract` extra installs."""
 
 
@@ -127,13 +127,15 @@ def validate_command(store, full, reopen, break_lock):
 @main.command("extract")
 @click.argument("model")
 @click.option("--task", "task_spec", required=True, metavar="SPEC",
-              help="arithmetic:split=test,seed=0[,...] or text:path=FILE[,max_length=N].")
-@click.option("--samples", type=int, default=None, help="Number of samples (text: default every non-blank line).")
+              help="arithmetic:split=test,seed=0[,...], or a corpus packed into windows: text:path=FILE,context=N "
+                   "(also jsonl:, parquet:, hf:; max_length=N instead of context= for one padded sample a document).")
+@click.option("--samples", type=int, default=None, help="Number of samples (a corpus: default all its windows or documents).")
 @click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
 @click.option("--sites", default=None, metavar="LIST",
               help="Comma-separated sites, default all but pattern: resid_pre,resid_mid,resid_post,attn_in,q,k,v,pattern.")
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="Stored activations: float16 refuses values beyond 65504; bfloat16 keeps float32's range.")
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--shards", type=int, default=1, show_default=True,
               help="Chunk-aligned shards: the unit of Dask tasks and of resuming.")

@@ -181,9 +181,9 @@ def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
 
 
 def _resolve_text_path(spec: str, here: Path) -> str:
-    """A text task's file is relative to the pipeline config's folder."""
+    """A corpus's path (text, jsonl, parquet, hf) is relative to the pipeline config's folder."""
     kind, _, options = spec.partition(":")
-    if kind != "text":
+    if kind == "arithmetic":
         return spec
     parts = [
         f"path={(here / part.removeprefix('path=')).resolve()}" if part.startswith("path=") else part
