@@ -240,12 +240,13 @@ class ArithmeticDataset:
 
 class StoredTokens:
     """A corpus's samples as the coordinating process wrote them into the store: each shard reads
-    its tokens and mask back, so that neither the corpus nor a tokenizer is needed where it runs."""
-
-    prewritten = ("tokens", "valid")
+    its tokens and mask back, so that neither the corpus nor a tokenizer is needed where it runs.
+    ``prewritten`` names every array that process wrote (tokens, valid, target, scored and the
+    labels): a shard neither writes them nor fills them."""
 
     def __init__(self, group):
         self.tokens, self.valid = group["tokens"], group["valid"]
+        self.prewritten = ("tokens", "valid", "target", "scored", *group.attrs["labels"])
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
         return {"tokens": self.tokens[start:stop], "valid": self.valid[start:stop]}

@@ -500,7 +500,7 @@ class BufferPool:
 def _run_in_process(loaded: LoadedModel, plan: ShardPlan, writer, pending, meter: Meter) -> None:
     """Every pending shard in this process, behind one writer thread."""
     dataset = _shard_dataset(plan, writer)
-    sink = WriteBehind(writer)
+    sink = WriteBehind(writer, prewritten=dataset.prewritten)
     try:
         for index in pending:
             start, stop = writer.shards[index]
@@ -548,7 +548,7 @@ def run_shard(plan: ShardPlan, index: int) -> ShardReport:
     writer = open_writer(plan.url, lock=False, storage_options=plan.storage_options)
     dataset = _shard_dataset(plan, writer)
     start, stop = writer.shards[index]
-    sink = WriteBehind(writer)
+    sink = WriteBehind(writer, prewritten=dataset.prewritten)
     try:
         tokens = compute_range(loaded.adapter, dataset, plan, start, stop, sink)
         sink.end_shard(index)
@@ -651,8 +651,9 @@ def _length(arrays: dict) -> int:
 class WriteBehind:
     """A bounded queue of batches, drained into the store by one writer thread in whole chunks."""
 
-    def __init__(self, writer, depth: int = QUEUE_DEPTH):
-        self.writer = writer
+    def __init__(self, writer, depth: int = QUEUE_DEPTH, prewritten=()):
+        """prewritten: the per-sample arrays written before the shards ran (see StoredTokens)."""
+        self.writer, self.prewritten = writer, tuple(prewritten)
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._drain, name="orthosphere-store-writer", daemon=True)
@@ -699,7 +700,7 @@ class WriteBehind:
                     self._write(aligner.add(*item[1:]))
                 else:
                     self._write(aligner.flush())
-                    self.writer.mark_shard_complete(item[1])
+                    self.writer.mark_shard_complete(item[1], written_elsewhere=self.prewritten)
                     crash_point("shard-complete")
                 for release in aligner.pop_released():
                     release()

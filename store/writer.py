@@ -218,12 +218,15 @@ class StoreWriter:
             target[...] = np.asarray(arrays[name], dtype="float32")
         self.group[f"{PROGRESS_GROUP}/weights_written"][0] = True
 
-    def mark_shard_complete(self, index: int) -> None:
-        """Record the shard complete. Per-sample arrays this writer did not write in the shard get
-        their fill value (0; labels: not applicable) first, so that a complete shard has every chunk."""
+    def mark_shard_complete(self, index: int, written_elsewhere=()) -> None:
+        """Record the shard complete. Per-sample arrays that neither this writer nor another one
+        (`written_elsewhere`: e.g. a corpus's tokens, written by the job's coordinating process) wrote
+        in the shard get their fill value (0; labels: not applicable) first, so that a complete shard
+        has every chunk."""
         self._check_lock()
         start, stop = self.shards[index]
-        for name in sorted(set(self.per_sample_names()) - self._written.pop(index, set())):
+        written = self._written.pop(index, set()) | set(written_elsewhere)
+        for name in sorted(set(self.per_sample_names()) - written):
             target = self._array(name)
             for first in range(start, stop, self.attrs["samples_per_chunk"]):
                 last = min(first + self.attrs["samples_per_chunk"], stop)

@@ -329,7 +329,7 @@ class SlowWriter:
         self.release.wait()
         self.written.append(first)
 
-    def mark_shard_complete(self, index):
+    def mark_shard_complete(self, index, written_elsewhere=()):
         self.complete.append(index)
 
 
