@@ -242,7 +242,6 @@ class CorpusSamples:
             **self._layout(),
             "n_tokens": self.n_tokens,
             "target": "next token" if self.causal else "same token",
-            "factors": ["pos"],
         }
 
 
