@@ -96,7 +96,8 @@ class Adapter:
     def head_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """w_q (head, d_model, d_head), w_k, w_v (kv_head, d_model, d_head), w_o (head, d_head, d_model),
         biases b_q, b_k, b_v (.., d_head) and b_o (d_model), float32: q = attn_in @ w_q[h] + b_q[h]
-        before rotary embedding or any per-head norm."""
+        before rotary embedding or any per-head norm. Views of the parameters where the layout allows
+        (all_head_weights copies them once, into its stack): copy before changing them."""
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,7 +417,7 @@ class HuggingFaceAdapter(Adapter):
         output = block.get_submodule(projections.o)
         weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * self.output_multiplier
         weights["b_o"] = _bias(output) * self.output_multiplier
-        return {name: value.detach().float().contiguous() for name, value in weights.items()}
+        return {name: value.detach().float() for name, value in weights.items()}
 
     # --- hooks ---
     def _install_hooks(self):

@@ -61,6 +61,7 @@ from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, parse_task
 from .model import ConfigError
+from .recording import new_buffer
 from .sources import LoadedModel, check_device, load_source, model_dtype_of
 
 log = logging.getLogger("orthosphere.extract")
@@ -111,8 +112,6 @@ class ShardPlan:
     model_dtype: str | None
     data: ArithmeticData | CorpusData
     n_samples: int
-    n_pos: int
-    causal: bool
     sites: tuple[str, ...]
     layers: tuple[int, ...]
     dtype: str
@@ -177,9 +176,8 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
-        os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, dataset.n_pos,
-        bool(description["causal"]), sites, layers, job.dtype, job.batch_size, _absolute_url(writer.url),
-        job.storage_options,
+        os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, sites, layers,
+        job.dtype, job.batch_size, _absolute_url(writer.url), job.storage_options,
     )
     with writer:
         if not writer.weights_written():
@@ -488,7 +486,7 @@ class BufferPool:
             held = self.free.get((tuple(shape), dtype, pin_memory))
             if held:
                 return held.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+        return new_buffer(shape, dtype, pin_memory)
 
     def give(self, buffers) -> None:
         with self.lock:

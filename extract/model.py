@@ -186,7 +186,8 @@ class Attention(nn.Module):
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         """Per-head weights: q_h = attn_in @ w_q[h] + b_q[h] (before any per-head norm),
-        likewise k and v; the head's output is z_h @ w_o[h], plus b_o once per position."""
+        likewise k and v; the head's output is z_h @ w_o[h], plus b_o once per position. float32, and
+        views of the parameters where the layout allows: copy before changing them."""
         heads, d_head = self.n_heads, self.d_head
         weights = {}
         for name in "qkv":
@@ -195,7 +196,7 @@ class Attention(nn.Module):
             weights[f"b_{name}"] = linear.bias.detach().reshape(heads, d_head)
         weights["w_o"] = self.o_proj.weight.detach().T.reshape(heads, d_head, -1)
         weights["b_o"] = self.o_proj.bias.detach()
-        return {name: value.float().contiguous() for name, value in weights.items()}
+        return {name: value.float() for name, value in weights.items()}
 
 
 class FeedForward(nn.Module):
