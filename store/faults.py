@@ -3,7 +3,8 @@ SIGKILL the N-th time (default: the first) it reaches the named point.
 
 The points, in the order a job meets them: ``lock-taken``, ``root-written``, ``array-created``
 (after each array), ``progress-created`` (store created, metadata not yet consolidated),
-``store-created``, ``chunk-written`` (after each whole-chunk write), ``shard-complete``,
+``store-created``, ``samples-written`` (after each block of a corpus's token arrays, written
+before the shards run), ``chunk-written`` (after each whole-chunk write), ``shard-complete``,
 ``before-finish``, ``finish-consolidated`` (metadata consolidated, ``complete`` not yet set),
 ``finished`` (complete, lock not yet released); ``cleared`` (an overwritten store emptied).
 """
