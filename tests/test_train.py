@@ -108,6 +108,31 @@ def test_shipped_configs_are_valid_and_differ_only_in_placement():
         assert config.to_dict() == reference
 
 
+def test_paper_task_configs_are_valid_and_differ_only_in_placement():
+    pre, qkv = (training.load_config(CONFIGS / f"paper-task-{name}.toml") for name in ("pre", "qkv"))
+    assert pre.task.digit_lengths == (1, 2) and pre.task.train_counts == (3, 4, 6)
+    reference = pre.to_dict()
+    reference["model"]["norm_placement"] = "qkv"
+    assert qkv.to_dict() == reference
+
+
+def test_a_seed_replaces_the_configs_seed_in_the_run_and_its_saved_copy(tmp_path):
+    config = write_config(tmp_path / "c.toml", train__steps=2, train__warmup_steps=1)
+    assert training.load_config(config, seed=7).to_dict() == {**training.load_config(config).to_dict(), "seed": 7}
+    training.train(config, tmp_path / "s7", progress=False, seed=7)
+    copy = tmp_path / "s7" / training.CONFIG_COPY
+    assert training.load_config(copy).seed == 7
+    assert training.train(config, tmp_path / "s7", resume=True, progress=False, seed=7)["eval_seed"] == 7
+    with pytest.raises(ConfigError, match="already holds a different model .*seed"):
+        training.train(config, tmp_path / "s7", resume=True, progress=False, seed=8)
+    with pytest.raises(ConfigError, match="expected a non-negative integer"):
+        training.load_config(config, seed=-1)
+    unseeded = tmp_path / "unseeded.toml"
+    unseeded.write_text(config.read_text().replace("seed = 0", ""))
+    with pytest.raises(ConfigError, match="no top-level `seed = ...` line"):
+        training.load_config(unseeded, seed=1)
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"model__norm_placement": '"sandwich"'}, "unknown norm_placement 'sandwich'"),
     ({"model__norm_type": '"batch"'}, "unknown norm_type 'batch'"),

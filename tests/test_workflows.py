@@ -103,7 +103,8 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
     html = (out / "report" / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 5
     markdown = (out / "report" / "report.md").read_text()
-    assert "| Per-token accuracy, Pre-Norm / QKV-Norm, test (%) |" in markdown
+    assert "| Pre-Norm / QKV-Norm: per-token accuracy, test |" in markdown
+    assert "n/a (needs both placements)" in markdown
     assert "noise RMS at which 1 % of sparse heads collapse" in markdown
     assert "store" in markdown and "pre-test.zarr" in markdown
     assert "online" in tree["replay"].children
@@ -205,6 +206,7 @@ def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
         ("[models.a]\npath='x'\n", "needs at least one"),
         ("colour = 1\n[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n", r"unknown keys \['colour'\]"),
         ("[models.a]\n[data.t]\ntask='arithmetic:split=test'\n", "give `path`"),
+        ("[models.a]\npath='x'\nseed=1\n[data.t]\ntask='arithmetic:split=test'\n", "give it with `train`"),
         ("[models.a]\npath='x'\n[data.t]\nsamples=3\n", "needs `task`"),
         ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonline=['u']\n", r"online names \['u'\]"),
         ("[models.a\n", "not valid TOML"),

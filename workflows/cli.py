@@ -221,11 +221,12 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its checkpoint in --out.")
 @model_options(with_dtype=False)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
-def train_command(config, out, resume, device, threads):
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Replaces the config's seed (one config, several seeds).")
+def train_command(config, out, resume, device, threads, seed):
     """Train an arithmetic transformer from CONFIG (TOML) into --out."""
     from .train import train
 
-    metrics = train(config, out, resume=resume, device=device, threads=threads)
+    metrics = train(config, out, resume=resume, device=device, threads=threads, seed=seed)
     click.echo(json.dumps(metrics.get("final", metrics), indent=2, default=str))
 
 

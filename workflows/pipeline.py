@@ -41,6 +41,7 @@ class ModelEntry:
     name: str
     path: Path
     train: Path | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,14 @@ def _online_data(names, data: tuple[DataEntry, ...], path: Path) -> tuple[str, .
 def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
     if not isinstance(entry, dict):
         raise ConfigError(f"{path} [models.{name}]: expected a table with `path` or `train`")
-    _check_keys(entry, {"path", "train"}, f"{path} [models.{name}]")
+    _check_keys(entry, {"path", "train", "seed"}, f"{path} [models.{name}]")
     if "path" not in entry and "train" not in entry:
         raise ConfigError(f"{path} [models.{name}]: give `path` (a checkpoint) or `train` (a training config)")
+    if "seed" in entry and "train" not in entry:
+        raise ConfigError(f"{path} [models.{name}]: `seed` replaces a training config's seed; give it with `train`")
     train = here / entry["train"] if "train" in entry else None
-    return ModelEntry(name=name, path=here / entry["path"] if "path" in entry else Path(), train=train)
+    return ModelEntry(name=name, path=here / entry["path"] if "path" in entry else Path(), train=train,
+                      seed=entry.get("seed"))
 
 
 def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
@@ -230,8 +234,8 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
     if force and out.exists():
         shutil.rmtree(out)
     log.info("training %s from %s into %s", model.name, model.train, out)
-    train(model.train, out, resume=out.exists(), progress=False)
-    return ModelEntry(name=model.name, path=out, train=model.train)
+    train(model.train, out, resume=out.exists(), progress=False, seed=model.seed)
+    return ModelEntry(name=model.name, path=out, train=model.train, seed=model.seed)
 
 
 def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:

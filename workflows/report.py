@@ -1,16 +1,20 @@
 """Reports: `orthosphere report RESULTS... --out DIR` writes report.html (figures embedded) and
 report.md (figures beside it in figures/) from analysis results.
 
-Each results tree is one (model, data) pair: the model's norm placement and the data's split
-label it. The report draws the norm spread, the principal angles, the sphere-structure
-deviation, the collapse rate against noise beside Theorem 7's prediction, the max-attention
-histograms and the accuracy per split, and puts the headline figures beside the paper's.
+Each results tree is one (model, data) pair: the model's identity (its folder's name, or that
+and a hash prefix where two models share a name) and the data's split label it. Models whose
+descriptions differ only in their weights are seeds of one variant. The report draws the norm
+spread, the principal angles, the sphere-structure deviation, the collapse rate against noise
+beside Theorem 7's prediction, the max-attention histograms and the accuracy per split, and puts
+the headline figures beside the paper's: each as the mean over seeds with its [min–max], and
+whether the paper's Pre-Norm / QKV-Norm direction holds beyond the seed spread.
 """
 from __future__ import annotations
 
 import base64
 import html
 import io
+import json
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,24 +32,27 @@ from orthosphere.analyze import open_results  # noqa: E402
 from orthosphere.analyze.description import describe_norms  # noqa: E402
 
 PAPER = {
-    "band": "±20 %",
-    "collapse_level": "11 %",
-    "strict_level": "17 %",
     "accuracy": {"pre": {"test": 91.38, "interpolation": 87.46, "extrapolation": 66.65},
                  "qkv": {"test": 90.99, "interpolation": 82.54, "extrapolation": 46.76}},
     "size": "10 layers, d_model 512, 12 heads of 64",
-    "drop": "≳10 % (Pre-Norm)",
 }
 SPLIT_ORDER = ("test", "interpolation", "extrapolation")
 PLACEMENT_ORDER = ("pre", "qkv", "none", "post")
 
 
+IDENTITY_KEYS = ("source", "weights_sha256", "format")
+"""Model description keys that tell one trained model from another of the same variant."""
+
+
 @dataclass
 class Run:
-    """One results tree: which model on which data, and its groups."""
+    """One results tree: which model on which data, and its groups. ``name`` identifies the
+    model (its folder's name, made unique by load_runs); runs of models that differ only in
+    their weights (seeds) share a ``variant``."""
 
     url: str
     tree: xr.DataTree
+    name: str = ""
 
     @property
     def model(self) -> dict:
@@ -62,7 +69,14 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.placement}/{self.split}"
+        return f"{self.name}/{self.split}"
+
+    @property
+    def variant(self) -> str:
+        """The model's description without its identity, with the task it was made for: equal
+        for the seeds of one configuration."""
+        description = {key: value for key, value in self.model.items() if key not in IDENTITY_KEYS}
+        return json.dumps([description, self.tree.attrs.get("task", {}).get("spec")], sort_keys=True, default=str)
 
     def group(self, path: str) -> xr.Dataset | None:
         try:
@@ -71,28 +85,55 @@ class Run:
             return None
 
 
+def _model_name(model: dict) -> str:
+    source = str(model.get("source") or model.get("family") or "model")
+    return source.rstrip("/").rsplit("/", 1)[-1] or source
+
+
 def load_runs(urls) -> list[Run]:
-    runs = [Run(str(url), open_results(url).load()) for url in urls]
+    """Open results; runs of one model (same weights) share a name, two models never do."""
+    return name_runs([Run(str(url), open_results(url).load()) for url in urls])
+
+
+def name_runs(runs: list[Run]) -> list[Run]:
+    """Name every run by its model (folder name, with a hash prefix where two models share one)
+    and sort them by placement, model and split."""
     if not runs:
         raise ValueError("no results given: pass one or more results written by `orthosphere analyze`")
+    identities: dict[str, set] = {}
+    for run in runs:
+        identities.setdefault(_model_name(run.model), set()).add(run.model.get("weights_sha256"))
+    for run in runs:
+        name = _model_name(run.model)
+        clash = len(identities[name]) > 1
+        run.name = f"{name}@{str(run.model.get('weights_sha256'))[:8]}" if clash else name
     order = {name: i for i, name in enumerate(PLACEMENT_ORDER)}
     splits = {name: i for i, name in enumerate(SPLIT_ORDER)}
-    return sorted(runs, key=lambda run: (order.get(run.placement, 99), run.placement, splits.get(run.split, 99), run.split))
+    return sorted(runs, key=lambda run: (order.get(run.placement, 99), run.placement, run.name,
+                                         splits.get(run.split, 99), run.split))
 
 
 def groups(runs: list[Run], path: str, variable: str) -> list[tuple[Run, xr.Dataset]]:
-    """(run, group) for each placement's in-distribution run whose group `path` holds `variable`."""
+    """(run, group) for each model's in-distribution run whose group `path` holds `variable`."""
     found = [(run, run.group(path)) for run in in_distribution(runs)]
     return [(run, group) for run, group in found if group is not None and variable in group]
 
 
 def in_distribution(runs: list[Run]) -> list[Run]:
-    """One run per placement: its in-distribution data where there is one, else its first."""
+    """One run per model: its in-distribution data where there is one, else its first."""
     chosen: dict[str, Run] = {}
     for run in runs:
-        if run.placement not in chosen or (run.split == "test" and chosen[run.placement].split != "test"):
-            chosen[run.placement] = run
+        if run.name not in chosen or (run.split == "test" and chosen[run.name].split != "test"):
+            chosen[run.name] = run
     return list(chosen.values())
+
+
+def variants(runs: list[Run]) -> dict[str, list[Run]]:
+    """variant -> its models' in-distribution runs (one per seed), in run order."""
+    found: dict[str, list[Run]] = {}
+    for run in in_distribution(runs):
+        found.setdefault(run.variant, []).append(run)
+    return found
 
 
 # Figures -------------------------------------------------------------------------------------
@@ -122,7 +163,7 @@ def figure_norm_spread(runs: list[Run]):
             curve = histogram.sel(layer=layer)
             axis.plot(curve.ratio, curve / curve.sum(), label=f"layer {layer}")
         axis.axvspan(0.8, 1.2, color="0.9", zorder=0, label="±20 % (paper)")
-        axis.set(title=f"{run.placement}: band {np.nanmedian(norms.band.values) * 100:.0f} %",
+        axis.set(title=f"{run.name}: band {np.nanmedian(norms.band.values) * 100:.0f} %",
                  xlabel="|resid_pre| / median", ylabel="share of attention", xlim=(0, float(curve.ratio.max())))
         axis.legend(fontsize=7)
     figure.suptitle(f"Norm spread of the attention input ({norms.attrs.get('weighting', '')} weighting)")
@@ -144,7 +185,7 @@ def figure_angles(runs: list[Run]):
         for (i, j), value in np.ndenumerate(angles.values):
             if np.isfinite(value):
                 axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=6, color="w" if value < 45 else "k")
-        axis.set_title(f"{run.placement}: smallest angle (°)")
+        axis.set_title(f"{run.name}: smallest angle (°)")
         figure.colorbar(image, ax=axis, fraction=0.046)
     figure.suptitle("Principal angles between factor subspaces (90° = orthogonal, 0° = dependent)")
     return figure
@@ -164,7 +205,7 @@ def figure_association(runs: list[Run]):
                 pair = {"factor": first, "other": second}
                 relations, counts = np.unique([str(value) for value in subspaces.relation.sel(pair).values], return_counts=True)
                 null = subspaces.null_min_angle.sel(pair).mean("layer").item() if "null_min_angle" in subspaces else np.nan
-                rows.append([run.placement, first, second, f"{subspaces.label_nmi.sel(pair).item():.2f}",
+                rows.append([run.name, first, second, f"{subspaces.label_nmi.sel(pair).item():.2f}",
                              f"{subspaces.min_angle.sel(pair).mean('layer').item():.1f}", f"{null:.1f}",
                              str(relations[np.argmax(counts)])])
     figure, axis = plt.subplots(figsize=(11, 0.3 * len(rows) + 0.9))
@@ -184,7 +225,7 @@ def figure_sphere_deviation(runs: list[Run]):
         return None
     figure, axis = plt.subplots(figsize=(5.5, 3.6))
     for run, spheres in lines:
-        axis.plot(spheres.layer, spheres.deviation, marker="o", label=run.placement)
+        axis.plot(spheres.layer, spheres.deviation, marker="o", label=run.name)
     axis.set_xticks(lines[0][1].layer.values)
     axis.set(xlabel="layer", ylabel="deviation from orthogonal spheres", ylim=(0, None),
              title="Sphere structure (0 = perfect orthogonal spheres)")
@@ -210,12 +251,12 @@ def figure_collapse(runs: list[Run]):
     without = []
     for index, (run, replay) in enumerate(lines):
         if int(replay.n_sparse.sum()) == 0:
-            without.append(run.placement)
+            without.append(run.name)
             continue
         measured, predicted = pooled_rates(replay)
         color = f"C{index}"
-        axis.plot(replay.level * 100, measured * 100, marker="o", color=color, label=f"{run.placement} measured")
-        axis.plot(replay.level * 100, predicted * 100, ls="--", color=color, label=f"{run.placement} Theorem 7")
+        axis.plot(replay.level * 100, measured * 100, marker="o", color=color, label=f"{run.name} measured")
+        axis.plot(replay.level * 100, predicted * 100, ls="--", color=color, label=f"{run.name} Theorem 7")
     if len(without) < len(lines):
         axis.axhline(1, color="0.5", lw=0.8)
         axis.set_xscale("log")
@@ -234,7 +275,7 @@ def figure_max_attention(runs: list[Run]):
     figure, axis = plt.subplots(figsize=(6.0, 3.8))
     for run, replay in lines:
         counts = replay.max_attention_hist.sum(("layer", "head"))
-        axis.step(replay.max_attention_bin, counts / counts.sum(), where="mid", label=run.placement)
+        axis.step(replay.max_attention_bin, counts / counts.sum(), where="mid", label=run.name)
     axis.set(xlabel="max attention of a query", ylabel="share of queries", yscale="log",
              title="Max attention (Pre-Norm peaks at 1 in the paper)")
     axis.legend()
@@ -258,28 +299,42 @@ def figure_accuracy_under_noise(runs: list[Run]):
 
 
 def accuracy_table(runs: list[Run]) -> dict[str, dict[str, float]]:
-    """placement -> split -> per-token answer accuracy (%)."""
+    """model name -> split -> per-token answer accuracy (%)."""
     table: dict[str, dict[str, float]] = {}
     for run in runs:
         accuracy = run.group("accuracy")
         if accuracy is not None:
-            table.setdefault(run.placement, {})[run.split] = float(accuracy.token_accuracy) * 100
+            table.setdefault(run.name, {})[run.split] = float(accuracy.token_accuracy) * 100
     return table
 
 
+def variant_labels(runs: list[Run]) -> dict[str, str]:
+    """variant -> a readable label: its placement, with its size where two variants share one."""
+    found = variants(runs)
+    placements = [members[0].placement for members in found.values()]
+    return {variant: members[0].placement if placements.count(members[0].placement) == 1
+            else f"{members[0].placement} ({_size(members[0].model)})" for variant, members in found.items()}
+
+
 def figure_accuracy(runs: list[Run]):
+    """Per-token accuracy per split and variant: the mean over its seeds, bars from min to max."""
     table = accuracy_table(runs)
     if not table:
         return None
     splits = [s for s in SPLIT_ORDER if any(s in row for row in table.values())]
     splits += sorted({s for row in table.values() for s in row} - set(splits))
-    figure, axis = plt.subplots(figsize=(6.0, 3.6))
-    width = 0.8 / len(table)
-    for index, (placement, row) in enumerate(table.items()):
-        positions = np.arange(len(splits)) + index * width
-        axis.bar(positions, [row.get(s, np.nan) for s in splits], width, label=placement)
+    labels = variant_labels(runs)
+    figure, axis = plt.subplots(figsize=(6.5, 3.8))
+    width = 0.8 / len(labels)
+    for index, (variant, members) in enumerate(variants(runs).items()):
+        values = np.array([[table.get(run.name, {}).get(s, np.nan) for s in splits] for run in members])
+        mean = np.nanmean(values, axis=0) if np.isfinite(values).any() else values[0]
+        spread = np.stack([mean - np.nanmin(values, axis=0), np.nanmax(values, axis=0) - mean])
+        axis.bar(np.arange(len(splits)) + index * width, mean, width, yerr=spread if len(members) > 1 else None,
+                 capsize=3, label=f"{labels[variant]} ({len(members)} model{'s' if len(members) > 1 else ''})")
     axis.set_xticks(np.arange(len(splits)) + 0.4 - width / 2, splits)
-    axis.set(ylabel="per-token answer accuracy (%)", ylim=(0, 100), title="Accuracy per split")
+    axis.set(ylabel="per-token answer accuracy (%)", ylim=(0, 100),
+             title="Accuracy per split (mean over seeds, bars: min to max)")
     axis.legend(fontsize=8)
     return figure
 
@@ -302,50 +357,115 @@ def _percent(value) -> str:
     return "n/a" if value is None or not np.isfinite(value) else f"{value * 100:.1f} %"
 
 
-def _run_of(runs, placement) -> Run | None:
-    """The placement's in-distribution run (see in_distribution), or None."""
-    return {run.placement: run for run in in_distribution(runs)}.get(placement)
+def _spread(values: list[float], scale: float = 100, unit: str = " %") -> str:
+    """A quantity over seeds: its mean and [min–max]; the value alone for one seed."""
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0] * scale:.1f}{unit}"
+    return f"{np.mean(values) * scale:.1f}{unit} [{min(values) * scale:.1f}–{max(values) * scale:.1f}]"
 
 
-def headline_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
-    """(quantity, ours, paper) rows of the headline table."""
-    rows = []
-    pre = _run_of(runs, "pre")
-    norms = pre.group("norms/resid_pre") if pre else None
-    if norms is not None:
-        band = norms.band.values
-        rows.append(("Pre-Norm: half-width of the band holding 90 % of |x| / median (attention-weighted; median over layers and heads)",
-                     f"±{np.nanmedian(band) * 100:.0f} % (heads: {np.nanmin(band) * 100:.0f}–{np.nanmax(band) * 100:.0f} %)",
-                     PAPER["band"]))
-    replay = pre.group("replay") if pre else None
-    if replay is not None:
-        for definition, paper in (("collapse", PAPER["collapse_level"]), ("strict", PAPER["strict_level"])):
-            level = float(replay.collapse_level_pooled.sel(definition=definition))
-            low, high = replay.collapse_level_pooled_ci.sel(definition=definition).values
-            rows.append((f"Pre-Norm: noise RMS at which 1 % of sparse heads {'strictly ' if definition == 'strict' else ''}collapse",
-                         f"{_percent(level)} [{_percent(low)}, {_percent(high)}]", paper))
-    drops = {placement: _online_drop(runs, placement) for placement in ("pre", "qkv")}
-    if any(drop is not None for drop in drops.values()):
-        rows.append(("Per-token accuracy drop with 1 % noise in all layers, Pre-Norm / QKV-Norm (online check)",
-                     " / ".join(_percent(drop) for drop in drops.values()), PAPER["drop"]))
-    accuracy = accuracy_table(runs)
-    for split in SPLIT_ORDER:
-        if split in accuracy.get("pre", {}) or split in accuracy.get("qkv", {}):
-            ours = " / ".join(f"{accuracy.get(p, {}).get(split, float('nan')):.1f}" for p in ("pre", "qkv"))
-            paper = " / ".join(f"{PAPER['accuracy'][p][split]:.1f}" for p in ("pre", "qkv"))
-            rows.append((f"Per-token accuracy, Pre-Norm / QKV-Norm, {split} (%)", ours, paper))
-    sizes = sorted({_size(run.model) for run in runs})
-    rows.append(("Model size", "; ".join(sizes), PAPER["size"]))
-    return rows
+def direction_verdict(pre: list[float], qkv: list[float], paper_direction: int) -> str:
+    """Whether the paper's direction (+1: Pre-Norm above QKV-Norm, -1: below, 0: the paper
+    compares nothing) holds beyond the seed spread: min of one above max of the other."""
+    pre = [v for v in pre if v is not None and np.isfinite(v)]
+    qkv = [v for v in qkv if v is not None and np.isfinite(v)]
+    if not paper_direction:
+        return "—"
+    if not pre or not qkv:
+        return "n/a (needs both placements)"
+    higher, lower = (pre, qkv) if paper_direction > 0 else (qkv, pre)
+    seeds = f"{len(pre)} / {len(qkv)} seeds"
+    means = "same direction" if np.mean(higher) > np.mean(lower) else "reversed"
+    if min(len(pre), len(qkv)) < 2:
+        return f"cannot be told from seed noise with one seed; means: {means} ({seeds})"
+    if min(higher) > max(lower):
+        return f"holds beyond the seed spread ({seeds})"
+    if max(higher) < min(lower):
+        return f"reversed beyond the seed spread ({seeds})"
+    return f"within the seed spread; means: {means} ({seeds})"
 
 
-def _online_drop(runs: list[Run], placement: str) -> float | None:
-    """The online check's accuracy drop at 1 % noise in all layers, on the placement's test data."""
-    run = _run_of(runs, placement)
-    online = run.group("replay/online") if run else None
+def families(runs: list[Run]) -> list[dict[str, list[Run]]]:
+    """Per configuration that differs only in its norm placement: placement -> its models'
+    in-distribution runs (one per seed), for the Pre-Norm and QKV-Norm placements."""
+    found: dict[str, dict[str, list[Run]]] = {}
+    for members in variants(runs).values():
+        first = members[0]
+        if first.placement in ("pre", "qkv"):
+            without = json.loads(first.variant)
+            without[0].pop("norm_placement", None)
+            found.setdefault(json.dumps(without, sort_keys=True), {})[first.placement] = members
+    return list(found.values())
+
+
+def _band(run: Run) -> float | None:
+    norms = run.group("norms/resid_pre")
+    return None if norms is None else float(np.nanmedian(norms.band.values))
+
+
+def _collapse_level(definition: str):
+    def measure(run: Run) -> float | None:
+        replay = run.group("replay")
+        return None if replay is None else float(replay.collapse_level_pooled.sel(definition=definition))
+    return measure
+
+
+def _sparse_share(run: Run) -> float | None:
+    """Share of (query, head) instances whose max attention is at least the sparse threshold."""
+    replay = run.group("replay")
+    if replay is None or int(replay.n_instances.sum()) == 0:
+        return None
+    return float(replay.n_sparse.sum() / replay.n_instances.sum())
+
+
+def _online_drop(run: Run) -> float | None:
+    """The online check's accuracy drop at 1 % noise in all layers, on the model's test data."""
+    online = run.group("replay/online")
     if online is None or 0.01 not in online.level.values:
         return None
     return float(online.accuracy_drop.sel(perturbation="all layers", level=0.01))
+
+
+HEADLINE = (
+    ("half-width of the band holding 90 % of |x| / median (attention-weighted; median over layers and heads)",
+     _band, "±20 % / much wider", -1),
+    ("noise RMS at which 1 % of sparse heads collapse", _collapse_level("collapse"), "11 % (Pre-Norm)", 0),
+    ("noise RMS at which 1 % of sparse heads strictly collapse", _collapse_level("strict"), "17 % (Pre-Norm)", 0),
+    ("per-token accuracy drop with 1 % noise in all layers (online check)", _online_drop, "≳10 % (Pre-Norm)", 0),
+    ("share of queries and heads with max attention ≥ 0.95 (sparse)", _sparse_share, "peaks at 1 / does not", 1),
+)
+"""(quantity, measure of one model's in-distribution run, the paper's figure, the paper's
+direction: +1 Pre-Norm above QKV-Norm, -1 below, 0 no comparison)."""
+
+
+def headline_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
+    """(quantity, ours: Pre-Norm / QKV-Norm as mean [min–max] over seeds, paper, whether the
+    paper's direction holds beyond the seed spread) rows of the headline table."""
+    rows = []
+    accuracy = accuracy_table(runs)
+    found = families(runs)
+    for family in found:
+        pre, qkv = family.get("pre", []), family.get("qkv", [])
+        prefix = f"{_size((pre or qkv)[0].model)}: " if len(found) > 1 else ""
+        for quantity, measure, paper, direction in HEADLINE:
+            values = [[measure(run) for run in members] for members in (pre, qkv)]
+            if any(v is not None for v in values[0] + values[1]):
+                rows.append((f"{prefix}Pre-Norm / QKV-Norm: {quantity}", " / ".join(_spread(v) for v in values),
+                             paper, direction_verdict(*values, direction)))
+        for split in SPLIT_ORDER:
+            values = [[accuracy.get(run.name, {}).get(split, np.nan) / 100 for run in members] for members in (pre, qkv)]
+            if any(np.isfinite(v) for v in values[0] + values[1]):
+                paper = " / ".join(f"{PAPER['accuracy'][p][split]:.1f} %" for p in ("pre", "qkv"))
+                direction = int(np.sign(PAPER["accuracy"]["pre"][split] - PAPER["accuracy"]["qkv"][split]))
+                rows.append((f"{prefix}Pre-Norm / QKV-Norm: per-token accuracy, {split}",
+                             " / ".join(_spread(v) for v in values), paper, direction_verdict(*values, direction)))
+        rows.append((f"{prefix}Seeds (models) per placement, Pre-Norm / QKV-Norm", f"{len(pre)} / {len(qkv)}", "1 / 1", "—"))
+    sizes = sorted({_size(run.model) for run in runs})
+    rows.append(("Model size", "; ".join(sizes), PAPER["size"], "—"))
+    return rows
 
 
 def _size(model: dict) -> str:
@@ -405,10 +525,13 @@ def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
     return out_dir
 
 
+HEADLINE_COLUMNS = ("quantity", "here: mean [min–max] over seeds", "paper", "paper's direction beyond the seed spread?")
+
+
 def _markdown(title, rows, figures, provenance, made) -> str:
     lines = [f"# {title}", "", f"Made by {made}.", "", "## Headline: this project beside the paper", "",
-             "| quantity | here | paper |", "|---|---|---|"]
-    lines += [f"| {_cell(quantity)} | {_cell(ours)} | {_cell(paper)} |" for quantity, ours, paper in rows]
+             f"| {' | '.join(HEADLINE_COLUMNS)} |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(_cell(text) for text in row)} |" for row in rows]
     for name, (caption, _) in figures.items():
         lines += ["", f"## {caption}", "", f"![{caption}](figures/{name}.png)"]
     lines += ["", "## What produced this report", ""] + [f"- {line}" for line in provenance]
@@ -421,9 +544,8 @@ def _cell(text: str) -> str:
 
 
 def _html(title, rows, figures, provenance, made) -> str:
-    table = "".join(
-        f"<tr><td>{html.escape(q)}</td><td>{html.escape(o)}</td><td>{html.escape(p)}</td></tr>" for q, o, p in rows
-    )
+    table = "".join("<tr>" + "".join(f"<td>{html.escape(text)}</td>" for text in row) + "</tr>" for row in rows)
+    header = "".join(f"<th>{html.escape(text)}</th>" for text in HEADLINE_COLUMNS)
     sections = "".join(
         f"<h2>{html.escape(caption)}</h2><img alt='{html.escape(caption)}' "
         f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
@@ -437,7 +559,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px}}i
 li{{font-size:0.85em;margin-bottom:0.4em}}</style></head><body>
 <h1>{html.escape(title)}</h1><p>Made by {html.escape(made)}.</p>
 <h2>Headline: this project beside the paper</h2>
-<table><tr><th>quantity</th><th>here</th><th>paper</th></tr>{table}</table>
+<table><tr>{header}</tr>{table}</table>
 {sections}
 <h2>What produced this report</h2><ul>{sources}</ul>
 </body></html>

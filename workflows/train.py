@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import tomllib
 from dataclasses import asdict, dataclass
@@ -135,14 +136,31 @@ def parse_config(values: dict, source: str = "config") -> RunConfig:
     return RunConfig(seed, task, model, train_config)
 
 
-def load_config(path) -> RunConfig:
-    """Read and validate a TOML training config."""
+def config_text(path, seed: int | None = None) -> str:
+    """The text of a TOML training config; ``seed`` replaces its top-level seed (one config
+    file serves every seed of a model)."""
     path = Path(path)
     try:
-        values = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found; pass the path of a TOML "
                           f"training config") from None
+    if seed is None:
+        return text
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed = {seed!r} for {path}: expected a non-negative integer")
+    text, found = re.subn(r"(?m)^seed[ \t]*=.*$", f"seed = {seed}", text, count=1)
+    if not found:
+        raise ConfigError(f"config file {path} has no top-level `seed = ...` line to replace; "
+                          f"add one before its tables")
+    return text
+
+
+def load_config(path, seed: int | None = None) -> RunConfig:
+    """Read and validate a TOML training config, its seed replaced by ``seed`` if given."""
+    text = config_text(path, seed)
+    try:
+        values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
     return parse_config(values, str(path))
@@ -302,18 +320,18 @@ def _prepare_output(out_dir: Path, config: RunConfig, config_text: str, resume: 
 
 
 def train(config_path, out_dir, resume: bool = False, device: str = "auto",
-          threads: int | None = None, progress: bool = True) -> dict:
+          threads: int | None = None, progress: bool = True, seed: int | None = None) -> dict:
     """Train the model of a TOML config into ``out_dir`` and return its metrics.
 
     ``resume`` continues from the checkpoint in ``out_dir`` (a finished run is returned as
-    is). ``threads`` sets torch's CPU threads. Bad configs, devices and output directories
-    raise ConfigError.
+    is). ``threads`` sets torch's CPU threads. ``seed`` replaces the config's seed (the copy
+    saved in ``out_dir`` says which). Bad configs, devices and output directories raise
+    ConfigError.
     """
-    config_path = Path(config_path)
-    config = load_config(config_path)
+    config = load_config(config_path, seed)
     out_dir = Path(out_dir)
     torch_device = select_device(device)
-    status = _prepare_output(out_dir, config, config_path.read_text(), resume)
+    status = _prepare_output(out_dir, config, config_text(config_path, seed), resume)
     if status == "finished":
         return json.loads((out_dir / METRICS_FILE).read_text())
     if threads:
