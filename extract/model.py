@@ -93,15 +93,14 @@ class ModelConfig:
         if self.positions not in POSITIONS:
             raise ConfigError(f"unknown positions {self.positions!r}; "
                               f"expected one of {', '.join(POSITIONS)}")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model = {self.d_model} is not divisible by n_heads = "
-                              f"{self.n_heads}; choose sizes with d_model = n_heads * d_head")
         if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(f"d_model = {self.d_model} is not divisible by n_heads = "
+                                  f"{self.n_heads}; choose sizes with d_model = n_heads * d_head, "
+                                  f"or set d_head (heads then span n_heads * d_head dimensions)")
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
-        if self.d_head * self.n_heads != self.d_model:
-            raise ConfigError(f"d_head = {self.d_head} with n_heads = {self.n_heads} gives "
-                              f"{self.d_head * self.n_heads}, not d_model = {self.d_model}; "
-                              f"set d_head = d_model / n_heads or leave it out")
+        if not isinstance(self.d_head, int) or isinstance(self.d_head, bool) or self.d_head < 1:
+            raise ConfigError(f"model d_head = {self.d_head!r}: expected a positive integer or no value")
         if not isinstance(self.max_position_offset, int) or self.max_position_offset < 0:
             raise ConfigError(f"model max_position_offset = {self.max_position_offset!r}: "
                               f"expected a non-negative integer")

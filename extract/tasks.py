@@ -218,20 +218,26 @@ def _example(spec: TaskSpec, split: str, seed: int, index: int) -> _Example:
     values = rng.integers(0, 10 ** digits, size=n)
     negative = rng.random(n) < 0.5
     subtract = rng.random(n) < 0.5  # subtract[0] unused: the first number has no operator
+    return written_example([int(v) for v in values], negative.tolist(), subtract.tolist())
 
+
+def written_example(values: list[int], negative: list[bool], subtract: list[bool]) -> _Example:
+    """The tokens and labels of ``values[0] +- values[1] ...``: number ``i`` is written with
+    ``N`` when ``negative[i]`` and follows ``-`` when ``subtract[i]`` (``subtract[0]`` is
+    ignored), then ``=`` and the answer."""
     example = _Example([], [], [], [], [], [])
     example.add("[", "bos")
     signed = []
-    for i in range(n):
+    for i, value in enumerate(values):
         if i > 0:
             example.add("-" if subtract[i] else "+", "operator", operand=i)
         if negative[i]:
             example.add("N", "sign", operand=i)
-        text = str(int(values[i]))
+        text = str(value)
         for j, char in enumerate(text):
             example.add(char, "digit", operand=i, place=len(text) - 1 - j, value=int(char))
         sign = (-1 if negative[i] else 1) * (-1 if (i > 0 and subtract[i]) else 1)
-        signed.append(sign * int(values[i]))
+        signed.append(sign * value)
     example.add("=", "equals")
     total = sum(signed)
     if total < 0:

@@ -80,6 +80,17 @@ def test_head_weights_rebuild_q_k_v_and_the_attention_output(placement):
     torch.testing.assert_close(expected, seen["resid_mid"], rtol=0, atol=1e-5)
 
 
+def test_heads_may_span_more_dimensions_than_the_residual_stream():
+    """The paper's 12 heads of 64 in d_model 512: d_head set on its own."""
+    config = ModelConfig(n_layers=1, d_model=24, n_heads=3, d_head=12, d_ff=40, norm_placement="qkv")
+    model = ArithmeticTransformer(config).eval()
+    _, seen = capture(model, example_tokens())
+    assert seen["q"].shape[-2:] == (3, 12) and model.blocks[0].attn.head_weights()["w_q"].shape == (3, 24, 12)
+    expected, largest = attention_float64(seen["q"].numpy(), seen["k"].numpy(), np.ones(seen["q"].shape[:2], bool),
+                                          attn_scale=12 ** -0.5, causal=True)
+    np.testing.assert_allclose(seen["pattern"].numpy(), expected, rtol=0, atol=attention_atol(largest))
+
+
 @pytest.mark.parametrize("placement, reads_normalised", [
     ("pre", True), ("none", False), ("qkv", False), ("post", False)])
 def test_attn_in_is_what_the_projections_read(placement, reads_normalised):
@@ -192,7 +203,7 @@ def test_loading_bad_directories_is_a_config_error(tmp_path):
     ({"norm_placement": "sandwich"}, "unknown norm_placement 'sandwich'"),
     ({"norm_type": "batch"}, "unknown norm_type 'batch'"),
     ({"d_model": 25}, "d_model = 25 is not divisible by n_heads = 3"),
-    ({"d_head": 6}, "d_head = 6 with n_heads = 3"),
+    ({"d_head": 0}, "d_head = 0: expected a positive integer"),
     ({"positions": "rotary"}, "unknown positions 'rotary'"),
     ({"positions": "learned"}, "learned positions take no random offset"),
     ({"n_layers": 0}, "n_layers = 0"),

@@ -212,3 +212,65 @@ def test_bad_split_and_characters_are_config_errors():
         tasks.generate("validation", 3, seed=0)
     with pytest.raises(ConfigError, match="outside the task's vocabulary"):
         tasks.token_ids("[1*2=2]")
+
+
+PAPER = tasks.TaskSpec(digit_lengths=(2, 3))
+"""The paper's exact task: numbers of L in {2, 3} digits, its number counts."""
+M = tasks.MISSING
+
+
+def labelled(values, negative, subtract) -> dict[str, list]:
+    example = tasks.written_example(values, negative, subtract)
+    return {"text": "".join(example.chars), "role": example.roles, "operand": example.operand,
+            "place": example.digit_place, "value": example.digit_value, "carry": example.carry}
+
+
+def test_the_papers_example_is_written_and_labelled_by_hand():
+    example = labelled([453, 16, 17, 846], [False, False, False, True], [False, False, False, True])
+    assert example["text"] == "[453+16+17-N846=1332]"
+    assert example["operand"] == [M, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 3, M, M, M, M, M, M]
+    assert example["place"] == [M, 2, 1, 0, M, 1, 0, M, 1, 0, M, M, 2, 1, 0, M, 3, 2, 1, 0, M]
+    assert example["value"] == [M, 4, 5, 3, M, 1, 6, M, 1, 7, M, M, 8, 4, 6, M, 1, 3, 3, 2, M]
+    # units 3+6+7+6 = 22 carry 2 into the tens; tens 53+16+17+46 = 132 carry 1 into the hundreds;
+    # 453+16+17+846 = 1332 carries 1 into the thousands
+    assert example["carry"] == [M] * 16 + [1, 1, 2, 0, M]
+    assert example["role"][10:12] == ["operator", "sign"] and example["role"][15] == "equals"
+
+
+@pytest.mark.parametrize("values, negative, subtract, text, answer_carries", [
+    ([52, 17], [False, False], [False, True], "[52-17=35]", [-1, 0]),          # 2 - 7: a borrow from the tens
+    ([17, 52], [False, False], [False, True], "[17-52=N35]", [-1, 0]),         # written as 52 - 17
+    ([305, 8, 127], [False, True, False], [False, True, True], "[305-N8-127=186]", [-1, 0, 0]),  # 05+08-27 < 0
+    ([99, 1], [False, False], [False, False], "[99+1=100]", [1, 1, 0]),
+    ([40, 40], [True, False], [False, False], "[N40+40=0]", [0]),
+])
+def test_borrows_and_carries_on_hand_written_examples(values, negative, subtract, text, answer_carries):
+    example = labelled(values, negative, subtract)
+    assert example["text"] == text
+    answer = [i for i, role in enumerate(example["role"]) if role == "answer" and example["text"][i] != "N"]
+    assert [example["carry"][i] for i in answer] == answer_carries
+    assert [example["place"][i] for i in answer] == list(range(len(answer) - 1, -1, -1))
+    others = [i for i in range(len(text)) if i not in answer]
+    assert {example["carry"][i] for i in others} == {M}  # never -1: that is a borrow
+
+
+def test_the_papers_task_draws_counts_and_lengths_uniformly_per_example():
+    batch = tasks.generate("train", 3000, seed=11, spec=PAPER)
+    counts, widest, exact = [], [], []
+    for i in range(len(batch)):
+        terms, answer = signed_operands(batch.text(i))
+        assert sum(terms) == answer
+        counts.append(len(terms))
+        widest.append(max(len(str(abs(t))) for t in terms))
+        exact += [len(str(abs(t))) for t in terms]
+    share = {n: counts.count(n) / len(counts) for n in (3, 4, 6)}
+    assert set(counts) == {3, 4, 6} and all(abs(value - 1 / 3) < 0.04 for value in share.values())
+    # L is drawn once per example, from {2, 3} uniformly; each number is uniform on [0, 10**L),
+    # so in an example of L = 3 the widest number almost always has 3 digits
+    assert set(widest) <= {1, 2, 3} and abs(widest.count(3) / len(widest) - 0.5) < 0.04
+    assert set(exact) == {1, 2, 3}
+    # [, nine numbers of sign and three digits, eight operators, =, N8991, ]
+    assert PAPER.max_length("extrapolation") == 1 + 9 * 4 + 8 + 1 + 5 + 1
+    for split, expected in (("interpolation", {5}), ("extrapolation", {7, 8, 9})):
+        part = tasks.generate(split, 200, seed=11, spec=PAPER)
+        assert {len(signed_operands(part.text(i))[0]) for i in range(len(part))} == expected

@@ -114,6 +114,10 @@ def test_paper_task_configs_are_valid_and_differ_only_in_placement():
     reference = pre.to_dict()
     reference["model"]["norm_placement"] = "qkv"
     assert qkv.to_dict() == reference
+    exact = training.load_config(CONFIGS / "paper-task-exact.toml")
+    assert exact.task.digit_lengths == (2, 3) and exact.task.counts("extrapolation") == (7, 8, 9)
+    assert (exact.model.n_layers, exact.model.d_model, exact.model.n_heads, exact.model.d_head) == (10, 512, 12, 64)
+    assert exact.train.learning_rate == 3e-4
 
 
 def test_a_seed_replaces_the_configs_seed_in_the_run_and_its_saved_copy(tmp_path):
