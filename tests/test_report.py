@@ -99,3 +99,20 @@ def test_the_accuracy_figure_draws_one_bar_group_per_variant():
     figure = report.figure_accuracy(runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}))
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert legend == ["pre (2 models)", "qkv (2 models)"]
+
+
+def test_learning_curves_come_from_the_models_metrics_where_readable(tmp_path):
+    import json
+
+    runs = runs_of({"pre": [0.9], "qkv": [0.7]})
+    assert report.figure_learning_curves(runs) is None  # the model folders are not here
+    folder = tmp_path / "pre-s0"
+    folder.mkdir()
+    history = [{"step": s, "test_token_accuracy": a, "interpolation_token_accuracy": a,
+                "extrapolation_token_accuracy": a / 2} for s, a in ((1000, 0.5), (2000, 0.8))]
+    (folder / "metrics.json").write_text(json.dumps({"history": history}))
+    runs[0].tree.attrs["model"]["source"] = str(folder)
+    assert report.training_history(runs[0]) == history
+    figure = report.figure_learning_curves(runs)
+    (line,) = figure.axes[0].get_lines()
+    assert list(line.get_ydata()) == [50.0, 80.0]

@@ -339,6 +339,37 @@ def figure_accuracy(runs: list[Run]):
     return figure
 
 
+def training_history(run: Run) -> list[dict]:
+    """The evaluation history saved with the run's model (metrics.json beside the checkpoint), when
+    the model folder is readable here; else empty."""
+    path = Path(str(run.model.get("source", ""))) / "metrics.json"
+    try:
+        return list(json.loads(path.read_text()).get("history", []))
+    except (OSError, ValueError):
+        return []
+
+
+def figure_learning_curves(runs: list[Run]):
+    """Per-token accuracy on each split against training steps, one line per model, one colour per
+    variant (from the models' own metrics.json)."""
+    curves = [(run, training_history(run)) for run in in_distribution(runs)]
+    curves = [(run, history) for run, history in curves if history]
+    if not curves:
+        return None
+    labels = variant_labels(runs)
+    colours = {variant: f"C{index}" for index, variant in enumerate(labels)}
+    figure, axes = _axes_grid(len(SPLIT_ORDER), width=4.4, height=3.4)
+    for axis, split in zip(axes, SPLIT_ORDER):
+        for run, history in curves:
+            steps = [record["step"] for record in history]
+            values = [record.get(f"{split}_token_accuracy", np.nan) * 100 for record in history]
+            axis.plot(steps, values, color=colours[run.variant], lw=1, label=f"{labels[run.variant]}: {run.name}")
+        axis.set(title=split, xlabel="training step", ylabel="per-token accuracy (%)", ylim=(0, 100))
+    axes[0].legend(fontsize=6)
+    figure.suptitle("Learning curves (the models' evaluation during training)")
+    return figure
+
+
 FIGURES = {
     "norm_spread": ("Norm spread", figure_norm_spread),
     "angles": ("Principal angles", figure_angles),
@@ -348,6 +379,7 @@ FIGURES = {
     "max_attention": ("Max attention", figure_max_attention),
     "accuracy": ("Accuracy per split", figure_accuracy),
     "accuracy_under_noise": ("Accuracy under noise", figure_accuracy_under_noise),
+    "learning_curves": ("Learning curves", figure_learning_curves),
 }
 
 
