@@ -62,8 +62,51 @@ def test_models_of_different_sizes_are_different_variants_and_labelled_by_size()
     runs = report.name_runs([report.Run("a.zarr", results_tree("/m/small", "1" * 64, "pre", "test", 0.9)),
                              report.Run("b.zarr", results_tree("/m/large", "2" * 64, "pre", "test", 0.9, d_model=128))])
     labels = sorted(report.variant_labels(runs).values())
-    assert labels == ["pre (2 layers, d_model 128, 4 heads of 32)", "pre (2 layers, d_model 64, 4 heads of 16)"]
+    assert labels == ["arithmetic: pre (2 layers, d_model 128, 4 heads of 32)",
+                      "arithmetic: pre (2 layers, d_model 64, 4 heads of 16)"]
     assert len(report.families(runs)) == 2
+
+
+def language_model_tree(source: str, family: str, qk_norm: str | None, **options) -> xr.DataTree:
+    """A results tree of a transformers model of `family`: Pre-Norm RMSNorm, QK-norm per head or none."""
+    tree = results_tree(source, family * 8, "pre", "test", 0.5, **options)
+    tree.attrs["model"] |= {"family": family, "norm_type": "rms", "qk_norm": qk_norm, "v_norm": None,
+                            "parallel": False}
+    tree.attrs["task"] = {"name": "corpus", "split": "test"}
+    return tree
+
+
+def test_models_of_equal_size_and_placement_are_labelled_by_family_and_norms():
+    runs = report.name_runs([report.Run("a.zarr", language_model_tree("/hub/llama-tiny", "llama", None)),
+                             report.Run("b.zarr", language_model_tree("/hub/qwen3-tiny", "qwen3", "head"))])
+    labels = report.variant_labels(runs)
+    assert sorted(labels.values()) == ["llama: pre RMSNorm", "qwen3: pre RMSNorm + QK-norm"]
+    assert report.families(runs) == []  # the headline's Pre-Norm / QKV-Norm pair is the arithmetic family's
+    legend = [text.get_text() for text in report.figure_accuracy(runs).axes[0].get_legend().get_texts()]
+    assert sorted(legend) == ["llama: pre RMSNorm (1 model)", "qwen3: pre RMSNorm + QK-norm (1 model)"]
+
+
+def test_parallel_and_sandwich_models_say_so_and_one_identity_of_one_size_is_told_apart_by_name():
+    parallel = language_model_tree("/hub/phi-tiny", "phi", None)
+    parallel.attrs["model"] |= {"norm_type": "layer", "parallel": True}
+    sandwich = language_model_tree("/hub/gemma2-tiny", "gemma2", None)
+    sandwich.attrs["model"]["norm_placement"] = "sandwich"
+    twins = [language_model_tree(f"/hub/llama-{n}", "llama", None) for n in ("a", "b")]
+    twins[1].attrs["model"]["d_ff"] = 99  # another variant of the same identity and size
+    runs = report.name_runs([report.Run(f"{i}.zarr", tree) for i, tree in enumerate([parallel, sandwich, *twins])])
+    assert sorted(report.variant_labels(runs).values()) == [
+        "gemma2: sandwich RMSNorm", "llama: pre RMSNorm [llama-a]", "llama: pre RMSNorm [llama-b]",
+        "phi: pre LayerNorm, parallel"]
+
+
+def test_the_headline_pairs_only_the_arithmetic_familys_pre_and_qkv_variants():
+    runs = runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]})
+    runs = report.name_runs(runs + [report.Run("lm.zarr", language_model_tree("/hub/llama-tiny", "llama", None))])
+    (family,) = report.families(runs)
+    assert {placement: [run.name for run in members] for placement, members in family.items()} == {
+        "pre": ["pre-s0", "pre-s1"], "qkv": ["qkv-s0", "qkv-s1"]}
+    rows = {row[0]: row[1] for row in report.headline_rows(runs)}
+    assert rows["Seeds (models) per placement, Pre-Norm / QKV-Norm"] == "2 / 2"
 
 
 def test_headline_gives_mean_and_spread_over_seeds_and_judges_the_direction():
@@ -98,7 +141,7 @@ def test_direction_verdict(pre, qkv, direction, verdict):
 def test_the_accuracy_figure_draws_one_bar_group_per_variant():
     figure = report.figure_accuracy(runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}))
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
-    assert legend == ["pre (2 models)", "qkv (2 models)"]
+    assert legend == ["arithmetic: pre (2 models)", "arithmetic: qkv (2 models)"]
 
 
 def test_learning_curves_come_from_the_models_metrics_where_readable(tmp_path):

@@ -308,12 +308,34 @@ def accuracy_table(runs: list[Run]) -> dict[str, dict[str, float]]:
     return table
 
 
+NORM_TYPE_WORDS = {"rms": "RMSNorm", "layer": "LayerNorm"}
+
+
+def model_label(model: dict) -> str:
+    """The model's identity in a few words: its family (model_type) and where its norms sit, e.g.
+    "qwen3: pre RMSNorm + QK-norm", "gemma2: sandwich RMSNorm", "phi: pre LayerNorm, parallel"."""
+    placement = str(model.get("norm_placement") or "no norm placement")
+    kind = model.get("norm_type")
+    norms = " ".join([placement] + ([NORM_TYPE_WORDS.get(kind, str(kind))] if kind else []))
+    if placement != "qkv":  # the arithmetic family's QKV-Norm names its q, k and v norms already
+        norms += "".join(f" + {site}-norm" for site, key in (("QK", "qk_norm"), ("V", "v_norm")) if model.get(key))
+    parallel = ", parallel" if model.get("parallel") else ""
+    return f"{model.get('family') or 'model'}: {norms}{parallel}"
+
+
 def variant_labels(runs: list[Run]) -> dict[str, str]:
-    """variant -> a readable label: its placement, with its size where two variants share one."""
+    """variant -> a readable label: its model's identity (``model_label``), with its size where
+    variants of one identity differ in size, and its first model's name where that still leaves
+    two variants one label."""
     found = variants(runs)
-    placements = [members[0].placement for members in found.values()]
-    return {variant: members[0].placement if placements.count(members[0].placement) == 1
-            else f"{members[0].placement} ({_size(members[0].model)})" for variant, members in found.items()}
+    identities = {variant: model_label(members[0].model) for variant, members in found.items()}
+    sizes = {variant: _size(members[0].model) for variant, members in found.items()}
+    labels = {variant: identity + f" ({sizes[variant]})"
+              if len({sizes[other] for other in found if identities[other] == identity}) > 1 else identity
+              for variant, identity in identities.items()}
+    counts = list(labels.values())
+    return {variant: label if counts.count(label) == 1 else f"{label} [{found[variant][0].name}]"
+            for variant, label in labels.items()}
 
 
 def figure_accuracy(runs: list[Run]):
@@ -421,12 +443,13 @@ def direction_verdict(pre: list[float], qkv: list[float], paper_direction: int) 
 
 
 def families(runs: list[Run]) -> list[dict[str, list[Run]]]:
-    """Per configuration that differs only in its norm placement: placement -> its models'
-    in-distribution runs (one per seed), for the Pre-Norm and QKV-Norm placements."""
+    """Per configuration of the project's arithmetic transformers that differs only in its norm
+    placement: placement -> its models' in-distribution runs (one per seed), for the Pre-Norm and
+    QKV-Norm placements (the paper's pair; other families' placements are not the paper's)."""
     found: dict[str, dict[str, list[Run]]] = {}
     for members in variants(runs).values():
         first = members[0]
-        if first.placement in ("pre", "qkv"):
+        if first.model.get("family") == "arithmetic" and first.placement in ("pre", "qkv"):
             without = json.loads(first.variant)
             without[0].pop("norm_placement", None)
             found.setdefault(json.dumps(without, sort_keys=True), {})[first.placement] = members
