@@ -96,9 +96,14 @@ and ``kv_head`` for k, v:
                                          interval of the angles between factor's null subspace (same rank)
                                          and other's fitted one: what chance gives
   null_min_angle, null_min_angle_ci (layer, factor, other[, bound])   the same for the smallest angle
+  orthogonal_p, dependent_p (layer, factor, other)   p-values of the pair's nulls of orthogonality (every
+                                         angle >= 90 - orthogonality_deg) and dependence (smallest angle
+                                         <= independence_deg), drawn around the effects turned to each
+                                         null's boundary (add-one; NaN without a null)
   relation (layer, factor, other)        "no structure" (either factor's structure_p > significance) |
-                                         "dependent" | "independent" | "orthogonal" (from the high bound of
-                                         min_angle_ci, min_angle without a bootstrap; see attrs relation_rule)
+                                         "orthogonal" (only dependence rejected) | "dependent" (only
+                                         orthogonality rejected) | "independent" (both rejected) |
+                                         "undetermined" (neither) | "" without null draws (attrs relation_rule)
   q_angles, q_min_angle, q_overlap (layer, factor, head, ...)
   k_angles, ... (layer, factor, kv_head, ...)   the same with each head's read subspace, the column
                                          space of w_q[h] (w_k[g]) in the space of attn_in; present

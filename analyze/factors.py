@@ -185,12 +185,14 @@ def _merge_classes(per_block):
 @dataclass(frozen=True)
 class FactorClasses:
     """The classes a factor is read with: the `values` kept (sorted; a token's class code indexes
-    them) and, when the factor had more than ``max_classes`` classes, one more class pooling the
-    rarest ones (code len(values))."""
+    them) and, when the factor had more than ``max_classes`` classes, either one more class pooling
+    the rarest ones (code len(values)) or, for the position, contiguous ranges of positions
+    (``bin_ends``: the last value of each class)."""
 
     values: np.ndarray
     counts: np.ndarray  # tokens per class, the pooled class last
     pooled_classes: int = 0
+    bin_ends: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -202,20 +204,45 @@ class FactorClasses:
 
     @property
     def names(self) -> list[str]:
-        """The classes as text; the pooled class reads "<N other classes>"."""
+        """The classes as text; the pooled class reads "<N other classes>", a range of positions "A-B"."""
+        if self.bin_ends is not None:
+            return [str(start) if start == end else f"{start}-{end}" for start, end in zip(self.values, self.bin_ends)]
         pooled = [f"<{self.pooled_classes} other classes>"] if self.pooled_classes else []
         return [str(value) for value in self.values] + pooled
 
+    def codes(self, values: np.ndarray) -> np.ndarray:
+        """The class code of each value (one of the factor's values)."""
+        if self.bin_ends is not None:
+            return np.searchsorted(self.values, values, side="right") - 1
+        found = np.minimum(np.searchsorted(self.values, values), len(self.values) - 1)
+        return np.where(self.values[found] == values, found, len(self.values))
 
-def cap_classes(values: np.ndarray, counts: np.ndarray, max_classes: int | None) -> FactorClasses:
-    """Keep every class, or at most max_classes: the max_classes - 1 most frequent (ties: the smaller
-    value first), the others pooled into one class."""
+
+def cap_classes(values: np.ndarray, counts: np.ndarray, max_classes: int | None, ordinal: bool = False) -> FactorClasses:
+    """Keep every class, or at most max_classes. A label keeps its max_classes - 1 most frequent
+    classes (ties: the smaller value first) and pools the others into one class; an ordinal factor
+    (the position, whose values are all about equally frequent) is cut instead into max_classes
+    contiguous ranges holding about equal numbers of tokens."""
     if max_classes is None or len(values) <= max_classes:
         return FactorClasses(values, counts)
+    if ordinal:
+        return _ranges(values, counts, max_classes)
     order = np.lexsort((np.arange(len(values)), -counts))
     kept = np.sort(order[: max_classes - 1])
     pooled = np.setdiff1d(np.arange(len(values)), kept)
     return FactorClasses(values[kept], np.append(counts[kept], counts[pooled].sum()), len(pooled))
+
+
+def _ranges(values: np.ndarray, counts: np.ndarray, n_ranges: int) -> FactorClasses:
+    """Sorted values cut into n_ranges contiguous, non-empty ranges of about equal total counts."""
+    cumulative = np.cumsum(counts)
+    starts = [0]
+    for k in range(1, n_ranges):
+        start = int(np.searchsorted(cumulative, cumulative[-1] * k / n_ranges)) + 1
+        starts.append(min(max(start, starts[-1] + 1), len(values) - (n_ranges - k)))
+    starts = np.asarray(starts)
+    ends = np.append(starts[1:], len(values)) - 1
+    return FactorClasses(values[starts], np.add.reduceat(counts, starts), 0, values[ends])
 
 
 def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array,
@@ -239,7 +266,7 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array,
                 f"factor {factor.name!r} has {found} among the analysed tokens of store {store_url(dataset)}: "
                 "a factor subspace needs at least two classes; choose another factor or widen its restriction"
             )
-        classes[factor.name] = cap_classes(values, counts, max_classes)
+        classes[factor.name] = cap_classes(values, counts, max_classes, ordinal=factor.label == POSITION)
     return classes, patterns
 
 
@@ -256,11 +283,9 @@ def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Arr
 
 
 def _codes(classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """(sample, pos) int32 class code of each selected token (pooled classes: len(values)), else -1."""
+    """(sample, pos) int32 class code of each selected token (see ``FactorClasses.codes``), else -1."""
     codes = np.full(selected.shape, -1, dtype="int32")
-    values = labels[selected]
-    found = np.minimum(np.searchsorted(classes.values, values), len(classes.values) - 1)
-    codes[selected] = np.where(classes.values[found] == values, found, len(classes.values))
+    codes[selected] = classes.codes(labels[selected])
     return codes
 
 

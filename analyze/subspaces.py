@@ -28,10 +28,16 @@ one sequence, which are not independent, stay together):
   ones) and the **null angles**: principal angles between a factor's null subspace (same rank)
   and the other factor's fitted subspace, reported beside the measured ones.
 
-A pair's relation: "no structure" when either factor's structure_p exceeds ``significance``
-(its angles would be those of noise); else, from the bootstrap interval of the smallest angle
-(the angle itself without a bootstrap), "dependent" when it lies below ``independence_deg``,
-"orthogonal" when it reaches within ``orthogonality_deg`` of 90, else "independent".
+A pair's relation is judged by two nulls of the pair, each drawn like the null above (the groups'
+influences with random signs, shared by both factors) around the two fitted effects turned, by
+rotations in the planes of their principal vectors, to the null's boundary: **orthogonality**
+(every principal angle at least 90 - ``orthogonality_deg``) and **dependence** (the smallest angle
+at most ``independence_deg``: the subspaces share a direction). Each gives the share of draws whose
+smallest angle lies as far from the null as the measured one (``orthogonal_p``, ``dependent_p``).
+At ``significance``: "orthogonal" when only dependence is rejected, "dependent" when only
+orthogonality is, "independent" when both are, "undetermined" when neither is (the data cannot
+tell); "no structure" when either factor's structure_p exceeds ``significance`` (its angles would
+be those of noise); empty without null draws. The bootstrap interval is reported beside.
 """
 from __future__ import annotations
 
@@ -80,11 +86,12 @@ from .plan import Plan, run_plans
 log = logging.getLogger("orthosphere.analyze")
 
 BOUNDS = ("low", "high")
-RELATIONS = ("no structure", "dependent", "independent", "orthogonal")
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
 DRAW_BATCH = 32
 """Bootstrap and null draws are computed this many at a time (their effects: batch x classes x d)."""
+TRUTH_ITERATIONS = 4
+"""Rounds of matching the singular values of a pair null's truth to the fit's (see ``denoised``)."""
 FIT_OPTIONS = ("site", "factors", "layers", "exclude_start", "estimator", "rank_threshold", "rank", "max_classes")
 """The parameters that fix the bases (the spheres reuse fitted subspaces only when these agree)."""
 
@@ -141,6 +148,8 @@ class DrawSettings:
     null: np.ndarray  # (n_null, groups) random signs
     confidence: float
     significance: float
+    orthogonal_deg: float  # the null of orthogonality: every principal angle at least this
+    dependent_deg: float  # the null of dependence: the smallest principal angle at most this
 
 
 @dataclass
@@ -156,6 +165,8 @@ class LayerFit:
     angles_ci: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     null_angles_ci: dict = field(default_factory=dict)
+    orthogonal_p: dict = field(default_factory=dict)
+    dependent_p: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
 
 
@@ -206,6 +217,8 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         for b in range(len(effects)):
             if b != a and fit.rank[a] and fit.rank[b]:
                 _pair_angles(fit, a, b, replicates, null_bases, settings)
+                if b < a and len(settings.null):
+                    _pair_tests(fit, effects, a, b, settings)
         for kind, spaces in heads.items():
             for h, space in enumerate(spaces):
                 if fit.rank[a]:
@@ -230,6 +243,105 @@ def _pair_angles(fit: LayerFit, a: int, b: int, replicates: list, null_bases, se
         null_angles = principal_angles(null_bases[..., : fit.rank[a]], fit.basis[b])
         fit.null_angles[a, b] = np.median(null_angles, axis=0)
         fit.null_angles_ci[a, b] = _interval(null_angles, 1 - settings.significance)
+
+
+def _pair_tests(fit: LayerFit, effects: list[FactorEffects], a: int, b: int, settings: DrawSettings) -> None:
+    """p-values of the pair's two nulls, orthogonality and dependence: the fitted effects of both
+    factors are turned to the null's boundary (``boundary_turns``), then drawn again with the noise
+    of the fit (the groups' influences with random signs, the same signs for both factors, whose
+    noise comes from the same tokens); the share of draws whose smallest angle lies as far from the
+    null as the measured one is its p-value (add-one)."""
+    measured = fit.angles[a, b][0]
+    bases, ranks = (fit.basis[a], fit.basis[b]), (fit.rank[a], fit.rank[b])
+    truths = [denoised(effects[f], fit.basis[f], settings.null) for f in (a, b)]
+    orthogonal = _boundary_angles(effects[a], effects[b], truths, bases, ranks, settings.null,
+                                  lambda angles: np.maximum(angles, settings.orthogonal_deg))
+    dependent = _boundary_angles(effects[a], effects[b], truths, bases, ranks, settings.null,
+                                 lambda angles: np.minimum(angles, np.where(np.arange(len(angles)) == 0,
+                                                                            settings.dependent_deg, 90.0)))
+    fit.orthogonal_p[a, b] = fit.orthogonal_p[b, a] = _add_one_share(orthogonal <= measured)
+    fit.dependent_p[a, b] = fit.dependent_p[b, a] = _add_one_share(dependent >= measured)
+
+
+def _add_one_share(extreme: np.ndarray) -> float:
+    return float((1 + np.count_nonzero(extreme)) / (1 + len(extreme)))
+
+
+def denoised(effects: FactorEffects, basis: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
+    """The factor's effects (k, d) as the truth of a null: their leading `basis` directions only, with
+    singular values chosen so that draws around them (the groups' influences weighted by the first
+    coefficients) show on average the fitted singular values (noise inflates leading singular values,
+    and more than its average energy: the leading directions are those where it adds most)."""
+    along = effects.weighted @ basis  # (k, rank): the effects in their own basis
+    rank = basis.shape[1]
+    fitted = np.linalg.svd(along, compute_uv=False) ** 2
+    noise = np.tensordot(coefficients[:DRAW_BATCH], effects.influence, axes=(1, 0))
+    target = fitted.copy()
+    for _ in range(TRUTH_ITERATIONS):
+        truth = _scaled(along, np.sqrt(target / np.maximum(fitted, np.finfo(float).tiny))) @ basis.T
+        drawn = np.linalg.svd(truth + noise, compute_uv=False)[:, :rank] ** 2
+        target = np.maximum(target + fitted - drawn.mean(axis=0), 0.0)
+    return _scaled(along, np.sqrt(target / np.maximum(fitted, np.finfo(float).tiny))) @ basis.T
+
+
+def _scaled(matrix: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The matrix with its singular values (descending) multiplied by scale."""
+    left, singular, right_t = np.linalg.svd(matrix, full_matrices=False)
+    return (left * (singular * scale)) @ right_t
+
+
+def _boundary_angles(first: FactorEffects, second: FactorEffects, truths: list, bases: tuple, ranks: tuple,
+                     coefficients: np.ndarray, target) -> np.ndarray:
+    """Smallest principal angle (draws,) between the two factors' subspaces drawn around their
+    denoised effects turned so that their principal angles become target(angles)."""
+    turned = boundary_turns(*truths, *bases, target)
+    smallest = []
+    for start in range(0, len(coefficients), DRAW_BATCH):
+        batch = coefficients[start: start + DRAW_BATCH].astype("float32")
+        spans = [leading_subspaces(np.tensordot(batch, effects.influence.astype("float32"), axes=(1, 0))
+                                   + weighted.astype("float32"), rank)
+                 for effects, weighted, rank in zip((first, second), turned, ranks)]
+        smallest.append(principal_angles(*spans)[..., 0])
+    return np.concatenate(smallest)
+
+
+def boundary_turns(first: np.ndarray, second: np.ndarray, basis_first: np.ndarray, basis_second: np.ndarray,
+                   target) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of two effect matrices (k, d) turned so that the principal angles between the bases'
+    spans become target(angles): each pair of principal vectors p_i, q_i is rotated symmetrically
+    about its bisector, in its own plane (the planes of different pairs are orthogonal), p_i's
+    rotation applied to `first` and the opposite one to `second`. A pair that shares its direction
+    is opened towards a direction outside both spans."""
+    left, cosines, right_t = np.linalg.svd(basis_first.T @ basis_second)
+    m = len(cosines)
+    p, q = basis_first @ left[:, :m], basis_second @ right_t[:m].T
+    angles = np.degrees(np.arccos(np.clip(cosines, 0.0, 1.0)))
+    half_now, half_then = np.radians(angles) / 2, np.radians(target(angles)) / 2
+    bisector, across = p + q, p - q
+    bisector /= np.linalg.norm(bisector, axis=0)
+    across_norm = np.linalg.norm(across, axis=0)
+    shared = across_norm < 1e-6
+    if shared.any():
+        across[:, shared] = _outside(np.hstack([basis_first, basis_second]), int(shared.sum()))
+        across_norm[shared] = 1.0
+    across /= across_norm
+    turn = half_then - half_now
+    return _rotate(first, bisector, across, turn), _rotate(second, bisector, across, -turn)
+
+
+def _outside(spanned: np.ndarray, n: int) -> np.ndarray:
+    """n orthonormal directions (d, n) orthogonal to the columns of `spanned` (a fixed choice)."""
+    seeded = np.random.default_rng(0).standard_normal((spanned.shape[0], n))
+    basis = column_space(spanned)
+    return np.linalg.qr(seeded - basis @ (basis.T @ seeded))[0]
+
+
+def _rotate(rows: np.ndarray, first_axis: np.ndarray, second_axis: np.ndarray, turn: np.ndarray) -> np.ndarray:
+    """Rows (k, d) rotated by `turn` (radians, one per plane) in the planes of orthonormal axes
+    (d, m), from the first axis towards the second."""
+    along, across = rows @ first_axis, rows @ second_axis
+    cos, sin = np.cos(turn) - 1, np.sin(turn)
+    return (rows + (along * cos - across * sin) @ first_axis.T + (along * sin + across * cos) @ second_axis.T)
 
 
 def _interval(draws: np.ndarray, level: float) -> np.ndarray:
@@ -372,7 +484,8 @@ class FactorSubspaces:
         bootstrap = (rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=self.n_bootstrap) - 1.0
                      if self.n_bootstrap else np.zeros((0, n_groups)))
         null = rng.choice([-1.0, 1.0], size=(self.n_null, n_groups)) if self.n_null else np.zeros((0, n_groups))
-        return DrawSettings(self.rank_threshold, self.rank, bootstrap, null, self.confidence, self.significance)
+        return DrawSettings(self.rank_threshold, self.rank, bootstrap, null, self.confidence, self.significance,
+                            90.0 - self.orthogonality_deg, self.independence_deg)
 
     def bases(self, layer: int) -> list[np.ndarray]:
         """Each factor's orthonormal basis (d_model, rank) at a fitted layer, in the order of factors_."""
@@ -444,17 +557,17 @@ def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[s
 # The results group.
 
 
-def _relation(structure_p: np.ndarray, min_angle: np.ndarray, high: np.ndarray, *, significance: float,
-              independence_deg: float, orthogonality_deg: float) -> np.ndarray:
-    """(layer, factor, other) relation from the factors' structure p-values (layer, factor), the
-    smallest angle and the high bound of its interval (the angle itself where there is none)."""
-    high = np.where(np.isnan(high), min_angle, high)
-    structured = ~(structure_p > significance)  # NaN (no null drawn): structured
+def _relation(structure_p: np.ndarray, orthogonal_p: np.ndarray, dependent_p: np.ndarray, *,
+              significance: float) -> np.ndarray:
+    """(layer, factor, other) relation from the factors' structure p-values (layer, factor) and the
+    pair's p-values of the nulls of orthogonality and dependence (see the module docstring)."""
+    structured = ~(structure_p > significance)
     both = structured[:, :, None] & structured[:, None, :]
-    relation = np.where(high < independence_deg, "dependent",
-                        np.where(high >= 90 - orthogonality_deg, "orthogonal", "independent"))
+    orthogonal, dependent = orthogonal_p > significance, dependent_p > significance
+    relation = np.select([orthogonal & ~dependent, dependent & ~orthogonal, ~orthogonal & ~dependent],
+                         ["orthogonal", "dependent", "independent"], "undetermined")
     relation = np.where(both, relation, "no structure")
-    return np.where(np.isnan(min_angle), "", relation).astype(object)
+    return np.where(np.isnan(orthogonal_p), "", relation).astype(object)
 
 
 def _padded(values: dict, shape: tuple, width: int, *extra) -> np.ndarray:
@@ -462,6 +575,14 @@ def _padded(values: dict, shape: tuple, width: int, *extra) -> np.ndarray:
     out = np.full(shape + (width,) + extra, np.nan)
     for index, value in values.items():
         out[index][: len(value)] = value
+    return out
+
+
+def _scalars(values: dict, shape: tuple) -> np.ndarray:
+    """Numbers by index into a NaN array of shape."""
+    out = np.full(shape, np.nan)
+    for index, value in values.items():
+        out[index] = value
     return out
 
 
@@ -483,7 +604,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     shape = (n_layers, n_factors)
     singular, explained = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
     basis = np.full(shape + (fitted.d_model_, max_rank), np.nan)
-    per_pair = {name: {} for name in ("angles", "angles_ci", "null_angles", "null_angles_ci")}
+    per_pair = {name: {} for name in ("angles", "angles_ci", "null_angles", "null_angles_ci", "orthogonal_p",
+                                      "dependent_p")}
     heads = {"q": {}, "k": {}}
     for i, layer in enumerate(layers):
         fit = fits[layer]
@@ -504,8 +626,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     null_angles_ci = _padded(per_pair["null_angles_ci"], pair_shape, max_rank, 2)
     structure_p = np.array([fits[layer].structure_p for layer in layers])
     overlap = _overlap(per_pair["angles"], pair_shape)
-    relation = _relation(structure_p, angles[..., 0], angles_ci[..., 0, 1], significance=fitted.significance,
-                         independence_deg=fitted.independence_deg, orthogonality_deg=fitted.orthogonality_deg)
+    orthogonal_p, dependent_p = (_scalars(per_pair[name], pair_shape) for name in ("orthogonal_p", "dependent_p"))
+    relation = _relation(structure_p, orthogonal_p, dependent_p, significance=fitted.significance)
     fd, pair = ("layer", "factor"), ("layer", "factor", "other")
     solution = design.solution
     data = {
@@ -532,6 +654,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "null_angles_ci": (pair + ("angle", "bound"), null_angles_ci),
         "null_min_angle": (pair, null_angles[..., 0]),
         "null_min_angle_ci": (pair + ("bound",), null_angles_ci[..., 0, :]),
+        "orthogonal_p": (pair, orthogonal_p),
+        "dependent_p": (pair, dependent_p),
         "relation": (pair, relation),
     }
     if fitted.has_weights_:
@@ -550,9 +674,10 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "classes": {name: design.classes[name].names for name in names},
         "head_angles": "computed from w_q, w_k" if fitted.has_weights_ else "not computed: the store has no weights",
         "fit": fitted.fit_options,
-        "relation_rule": ("no structure: a factor's structure_p > significance; else from the high bound of "
-                          "min_angle_ci (min_angle without a bootstrap): < independence_deg dependent, "
-                          ">= 90 - orthogonality_deg orthogonal, else independent"),
+        "relation_rule": ("no structure: a factor's structure_p > significance; else by the pair's two nulls at "
+                          "significance: orthogonal (every angle >= 90 - orthogonality_deg) not rejected and dependent "
+                          "(smallest angle <= independence_deg) rejected: orthogonal; the reverse: dependent; both "
+                          "rejected: independent; neither: undetermined; empty without null draws"),
         **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "n_null",
                                                     "significance", "seed", "independence_deg", "orthogonality_deg")},
     }

@@ -192,12 +192,57 @@ def test_random_labels_on_isotropic_noise_are_judged_at_the_stated_false_positiv
     assert (p <= 0.05).sum() <= 12  # 80 tests at 5 %: 4 expected, 12 or more has probability < 0.001
     assert 0.35 < p.mean() < 0.65  # p-values spread evenly: the null is neither lax nor strict
     relation = result["relation"].sel(factor="a", other="b").values
-    assert np.isin(relation, ["no structure", "orthogonal"]).mean() >= 0.95
+    assert np.isin(relation, ["dependent", "independent"]).mean() <= 0.05  # no relation claimed beyond the rate
     # what chance gives, beside the measured angles: the null's smallest angle sits where the measured ones do
     measured, null = result["min_angle"].sel(factor="a", other="b").values, result["null_min_angle"].sel(factor="a", other="b").values
     low, high = result["null_min_angle_ci"].sel(factor="a", other="b").values.T
     assert np.mean((measured >= low) & (measured <= high)) >= 0.85
     assert abs(np.median(measured) - np.median(null)) < 5.0
+
+
+def pair_replicates(tmp_path, planted_angles: dict[str, list[float]], n_layers: int, scale: float = 0.3):
+    """A store whose layers are independent replicates of two structured factors with correlated
+    labels (a: 5 skewed classes, b: 4, b = a mod 4 on half the tokens), planted in random rank-2
+    subspaces at the given principal angles (n_layers layers per entry), with unit isotropic noise."""
+    rng = np.random.default_rng(11)
+    n_samples, n_pos, d_model = 200, 21, 16
+    n_tokens = n_samples * (n_pos - 1)
+    probabilities = [skewed(5, rng), skewed(4, rng)]
+    a, b = correlated_labels(n_tokens, probabilities, 0.5, rng)
+    layers = []
+    for angles in planted_angles.values():
+        for _ in range(n_layers):
+            basis_a, basis_b = bases_at_angles(d_model, 2, 2, angles, rng)
+            tokens = (balanced_effects(probabilities[0], basis_a, scale, rng)[a]
+                      + balanced_effects(probabilities[1], basis_b, scale, rng)[b] + rng.normal(size=(n_tokens, d_model)))
+            layer = np.zeros((n_samples, n_pos, d_model))
+            layer[:, 1:] = tokens.reshape(n_samples, n_pos - 1, d_model)
+            layers.append(layer)
+    labels = {}
+    for name, values in (("a", a), ("b", b)):
+        labels[name] = np.full((n_samples, n_pos), NOT_APPLICABLE, "int16")
+        labels[name][:, 1:] = values.reshape(n_samples, n_pos - 1)
+    x = np.stack(layers, axis=1).astype("float32")
+    return open_for_analysis(write_store(tmp_path / "pairs.zarr", {"resid_pre": x}, labels=labels, samples_per_chunk=50))
+
+
+def test_the_pair_nulls_hold_their_level_and_find_what_is_planted(tmp_path):
+    """With the nulls exact (tolerances 0): exactly orthogonal pairs reject orthogonality, and pairs
+    sharing a direction reject dependence, at about the significance level (p-values spread evenly);
+    a 60 degree pair is found to be neither."""
+    n_layers = 40
+    dataset = pair_replicates(tmp_path, {"orthogonal": [90, 90], "dependent": [0, 90], "oblique": [60, 90]}, n_layers)
+    result = factor_subspaces(dataset, factors=["a", "b"], n_bootstrap=0, n_null=200, seed=2,
+                              orthogonality_deg=0.0, independence_deg=0.0).sel(factor="a", other="b")
+    blocks = {name: slice(i * n_layers, (i + 1) * n_layers) for i, name in enumerate(("orthogonal", "dependent", "oblique"))}
+    for truth, p_name in (("orthogonal", "orthogonal_p"), ("dependent", "dependent_p")):
+        p = result[p_name].values[blocks[truth]]
+        assert (p <= 0.05).sum() <= 7  # 40 tests at 5 %: 2 expected, 8 or more has probability < 0.001
+        assert 0.35 < p.mean() < 0.65
+        assert np.mean(result["relation"].values[blocks[truth]] == truth) >= 0.8
+    oblique = result.isel(layer=blocks["oblique"])
+    assert np.mean(oblique["orthogonal_p"].values <= 0.05) >= 0.7 and np.all(oblique["dependent_p"].values <= 0.05)
+    assert np.mean(oblique["relation"].values == "independent") >= 0.7
 
 
 def test_rare_classes_are_pooled_into_one(tmp_path):
