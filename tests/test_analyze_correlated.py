@@ -259,3 +259,23 @@ def test_rare_classes_are_pooled_into_one(tmp_path):
     assert result["n_tokens"].sel(factor="token").item() == N_TOKENS
     every = factor_subspaces(dataset, factors=["token", "beta"], max_classes=None, n_bootstrap=0, n_null=0)
     assert every["n_classes"].sel(factor="token").item() == len(values)
+
+
+def test_positions_beyond_the_cap_are_cut_into_ranges_and_keep_their_subspace(tmp_path):
+    """The position (all positions equally frequent) is cut into max_classes contiguous ranges of
+    equal counts, never pooled; a planted smooth position code (a circle in a random plane) is
+    found in that plane from the ranges."""
+    rng = np.random.default_rng(12)
+    n_samples, n_pos, d_model, n_ranges = 100, 61, 12, 10
+    plane = random_basis(d_model, 2, rng)
+    phase = 2 * np.pi * np.arange(n_pos) / n_pos
+    code = 3.0 * np.stack([np.cos(phase), np.sin(phase)], axis=1) @ plane.T  # (pos, d)
+    x = (code[None] + 0.3 * rng.normal(size=(n_samples, n_pos, d_model)))[:, None].astype("float32")
+    dataset = open_for_analysis(write_store(tmp_path / "s.zarr", {"resid_pre": x}))
+    result = factor_subspaces(dataset, factors=["pos"], max_classes=n_ranges, n_bootstrap=0, n_null=0)
+    names = result.attrs["classes"]["pos"]
+    assert names == [f"{start}-{start + 5}" for start in range(1, n_pos, 6)]  # positions 1-60, six each
+    assert result["n_classes"].item() == n_ranges and result["pooled_classes"].item() == 0
+    assert result["subspace_rank"].item() == 2
+    basis = result["basis"].isel(layer=0, factor=0).values[:, :2]
+    assert principal_angles(basis, plane).max() < 1.0
