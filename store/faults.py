@@ -1,12 +1,14 @@
 """Fault injection for the crash tests: ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process with
 SIGKILL the N-th time (default: the first) it reaches the named point.
 
-The points, in the order a job meets them: ``lock-taken``, ``root-written``, ``array-created``
-(after each array), ``progress-created`` (store created, metadata not yet consolidated),
+The points, in the order a job meets them: ``lock-written-aside`` (a local lock written beside
+its place, not yet linked into it), ``lock-taken``, ``root-written``, ``array-created`` (after
+each array), ``progress-created`` (store created, metadata not yet consolidated),
 ``store-created``, ``samples-written`` (after each block of a corpus's token arrays, written
 before the shards run), ``chunk-written`` (after each whole-chunk write), ``shard-complete``,
 ``before-finish``, ``finish-consolidated`` (metadata consolidated, ``complete`` not yet set),
-``finished`` (complete, lock not yet released); ``cleared`` (an overwritten store emptied).
+``finished`` (complete, lock not yet released); replacing a store (``--overwrite``, or a remnant
+created afresh) meets ``clearing`` after each entry it removes, then ``cleared``.
 """
 from __future__ import annotations
 

@@ -12,6 +12,18 @@ import fsspec
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
+from .faults import crash_point
+
+REPLACING_NAME = ".orthosphere-replacing"
+"""Marks a store that is being cleared to be replaced (see Location.clear)."""
+PARTIAL_SUFFIX = r"\.[0-9a-f]{32}\.partial"
+"""How a file written aside (temporary_path) ends, as a regular expression."""
+
+
+def temporary_path(path: str) -> str:
+    """A fresh name beside `path` to write a file aside before it is moved or linked into place."""
+    return f"{path}.{uuid.uuid4().hex}.partial"
+
 
 @dataclass(frozen=True)
 class Location:
@@ -23,6 +35,11 @@ class Location:
     @property
     def is_local(self) -> bool:
         return "://" not in self.url or self.url.startswith("file://")
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the store lives in this process's memory (fsspec's memory://)."""
+        return self.url.startswith("memory://")
 
     @property
     def local_path(self) -> str:
@@ -85,19 +102,23 @@ class Location:
         return {path[len(prefix):]: int(entry.get("size") or 0) for path, entry in found.items() if path.startswith(prefix)}
 
     def clear(self, keep=()) -> None:
-        """Remove everything inside the store but the names in `keep`, the root zarr.json first (so
-        that an interrupted clear never leaves something that looks like a store). The store's
-        folder stays, so a store reached through a symbolic link is emptied, never unlinked."""
-        names = [name for name in self.entries() if name not in keep]
-        for name in sorted(names, key=lambda name: name != "zarr.json"):
-            self.remove_entry(name)
+        """Remove everything inside the store but the names in `keep`. The marker REPLACING_NAME is
+        written first and removed last, so that an interrupted clear always leaves something that
+        ``state`` sees as a store being replaced, whatever it has removed. The store's folder stays,
+        so a store reached through a symbolic link is emptied, never unlinked."""
+        self.write_atomic(REPLACING_NAME, b"")
+        for name in self.entries():
+            if name not in keep and name != REPLACING_NAME:
+                self.remove_entry(name)
+                crash_point("clearing")
+        self.remove_entry(REPLACING_NAME)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Replace a file inside the store in one step: a reader, or a kill, sees the old bytes or
         the new ones, never half (a local rename; one PUT on object storage)."""
         path = self.key(name)
         if self.is_local:
-            temporary = f"{path}.{uuid.uuid4().hex}.partial"
+            temporary = temporary_path(path)
             with open(temporary, "wb") as handle:
                 handle.write(data)
             os.replace(temporary, path)

@@ -4,11 +4,15 @@
   filesystem (it fails if the lock exists; the lock is never half written), a conditional write on object storage (fsspec ``pipe_file(mode="create")``,
   S3's ``If-None-Match``); a backend that cannot create exclusively falls back to
   check-then-write, so the lock is read back to confirm that this writer holds it.
-- Its holder rewrites the heartbeat file beside it every ``HEARTBEAT_SECONDS``.
+- Its holder replaces the heartbeat file beside it every ``HEARTBEAT_SECONDS``, in one step (a
+  local rename; one PUT on object storage), so a reader never sees it empty or half written. A
+  heartbeat that cannot check the lock stops its writer, loudly.
 - A lock is **stale** when its holder was a process on this host that no longer runs, or when
   its heartbeat is older than ``STALE_SECONDS`` (any host: a job that died elsewhere). A stale
   lock is broken automatically, with a warning; ``break_lock=True`` (CLI ``--break-lock``) also
-  breaks a lock that looks alive, for when you know its holder is dead.
+  breaks a lock that looks alive, for when you know its holder is dead. A lock is removed only
+  if it is still the one judged stale: when two writers break one lock, the second leaves the
+  first one's new lock alone.
 - Lock and heartbeat files are never followed or written through when they are symbolic links.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -25,7 +30,8 @@ import uuid
 from datetime import UTC, datetime
 
 from .errors import StoreLockedError
-from .location import Location
+from .faults import crash_point
+from .location import PARTIAL_SUFFIX, Location, temporary_path
 
 LOCK_NAME = ".orthosphere-lock"
 HEARTBEAT_NAME = ".orthosphere-lock-heartbeat"
@@ -34,6 +40,12 @@ STALE_SECONDS = 600.0
 """A heartbeat older than this (20 missed beats) marks its lock stale, whatever the host."""
 
 log = logging.getLogger("orthosphere.store")
+
+
+def is_lock_file(name: str) -> bool:
+    """Whether a file directly inside a store is the lock, its heartbeat, or one of them written
+    aside (a writer killed while taking the lock or beating leaves one)."""
+    return re.fullmatch(rf"({re.escape(LOCK_NAME)}|{re.escape(HEARTBEAT_NAME)})({PARTIAL_SUFFIX})?", name) is not None
 
 
 def holder_description() -> dict:
@@ -49,14 +61,19 @@ def holder_description() -> dict:
 def read_lock(location: Location) -> dict | None:
     """The lock's holder; {} when the lock file exists but cannot be read (a writer killed while
     taking it); None when there is no lock."""
+    return current_lock(location)[1]
+
+
+def current_lock(location: Location) -> tuple[str | None, dict | None]:
+    """The lock file's text and its holder (as read_lock gives it)."""
     text = _read(location, LOCK_NAME)
     if text is None:
-        return None
+        return None, None
     try:
         holder = json.loads(text)
     except json.JSONDecodeError:
-        return {}
-    return holder if isinstance(holder, dict) else {}
+        return text, {}
+    return text, holder if isinstance(holder, dict) else {}
 
 
 def stale_reason(location: Location, holder: dict) -> str | None:
@@ -77,7 +94,7 @@ def acquire_lock(location: Location, break_lock: bool = False) -> dict:
             if location.is_local and os.path.islink(location.key(name)):
                 log.warning("removing the symbolic link %s (--break-lock); its target is left alone", location.key(name))
                 _remove(location, name)
-    holder = read_lock(location)
+    text, holder = current_lock(location)
     if holder is not None and _is_mine(holder):
         return holder
     if holder is not None:
@@ -86,24 +103,24 @@ def acquire_lock(location: Location, break_lock: bool = False) -> dict:
             raise StoreLockedError(_locked_message(location, holder))
         log.warning("breaking the %s lock of %s held by %s (%s)", "stale" if reason else "live", location.url,
                     _holder_text(holder), reason or "--break-lock given")
-        _remove(location, LOCK_NAME)
+        _remove_lock_if_unchanged(location, text)
     mine = holder_description()
     try:
-        _write(location, LOCK_NAME, json.dumps(mine), exclusive=True)
+        _create_exclusively(location, LOCK_NAME, json.dumps(mine))
     except FileExistsError:
         raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again") from None
     if read_lock(location) != mine:
         raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again")
-    _write(location, HEARTBEAT_NAME, _beat(mine), exclusive=False)
+    location.write_atomic(HEARTBEAT_NAME, _beat(mine).encode())
     return mine
 
 
 def release_lock(location: Location) -> None:
     """Remove the lock if this process holds it."""
-    holder = read_lock(location)
+    text, holder = current_lock(location)
     if holder is not None and _is_mine(holder):
         _remove(location, HEARTBEAT_NAME)
-        _remove(location, LOCK_NAME)
+        _remove_lock_if_unchanged(location, text)
 
 
 def holds_lock(location: Location, holder: dict) -> bool:
@@ -111,12 +128,12 @@ def holds_lock(location: Location, holder: dict) -> bool:
 
 
 class Heartbeat:
-    """A thread that refreshes the lock's heartbeat while its holder writes; `lost` is set when
-    another writer broke the lock (the holder must stop writing)."""
+    """A thread that refreshes the lock's heartbeat while its holder writes. `failure` says why the
+    holder must stop writing: another writer broke the lock, or the lock could not be checked."""
 
     def __init__(self, location: Location, holder: dict):
         self.location, self.holder = location, holder
-        self.lost = False
+        self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orthosphere-lock-heartbeat", daemon=True)
         self._thread.start()
@@ -126,15 +143,24 @@ class Heartbeat:
         self._thread.join()
 
     def _run(self) -> None:
+        url = self.location.url
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
                 if not holds_lock(self.location, self.holder):
-                    self.lost = True
-                    log.error("the lock of %s was broken by another writer: this job stops writing", self.location.url)
+                    self._fail(f"the lock of {url} was broken by another writer",
+                               "resume it (--resume) once the other writer is done")
                     return
-                _write(self.location, HEARTBEAT_NAME, _beat(self.holder), exclusive=False)
+                self.location.write_atomic(HEARTBEAT_NAME, _beat(self.holder).encode())
             except OSError as error:  # a storage hiccup: the next beat tries again
-                log.warning("could not refresh the lock heartbeat of %s: %s", self.location.url, error)
+                log.warning("could not refresh the lock heartbeat of %s: %s", url, error)
+            except Exception as error:  # any other failure stops the writer, never the heartbeat alone
+                self._fail(f"the lock of {url} could not be checked ({' '.join(str(error).split())})",
+                           "resume it (--resume) once the lock file is fixed")
+                return
+
+    def _fail(self, what: str, advice: str) -> None:
+        self.failure = f"{what}: this job stopped writing; {advice}"
+        log.error("%s: this job stops writing", what)
 
 
 def _locked_message(location: Location, holder: dict) -> str:
@@ -216,28 +242,46 @@ def _read(location: Location, name: str) -> str | None:
         return None
 
 
-def _write(location: Location, name: str, text: str, exclusive: bool) -> None:
-    """Write the file; `exclusive`: only if it does not exist (FileExistsError otherwise). Locally an
-    exclusive write is a hard link of a finished temporary file, so the file never exists half written."""
+def _create_exclusively(location: Location, name: str, text: str) -> None:
+    """Write the file only if it does not exist (FileExistsError otherwise). Locally it is a hard
+    link of a finished file written aside, so the file never exists half written."""
     path = location.key(name)
     if not location.is_local:
-        location.fs.pipe_file(path, text.encode(), mode="create" if exclusive else "overwrite")
+        location.fs.pipe_file(path, text.encode(), mode="create")
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    target = f"{path}.{uuid.uuid4().hex}.partial" if exclusive else path
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
-    try:
-        descriptor = os.open(target, flags, 0o644)
-    except OSError as error:
-        _refuse_link(location, name, error)
-        raise
-    with os.fdopen(descriptor, "w") as handle:
+    aside = temporary_path(path)
+    with os.fdopen(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as handle:
         handle.write(text)
-    if exclusive:
-        try:
-            os.link(target, path)  # fails if the lock exists, even as a symbolic link
-        finally:
-            os.unlink(target)
+    crash_point("lock-written-aside")
+    try:
+        os.link(aside, path)  # fails if the lock exists, even as a symbolic link
+    finally:
+        os.unlink(aside)
+
+
+def _remove_lock_if_unchanged(location: Location, judged: str | None) -> None:
+    """Remove the lock if it still holds `judged`, the text read when it was judged stale (or
+    ours): another writer may have broken it and taken the lock since, and that lock stays.
+    Locally the lock is moved aside in one step, compared there and put back if it changed; on
+    object storage it is read again and removed."""
+    if not location.is_local:
+        if _read(location, LOCK_NAME) == judged:
+            _remove(location, LOCK_NAME)
+        return
+    aside = os.path.basename(temporary_path(LOCK_NAME))
+    try:
+        os.rename(location.key(LOCK_NAME), location.key(aside))
+    except FileNotFoundError:
+        return
+    try:
+        if _read(location, aside) != judged:
+            os.link(location.key(aside), location.key(LOCK_NAME))  # put back; fails if a third writer took the lock
+    except FileExistsError:
+        log.warning("the lock of %s was taken by a third writer while it was being broken; the writer whose lock "
+                    "it replaced stops at its next heartbeat", location.url)
+    finally:
+        os.unlink(location.key(aside))
 
 
 def _remove(location: Location, name: str) -> None:

@@ -4,9 +4,10 @@ a store whose creation (or replacement) was interrupted, a created store, or som
 A store is created root first (zarr.json with every attribute), then its arrays, then its
 progress record ``_progress/shard_complete``: a store is *created* once that record exists. Before,
 it is a *remnant* that a job may replace, because nothing was written into it: it holds the lock
-file of the job that made it, or a root with the schema attribute, and no chunk of any
-per-sample array. Replacing a store clears its root zarr.json first, so an interrupted
-replacement leaves a remnant too.
+files of the job that made it (perhaps only one written aside, by a job killed while taking the
+lock), or a root with the schema attribute, and no chunk of any per-sample array. Replacing a
+store first writes the marker ``.orthosphere-replacing``, then clears the store, the marker last:
+a store being replaced is a remnant at every instant, whatever a kill leaves of it.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import json
 from dataclasses import dataclass, field
 
 from .errors import StoreError
-from .location import Location
+from .location import REPLACING_NAME, Location
+from .lock import HEARTBEAT_NAME, LOCK_NAME, is_lock_file
 
 PROGRESS_GROUP = "_progress"
 PROGRESS_RECORD = f"{PROGRESS_GROUP}/shard_complete"
-LOCK_FILES = (".orthosphere-lock", ".orthosphere-lock-heartbeat")
+LOCK_FILES = (LOCK_NAME, HEARTBEAT_NAME)
 INDEX_ARRAYS = ("sample", "pos", "layer", "head", "kv_head")
 """Arrays written when the store is created (their chunks say nothing about samples)."""
 
@@ -51,14 +53,16 @@ def inspect(location: Location) -> Found:
     names = location.entries()
     if not names:
         return Found(EMPTY)
+    if REPLACING_NAME in names:
+        return Found(REMNANT)
     root = _root_document(location) if "zarr.json" in names else None
     attrs = root.get("attributes") or {} if isinstance(root, dict) else {}
     consolidated = isinstance(root, dict) and root.get("consolidated_metadata") is not None
     has_schema = "schema" in attrs
     if has_schema and location.fs.exists(location.key(f"{PROGRESS_RECORD}/zarr.json")):
         return Found(STORE, attrs, consolidated)
-    has_lock = any(name in names for name in LOCK_FILES)
-    empty_group = root is not None and not attrs and set(names) <= {"zarr.json", *LOCK_FILES}
+    has_lock = any(is_lock_file(name) for name in names)
+    empty_group = root is not None and not attrs and all(name == "zarr.json" or is_lock_file(name) for name in names)
     if (has_lock or has_schema or empty_group) and not _holds_samples(location, names):
         return Found(REMNANT, attrs, consolidated)
     if has_schema:
@@ -77,5 +81,6 @@ def _root_document(location: Location) -> dict | None:
 
 def _holds_samples(location: Location, names: list[str]) -> bool:
     """Whether any array but the index coordinates holds a chunk (a store's data, never a remnant)."""
-    candidates = [name for name in names if name not in ("zarr.json", PROGRESS_GROUP, *LOCK_FILES, *INDEX_ARRAYS)]
+    candidates = [name for name in names
+                  if name not in ("zarr.json", PROGRESS_GROUP, *INDEX_ARRAYS) and not is_lock_file(name)]
     return any(location.fs.exists(location.key(f"{name}/c")) for name in candidates)

@@ -15,6 +15,7 @@ import os
 import shutil
 
 import numpy as np
+import psutil
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
@@ -23,7 +24,7 @@ from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreEx
 from .faults import crash_point
 from .integrity import Damage, find_damage, guarded_group, promises
 from .location import Location, as_location, commit_metadata, group_arrays
-from .lock import Heartbeat, acquire_lock, release_lock
+from .lock import Heartbeat, acquire_lock, is_lock_file, release_lock
 from .provenance import provenance
 from .state import ABSENT, EMPTY, FOREIGN_ZARR, LOCK_FILES, PROGRESS_GROUP, REMNANT, Found, inspect
 
@@ -31,6 +32,8 @@ TARGET_CHUNK_BYTES = 4 * 2**20
 CODECS = ("none", "zstd")
 COORDINATE_BLOCK = 2**20
 """Index coordinates are written this many values at a time (memory stays flat in the sample count)."""
+INDEX_DTYPE = "int64"
+"""The index coordinates' dtype (sample, pos, layer, head, kv_head)."""
 
 log = logging.getLogger("orthosphere.store")
 
@@ -240,10 +243,10 @@ class StoreWriter:
     def find_damage(self, decode: bool = False) -> list[Damage]:
         """The chunks that complete shards (and written weights) promise but that are missing or
         of the wrong size (with `decode`: that do not decode). The lock holder also removes the
-        temporary files of writes that a kill interrupted."""
+        temporary files of writes that a kill interrupted (the lock's own are left to it)."""
         files = self.location.list_files()
         if self.holds_lock:
-            for key in [key for key in files if key.endswith(".partial")]:
+            for key in [key for key in files if key.endswith(".partial") and not is_lock_file(key)]:
                 self.location.remove_entry(key)
         promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
         group = guarded_group(self.location, promised) if decode else self.group
@@ -304,11 +307,8 @@ class StoreWriter:
         self.close()
 
     def _check_lock(self) -> None:
-        if self.heartbeat is not None and self.heartbeat.lost:
-            raise StoreLockedError(
-                f"the lock of {self.url} was broken by another writer: this job stopped writing; "
-                "resume it (--resume) once the other writer is done"
-            )
+        if self.heartbeat is not None and self.heartbeat.failure:
+            raise StoreLockedError(self.heartbeat.failure)
 
     def _array(self, name: str) -> zarr.Array:
         if name not in self._writable:
@@ -390,24 +390,40 @@ def _exists_message(location: Location, found: Found) -> str:
 
 
 def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) -> None:
-    """Refuse a local store larger than the free space of its filesystem, before anything is written."""
-    if not location.is_local:
-        return
+    """Refuse, before anything is written, a store larger than the room where it goes, or whose
+    sample coordinate, which every reader loads into memory, would not fit in memory."""
     per_sample = sum(
         math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(schema.resolved_dtype(var, dtype)).itemsize
         for var in variables.values() if var.dims[0] == "sample"
     )
-    needed = per_sample * sizes["sample"]
-    folder = location.local_path
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    free = shutil.disk_usage(folder).free
-    if needed > free:
+    needed, available = per_sample * sizes["sample"], psutil.virtual_memory().available
+    room = _room(location, available)
+    if room is not None and needed > room[0]:
         raise StoreError(
             f"n_samples={sizes['sample']} (CLI: --samples): the store would need {_bytes(needed)} "
-            f"({_bytes(per_sample)} a sample) but {folder} has {_bytes(free)} free; ask for fewer samples, "
+            f"({_bytes(per_sample)} a sample) but {room[1]} {_bytes(room[0])} free; ask for fewer samples, "
             "sites or layers, or write it elsewhere"
         )
+    per_index = np.dtype(INDEX_DTYPE).itemsize
+    if per_index * sizes["sample"] > available:
+        raise StoreError(
+            f"n_samples={sizes['sample']} (CLI: --samples): the store's sample coordinate, which every reader "
+            f"loads into memory, would need {_bytes(per_index * sizes['sample'])} ({per_index} bytes a sample) "
+            f"but this machine has {_bytes(available)} of memory available; ask for fewer samples"
+        )
+
+
+def _room(location: Location, available_memory: int) -> tuple[int, str] | None:
+    """The bytes free where the store goes, and what holds them (for the message); None where
+    unknown (object storage)."""
+    if location.is_local:
+        folder = location.local_path
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        return shutil.disk_usage(folder).free, f"{folder} has"
+    if location.in_memory:
+        return available_memory, "a memory:// store lives in this process's memory, which has"
+    return None
 
 
 def _bytes(count: float) -> str:
@@ -446,7 +462,7 @@ def _create_labels(group: zarr.Group, labels: dict, sizes: dict, samples_per_chu
 def _create_index_coords(group: zarr.Group, sizes: dict, layers: list[int]) -> None:
     for dim in schema.DIM_NAMES:
         length = len(layers) if dim == "layer" else sizes[dim]
-        group.create_array(dim, shape=(length,), chunks=(min(length, COORDINATE_BLOCK),), dtype="int64",
+        group.create_array(dim, shape=(length,), chunks=(min(length, COORDINATE_BLOCK),), dtype=INDEX_DTYPE,
                            dimension_names=(dim,), compressors=(Crc32cCodec(),))
     _write_index_coords(group, group.attrs)
 

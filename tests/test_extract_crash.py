@@ -95,7 +95,7 @@ def assert_identical(url, uninterrupted):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["root-written", "array-created:5", "finish-consolidated", "finished"])
+@pytest.mark.parametrize("point", ["lock-written-aside", "root-written", "array-created:5", "finish-consolidated", "finished"])
 def test_kill_while_the_store_is_created_or_finished_resumes_with_one_resume(tmp_path, model_dir, uninterrupted, point):
     out = tmp_path / "store.zarr"
     killed = run_cli(model_dir, out, crash_at=point)
@@ -111,14 +111,20 @@ def test_kill_while_the_store_is_created_or_finished_resumes_with_one_resume(tmp
 
 
 @pytest.mark.slow
-def test_kill_while_overwriting_leaves_a_store_that_overwrite_replaces(tmp_path, model_dir, uninterrupted):
+@pytest.mark.parametrize("point, recovery", [
+    ("cleared", "--overwrite"),  # the old store emptied
+    ("clearing:1", "--resume"),  # its first entry removed: chunks and metadata of the old store remain
+    ("clearing:7", "--overwrite"),
+])
+def test_kill_while_overwriting_leaves_a_store_that_overwrite_or_resume_replaces(tmp_path, model_dir, uninterrupted,
+                                                                                point, recovery):
     out = tmp_path / "store.zarr"
     assert run_cli(model_dir, out).returncode == 0
-    killed = run_cli(model_dir, out, crash_at="cleared", extra=["--overwrite"])
+    killed = run_cli(model_dir, out, crash_at=point, extra=["--overwrite"])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     refused = run_cli(model_dir, out)
     assert refused.returncode == 1 and "creation was interrupted (nothing was written to it): pass --resume" in refused.stderr
-    again = run_cli(model_dir, out, extra=["--overwrite"])
+    again = run_cli(model_dir, out, extra=[recovery])
     assert again.returncode == 0, again.stderr[-2000:]
     assert_identical(out, uninterrupted)
 

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -31,9 +32,10 @@ from orthosphere.store import (
     read_attrs,
     validate,
 )
-from orthosphere.store.location import as_location
-from orthosphere.store.lock import HEARTBEAT_NAME, LOCK_NAME, STALE_SECONDS, read_lock
+from orthosphere.store.location import Location, as_location
+from orthosphere.store.lock import HEARTBEAT_NAME, LOCK_NAME, STALE_SECONDS, read_lock, stale_reason
 from orthosphere.store.schema import WEIGHT_VARIABLES
+from orthosphere.store.state import REMNANT, inspect
 
 MODEL = {"family": "test", "n_layers": 3, "d_model": 8, "n_heads": 4, "n_kv_heads": 2, "d_head": 2, "attn_scale": 0.7, "causal": True}
 TASK = {"name": "synthetic", "seed": 0}
@@ -209,7 +211,7 @@ def test_lock_is_created_exclusively(tmp_path, request, monkeypatch, where):
     url = str(tmp_path / "store.zarr") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/runs/store.zarr"
     fill(make_store(url))
     foreign_lock(url, seconds_ago=0)
-    monkeypatch.setattr("orthosphere.store.lock.read_lock", lambda location: None)
+    monkeypatch.setattr("orthosphere.store.lock.current_lock", lambda location: (None, None))
     with pytest.raises(StoreLockedError, match="locked by another writer a moment ago"):
         open_writer(url)
     monkeypatch.undo()
@@ -306,6 +308,56 @@ def test_heartbeat_refreshes_and_a_broken_lock_stops_the_writer(tmp_path, monkey
     assert read_lock(as_location(url))["host"] == "gpu-node-7"  # the other writer's lock stays
 
 
+def test_heartbeat_is_replaced_in_one_step_never_rewritten_in_place(tmp_path, monkeypatch):
+    """A reader sees the previous beat or the next, never an empty or half-written file."""
+    monkeypatch.setattr("orthosphere.store.lock.HEARTBEAT_SECONDS", 0.05)
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    path = tmp_path / "store.zarr" / HEARTBEAT_NAME
+    with open(path) as previous:
+        first = previous.read()
+        time.sleep(0.5)
+        assert os.stat(path).st_ino != os.fstat(previous.fileno()).st_ino  # a new file renamed into place
+        previous.seek(0)
+        assert previous.read() == first
+    assert json.loads(path.read_text())["at"] > json.loads(first)["at"]
+    writer.close()
+
+
+def test_heartbeat_that_cannot_check_the_lock_stops_the_writer_loudly(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr("orthosphere.store.lock.HEARTBEAT_SECONDS", 0.05)
+    url = str(tmp_path / "store.zarr")
+    writer = make_store(url)
+    lock, copy = tmp_path / "store.zarr" / LOCK_NAME, tmp_path / "lock-copy"
+    copy.write_text(lock.read_text())
+    lock.unlink()
+    lock.symlink_to(copy)  # the heartbeat refuses to read it: the writer must not go on as if it held the lock
+    time.sleep(0.5)
+    with pytest.raises(StoreLockedError, match=r"could not be checked \(.*is a symbolic link.*this job stopped writing"):
+        writer.write(0, sample_block(0, 4))
+    assert "this job stops writing" in caplog.text
+    lock.unlink()
+    lock.write_text(copy.read_text())
+    writer.close()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_stale_lock_that_another_writer_broke_meanwhile_is_left_to_it(tmp_path, monkeypatch, where):
+    """Two writers judge one lock stale: the one that breaks it second must not remove the first one's new lock."""
+    url = str(tmp_path / "store.zarr") if where == "local" else f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
+    fill(make_store(url))
+    foreign_lock(url, seconds_ago=STALE_SECONDS + 5)
+    def judged_while_another_writer_takes_it(location, holder):
+        reason = stale_reason(location, holder)
+        foreign_lock(url, seconds_ago=0, token="newer")  # the other writer broke the stale lock and took it
+        return reason
+
+    monkeypatch.setattr("orthosphere.store.lock.stale_reason", judged_while_another_writer_takes_it)
+    with pytest.raises(StoreLockedError, match="locked by another writer a moment ago; try again"):
+        open_writer(url)
+    assert read_lock(as_location(url))["token"] == "newer"
+
+
 def test_unreadable_lock_needs_break_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -337,6 +389,58 @@ def test_overwrite_through_a_symlinked_store_replaces_the_target_and_keeps_the_l
     writer.close()
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert read_attrs(str(target))["n_samples"] == 4 and not (target / LOCK_NAME).exists()
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs, nothing catches it."""
+
+
+def test_overwrite_killed_at_any_instant_of_clearing_leaves_a_remnant_that_overwrite_replaces(tmp_path, monkeypatch):
+    url = str(tmp_path / "store.zarr")
+    location = as_location(url)
+    remove_entry = Location.remove_entry
+    for removals in range(100):
+        writer = make_store(url, overwrite=True, sites=["q"], labels={}, with_weights=False, n_shards=1)
+        writer.write(0, {"q": sample_block(0, N_SAMPLES)["q"]})
+        writer.mark_shard_complete(0)
+        writer.finish()
+        calls = []
+
+        def killed_after_some_removals(self, name, calls=calls, removals=removals):
+            if len(calls) == removals:
+                raise Killed
+            calls.append(name)
+            remove_entry(self, name)
+
+        monkeypatch.setattr(Location, "remove_entry", killed_after_some_removals)
+        try:
+            make_store(url, overwrite=True).close()
+            break  # clearing finished before the kill
+        except Killed:
+            pass
+        finally:
+            monkeypatch.undo()
+        assert inspect(location).kind == REMNANT, f"killed after removing {calls}"
+        with pytest.raises(StoreExistsError, match="creation was interrupted"):
+            make_store(url)
+    assert removals > 10
+    fill(make_store(url, overwrite=True))
+    assert read_attrs(url)["complete"]
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, HEARTBEAT_NAME])
+def test_folder_holding_only_a_lock_taken_half_way_is_a_remnant(tmp_path, name):
+    """A writer killed while taking a new store's lock leaves the lock written aside, never linked into place."""
+    folder = tmp_path / "store.zarr"
+    folder.mkdir()
+    holder = {"host": socket.gethostname(), "pid": 2**22 + 1, "token": "dead"}
+    (folder / f"{name}.{uuid.uuid4().hex}.partial").write_text(json.dumps(holder))
+    assert inspect(as_location(str(folder))).kind == REMNANT
+    with pytest.raises(StoreExistsError, match="creation was interrupted"):
+        make_store(str(folder))
+    fill(make_store(str(folder), overwrite=True))
+    assert not [entry for entry in os.listdir(folder) if entry.endswith(".partial")]
+    assert read_attrs(str(folder))["complete"]
 
 
 def test_finish_releases_the_lock(tmp_path):
