@@ -2,12 +2,15 @@
 bad input as one clear line."""
 import json
 import os
+import re
 import shutil
+import uuid
 
 import pytest
 from click.testing import CliRunner
 
 from orthosphere.store import IncompleteStoreError, open_store
+from orthosphere.store.location import as_location
 from orthosphere.store.lock import LOCK_NAME
 from orthosphere.workflows.cli import layer_list, main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model
@@ -87,11 +90,23 @@ def extract_arguments(model, out, *more):
     return ["extract", model, "--task", "arithmetic:split=test,seed=3", "--device", "cpu", "--out", out, *more]
 
 
-def test_absurd_sample_count(tmp_path, model_dir):
-    out = tmp_path / "store.zarr"
+@pytest.mark.parametrize("where, expected", [
+    ("local", "has {free} free; ask for fewer samples"),
+    ("memory", "but a memory:// store lives in this process's memory, which has {free} free; ask for fewer samples"),
+    ("s3", "the store's sample coordinate, which every reader loads into memory, would need 8.0 TB (8 bytes a sample) "
+           "but this machine has {free} of memory available; ask for fewer samples"),
+])
+def test_absurd_sample_count_is_refused_before_anything_is_written(tmp_path, request, model_dir, where, expected):
+    if where == "local":
+        out = str(tmp_path / "store.zarr")
+    elif where == "memory":
+        out = f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
+    else:
+        out = f"{request.getfixturevalue('s3_bucket')}/runs/store.zarr"
     line = error_line(run(*extract_arguments(model_dir, out, "--samples", 10**12)))
-    assert "n_samples=1000000000000 (CLI: --samples): the store would need" in line and "free; ask for fewer" in line
-    assert not out.exists()
+    assert line.startswith("Error: n_samples=1000000000000 (CLI: --samples): the store")
+    assert re.search(re.escape(expected).replace(re.escape("{free}"), r"[\d,.]+ [kMGTP]?B"), line), line
+    assert not as_location(out).exists()
 
 
 @pytest.mark.parametrize("option", ["--samples", "--samples-per-chunk", "--batch-size", "--shards"])
@@ -171,6 +186,30 @@ def test_break_lock(tmp_path, model_dir):
     result = run(*extract_arguments(model_dir, out, "--samples", 8, "--resume", "--break-lock"))
     assert result.exit_code == 0 and "already complete (8 samples): nothing to do" in result.output
     assert not (out / LOCK_NAME).exists()
+
+
+def test_run_breaks_the_lock_of_a_pipeline_store_with_break_lock(tmp_path, model_dir):
+    config = tmp_path / "pipeline.toml"
+    config.write_text(f"""
+name = "locked"
+root = "{tmp_path / 'out'}"
+[models.tiny]
+path = "{model_dir}"
+[data.test]
+task = "arithmetic:split=test,seed=3"
+samples = 8
+[extract]
+device = "cpu"
+[analyze]
+only = ["norms"]
+""")
+    store = tmp_path / "out" / "stores" / "tiny-test.zarr"
+    foreign_lock(str(store), seconds_ago=3)  # a job on another host that looks alive
+    line = error_line(run("run", config))
+    assert "is locked by a running writer: pid 4242 on gpu-node-7" in line and "pass --break-lock" in line
+    result = run("run", config, "--break-lock")
+    assert result.exit_code == 0, result.output
+    assert open_store(str(store)).attrs["complete"] and not (store / LOCK_NAME).exists()
 
 
 def test_unexpected_errors_are_one_line_and_traceback_with_verbose(store, monkeypatch):

@@ -246,12 +246,14 @@ def report_command(results, out, title):
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="Redo every step, even those already complete.")
 @click.option("--root", default=None, help="Override the config's output root (a path or fsspec URL).")
+@click.option("--break-lock", is_flag=True,
+              help="Break the locks of the pipeline's stores even if their holders look alive (a stale lock is broken anyway).")
 @click.pass_context
-def run_command(ctx, config, force, root):
+def run_command(ctx, config, force, root, break_lock):
     """Run the pipeline in CONFIG (TOML): train, extract, analyse, report; complete steps are skipped."""
     from .pipeline import load_pipeline, run_pipeline
 
     pipeline = load_pipeline(config, root=root)
     backend = ctx.obj if (ctx.obj.workers or ctx.obj.scheduler) else None
-    folder = run_pipeline(pipeline, force=force, backend=backend)
+    folder = run_pipeline(pipeline, force=force, backend=backend, break_lock=break_lock)
     click.echo(f"report: {folder / 'report.html'}")

@@ -196,8 +196,10 @@ def _resolve_text_path(spec: str, here: Path) -> str:
     return f"{kind}:{','.join(parts)}"
 
 
-def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None) -> Path:
-    """Run every step that is not complete yet (all of them with `force`); returns the report folder."""
+def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None,
+                 break_lock: bool = False) -> Path:
+    """Run every step that is not complete yet (all of them with `force`); returns the report folder.
+    `break_lock` breaks the locks of the stores even where their holders look alive."""
     from orthosphere.extract.job import ExtractJob, extract
 
     from .report import write_report
@@ -217,7 +219,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                     batch_size=pipeline.extract.get("batch_size", 64),
                     n_shards=pipeline.extract.get("shards", 1),
                     device=pipeline.extract.get("device", "auto"), model_dtype=pipeline.extract.get("model_dtype"),
-                    resume=not force, overwrite=force,
+                    resume=not force, overwrite=force, break_lock=break_lock,
                     command=f"orthosphere run ({pipeline.name})",
                 )
                 log.info(extract(job, client=client, progress=False).summary())
