@@ -2,10 +2,10 @@
 
 q and k are stored as they enter the score, and the store's model description says, per layer,
 what turns q . k into the model's score (``model["score"]``, see store/SCHEMA.md). ``ScoreTerms``
-holds one layer's terms, and ``attention_from_qk`` is the one function that turns stored q, k and
-these terms into the model's attention; the analyses and the replay use only it (the replay uses
-its parts, ``allowed_keys``, ``score_bias`` and ``finish_scores``, so that it perturbs exactly this
-score). For query position i and key position j of head h:
+holds one layer's terms, and ``BlockAttention`` is the one implementation that turns stored q, k
+and these terms into the model's attention: ``attention_from_qk`` (the analyses) is its clean
+pattern, and the replay perturbs exactly its score, passing the norm factors of q and k to it
+(``BlockAttention.scores``). For query position i and key position j of head h:
 
     score = softcap(scale * q_i . k_j) + alibi_h(i, j),   attention = softmax_j over allowed j
 
@@ -90,32 +90,79 @@ def score_bias(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray | None:
     return (-slopes * distance[..., None, :, :]).astype(np.float32)
 
 
-def finish_scores(scaled: np.ndarray, terms: ScoreTerms, bias: np.ndarray | None = None) -> np.ndarray:
-    """The score from the scaled dot products scale * q . k (in place where it can): soft-capped,
-    plus the bias (already laid out like `scaled`)."""
-    if terms.softcap is not None:
-        scaled = np.tanh(scaled / np.float32(terms.softcap)) * np.float32(terms.softcap)
-    if bias is not None:
-        scaled = scaled + bias
-    return scaled
+def key_major_dots(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """q . k laid out (kpos, sample, head, qpos), float32 as in the model; heads share kv_heads in groups."""
+    group = q.shape[2] // k.shape[2]
+    k = np.repeat(k, group, axis=2) if group > 1 else k
+    keys = np.ascontiguousarray(np.asarray(k).transpose(0, 2, 1, 3), np.float32)  # (sample, head, kpos, d_head)
+    queries = np.ascontiguousarray(np.asarray(q).transpose(0, 2, 3, 1), np.float32)  # (sample, head, d_head, qpos)
+    return (keys @ queries).transpose(2, 0, 1, 3)
+
+
+class BlockAttention:
+    """One layer's score and attention for a block of samples: the one implementation.
+
+    Built from q (sample, pos, head, d_head), k (sample, pos, kv_head, d_head), valid (sample, pos)
+    and the layer's score terms. Arrays are laid out key-major, (kpos, sample, head, qpos), float32:
+    every reduction over keys is an element-wise pass over contiguous memory and yields
+    per-query arrays (sample, head, qpos) directly, which the replay's kernel needs. Dot products
+    are bilinear, so the score of queries and keys scaled by norm factors (1 + kq_i), (1 + kk_j)
+    is ``scores`` of the factor (1 + kq_i)(1 + kk_j). A query that may see no key is scored
+    unmasked (so that no NaN arises) and gets an all-zero attention row.
+    """
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms):
+        valid = np.asarray(valid, bool)
+        self.terms = terms
+        allowed = allowed_keys(valid, terms)  # (sample, qpos, kpos)
+        self.n_allowed = allowed.sum(axis=-1)  # (sample, qpos)
+        no_keys = self.n_allowed == 0
+        self.no_keys = no_keys[:, None, :] if no_keys.any() else None  # (sample, 1, qpos)
+        refused = ~(allowed | no_keys[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
+        dots = key_major_dots(q, k)
+        self.scaled_dots = np.multiply(dots, np.float32(terms.scale), dtype=np.float32, order="C")
+        np.copyto(self.scaled_dots, np.float32(0), where=refused)
+        self.mask = np.zeros(dots.shape, np.float32)
+        np.copyto(self.mask, np.float32(-np.inf), where=refused)
+        bias = score_bias(valid, terms)
+        self.bias = None if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2))
+
+    def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
+        """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:
+        soft-capped, plus the bias and the mask. `factor`, a float32 array of that shape (the
+        product of the norm factors of q and k), is used as scratch space; without it, the clean
+        score."""
+        scaled = self.scaled_dots.copy() if factor is None else np.multiply(factor, self.scaled_dots, out=factor)
+        if self.terms.softcap is not None:
+            scaled = np.tanh(scaled / np.float32(self.terms.softcap)) * np.float32(self.terms.softcap)
+        if self.bias is not None:
+            scaled += self.bias
+        scaled += self.mask
+        return scaled
+
+    def softmax(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Attention over keys (axis 0) from ``scores``, in place; also the score maxima and the
+        softmax denominators (sample, head, qpos), inf for a query that may see no key."""
+        peak = scores.max(axis=0)
+        scores -= peak
+        np.exp(scores, out=scores)
+        total = scores.sum(axis=0)
+        if self.no_keys is not None:
+            np.copyto(total, np.float32(np.inf), where=self.no_keys)
+        scores /= total
+        return scores, peak, total
+
+    def pattern(self) -> np.ndarray:
+        """The clean attention (sample, head, qpos, kpos)."""
+        attention, _, _ = self.softmax(self.scores())
+        return attention.transpose(1, 2, 3, 0)
 
 
 def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
     """Pattern (sample, head, qpos, kpos), float32 as in the model, from q (sample, pos, head, d_head),
     k (sample, pos, kv_head, d_head), valid (sample, pos) and the layer's score terms; head h reads
     kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row."""
-    group = q.shape[-2] // k.shape[-2]
-    queries = np.swapaxes(np.asarray(q, dtype="float32"), -2, -3)
-    keys = np.repeat(np.swapaxes(np.asarray(k, dtype="float32"), -2, -3), group, axis=-3)
-    scores = queries @ np.swapaxes(keys, -1, -2)
-    scores *= np.float32(terms.scale)
-    scores = finish_scores(scores, terms, score_bias(valid, terms))
-    np.copyto(scores, -np.inf, where=~allowed_keys(valid, terms)[..., None, :, :])
-    peak = scores.max(axis=-1, keepdims=True)
-    scores -= np.where(np.isneginf(peak), 0, peak)
-    np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    return np.divide(scores, total, out=scores, where=total > 0)
+    return np.ascontiguousarray(BlockAttention(q, k, valid, terms).pattern())
 
 
 def attention_source(dataset: xr.Dataset) -> str:

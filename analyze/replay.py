@@ -75,7 +75,7 @@ import dask
 import numpy as np
 import xarray as xr
 
-from .attention import ScoreTerms, allowed_keys, finish_scores, score_bias
+from .attention import BlockAttention, ScoreTerms
 from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
@@ -200,41 +200,24 @@ class ReplaySettings:
 # One block of samples of one layer: the clean attention and its perturbations.
 
 
-def head_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Raw scores q . k (sample, head, qpos, kpos) in float64; heads share kv_heads in groups."""
-    group = q.shape[2] // k.shape[2]
-    k = np.repeat(k, group, axis=2) if group > 1 else k
-    return np.einsum("sihd,sjhd->shij", q.astype(np.float64), k.astype(np.float64))
-
-
 class HeadBlock:
     """Clean attention of one layer for a block of samples, ready to be perturbed.
 
-    The perturbation kernel works in float32, in place where it can, on arrays laid out
-    (kpos, sample, head, qpos): every reduction over keys is then an element-wise pass over
-    contiguous memory, and yields per-instance arrays (sample, head, qpos) directly. Dot products
-    are bilinear, so the noisy scaled ones are the clean ones times (1 + kq_i)(1 + kk_j), which then
-    pass through the rest of the layer's score (soft-cap, ALiBi: ``finish_scores``); the new
-    arg-max and its attention come from the row maximum and the softmax denominator. Rows with no allowed
-    key (never an instance) are left unmasked so that no NaN arises. Messages are kept in each
-    head's own d_head-dimensional frame (``message_frame``), where their norms and dot products
-    are those of W_O v.
+    The score and the attention, clean and perturbed, come from the layer's ``BlockAttention``
+    (the one implementation of the model's attention), laid out (kpos, sample, head, qpos) in
+    float32: the noise enters it as the factors of the query and key norms, and the new arg-max
+    and its attention come from the row maximum and the softmax denominator. Messages are kept in
+    each head's own d_head-dimensional frame (``message_frame``), where their norms and dot
+    products are those of W_O v; their noise multiplies the perturbed attention.
     """
 
     def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None):
         valid = np.asarray(valid, bool)
-        self.threshold, self.terms = sparse_threshold, terms
-        self.n_heads, self.n_kv_heads = q.shape[2], k.shape[2]
-        allowed = allowed_keys(valid, terms)  # (sample, qpos, kpos)
-        n_allowed = allowed.sum(axis=-1)
-        allowed = (allowed | (n_allowed == 0)[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
-        shape = (allowed.shape[0], allowed.shape[1], self.n_heads, allowed.shape[3])
-        self.mask = np.ascontiguousarray(np.broadcast_to(np.where(allowed, np.float32(0), np.float32(-np.inf)), shape))
-        scores = head_scores(q, k).transpose(3, 0, 1, 2)  # (kpos, sample, head, qpos)
-        self.base = np.ascontiguousarray(np.where(allowed, terms.scale * scores, 0.0), dtype=np.float32)
-        bias = score_bias(valid, terms)
-        self.bias = None if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2))
-        self.attention, _, total = self._attend(self._score(self.base.copy()))
+        self.threshold = sparse_threshold
+        self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
+        self.block_attention = BlockAttention(q, k, valid, terms)
+        self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
+        n_allowed = self.block_attention.n_allowed
         self.instance = np.broadcast_to((valid & (n_allowed >= 2))[:, None, :], total.shape)
         self.max_attention = 1.0 / total
         self.sparse = self.instance & (self.max_attention >= sparse_threshold)
@@ -248,22 +231,6 @@ class HeadBlock:
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
         return self.attention.transpose(1, 2, 3, 0)
-
-    def _score(self, scaled: np.ndarray) -> np.ndarray:
-        """The masked score from scaled dot products (kpos, sample, head, qpos), in place where it can."""
-        scaled = finish_scores(scaled, self.terms, self.bias)
-        scaled += self.mask
-        return scaled
-
-    @staticmethod
-    def _attend(logits: np.ndarray):
-        """Softmax over keys (axis 0), in place; also the maxima and denominators (sample, head, qpos)."""
-        peak = logits.max(axis=0)
-        logits -= peak
-        np.exp(logits, out=logits)
-        total = logits.sum(axis=0)
-        logits /= total
-        return logits, peak, total
 
     def _output_sq(self, weights: np.ndarray) -> np.ndarray:
         """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
@@ -283,15 +250,11 @@ class HeadBlock:
         fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
         fk = _key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
         winner = self.winner[None]
-        first_order = (fq - 1) + fk  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is zero
-        first_order *= self.base
-        first_order = self._score(first_order)
+        first_order = self.block_attention.scores((fq - 1) + fk)  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is 0
         beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, winner, axis=0)[0]
-        logits = fq * fk
-        logits *= self.base
-        logits = self._score(logits)
+        logits = self.block_attention.scores(fq * fk)
         at_winner = np.take_along_axis(logits, winner, axis=0)[0]
-        attention, peak, total = self._attend(logits)
+        attention, peak, total = self.block_attention.softmax(logits)
         collapse = self.sparse & (peak > at_winner)
         change = np.subtract(attention, self.attention, out=first_order)
         effects = {
@@ -335,8 +298,7 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
     Arrays (sample, head, qpos) for one layer's block of samples (global indices ``samples``);
     what the online check compares with the model's own attention under the same draw.
     """
-    n_pos = block.base.shape[0]
-    kq, kk = (level * settings.kappa(t, layer, samples, draw, n_pos, n)
+    kq, kk = (level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
     effects = block.perturb(kq, kk, np.zeros_like(kk))
     return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,

@@ -217,6 +217,30 @@ def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     np.testing.assert_allclose(effects["tv"], 0.5 * np.abs(noisy - block.pattern).sum(-1), atol=1e-6)
 
 
+@pytest.mark.parametrize("terms", [
+    ScoreTerms(0.5, True, sliding_window=3, softcap=2.0),
+    ScoreTerms(0.5, True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
+    ScoreTerms(0.5, False),
+], ids=["window-softcap", "alibi", "bidirectional"])
+def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queries_and_keys(terms):
+    q, k, _, _ = random_heads(n_samples=3, scale=1.0)
+    q, k = q[:, 0], k[:, 0]
+    valid = np.ones((3, 8), bool)
+    valid[0, :3] = False  # left padding: a causal query there may see no key
+    block = HeadBlock(q, k, valid, terms, 0.95)
+    np.testing.assert_array_equal(block.pattern, attention_from_qk(q, k, valid, terms))
+    empty = ~valid[:, None, :, None] if terms.causal else np.zeros((3, 1, 8, 1), bool)
+    assert np.all(np.where(empty, block.pattern, 0) == 0) and np.isfinite(block.pattern).all()
+    rng = np.random.default_rng(4)
+    kq, kk = rng.uniform(-0.3, 0.3, (3, 8, 4)), rng.uniform(-0.3, 0.3, (3, 8, 2))
+    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    noisy = attention_from_qk(q * (1 + kq[..., None]), k * (1 + kk[..., None]), valid, terms)
+    np.testing.assert_allclose(effects["tv"], 0.5 * np.abs(noisy - block.pattern).sum(-1), atol=1e-5)
+    assert effects["tv"].max() > 0.05  # the noise moves the attention
+    moved = noisy.argmax(-1) != block.winner
+    np.testing.assert_array_equal(effects["collapse"], block.sparse & moved)
+
+
 def test_entropy_and_max_attention_histogram_of_known_heads(tmp_path):
     # Head 0 attends uniformly (all scores equal), head 1 one-hot on key 0 (huge score).
     n_pos = 5
