@@ -3,19 +3,27 @@ once, and compare the result with an uninterrupted store, file by file.
 
 Each job is the real CLI (`orthosphere extract`) in its own process group: 96 samples of the
 arithmetic task through the shipped `pre` model, 4 samples a chunk, 6 shards, in one process or
-on a LocalCluster of 2 workers (`--workers 2`). Two kinds of kill, drawn at random:
+on a LocalCluster of 2 workers (`--workers 2`). The kills take turns through these kinds, each
+drawn at random within its kind, so that even a short run meets creation and finish:
 
-- at a random point of the store's progress: draw a fraction uniformly in [0, 1), wait until the
-  store holds that fraction of the files of an uninterrupted store (array metadata while it is
-  created, then chunks), wait a further 0-50 ms, then SIGKILL the process group (the job and its
-  workers). Unlike a timer, this lands uniformly over the writes however loaded the machine is;
-- a named point (``ORTHOSPHERE_CRASH_AT``, see ``orthosphere.store.faults``) with a random
-  occurrence: every step of creating and finishing the store, and (in one process) chunk writes
-  and shard completions; the process group is then killed too.
+- creation: a named point (``ORTHOSPHERE_CRASH_AT``, see ``orthosphere.store.faults``) while the
+  store is created (the lock written aside or taken, the root, the k-th array, the progress
+  record), with a random occurrence;
+- progress: draw a fraction uniformly in [0, 1), wait until the store holds that fraction of the
+  files of an uninterrupted store (array metadata while it is created, then chunks), wait a
+  further 0-50 ms, then SIGKILL the process group (the job and its workers). Unlike a timer, this
+  lands uniformly over the writes however loaded the machine is;
+- finish: a named point inside ``finish()`` or just before it;
+- overwrite: the job run with `--overwrite` over a copy of the uninterrupted store, killed at a
+  named point of the replacement (the k-th entry cleared, the store cleared, the new root or k-th
+  array written);
+- shards (one process only): the k-th chunk write or shard completion.
 
-After each kill, one `--resume` must exit 0, leave no lock, validate in full, and give the same
-files as the uninterrupted store: every chunk and array metadata byte for byte, the root's
-attributes but its provenance (time, command) equal.
+A named point must kill the job (the job killed by SIGKILL at it); a job that ends without
+meeting its point is counted as unreached, apart from the kills. After each kill, one `--resume`
+must exit 0, leave no lock, validate in full, and give the same files as the uninterrupted store:
+every chunk and array metadata byte for byte, the root's attributes but its provenance (time,
+command) equal.
 
 Usage: python benchmarks/crash_resume.py [--kills 20] [--worker-kills 12] [--seed 0] [--dir DIR]
 """
@@ -52,17 +60,25 @@ N_SHARDS = 6
 N_ARRAYS = len(variables_for(DEFAULT_SITES, with_weights=True))
 N_BLOCK_WRITES = 96 // 8
 """One write of whole chunks per batch of 8 samples (two chunks of 4)."""
-COORDINATOR_POINTS = ["lock-taken", "root-written", "array-created", "progress-created", "store-created",
-                      "before-finish", "finish-consolidated", "finished"]
-IN_PROCESS_POINTS = COORDINATOR_POINTS + ["chunk-written", "shard-complete"]
+CREATION_POINTS = ["lock-written-aside", "lock-taken", "root-written", "array-created", "progress-created",
+                   "store-created"]
+FINISH_POINTS = ["before-finish", "finish-consolidated", "finished"]
+OVERWRITE_POINTS = ["lock-taken", "clearing", "cleared", "root-written", "array-created"]
+SHARD_POINTS = ["chunk-written", "shard-complete"]
+"""Met by the process that writes the shards: named only in one-process jobs."""
+KINDS = {0: ["creation", "finish", "progress", "overwrite", "shards", "progress"],
+         2: ["creation", "finish", "progress", "overwrite"]}
+"""The kinds of kill, in the order they take turns, by number of workers."""
 OCCURRENCES = {"array-created": N_ARRAYS, "chunk-written": N_BLOCK_WRITES, "shard-complete": N_SHARDS}
 IGNORED = {"zarr.json", LOCK_NAME, HEARTBEAT_NAME}
 
 
-def launch(out: Path, workers: int, resume: bool = False, crash_at: str | None = None) -> subprocess.Popen:
+def launch(out: Path, workers: int, resume: bool = False, crash_at: str | None = None,
+           overwrite: bool = False) -> subprocess.Popen:
     arguments = [str(CLI), "extract", str(MODEL), *JOB, "--out", str(out)]
     arguments += ["--workers", str(workers)] if workers else []
     arguments += ["--resume"] if resume else []
+    arguments += ["--overwrite"] if overwrite else []
     environment = {key: value for key, value in os.environ.items() if key != "ORTHOSPHERE_CRASH_AT"}
     environment["OMP_NUM_THREADS"] = "1"
     if crash_at:
@@ -125,10 +141,11 @@ def differences(reference: Path, out: Path) -> list[str]:
     return problems
 
 
-def one_kill(directory: Path, index: int, workers: int, reference: Path, point: str | None,
-             rng: random.Random) -> dict:
-    out = directory / f"kill-{index:02d}.zarr"
-    if point is None:
+def one_kill(directory: Path, index: int, workers: int, reference: Path, kind: str, rng: random.Random) -> dict:
+    """One job killed as `kind` says, then resumed once; `recovered` is None where no kill happened
+    (a progress kill drawn after the job ended, or a named point the job never met)."""
+    out = directory / f"kill-{index:03d}.zarr"
+    if kind == "progress":
         fraction = rng.random()
         target = fraction * count_files(reference)
         process = launch(out, workers)
@@ -142,10 +159,20 @@ def one_kill(directory: Path, index: int, workers: int, reference: Path, point: 
         if ended_first:
             return {"how": how, "landed": "job had ended", "recovered": None}
     else:
-        process = launch(out, workers, crash_at=point)
-        process.wait()
+        overwrite = kind == "overwrite"
+        if overwrite:
+            shutil.copytree(reference, out)
+        point = draw_point(rng, kind, len(os.listdir(reference)))
+        process = launch(out, workers, crash_at=point, overwrite=overwrite)
+        code = process.wait()
         kill_group(process)
-        how = point
+        how = f"{point}{' (--overwrite)' if overwrite else ''}"
+        if code == 0:
+            shutil.rmtree(out)
+            return {"how": how, "landed": "point never met: the job ended", "recovered": None, "unreached": True}
+        if code != -signal.SIGKILL:
+            return {"how": how, "landed": f"job exited {code} before its point", "recovered": False,
+                    "problems": [f"see {out}.log"]}
     landed = state_after_kill(out)
     resumed = launch(out, workers, resume=True)
     code = resumed.wait()
@@ -159,9 +186,13 @@ def one_kill(directory: Path, index: int, workers: int, reference: Path, point: 
     return {"how": how, "landed": landed, "recovered": not problems, "problems": problems[:3]}
 
 
-def draw_point(rng: random.Random, points: list[str]) -> str:
+def draw_point(rng: random.Random, kind: str, n_entries: int) -> str:
+    """A named point of `kind` with a random occurrence; `n_entries`: what replacing a store clears."""
+    points = {"creation": CREATION_POINTS, "finish": FINISH_POINTS, "overwrite": OVERWRITE_POINTS,
+              "shards": SHARD_POINTS}[kind]
     point = rng.choice(points)
-    return f"{point}:{rng.randint(1, OCCURRENCES[point])}" if point in OCCURRENCES else point
+    occurrences = n_entries if point == "clearing" else OCCURRENCES.get(point)
+    return f"{point}:{rng.randint(1, occurrences)}" if occurrences else point
 
 
 def run(n_kills: int, workers: int, directory: Path, rng: random.Random, references: dict) -> list[dict]:
@@ -170,15 +201,18 @@ def run(n_kills: int, workers: int, directory: Path, rng: random.Random, referen
         raise RuntimeError("the uninterrupted stores of one process and of --workers 2 differ")
     references[workers] = reference
     print(f"\n--workers {workers or 'none (one process)'}: an uninterrupted store holds {count_files(reference)} files")
-    points = IN_PROCESS_POINTS if workers == 0 else COORDINATOR_POINTS
+    kinds = KINDS[workers]
     results = []
     while sum(result["recovered"] is not None for result in results) < n_kills:
+        if len(results) >= 3 * n_kills + len(kinds):
+            raise RuntimeError(f"only {sum(r['recovered'] is not None for r in results)} of {len(results)} "
+                               "attempts killed the job: see the list above")
         index = len(results)
-        point = draw_point(rng, points) if index % 2 else None  # alternate progress kills and named points
-        result = one_kill(directory, len(references) * 100 + index, workers, reference, point, rng)
+        kind = kinds[index % len(kinds)]
+        result = {"kind": kind, **one_kill(directory, len(references) * 100 + index, workers, reference, kind, rng)}
         results.append(result)
-        state = {None: "not a kill", True: "recovered, identical", False: "FAILED"}[result["recovered"]]
-        print(f"  {index + 1:2d}. {result['how']:<26} left: {result['landed']:<32} {state} {result.get('problems') or ''}",
+        state = {None: "no kill", True: "recovered, identical", False: "FAILED"}[result["recovered"]]
+        print(f"  {index + 1:2d}. {result['how']:<34} left: {result['landed']:<32} {state} {result.get('problems') or ''}",
               flush=True)
     return results
 
@@ -201,9 +235,13 @@ def main() -> None:
     results += run(arguments.worker_kills, 2, directory, rng, references)
     kills = [result for result in results if result["recovered"] is not None]
     recovered = sum(result["recovered"] for result in kills)
-    print(f"\n{len(kills)} kills ({len(results) - len(kills)} drawn too late: the job had ended), "
-          f"{recovered} recovered with one --resume to an identical store, {len(kills) - recovered} failed; "
+    unreached = [result["how"] for result in results if result.get("unreached")]
+    too_late = len(results) - len(kills) - len(unreached)
+    print(f"\n{len(kills)} kills, {recovered} recovered with one --resume to an identical store, "
+          f"{len(kills) - recovered} failed; not kills: {too_late} progress kills drawn after the job ended, "
+          f"{len(unreached)} named points never met{': ' + ', '.join(unreached) if unreached else ''}; "
           f"{time.perf_counter() - started:.0f} s")
+    print("kills of each kind:", dict(Counter(result["kind"] for result in kills)))
     print("where the kills landed:", dict(Counter(result["landed"] for result in kills)))
     if recovered == len(kills) and not arguments.dir:
         shutil.rmtree(directory)
