@@ -22,6 +22,7 @@ import dask
 from dask.base import unpack_collections
 from dask.callbacks import Callback
 from dask.utils import key_split
+from threadpoolctl import threadpool_limits
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -58,14 +59,18 @@ def run_plans(plans: dict[str, Plan], ready: Callable[[dict], dict[str, Plan]] =
     """Run plans to their results: one computation per pass, shared by every plan in that pass.
     After each pass, ``ready(results so far)`` may add the plans of analyses that can start now."""
     results, pending, number = {}, dict(plans), 0
-    pending.update(ready(results))
-    while pending:
-        number += 1
-        computed = compute({name: plan.lazy for name, plan in pending.items()}, f"pass {number} ({', '.join(pending)})")
-        finished = {name: plan.finish(computed[name]) for name, plan in pending.items()}
-        pending = {name: value for name, value in finished.items() if isinstance(value, Plan)}
-        results.update({name: value for name, value in finished.items() if not isinstance(value, Plan)})
+    # one BLAS thread: the analyses' parallelism is Dask's threads, and BLAS's own threads on top of them
+    # oversubscribe the cores, making the many small decompositions of the fits 10-30x slower
+    # (distributed's workers start with one BLAS thread already)
+    with threadpool_limits(limits=1, user_api="blas"):
         pending.update(ready(results))
+        while pending:
+            number += 1
+            computed = compute({name: plan.lazy for name, plan in pending.items()}, f"pass {number} ({', '.join(pending)})")
+            finished = {name: plan.finish(computed[name]) for name, plan in pending.items()}
+            pending = {name: value for name, value in finished.items() if isinstance(value, Plan)}
+            results.update({name: value for name, value in finished.items() if not isinstance(value, Plan)})
+            pending.update(ready(results))
     return results
 
 

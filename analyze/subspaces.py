@@ -279,7 +279,8 @@ def denoised(effects: FactorEffects, basis: np.ndarray, coefficients: np.ndarray
     target = fitted.copy()
     for _ in range(TRUTH_ITERATIONS):
         truth = _scaled(along, np.sqrt(target / np.maximum(fitted, np.finfo(float).tiny))) @ basis.T
-        drawn = np.linalg.svd(truth + noise, compute_uv=False)[:, :rank] ** 2
+        drawn = truth + noise
+        drawn = np.linalg.eigvalsh(drawn @ np.swapaxes(drawn, -1, -2))[:, ::-1][:, :rank]
         target = np.maximum(target + fitted - drawn.mean(axis=0), 0.0)
     return _scaled(along, np.sqrt(target / np.maximum(fitted, np.finfo(float).tiny))) @ basis.T
 
