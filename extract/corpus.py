@@ -6,22 +6,22 @@ bounded amount at a time (never the whole corpus): ``document`` is where the pie
 counted across its files), ``content`` its text or, with ``tokenized=true``, its token ids.
 Consecutive pieces of one document (a whole text file read in pieces) share its index.
 
-- ``text``: one document per non-blank line (``document=line``), or the whole file as one
-  document (``document=file``), read in pieces of about 1 MB that end at a line end followed
-  by a line that starts with a non-blank character (so a word or a run of blank lines is never
-  cut; a tokenizer that adds a prefix space to every text it is given sees each piece as a
-  new text).
+- ``text``: one document per non-blank line (``document=line``, the line without its line end),
+  or the whole file as one document (``document=file``): its exact text, line ends (CRLF
+  included) and final newline as they are, read in pieces of about 1 MB that may end anywhere
+  (packing.py tokenises them as the one text they are).
 - ``jsonl``: one JSON object per non-blank line, the document in field ``field``.
 - ``parquet``: a Parquet file, or a folder of them (``*.parquet``, in name order), the document
   in column ``column``, read in row batches; its row count comes from the file metadata.
 - ``hf``: a ``datasets`` dataset saved with ``save_to_disk`` (read with pyarrow from its Arrow
   files, without the ``datasets`` library); a saved ``DatasetDict`` needs ``split=NAME``.
 
-Null and empty documents are skipped. Text must be UTF-8: invalid bytes are an error naming
-the file and line (or row).
+Null and empty documents are skipped (a whole file that is blank holds no document). Text
+must be UTF-8: invalid bytes are an error naming the file and line (or row).
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator
@@ -31,7 +31,7 @@ from pathlib import Path
 from .model import ConfigError
 
 PIECE_BYTES = 2**20
-"""A whole text file is read (and tokenised) in pieces of about this many bytes."""
+"""A whole text file is read in pieces of this many bytes."""
 ROW_BATCH = 1024
 """Rows read at a time from Parquet and Arrow files."""
 
@@ -82,23 +82,32 @@ def _check_exists(path: str) -> None:
         raise CorpusError(f"corpus {path} not found: check the path given as path=")
 
 
-def _decode(raw: bytes, path, line: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise CorpusError(
-            f"{path}, line {line}: invalid UTF-8 ({error.reason} at byte {error.start} of the line): "
-            "expected UTF-8 text; convert the file to UTF-8 (e.g. iconv -t UTF-8)"
-        ) from None
+def no_documents_error(path) -> CorpusError:
+    return CorpusError(f"corpus {path} holds no documents (no non-blank text): give a corpus with text")
+
+
+def _utf8_error(path, line: int, reason: str, byte: int) -> CorpusError:
+    return CorpusError(
+        f"{path}, line {line}: invalid UTF-8 ({reason} at byte {byte} of the line): "
+        "expected UTF-8 text; convert the file to UTF-8 (e.g. iconv -t UTF-8)"
+    )
+
+
+def _check_file(path) -> None:
+    if os.path.isdir(path):
+        raise CorpusError(f"corpus {path} is a folder: expected a file (text and jsonl read one file)")
 
 
 def _lines(path) -> Iterator[tuple[int, str]]:
     """(0-based line index, text without its line end) of every line."""
-    if os.path.isdir(path):
-        raise CorpusError(f"corpus {path} is a folder: expected a file (text and jsonl read one file)")
+    _check_file(path)
     with open(path, "rb") as handle:
         for index, raw in enumerate(handle):
-            yield index, _decode(raw, path, index + 1).rstrip("\r\n")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise _utf8_error(path, index + 1, error.reason, error.start) from None
+            yield index, line.rstrip("\r\n")
 
 
 def _text_lines(path) -> Iterator[Piece]:
@@ -108,18 +117,33 @@ def _text_lines(path) -> Iterator[Piece]:
 
 
 def _text_pieces(path) -> Iterator[Piece]:
-    """The whole file as document 0, in pieces of about PIECE_BYTES that end where a line
-    starting with a non-blank character begins."""
-    held, size = [], 0
-    for _, line in _lines(path):
-        if size >= PIECE_BYTES and line[:1].strip():
-            yield Piece(0, "".join(held))
-            held, size = [], 0
-        held.append(line + "\n")
-        size += len(line) + 1
-    text = "".join(held)
-    if text.strip():
-        yield Piece(0, text)
+    """The whole file's exact text as document 0, decoded in pieces of PIECE_BYTES bytes."""
+    _check_file(path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read, line, line_start, blank = 0, 1, 0, True  # bytes read, the line and where it starts
+    with open(path, "rb") as handle:
+        while True:
+            raw = handle.read(PIECE_BYTES)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as error:  # error.object: the bytes held back from the last piece, then raw
+                before = error.object[: error.start]
+                newline = before.rfind(b"\n")
+                position = read - (len(error.object) - len(raw)) + error.start
+                byte = error.start - newline - 1 if newline >= 0 else position - line_start
+                raise _utf8_error(path, line + before.count(b"\n"), error.reason, byte) from None
+            if text:
+                blank = blank and not text.strip()
+                yield Piece(0, text)
+            if not raw:
+                break
+            newline = raw.rfind(b"\n")
+            if newline >= 0:
+                line_start = read + newline + 1
+            read += len(raw)
+            line += raw.count(b"\n")
+    if blank:
+        raise no_documents_error(path)
 
 
 def _jsonl(path, field: str, tokenized: bool) -> Iterator[Piece]:

@@ -18,15 +18,23 @@ with ``/``.
 A corpus (``text``, ``jsonl``, ``parquet``, ``hf``; read by corpus.py, streamed) is tokenised once
 by the model's tokenizer and laid out (packing.py) either as **packed windows** (``context=N``:
 documents concatenated with the tokenizer's end-of-sequence token between them, cut into windows
-of N tokens that each start with BOS; no padding; ``bos=false`` drops the BOS,
-``separator=none`` the separator) or as **one padded sample per document** (``max_length=N``,
-the default with N = 128: the document with its tokenizer's special tokens, cut to N tokens,
-padded to the longest; ``valid`` marks the real tokens). Packing is the better choice for
-real corpora: it stores no padding and sees every token; padding keeps documents apart and
-aligned at position 0. ``field=`` (JSONL) and ``column=`` (Parquet, saved datasets) name the
-documents' text, ``text`` by default; with ``tokenized=true`` it holds lists of token ids
-instead, used as given. A causal model's target is the next token; a bidirectional model's
-target is the token itself.
+of N tokens that each start with BOS; no padding) or as **one padded sample per document**
+(``max_length=N``, the default with N = 128: the document with its tokenizer's special tokens,
+cut to N tokens, padded to the longest; ``valid`` marks the real tokens). Packing is the better
+choice for real corpora: it stores no padding and sees every token; padding keeps documents
+apart and aligned at position 0. ``field=`` (JSONL) and ``column=`` (Parquet, saved datasets)
+name the documents' text, ``text`` by default; with ``tokenized=true`` it holds lists of token
+ids instead, used as given (a model without tokenizer files reads these, its config.json naming
+BOS and EOS). A causal model's target is the next token; a bidirectional model's target is the
+token itself.
+
+BOS and separator are special tokens of the tokenizer: ``bos=`` is ``true`` (the tokenizer's BOS,
+else its [CLS], else the model config's ``bos_token_id``), ``none`` (or ``false``: windows start
+with the corpus's tokens) or a token id; ``separator=`` is ``eos`` (the tokenizer's end-of-sequence
+token, else its [SEP], else the config's ``eos_token_id``), ``none`` (documents follow each other
+directly) or a token id. An id is taken from the tokenizer or the config only if the tokenizer
+holds it as a special token (never its unknown token, nor an ordinary token a config's default
+names); without one, packing is an error naming these options.
 
 A data set hands out any sample range: ``dataset.batch(start, stop)`` gives numpy arrays
 (sample, pos): tokens, valid, target, scored and the labels (arithmetic: token_str, role,
@@ -40,6 +48,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import tasks
+from .corpus import parquet_rows
 from .model import ConfigError
 from .packing import PackedWindows, PaddedDocuments, TokenizedCorpus
 
@@ -47,7 +56,7 @@ DEFAULT_MAX_LENGTH = 128
 SPEC_FORMS = (
     "arithmetic:split=NAME,seed=N[,train_counts=2/3/5,...]; text:path=FILE[,document=line|file]; "
     "jsonl:path=FILE[,field=text]; parquet:path=FILE_OR_FOLDER[,column=text]; hf:path=FOLDER[,split=NAME][,column=text]; "
-    "a corpus takes context=N[,bos=true|false][,separator=eos|none] (packed windows) or max_length=N "
+    "a corpus takes context=N[,bos=true|none|ID][,separator=eos|none|ID] (packed windows) or max_length=N "
     "(one padded sample a document), and tokenized=true for a column of token ids"
 )
 ARITHMETIC_LABELS = {
@@ -61,6 +70,8 @@ CORPUS_OPTIONS = {
     "hf": {"column", "split", "tokenized"},
 }
 LAYOUT_OPTIONS = {"path", "context", "max_length", "bos", "separator"}
+SPECIAL_TOKENS = {"bos": "a BOS token", "separator": "an end-of-sequence token to separate documents"}
+"""What each special-token option of packed windows asks for."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,11 @@ class CorpusData:
     layout: str = "padded"
     length: int = DEFAULT_MAX_LENGTH
     bos: bool = True
+    bos_id: int | None = None
+    """The BOS given as a token id (None: the tokenizer's)."""
     separator: bool = True
+    separator_id: int | None = None
+    """The separator given as a token id (None: the tokenizer's end-of-sequence token)."""
 
 
 def parse_task(spec: str) -> ArithmeticData | CorpusData:
@@ -138,6 +153,18 @@ def _flag(key: str, value: str, true: str = "true", false: str = "false") -> boo
     return value == true
 
 
+def _special_option(key: str, value: str, default: str, nones: tuple[str, ...]) -> tuple[bool, int | None]:
+    """(whether the token is wanted, its id if given) of bos= or separator=: `default` (the tokenizer's),
+    one of `nones` (none) or a token id."""
+    if value == default:
+        return True, None
+    if value in nones:
+        return False, None
+    if value.isdigit():
+        return True, int(value)
+    raise ValueError(f"{key}={value!r}: expected {default} or {nones[0]}, or a token id")
+
+
 def _corpus(source: str, options: dict) -> CorpusData:
     allowed = CORPUS_OPTIONS[source] | LAYOUT_OPTIONS
     unknown = sorted(set(options) - allowed)
@@ -149,7 +176,8 @@ def _corpus(source: str, options: dict) -> CorpusData:
         raise ValueError("context=N (packed windows) and max_length=N (padded documents) exclude each other: give one")
     packed = "context" in options
     length = _integer("context" if packed else "max_length", options.get("context", options.get("max_length", str(DEFAULT_MAX_LENGTH))))
-    bos = _flag("bos", options.get("bos", "true"))
+    bos, bos_id = _special_option("bos", options.get("bos", "true"), "true", ("none", "false"))
+    separator, separator_id = _special_option("separator", options.get("separator", "eos"), "eos", ("none",))
     if not packed and ({"bos", "separator"} & set(options)):
         raise ValueError("bos= and separator= shape packed windows: give context=N with them")
     if length < 1 + (packed and bos):
@@ -160,15 +188,15 @@ def _corpus(source: str, options: dict) -> CorpusData:
     return CorpusData(
         source=source, path=options["path"], column=options.get("field", options.get("column", "text")),
         document=document, split=options.get("split"), tokenized=_flag("tokenized", options.get("tokenized", "false")),
-        layout="packed" if packed else "padded", length=length, bos=bos,
-        separator=_flag("separator", options.get("separator", "eos"), true="eos", false="none"),
+        layout="packed" if packed else "padded", length=length, bos=bos, bos_id=bos_id,
+        separator=separator, separator_id=separator_id,
     )
 
 
-def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = True, bos_id: int | None = None,
-                 eos_id: int | None = None, vocab_size: int | None = None):
-    """The data set of a parsed spec. A corpus is tokenised here, once, with the model's tokenizer;
-    bos_id and eos_id are the start and end tokens (the tokenizer's, else the model's)."""
+def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = True, vocab_size: int | None = None,
+                 scratch: str | None = None):
+    """The data set of a parsed spec. A corpus is tokenised here, once, with the model's tokenizer
+    (its token files in a new folder in `scratch`, None: the system's temporary folder)."""
     if n_samples is not None:
         _check_samples(n_samples)
     if isinstance(data, ArithmeticData):
@@ -178,18 +206,20 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
     if tokenizer is None:
         raise ConfigError(
             "a text corpus needs the model's tokenizer, and this model has none: add its tokenizer files "
-            "(tokenizer.json ...) to the model directory, or use the arithmetic task"
+            "(tokenizer.json ...) to the model directory, give the corpus as token ids (tokenized=true), "
+            "or use the arithmetic task"
         )
     if data.layout == "padded":
+        _check_rows(data, n_samples)
         corpus = TokenizedCorpus(data, tokenizer, special_tokens=True, separator=None, vocab_size=vocab_size,
-                                 max_document_tokens=data.length, stop_documents=n_samples)
+                                 max_document_tokens=data.length, stop_documents=n_samples, scratch=scratch)
         layout = functools.partial(PaddedDocuments, max_length=data.length)
     else:
-        bos = _special(bos_id, data.bos, "BOS", "bos=false")
-        separator = _special(eos_id, data.separator, "end-of-sequence", "separator=none")
+        bos = _special(data, "bos", tokenizer.bos_id, tokenizer, vocab_size)
+        separator = _special(data, "separator", tokenizer.eos_id, tokenizer, vocab_size)
         body = data.length - (bos is not None)
         corpus = TokenizedCorpus(data, tokenizer, special_tokens=False, separator=separator, vocab_size=vocab_size,
-                                 stop_tokens=None if n_samples is None else n_samples * body + 1)
+                                 stop_tokens=None if n_samples is None else n_samples * body + 1, scratch=scratch)
         layout = functools.partial(PackedWindows, context=data.length, bos=bos)
     try:
         return layout(corpus, n_samples=n_samples, causal=causal, pad_id=tokenizer.pad_id)
@@ -198,13 +228,28 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
         raise
 
 
-def _special(token: int | None, wanted: bool, name: str, instead: str) -> int | None:
-    if not wanted:
+def _special(data: CorpusData, key: str, own: int | None, tokenizer, vocab_size: int | None) -> int | None:
+    """The token id that bos= or separator= (`key`) asks for: none, the id given, or `own`, the tokenizer's."""
+    if not getattr(data, key):
         return None
-    if token is None:
-        raise ConfigError(f"packing needs a {name} token, and neither the tokenizer nor the model config names one: "
-                          f"pass {instead} in the task spec")
-    return int(token)
+    given = getattr(data, f"{key}_id")
+    if given is not None:
+        if vocab_size is not None and given >= vocab_size:
+            raise ConfigError(f"{key}={given} is outside the model's vocabulary 0..{vocab_size - 1}: give a token id "
+                              f"of the model, or {key}=none")
+        return given
+    if own is None:
+        raise ConfigError(f"packing needs {SPECIAL_TOKENS[key]}, and none is known: {tokenizer.lacks_special}; pass "
+                          f"{key}=ID (a token id of the model) or {key}=none in the task spec")
+    return int(own)
+
+
+def _check_rows(data: CorpusData, n_samples: int | None) -> None:
+    """Refuse, before tokenising, more padded samples than a Parquet corpus has rows (its metadata says)."""
+    rows = parquet_rows(data)
+    if n_samples is not None and rows is not None and n_samples > rows:
+        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than --samples {n_samples} (one padded sample a "
+                          "document): ask for fewer samples or give a longer corpus")
 
 
 def _check_samples(n_samples) -> None:

@@ -207,28 +207,43 @@ def _reopen(job: ExtractJob) -> StoreWriter | None:
 
 
 def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
-    """The job's data set (a corpus is tokenised here), checked against the model's positions."""
-    config = getattr(loaded.adapter.model, "config", None)
-    tokenizer = loaded.tokenizer
-
-    def special(name: str):
-        own = getattr(tokenizer, f"{name}_id", None)
-        return own if own is not None else getattr(config, f"{name}_token_id", None)
-
-    dataset = open_dataset(
-        data, n_samples=job.n_samples, tokenizer=tokenizer, causal=description["causal"], bos_id=special("bos"),
-        eos_id=special("eos"), vocab_size=description.get("vocab_size"),
-    )
+    """The job's data set (a corpus is tokenised here), checked against the model's positions:
+    packed windows before the corpus is tokenised, padded documents once their longest is known."""
     limit = max_positions(loaded.adapter.model)
-    if limit is not None and dataset.n_pos > limit:
-        if isinstance(data, CorpusData):
-            dataset.close()
-        option = "context" if isinstance(data, CorpusData) and data.layout == "packed" else "max_length"
+    if not isinstance(data, CorpusData):
+        dataset = open_dataset(data, n_samples=job.n_samples)
+        _check_positions(dataset.n_pos, limit, "max_length")
+        return dataset
+    if data.layout == "packed":
+        _check_positions(data.length, limit, "context")
+    dataset = open_dataset(
+        data, n_samples=job.n_samples, tokenizer=loaded.corpus_tokenizer(data.tokenized), causal=description["causal"],
+        vocab_size=description.get("vocab_size"), scratch=_scratch_folder(job),
+    )
+    try:
+        _check_positions(dataset.n_pos, limit, "max_length")
+    except ConfigError:
+        dataset.close()
+        raise
+    return dataset
+
+
+def _check_positions(n_pos: int, limit: int | None, option: str) -> None:
+    if limit is not None and n_pos > limit:
         raise ConfigError(
-            f"samples of {dataset.n_pos} positions are longer than the model's {limit} positions: "
+            f"samples of {n_pos} positions are longer than the model's {limit} positions: "
             f"use {option}={limit} or less in the task spec"
         )
-    return dataset
+
+
+def _scratch_folder(job: ExtractJob) -> str | None:
+    """Where a corpus's temporary token files go: the folder of a local output store (where the
+    store's space is), else None (the system's temporary folder)."""
+    location = as_location(job.out, job.storage_options)
+    if not location.is_local:
+        return None
+    folder = os.path.dirname(os.path.abspath(location.local_path))
+    return folder if os.path.isdir(folder) else None
 
 
 def max_positions(model) -> int | None:

@@ -2,14 +2,21 @@
 
 ``TokenizedCorpus`` reads the documents in order (corpus.py), tokenises them in batches with the
 model's tokenizer and appends the ids to a token stream (int32) and a table of documents (source
-index, first token, length), both files in a temporary folder (under ``$TMPDIR``: 4 bytes a token)
-that is removed on close: memory stays bounded whatever the corpus size, every document is
-tokenised once, and the number of samples is known when the stream ends.
+index, first token, length), both files in a temporary folder (4 bytes a token; beside a local
+output store, else under ``$TMPDIR``) that is removed on close: memory stays bounded whatever the
+corpus size, every document is tokenised once, and the number of samples is known when the
+stream ends.
+
+A whole text file (``document=file``) is one text read in pieces, and its tokens are those of
+tokenising it at once (``whole_text_ids``): overlapping windows of text are tokenised with the
+tokenizer's character offsets and only tokens far from a window's end are taken, so that no cut
+between pieces changes a token (where two windows disagree, the earlier one is tokenised again
+with more text; a tokenizer whose tokens depend on text a kilobyte away is an error).
 
 Packed (task option ``context=N``), as activation caches such as SAELens lay out a corpus::
 
     stream   = doc_0, SEP, doc_1, SEP, doc_2, ...        (documents without their special tokens)
-    window w = [BOS] + stream[w*b : (w+1)*b]            b = N - 1 (b = N with bos=false)
+    window w = [BOS] + stream[w*b : (w+1)*b]            b = N - 1 (b = N with bos=none)
 
 SEP is the tokenizer's end-of-sequence token (``separator=none``: nothing between documents).
 No window holds padding; a document longer than a window continues in the next ones; the tail of
@@ -35,10 +42,12 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .corpus import CorpusError, corpus_files, parquet_rows, read_documents
+from .corpus import CorpusError, corpus_files, no_documents_error, parquet_rows, read_documents
 from .hashing import files_sha256
 
 log = logging.getLogger("orthosphere.extract")
@@ -48,6 +57,13 @@ NOT_APPLICABLE = int(np.iinfo(np.int64).min)
 ENCODE_BATCH_CHARS = 2**20
 """Text handed to the tokenizer at once (it tokenises a batch in parallel)."""
 ENCODE_BATCH_PIECES = 1024
+WINDOW_MARGIN_CHARS = 1024
+"""A whole text's tokens that end within this many characters of a window's end are left to the next window."""
+WINDOW_BACK_TOKENS = 32
+"""The next window starts this many tokens before the first token left to it, so that what a
+tokenizer does at the start of a text (a prefix space) falls on tokens already taken."""
+WINDOW_CHECK_TOKENS = 4
+"""The tokens just before the first one left to a window that it must give as the last window did."""
 
 
 class TokenizedCorpus:
@@ -55,14 +71,15 @@ class TokenizedCorpus:
 
     def __init__(self, data, tokenizer, *, special_tokens: bool, separator: int | None, vocab_size: int | None,
                  max_document_tokens: int | None = None, stop_tokens: int | None = None,
-                 stop_documents: int | None = None):
+                 stop_documents: int | None = None, scratch: str | None = None):
         """Tokenise the documents of `data`, each cut to max_document_tokens (None: kept whole) and
         followed by `separator` (None: nothing) unless it is the last; stop reading once the stream
-        holds stop_tokens tokens or stop_documents documents (None: read everything)."""
+        holds stop_tokens tokens or stop_documents documents (None: read everything). The token
+        files go to a new folder in `scratch` (None: the system's temporary folder)."""
         self.data, self.tokenizer = data, tokenizer
         self.special_tokens, self.separator, self.vocab_size = special_tokens, separator, vocab_size
         self.max_document_tokens = max_document_tokens
-        self.folder = tempfile.mkdtemp(prefix="orthosphere-tokens-")
+        self.folder = tempfile.mkdtemp(prefix=".orthosphere-tokens-", dir=scratch)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
         began = time.perf_counter()
         try:
@@ -83,10 +100,10 @@ class TokenizedCorpus:
         self.n_tokens = self.n_documents = self.truncated_documents = 0
         current = None  # [source index, first token, length] of the document being read
         with open(stream_path, "wb") as stream, table:
-            for piece, ids in self._encoded_pieces():
+            for document, ids in self._encoded():
                 if stop_tokens is not None and self.n_tokens >= stop_tokens:
                     break
-                if current is None or piece.document != current[0]:
+                if current is None or document != current[0]:
                     if not len(ids):
                         continue
                     if current is not None:
@@ -97,7 +114,7 @@ class TokenizedCorpus:
                         if self.separator is not None:
                             stream.write(np.int32(self.separator).tobytes())
                             self.n_tokens += 1
-                    current = [piece.document, self.n_tokens, 0]
+                    current = [document, self.n_tokens, 0]
                     self.n_documents += 1
                 ids = self._cut(ids, current[2])
                 stream.write(ids.tobytes())
@@ -106,13 +123,26 @@ class TokenizedCorpus:
             if current is not None:
                 table.append(current)
         if self.n_tokens == 0:
-            raise CorpusError(f"corpus {self.data.path} holds no documents (no non-blank text): give a corpus with text")
+            raise no_documents_error(self.data.path)
         self.stream = np.memmap(stream_path, dtype=np.int32, mode="r", shape=(self.n_tokens,))
         self.sources, self.starts, self.lengths = table.columns(self.n_documents)
 
-    def _encoded_pieces(self):
+    def _encoded(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(source index, token ids) of the corpus's documents in order, a document in one or more parts."""
+        if self.data.source == "text" and self.data.document == "file":
+            yield from ((0, ids) for ids in self._whole_file_ids())
+            return
         for batch in _batches(read_documents(self.data)):
-            yield from zip(batch, self._encode(batch))
+            yield from zip((piece.document for piece in batch), self._encode(batch))
+
+    def _whole_file_ids(self) -> Iterator[np.ndarray]:
+        """The whole file's tokens, with the special tokens the tokenizer adds around a text if asked."""
+        before, after = self.tokenizer.special_affixes() if self.special_tokens else ([], [])
+        yield np.asarray(before, dtype=np.int32)
+        pieces = (piece.content for piece in read_documents(self.data))
+        for ids in whole_text_ids(pieces, self.tokenizer.encode_offsets, self.data.path):
+            yield ids.astype(np.int32)
+        yield np.asarray(after, dtype=np.int32)
 
     def _cut(self, ids: np.ndarray, held: int) -> np.ndarray:
         """The ids that fit in a document holding `held` tokens already (all when uncut)."""
@@ -153,8 +183,108 @@ class TokenizedCorpus:
             **source,
             **({"rows": rows} if rows is not None else {}),
             "sha256": files_sha256(corpus_files(data)),
-            "tokenizer": getattr(self.tokenizer, "name", ""),
+            "tokenizer": self.tokenizer.name,
+            "tokenizer_sha256": self.tokenizer.sha256(),
         }
+
+
+Encode = Callable[[str], tuple[np.ndarray, np.ndarray, np.ndarray]]
+"""A text's token ids and each token's start and end character offsets."""
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A stretch of a whole text that starts at character `start` of it, where a token starts; its
+    tokens from character `resume` of the stretch on are to be taken, after the tokens `expected`
+    (None: the stretch is the text's beginning)."""
+
+    text: str
+    start: int = 0
+    resume: int = 0
+    expected: tuple[int, ...] | None = None
+
+
+def whole_text_ids(pieces: Iterable[str], encode: Encode, path) -> Iterator[np.ndarray]:
+    """The token ids of the concatenated pieces, exactly those of encoding their whole text at once,
+    holding about a piece at a time.
+
+    Each window (the text left by the last window, then the next piece) is encoded; its tokens that
+    end WINDOW_MARGIN_CHARS before its end are taken, the rest are left to the next window, which
+    starts WINDOW_BACK_TOKENS tokens earlier and takes its tokens from the start offset of the first
+    one left to it, once its WINDOW_CHECK_TOKENS tokens before that point equal the last window's.
+    A window's tokens are held until the next window agrees with them; where it does not (a token
+    that depends on text further on), the held window is encoded again with the next window's text.
+    """
+    window, held, previous = _Window(""), None, None
+    for piece, last in _with_last(pieces):
+        window = replace(window, text=window.text + piece)
+        split = _split_window(window, encode, last)
+        if split is _MISALIGNED and previous is not None:
+            earlier, begin = previous
+            window, held, previous = replace(earlier, text=earlier.text[:begin] + window.text), None, None
+            split = _split_window(window, encode, last)
+        if split is _MISALIGNED:
+            raise CorpusError(
+                f"{path}: the tokenizer's tokens near character {window.start + window.resume} depend on text more "
+                f"than {WINDOW_MARGIN_CHARS} characters away, so the file cannot be tokenised in pieces: split it "
+                "into documents (document=line) or give it tokenised (jsonl or parquet with tokenized=true)"
+            )
+        if split is None:  # too few tokens yet: read on
+            continue
+        ids, following, begin = split
+        if held is not None:
+            yield held
+        held = ids
+        if following is not None:
+            previous, window = (window, begin), following
+    if held is not None:
+        yield held
+
+
+_MISALIGNED = object()
+
+
+def _split_window(window: _Window, encode: Encode, last: bool):
+    """(the window's tokens to take, the next window, where in this one it begins); for the last
+    window, (its tokens, None, None); None when too few tokens are settled; _MISALIGNED when the
+    window does not give the tokens expected before its resume point."""
+    ids, starts, ends = encode(window.text)
+    boundary = np.zeros(len(ids), dtype=bool)  # a token a window may start at: it shares no character with the last
+    boundary[1:] = (starts[1:] >= ends[:-1]) & (starts[1:] > starts[:-1]) & (ends[1:] > starts[1:])
+    if window.expected is None:
+        first = 0
+    else:
+        resumes = np.flatnonzero(boundary & (starts == window.resume))
+        n_expected = len(window.expected)
+        if not len(resumes) or resumes[0] < n_expected or tuple(ids[resumes[0] - n_expected: resumes[0]]) != window.expected:
+            return _MISALIGNED
+        first = int(resumes[0])
+    if last:
+        return ids[first:], None, None
+    settled = np.zeros(len(ids), dtype=bool)  # every token before it ends WINDOW_MARGIN_CHARS before the window's end
+    settled[1:] = np.maximum.accumulate(ends[:-1]) <= len(window.text) - WINDOW_MARGIN_CHARS
+    cuts = np.flatnonzero(boundary & settled)
+    cuts = cuts[cuts >= first + WINDOW_BACK_TOKENS]
+    if not len(cuts):
+        return None
+    cut = int(cuts[-1])
+    begin = int(starts[cut - WINDOW_BACK_TOKENS])
+    following = _Window(window.text[begin:], window.start + begin, int(starts[cut]) - begin,
+                        tuple(int(i) for i in ids[cut - WINDOW_CHECK_TOKENS: cut]))
+    return ids[first:cut], following, begin
+
+
+def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
+    """(item, whether it is the last) of each item."""
+    items = iter(items)
+    try:
+        item = next(items)
+    except StopIteration:
+        return
+    for following in items:
+        yield item, False
+        item = following
+    yield item, True
 
 
 class _DocumentTable:

@@ -1,7 +1,8 @@
 """Load a model for extraction: the project's checkpoints, Hugging Face directories, GGUF files.
 
 ``load_source(path, device, model_dtype)`` returns a ``LoadedModel``: the model's adapter
-(capture.py), its tokenizer (or None) and, from ``describe()``, its description for the store,
+(capture.py), its tokenizer (or None: such a model reads only corpora of token ids, with the
+special tokens its config.json names) and, from ``describe()``, its description for the store,
 which adds where the model came from and a SHA-256 of its weights (hashing.py: computed once per
 version of the files) so that a resumed job can tell a different model apart. ``model_dtype``
 (float32, bfloat16 or float16; default float32) is the dtype the model is loaded and run in; the
@@ -22,11 +23,13 @@ Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import tasks
@@ -43,9 +46,11 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 class Tokenizer:
     """Text to token ids, and ids back to token strings (for the `token_str` label); bos_id and
-    eos_id are the start and end tokens it knows (None: none)."""
+    eos_id are the start and end tokens it knows as special tokens (None: none; `lacks_special`
+    says why, for errors)."""
 
     name = ""
+    lacks_special = "the tokenizer has none"
     pad_id = 0
     bos_id: int | None = None
     eos_id: int | None = None
@@ -58,7 +63,24 @@ class Tokenizer:
         ... [SEP]) or without them."""
         raise NotImplementedError
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A text's token ids without special tokens, and each token's start and end character offsets."""
+        raise ConfigError(f"a whole text file (document=file) is tokenised with character offsets, which {self.name} "
+                          "does not give: use a fast tokenizer (tokenizer.json) or document=line")
+
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer adds before and after a text's own."""
+        return [], []
+
     def token_strings(self, ids) -> list[str]:
+        raise NotImplementedError
+
+    def sha256(self) -> str:
+        """A SHA-256 of what the tokenizer turns text into (vocabulary, rules, special tokens), so that
+        a resumed job can tell a different tokenizer of the same class apart."""
+        return hashlib.sha256(self._definition().encode()).hexdigest()
+
+    def _definition(self) -> str:
         raise NotImplementedError
 
 
@@ -76,24 +98,82 @@ class CharacterTokenizer(Tokenizer):
     def token_strings(self, ids):
         return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
 
+    def _definition(self):
+        return json.dumps(["".join(tasks.CHARACTERS), self.pad_id, self.bos_id, self.eos_id])
+
+
+class TokenIds(Tokenizer):
+    """For a corpus given as token ids with a model that has no tokenizer files: each token's string
+    is its id; the special tokens are those the model's config.json declares."""
+
+    name = "token ids (no tokenizer)"
+    lacks_special = "the model has no tokenizer files and its config.json names none"
+
+    def __init__(self, config: dict):
+        self.bos_id, self.eos_id = _declared_id(config, "bos_token_id"), _declared_id(config, "eos_token_id")
+        self.pad_id = next(i for i in (_declared_id(config, "pad_token_id"), self.eos_id, 0) if i is not None)
+
+    def token_strings(self, ids):
+        return [str(int(i)) for i in ids]
+
+    def _definition(self):
+        return json.dumps([self.name, self.pad_id, self.bos_id, self.eos_id])
+
+
+def _declared_id(config: dict, key: str) -> int | None:
+    """A token id that config.json sets (the first of a list of them), else None."""
+    value = config.get(key)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A transformers tokenizer, with the special tokens it adds by default (BOS, [CLS]...)."""
+    """A transformers tokenizer, with the special tokens it adds by default (BOS, [CLS]...). Its BOS
+    is its BOS token, else its [CLS], else the model config's bos_token_id (its EOS likewise: EOS,
+    [SEP], eos_token_id), each only if the tokenizer holds it as a special token: never its unknown
+    token, which stands for a token it lacks, nor an ordinary token that a config's default names."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, config: dict | None = None):
         self.tokenizer = tokenizer
         self.name = type(tokenizer).__name__
+        self.lacks_special = (f"the tokenizer ({self.name}) has none as a special token, nor does the model's "
+                              "config.json name one of its special tokens")
         candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0)
         self.pad_id = next(i for i in candidates if i is not None)
-        self.bos_id = next((i for i in (tokenizer.bos_token_id, tokenizer.cls_token_id) if i is not None), None)
-        self.eos_id = next((i for i in (tokenizer.eos_token_id, tokenizer.sep_token_id) if i is not None), None)
+        special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        special.discard(tokenizer.unk_token_id)
+        config = config or {}
+        bos = (tokenizer.bos_token_id, tokenizer.cls_token_id, _declared_id(config, "bos_token_id"))
+        eos = (tokenizer.eos_token_id, tokenizer.sep_token_id, _declared_id(config, "eos_token_id"))
+        self.bos_id = next((i for i in bos if i in special), None)
+        self.eos_id = next((i for i in eos if i in special), None)
 
     def encode_batch(self, texts, special_tokens=True):
         encoded = self.tokenizer(texts, add_special_tokens=special_tokens, return_attention_mask=False, verbose=False)
         return encoded["input_ids"]
 
+    def encode_offsets(self, text):
+        if not self.tokenizer.is_fast:
+            return super().encode_offsets(text)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                 return_attention_mask=False, verbose=False)
+        offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoded["input_ids"], dtype=np.int64), offsets[:, 0], offsets[:, 1]
+
+    def special_affixes(self):
+        encoded = self.tokenizer("a", return_special_tokens_mask=True, return_attention_mask=False, verbose=False)
+        ids, special = encoded["input_ids"], encoded["special_tokens_mask"]
+        own = [i for i, flag in enumerate(special) if not flag] or [len(ids)]
+        return ids[: own[0]], ids[own[-1] + 1:]
+
     def token_strings(self, ids):
         return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+
+    def _definition(self):
+        backend = self.tokenizer.backend_tokenizer.to_str() if self.tokenizer.is_fast else \
+            json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
+        return json.dumps([self.name, backend, self.pad_id, self.bos_id, self.eos_id])
 
 
 @dataclass
@@ -105,7 +185,16 @@ class LoadedModel:
     path: Path
     source_format: str
     weight_files: list[Path]
+    config: dict = field(default_factory=dict)
+    """The model's config.json as written (empty for a GGUF file)."""
     _description: dict | None = None
+
+    def corpus_tokenizer(self, tokenized: bool) -> Tokenizer | None:
+        """What a corpus is read with: the model's tokenizer; for token ids with a model that has
+        none, TokenIds (the special tokens of its config.json)."""
+        if self.tokenizer is None and tokenized:
+            return TokenIds(self.config)
+        return self.tokenizer
 
     def describe(self) -> dict:
         """The store's `model` attribute: the adapter's description, the source and its weights' SHA-256."""
@@ -275,23 +364,24 @@ def _load_hugging_face(directory: Path, config: dict, device: torch.device, dtyp
             f"{missing[:3]}: the model would run with random weights there; give a complete checkpoint"
         )
     adapter = adapter_for(model.to(device))
-    return LoadedModel(adapter, _directory_tokenizer(directory), directory, "safetensors", weight_files)
+    return LoadedModel(adapter, _directory_tokenizer(directory, config), directory, "safetensors", weight_files, config)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
-def _directory_tokenizer(directory: Path) -> HuggingFaceTokenizer | None:
+def _directory_tokenizer(directory: Path, config: dict) -> HuggingFaceTokenizer | None:
     """The directory's tokenizer, or None when it has no tokenizer files."""
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
-    return _auto_tokenizer(directory)
+    return _auto_tokenizer(directory, config)
 
 
-def _auto_tokenizer(directory: Path, **options) -> HuggingFaceTokenizer:
+def _auto_tokenizer(directory: Path, config: dict | None = None, **options) -> HuggingFaceTokenizer:
     from transformers import AutoTokenizer
 
-    return HuggingFaceTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **options))
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **options)
+    return HuggingFaceTokenizer(tokenizer, config)
 
 
 def _gguf_metadata(path: Path) -> dict:

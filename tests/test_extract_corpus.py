@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,40 +19,56 @@ import xarray as xr
 import zarr
 
 from orthosphere.extract import corpus as corpus_module
-from orthosphere.extract import hashing
-from orthosphere.extract.corpus import CorpusError
-from orthosphere.extract.job import ExtractJob, Float16OverflowError, extract
+from orthosphere.extract import hashing, packing
+from orthosphere.extract.corpus import CorpusError, read_documents
+from orthosphere.extract.data import parse_task
+from orthosphere.extract.job import ExtractJob, Float16OverflowError, JobMismatchError, extract
 from orthosphere.extract.model import ConfigError
+from orthosphere.extract.packing import TokenizedCorpus
 from orthosphere.store import create_store, format_info, info, open_store, read_attrs
 from orthosphere.store.bfloat16 import BFLOAT16
 
 WORDS = "the a cat dog sat ran on under mat rug big small red blue and then bird tree sang".split()
 SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
 VOCAB = SPECIALS + WORDS
-PAD, BOS, EOS = 0, 2, 3
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
 NOT_APPLICABLE = int(np.iinfo(np.int64).min)
 CLI = os.path.join(os.path.dirname(sys.executable), "orthosphere")
 
 
-def write_model(directory, max_positions: int = 64, embedding_scale: float = 1.0):
-    """A tiny random Llama (2 layers, d_model 32, grouped-query attention) and its word tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def write_model(directory, max_positions: int = 64, embedding_scale: float = 1.0, d_model: int = 32, n_layers: int = 2,
+                tokenizer: bool = True, tokenizer_specials=("bos", "eos"), config_specials=(BOS, EOS)):
+    """A tiny random Llama (grouped-query attention: 4 heads, 2 key/value heads) whose config.json
+    names config_specials as its BOS and EOS, and its word tokenizer (none with tokenizer=False)
+    holding the special tokens named in tokenizer_specials."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(VOCAB), max_position_embeddings=max_positions,
-                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
+    config = LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(VOCAB),
+                         max_position_embeddings=max_positions, bos_token_id=config_specials[0],
+                         eos_token_id=config_specials[1], pad_token_id=PAD, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(embedding_scale)
     model.save_pretrained(directory, safe_serialization=True)
-    backend = Tokenizer(models.WordLevel({word: index for index, word in enumerate(VOCAB)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(directory)
+    if tokenizer:
+        write_word_tokenizer(directory, tokenizer_specials)
     return directory
+
+
+def write_word_tokenizer(directory, specials=("bos", "eos"), split_punctuation: bool = False):
+    """The word tokenizer with the special tokens named (bos: <s>, added before a text; eos: </s>);
+    split_punctuation changes its rules but not the tokens of the generated sentences."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({word: index for index, word in enumerate(VOCAB)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace() if split_punctuation else pre_tokenizers.WhitespaceSplit()
+    if "bos" in specials:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tokens = {f"{name}_token": token for name, token in (("bos", "<s>"), ("eos", "</s>")) if name in specials}
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", **tokens).save_pretrained(directory)
 
 
 def sentences(n: int = 30, seed: int = 0) -> list[str]:
@@ -142,6 +159,39 @@ def test_without_bos_and_separator_the_windows_are_the_stream(tmp_path, model_di
     assert store.attrs["task"]["bos"] is None and "dropped_tokens" not in store.attrs["task"]  # --samples: a prefix
 
 
+def test_bos_and_separator_are_special_tokens_of_the_tokenizer_or_given(tmp_path, lines):
+    # a tokenizer without BOS and EOS, whose config.json names [UNK] for both (as a Llama config's defaults may)
+    plain = write_model(tmp_path / "plain", tokenizer_specials=(), config_specials=(UNK, UNK))
+    text = write_lines(tmp_path / "corpus.txt", lines)
+    with pytest.raises(ConfigError, match=r"packing needs a BOS token, and none is known: the tokenizer \(\w+\) has none "
+                                          r"as a special token, nor does the model's config.json name one of its special "
+                                          r"tokens; pass bos=ID \(a token id of the model\) or bos=none in the task spec"):
+        run(plain, tmp_path / "a.zarr", f"text:path={text},context=16")
+    with pytest.raises(ConfigError, match=r"packing needs an end-of-sequence token to separate documents, and none is "
+                                          r"known: .*; pass separator=ID \(a token id of the model\) or separator=none"):
+        run(plain, tmp_path / "b.zarr", f"text:path={text},context=16,bos=none")
+    with pytest.raises(ConfigError, match=r"bos=99 is outside the model's vocabulary 0..22"):
+        run(plain, tmp_path / "c.zarr", f"text:path={text},context=16,bos=99,separator=none")
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".zarr")]
+    # without a separator, one document's last token is followed by the next one's first
+    joined = run(plain, tmp_path / "d.zarr", f"text:path={text},context=16,bos={BOS},separator=none", n_samples=8)
+    stream = np.concatenate([word_ids(line) for line in lines])
+    np.testing.assert_array_equal(joined["tokens"].values, np.insert(stream[:120].reshape(8, 15), 0, BOS, axis=1))
+    assert joined.attrs["task"]["bos"] == BOS and joined.attrs["task"]["separator"] is None
+    given = run(plain, tmp_path / "e.zarr", f"text:path={text},context=8,bos=none,separator={EOS}", n_samples=8)
+    np.testing.assert_array_equal(given["tokens"].values.ravel(), np.concatenate([word_ids(line) + [EOS] for line in lines])[:64])
+
+
+def test_a_config_token_is_taken_where_the_tokenizer_holds_it_as_a_special_token(tmp_path, lines):
+    # the demo checkpoint's layout: the tokenizer's BOS <s> and no EOS; config.json names <s> for both
+    model = write_model(tmp_path / "bos-only", tokenizer_specials=("bos",), config_specials=(BOS, BOS))
+    text = write_lines(tmp_path / "corpus.txt", lines)
+    store = run(model, tmp_path / "s.zarr", f"text:path={text},context=16", n_samples=8)
+    stream = np.concatenate([word_ids(line) + [BOS] for line in lines])  # <s> separates the documents
+    np.testing.assert_array_equal(store["tokens"].values, np.insert(stream[:120].reshape(8, 15), 0, BOS, axis=1))
+    assert (store.attrs["task"]["bos"], store.attrs["task"]["separator"]) == (BOS, BOS)
+
+
 def test_padded_documents_one_a_sample(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines)
     store = run(model_dir, tmp_path / "s.zarr", f"text:path={text},max_length=12", n_samples=6)
@@ -157,14 +207,117 @@ def test_padded_documents_one_a_sample(tmp_path, model_dir, lines):
     assert task["layout"] == "padded" and task["truncated_documents"] == sum(len(line.split()) + 1 > 12 for line in lines[:6])
 
 
-def test_a_whole_file_is_one_document_read_in_pieces(tmp_path, model_dir, lines, monkeypatch):
+def test_a_whole_file_is_one_document_in_the_store(tmp_path, model_dir, lines, monkeypatch):
     text = write_lines(tmp_path / "book.txt", lines)
     whole = arrays_of(run(model_dir, tmp_path / "whole.zarr", f"text:path={text},document=file,context=16"))
-    np.testing.assert_array_equal(whole["tokens"][:, 1:].ravel()[:100], np.concatenate([word_ids(line) for line in lines])[:100])
+    stream = np.concatenate([word_ids(line) for line in lines])  # the word tokenizer's tokens of the whole text
+    n_windows = len(stream) // 15
+    assert whole["tokens"].shape == (n_windows, 16)
+    np.testing.assert_array_equal(whole["tokens"][:, 1:].ravel(), stream[: n_windows * 15])
     assert (whole["document"][:, 1:] == 0).all()
-    np.testing.assert_array_equal(whole["offset"][:, 1:].ravel(), np.arange(whole["offset"][:, 1:].size))
-    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 50)  # many pieces, each tokenised on its own
+    np.testing.assert_array_equal(whole["offset"][:, 1:].ravel(), np.arange(n_windows * 15))
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 50)  # many pieces, cut anywhere
     assert_same_arrays(arrays_of(run(model_dir, tmp_path / "pieces.zarr", f"text:path={text},document=file,context=16")), whole)
+
+
+# --- a whole file as one text: real tokenizer types ---------------------------------------------------
+
+PROSE_WORDS = "the a cat dog naïve café ☃ 日本語 under mat Zürich don't it's 42 3.14 hello wörld".split()
+GAPS = [" ", " ", " ", "  ", "   ", "\t", ", ", ". ", "\n", "\n\n", "\n\n\n", "\r\n", "\r\n\r\n"]
+TOKENIZER_KINDS = ("byte-level", "metaspace", "sentencepiece-bpe")
+
+
+def prose(n_words: int, seed: int) -> str:
+    """Words (some of multi-byte characters) between spaces, runs of spaces, tabs, line ends (CRLF
+    too) and blank lines."""
+    rng = np.random.default_rng(seed)
+    return "".join(str(rng.choice(PROSE_WORDS)) + str(rng.choice(GAPS)) for _ in range(n_words))
+
+
+def trained_tokenizer(kind: str):
+    """A fast tokenizer of a real type, trained here on prose (nothing downloaded): byte-level BPE with
+    GPT-2's pre-tokenizer and offset trimming (GPT-2, SmolLM2); a SentencePiece-style Unigram with the
+    Metaspace pre-tokenizer (a prefix space on every text); Llama-2-style BPE (a normalizer that
+    prepends a prefix space and replaces spaces, no pre-tokenizer, byte fallback) that adds
+    <s> ... </s> around a text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    training = [prose(4000, seed=7)]
+    if kind == "byte-level":
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.post_processor = processors.ByteLevel(trim_offsets=True)
+        backend.train_from_iterator(training, trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]))
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    if kind == "metaspace":
+        backend = Tokenizer(models.Unigram())
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Metaspace()
+        backend.train_from_iterator(training, trainers.UnigramTrainer(
+            vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>"))
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.train_from_iterator(training, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"]))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module", params=TOKENIZER_KINDS)
+def trained(request):
+    from orthosphere.extract.sources import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(trained_tokenizer(request.param))
+
+
+def whole_file_corpus(path, tokenizer, layout: str = "context=16", special_tokens: bool = False):
+    return TokenizedCorpus(parse_task(f"text:path={path},document=file,{layout}"), tokenizer,
+                           special_tokens=special_tokens, separator=None, vocab_size=None)
+
+
+@pytest.mark.parametrize("margin", [2, packing.WINDOW_MARGIN_CHARS])
+def test_a_whole_file_gives_exactly_the_tokens_of_its_whole_text(tmp_path, monkeypatch, trained, margin):
+    text = prose(600, seed=1)
+    path = tmp_path / "book.txt"
+    path.write_bytes(text.encode())  # CRLF kept as written
+    whole = trained.encode_batch([text], special_tokens=False)[0]
+    # pieces of 7 bytes cut words, CRLF pairs, runs of blank lines and multi-byte characters; a margin
+    # of 2 characters leaves tokens near a window's end that its text's cut changes, for the next window to mend
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 7)
+    monkeypatch.setattr(packing, "WINDOW_MARGIN_CHARS", margin)
+    assert "".join(piece.content for piece in read_documents(parse_task(f"text:path={path},document=file"))) == text
+    corpus = whole_file_corpus(path, trained)
+    assert len(whole) > 500 and corpus.n_documents == 1
+    np.testing.assert_array_equal(corpus.stream, whole)
+    corpus.close()
+
+
+def test_a_whole_file_as_a_padded_sample_has_the_special_tokens_of_its_whole_text(tmp_path, monkeypatch):
+    from orthosphere.extract.sources import HuggingFaceTokenizer
+
+    tokenizer = HuggingFaceTokenizer(trained_tokenizer("sentencepiece-bpe"))
+    text = prose(300, seed=2)
+    path = tmp_path / "book.txt"
+    path.write_bytes(text.encode())
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 64)
+    corpus = whole_file_corpus(path, tokenizer, "max_length=100000", special_tokens=True)
+    whole = tokenizer.encode_batch([text])[0]
+    assert whole[0] == tokenizer.bos_id and whole[-1] == tokenizer.eos_id
+    np.testing.assert_array_equal(corpus.stream, whole)
+    corpus.close()
+
+
+@pytest.mark.parametrize("piece_bytes", [3, 5, 2**20])
+def test_invalid_utf8_in_a_whole_file_names_its_line_and_byte(tmp_path, monkeypatch, piece_bytes):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("the cat\r\na dog\nthe caf\xe9 sat\n".encode("latin-1"))
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", piece_bytes)
+    with pytest.raises(CorpusError, match=r"latin1.txt, line 3: invalid UTF-8 \(invalid continuation byte at byte 7 of the line\)"):
+        list(read_documents(parse_task(f"text:path={path},document=file")))
 
 
 # --- sources ----------------------------------------------------------------------------------------
@@ -209,6 +362,33 @@ def test_every_source_of_the_same_texts_gives_the_same_store(tmp_path, model_dir
         store = run(model_dir, tmp_path / f"{name}.zarr", spec + ",context=16")
         assert_same_arrays(arrays_of(store), reference)
     assert read_attrs(str(tmp_path / "parquet.zarr"))["task"]["rows"] == len(lines)  # from the Parquet metadata
+
+
+def test_token_ids_need_no_tokenizer(tmp_path, model_dir, sources, lines):
+    bare = write_model(tmp_path / "bare", tokenizer=False)  # the same weights as model_dir, no tokenizer files
+    store = run(bare, tmp_path / "ids.zarr", sources["token ids"] + ",context=16")
+    reference = run(model_dir, tmp_path / "text.zarr", sources["text"] + ",context=16")
+    for name in ("tokens", "valid", "target", "scored", "document", "offset", "resid_post", "q"):
+        np.testing.assert_array_equal(store[name].values, reference[name].values, err_msg=name)
+    assert (store["token_str"].values == reference["tokens"].values.astype(str)).all()  # a token's string is its id
+    task = store.attrs["task"]
+    assert (task["bos"], task["separator"], task["tokenizer"]) == (BOS, EOS, "token ids (no tokenizer)")  # config.json's
+    with pytest.raises(ConfigError, match=r"a text corpus needs the model's tokenizer, and this model has none"):
+        run(bare, tmp_path / "no.zarr", sources["text"] + ",context=16")
+
+
+def test_resuming_with_another_tokenizer_of_the_same_class_is_refused(tmp_path, model_dir, lines):
+    text = write_lines(tmp_path / "corpus.txt", lines)
+    out = tmp_path / "s.zarr"
+    run(model_dir, out, f"text:path={text},context=16", n_samples=4)
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    write_word_tokenizer(other, split_punctuation=True)  # the same class, weights and tokens of this corpus; other rules
+    with pytest.raises(JobMismatchError, match=r"made by a different job: its task.tokenizer_sha256 is '[0-9a-f]{64}', "
+                                               r"this job's is '[0-9a-f]{64}'"):
+        run(other, out, f"text:path={text},context=16", n_samples=4, resume=True)
+    assert read_attrs(str(out))["complete"]
+    run(model_dir, out, f"text:path={text},context=16", n_samples=4, resume=True)  # the same tokenizer resumes
 
 
 # --- bfloat16 and float16 ---------------------------------------------------------------------------
@@ -313,16 +493,20 @@ def test_killed_packed_job_resumes_bitwise_identical(tmp_path, model_dir, lines)
     assert_same_arrays(arrays_of(open_store(str(out))), reference)
 
 
-def test_info_gives_bytes_per_real_token(tmp_path, model_dir, lines):
-    text = write_lines(tmp_path / "corpus.txt", lines)
-    run(model_dir, tmp_path / "packed.zarr", f"text:path={text},context=16", dtype="float16")
-    run(model_dir, tmp_path / "padded.zarr", f"text:path={text},max_length=16", dtype="float16")
+def test_info_gives_bytes_per_real_token_within_two_percent_of_the_sites(tmp_path):
+    wide = write_model(tmp_path / "wide", d_model=256)  # sites of 6 kB a token: like a real model's, they outweigh the rest
+    text = write_lines(tmp_path / "corpus.txt", sentences(100))
+    # whole chunks (a store's last chunk is stored whole however few samples it holds)
+    options = {"dtype": "float16", "samples_per_chunk": 16, "batch_size": 16}
+    run(wide, tmp_path / "packed.zarr", f"text:path={text},context=16", n_samples=128, **options)
+    run(wide, tmp_path / "padded.zarr", f"text:path={text},max_length=16", n_samples=32, **options)
     packed, padded = info(str(tmp_path / "packed.zarr")), info(str(tmp_path / "padded.zarr"))
-    assert packed["real_tokens"] == packed["positions"] == packed["n_samples"] * 16
+    assert packed["real_tokens"] == packed["positions"] == 128 * 16
     assert padded["real_tokens"] < padded["positions"]
-    site_bytes = 2 * 2 * (4 * 32 + 4 * 8 + 2 * 2 * 8)  # float16, 2 layers: four d_model sites, q, k and v
+    site_bytes = 2 * 2 * (4 * 256 + 4 * 64 + 2 * 2 * 64)  # float16, 2 layers: four d_model sites, q, k and v
     assert packed["site_bytes_per_position"] == site_bytes
-    assert site_bytes < packed["bytes_per_real_token"] < padded["bytes_per_real_token"]
+    assert site_bytes < packed["bytes_per_real_token"] <= 1.02 * site_bytes  # tokens, labels and metadata: under 2 %
+    assert padded["bytes_per_real_token"] > 1.02 * site_bytes  # padding costs what a real token does
     assert "kB per real token besides the weight maps" in format_info(packed)
 
 
@@ -347,6 +531,21 @@ def sources(tmp_path_factory, lines):
     return write_sources(tmp_path_factory.mktemp("sources"), lines)
 
 
+@pytest.fixture(scope="module")
+def earlier_store(tmp_path_factory, model_dir, lines):
+    """A complete store that a job with bad input is asked to overwrite."""
+    folder = tmp_path_factory.mktemp("earlier")
+    run(model_dir, folder / "s.zarr", f"text:path={write_lines(folder / 'corpus.txt', lines)},context=16", n_samples=4)
+    return str(folder / "s.zarr")
+
+
+def source_paths(sources, bad_folder) -> dict[str, str]:
+    """The paths the bad-input specs name: the good sources' and the folder of bad files."""
+    folder = os.path.dirname(sources["text"].split("=", 1)[1])
+    return {"parquet": f"{folder}/corpus.parquet", "saved": f"{folder}/saved", "splits": f"{folder}/splits",
+            "jsonl": f"{folder}/corpus.jsonl", "text": f"{folder}/corpus.txt", "bad": str(bad_folder)}
+
+
 def bad_files(folder):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -369,24 +568,38 @@ def bad_files(folder):
     ("parquet:path={parquet},column=text,tokenized=true,context=8", r"column 'text' holds string, not lists of integer token ids"),
     ("hf:path={splits},context=8", r"saved DatasetDict with splits \['train', 'test'\]: choose one with split=NAME"),
     ("hf:path={parquet},context=8", r"not a dataset saved with datasets' save_to_disk"),
-    ("text:path={bad}/latin1.txt,context=8", r"latin1.txt, line 3: invalid UTF-8"),
+    ("text:path={bad}/latin1.txt,context=8", r"latin1.txt, line 3: invalid UTF-8 \(invalid continuation byte at byte 7"),
+    ("text:path={bad}/latin1.txt,document=file,context=8", r"latin1.txt, line 3: invalid UTF-8 \(invalid continuation"),
     ("text:path={bad}/blank.txt,context=8", r"holds no documents"),
+    ("text:path={bad}/blank.txt,document=file,context=8", r"blank.txt holds no documents"),
     ("parquet:path={bad}/empty.parquet,context=8", r"holds no documents"),
     ("text:path={bad}/short.txt,context=8", r"has 2 tokens, fewer than one window of 7"),
     ("jsonl:path={bad}/bad.jsonl,context=8", r"bad.jsonl, line 2: not valid JSON"),
     ("jsonl:path={bad}/numbers.jsonl,context=8", r"line 1: 'text' holds int, not text"),
     ("parquet:path={bad}/outside.parquet,column=input_ids,tokenized=true,context=8", r"token id 99, outside the model's vocabulary 0..22"),
     ("text:path={bad}/missing.txt,context=8", r"missing.txt not found"),
-    ("text:path={text},context=65", r"samples of 65 positions are longer than the model's 64 positions: use context=64 or less"),
     ("text:path={text},context=16", r"packs into \d+ windows of 16 tokens, fewer than --samples 1000"),
 ])
-def test_bad_corpus_is_a_clear_error_and_leaves_no_store(tmp_path, model_dir, sources, task, error):
-    folder = os.path.dirname(sources["text"].split("=", 1)[1])
+def test_bad_corpus_is_a_clear_error_and_leaves_the_store_there_untouched(tmp_path, model_dir, sources, earlier_store,
+                                                                          task, error):
     bad_files(tmp_path)
-    paths = {"parquet": f"{folder}/corpus.parquet", "saved": f"{folder}/saved", "splits": f"{folder}/splits",
-             "jsonl": f"{folder}/corpus.jsonl", "text": f"{folder}/corpus.txt", "bad": str(tmp_path)}
     out = tmp_path / "s.zarr"
+    shutil.copytree(earlier_store, out)  # --overwrite: the store there is replaced only once the corpus is read
     samples = 1000 if "fewer than --samples" in error else None
     with pytest.raises((CorpusError, ConfigError), match=error):
-        run(model_dir, out, task.format(**paths), n_samples=samples)
-    assert not out.exists()
+        run(model_dir, out, task.format(**source_paths(sources, tmp_path)), n_samples=samples, overwrite=True)
+    assert read_attrs(str(out)) == read_attrs(earlier_store)  # still complete, still the earlier job's
+    np.testing.assert_array_equal(open_store(str(out))["q"].values, open_store(earlier_store)["q"].values)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".orthosphere-tokens-")]
+
+
+@pytest.mark.parametrize("task, samples, error", [
+    ("text:path={text},context=65", None, r"samples of 65 positions are longer than the model's 64 positions: use context=64 or less"),
+    ("parquet:path={parquet},max_length=8", 1000, r"corpus.parquet has 30 rows, fewer than --samples 1000"),
+])
+def test_a_layout_the_model_or_corpus_cannot_hold_is_refused_before_tokenising(tmp_path, model_dir, sources, monkeypatch,
+                                                                               task, samples, error):
+    monkeypatch.setattr(TokenizedCorpus, "_tokenise", lambda *_: pytest.fail("the corpus was tokenised"))
+    with pytest.raises(ConfigError, match=error):
+        run(model_dir, tmp_path / "s.zarr", task.format(**source_paths(sources, tmp_path)), n_samples=samples)
+    assert not (tmp_path / "s.zarr").exists()
