@@ -7,11 +7,13 @@ own eager attention, from the store alone:
 
 - softmax of the stored q . k with the stored score terms equals the eager attention (float64
   reference against the model's float32, tolerance scaling with the logits), and so do the
-  orthosphere function's float32 recomputation and the stored pattern;
+  orthosphere function's float32 recomputation and the stored pattern; and that attention is
+  sharp in every layer;
 - resid_post[l] == resid_pre[l + 1], and the stored predictions are the model's;
-- the stored maps reproduce v from attn_in, and q, k before rotary and QK-norm;
-- the norm description is right: each described norm, applied where the description says, gives
-  the stored sites; and its summary is the family's known placement.
+- the stored maps reproduce v from attn_in, and q, k before rotary and QK-norm (and with OLMo's
+  clip_qkv clamp, which the description records, for a clipping OLMo);
+- the norm description is right: each described norm, at its site, gives or reads the stored
+  sites; and its summary is the family's known placement.
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from orthosphere.analyze.attention import ScoreTerms, store_attention
+from orthosphere.analyze.attention import ScoreTerms, allowed_keys, store_attention
 from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.families import FAMILIES as DESCRIBED
+from orthosphere.extract.families import OUTSIDE_BLOCKS
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.store import open_store
-from orthosphere.store.schema import MODEL_KEYS
+from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
@@ -32,7 +35,9 @@ from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert")
 SHARP = 0.9
-"""Median over valid queries of the largest attention weight, in layer 0: attention is sharp."""
+"""In every layer, the median over (query, head) of the largest attention weight, for valid queries
+that may see at least SHARP_KEYS keys (fewer make any attention sharp): attention is sharp."""
+SHARP_KEYS = 4
 
 # The families' norm placements (families.md): placement, norm type, QK-norm scope, parallel blocks.
 PLACEMENTS = {
@@ -61,14 +66,12 @@ def test_every_family_has_a_tiny_model():
     assert set(FAMILIES) == set(DESCRIBED)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(model_type, store loaded in memory, the model loaded from the same files with eager attention)."""
+def extracted(model_type: str, folder, model):
+    """(model_type, store of `model` over padded text of uneven lengths, loaded in memory, the model
+    loaded from the same files with eager attention)."""
     import transformers
 
-    model_type = request.param
-    folder = tmp_path_factory.mktemp(model_type)
-    tiny_model(model_type).save_pretrained(folder / "model", safe_serialization=True)
+    model.save_pretrained(folder / "model", safe_serialization=True)
     word_tokenizer("bert" if model_type in ENCODERS else "llama").save_pretrained(folder / "model")
     text = write_text(folder / "text.txt")
     job = ExtractJob(model=str(folder / "model"), task=f"text:path={text},max_length=12", out=str(folder / "store.zarr"),
@@ -77,6 +80,22 @@ def family(request, tmp_path_factory):
     eager = getattr(transformers, family_configs()[model_type][2]).from_pretrained(
         folder / "model", attn_implementation="eager").eval()
     return model_type, open_store(str(folder / "store.zarr")).load(), eager
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(model_type, store, eager model) of the family's tiny model."""
+    return extracted(request.param, tmp_path_factory.mktemp(request.param), tiny_model(request.param))
+
+
+CLIP_QKV = 2.0
+"""OLMo's clip_qkv for the clipped variant: below the largest |q|, |k|, |v| entries, so the clamp bites."""
+
+
+@pytest.fixture(scope="module")
+def clipped_olmo(tmp_path_factory):
+    """(model_type, store, eager model) of a tiny OLMo that clamps q, k and v to +-CLIP_QKV."""
+    return extracted("olmo", tmp_path_factory.mktemp("olmo-clipped"), tiny_model("olmo", clip_qkv=CLIP_QKV))
 
 
 def eager_run(model, store):
@@ -94,7 +113,13 @@ def terms_of(store, layer) -> dict:
 
 
 def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
-    model_type, store, eager = family
+    assert_exact(*family)
+
+
+def assert_exact(model_type, store, eager):
+    """softmax of the stored q . k with the stored score terms (float64), the orthosphere function's
+    float32 recomputation and the stored pattern all equal the model's eager attention, on padded
+    batches of uneven lengths."""
     pattern, _ = eager_run(eager, store)
     valid = store["valid"].values
     assert not valid.all() and len(set(valid.sum(axis=1))) > 2  # padded batches of uneven lengths
@@ -105,10 +130,19 @@ def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
         reference, largest = attention_float64(q, k, valid, **terms_of(store, layer))
         atol = attention_atol(largest)
         for found in (pattern[:, layer], recomputed[:, layer], store["pattern"].values[:, layer]):
-            np.testing.assert_allclose(np.where(queries, found, 0), np.where(queries, reference, 0), rtol=0, atol=atol)
-    first, _ = attention_float64(store["q"].values[:, 0], store["k"].values[:, 0], valid, **terms_of(store, 0))
-    sharpness = np.median(first.max(axis=-1).transpose(0, 2, 1)[valid])  # over valid queries and heads
-    assert sharpness > SHARP, f"{model_type}: attention is not sharp (median max {sharpness:.2f})"
+            np.testing.assert_allclose(np.where(queries, found, 0), np.where(queries, reference, 0), rtol=0, atol=atol,
+                                       err_msg=f"{model_type}, layer {layer}")
+
+
+def test_attention_is_sharp_in_every_layer(family):
+    model_type, store, _ = family
+    valid = store["valid"].values
+    for layer in range(store.sizes["layer"]):
+        reference, _ = attention_float64(store["q"].values[:, layer], store["k"].values[:, layer], valid,
+                                         **terms_of(store, layer))
+        seeing_many = valid & (allowed_keys(valid, ScoreTerms.of_layer(store.attrs["model"], layer)).sum(-1) >= SHARP_KEYS)
+        sharpness = np.median(reference.max(axis=-1).transpose(0, 2, 1)[seeing_many])  # over those queries and heads
+        assert sharpness >= SHARP, f"{model_type}: attention in layer {layer} is not sharp (median max {sharpness:.2f})"
 
 
 def test_sliding_windows_are_shorter_than_the_sequences(family):
@@ -123,7 +157,7 @@ def test_score_terms_are_the_configs(family):
     model_type, store, _ = family
     score = store.attrs["model"]["score"]
     assert score["sliding_window"] == WINDOWS.get(model_type, [None, None])
-    assert score["softcap"] == ([10.0, 10.0] if model_type == "gemma2" else [None, None])
+    assert score["softcap"] == ([20.0, 20.0] if model_type == "gemma2" else [None, None])
     np.testing.assert_allclose(score["scale"], SCALES.get(model_type, [8**-0.5] * 2), rtol=1e-12)
     assert score["alibi_slopes"] == ([BLOOM_SLOPES] * 2 if model_type == "bloom" else None)
 
@@ -144,12 +178,15 @@ def _close(found, expected, scale_of=None):
 
 
 def _mapped(store, name, layer):
-    """attn_in @ w[h] + b[h] in float64: (sample, pos, head, d_head)."""
+    """attn_in @ w[h] + b[h] in float64: (sample, pos, head, d_head), clamped to +-clip_qkv where the
+    description has it (OLMo clamps the projections before anything else)."""
     attn_in = store["attn_in"].values[:, layer].astype(np.float64)
-    return np.einsum("spm,hmd->sphd", attn_in, store[f"w_{name}"].values[layer]) + store[f"b_{name}"].values[layer]
+    mapped = np.einsum("spm,hmd->sphd", attn_in, store[f"w_{name}"].values[layer]) + store[f"b_{name}"].values[layer]
+    clip = store.attrs["model"].get("clip_qkv")
+    return mapped if clip is None else np.clip(mapped, -clip, clip)
 
 
-def _norm_module(model, store, site, layer):
+def _norm_module(model, store, site, layer=None):
     entry = next((n for n in store.attrs["model"]["norms"] if n["site"] == site), None)
     return None if entry is None else (entry, model.get_submodule(entry["module"].format(layer=layer)))
 
@@ -164,33 +201,88 @@ def _apply_head_norm(norm, x: np.ndarray) -> np.ndarray:
         return module(tensor.transpose(1, 2)).transpose(1, 2).numpy()
 
 
+def assert_head_site_from_the_maps(store, eager, name, layer):
+    """The stored q, k or v of `layer` is its weight map applied to attn_in, followed by the site's
+    described norm; q and k then turn by rotary embedding (identity at position 0, norms kept)."""
+    expected = _mapped(store, name, layer)
+    norm = _norm_module(eager, store, name, layer)
+    if norm is not None:
+        expected = _apply_head_norm(norm, expected)
+    stored = store[name].values[:, layer]
+    if name != "v" and store.attrs["model"]["positions"] == "rotary":
+        _close(stored[:, 0], expected[:, 0])
+        _close(np.linalg.norm(stored, axis=-1), np.linalg.norm(expected, axis=-1))
+    else:
+        _close(stored, expected)
+
+
 def test_weight_maps_reproduce_q_k_v_before_rotary_and_qk_norm(family):
     model_type, store, eager = family
-    description = store.attrs["model"]
+    assert "clip_qkv" not in store.attrs["model"]  # the tiny configs do not clip: the maps are linear
     for layer in range(store.sizes["layer"]):
-        _close(store["v"].values[:, layer], _mapped(store, "v", layer))
-        for name in ("q", "k"):
-            expected = _mapped(store, name, layer)
-            norm = _norm_module(eager, store, name, layer)
-            if norm is not None:
-                expected = _apply_head_norm(norm, expected)
-            stored = store[name].values[:, layer]
-            if description["positions"] == "rotary":  # rotary turns pairs of entries: identity at position 0, keeps norms
-                _close(stored[:, 0], expected[:, 0])
-                _close(np.linalg.norm(stored, axis=-1), np.linalg.norm(expected, axis=-1))
-            else:
-                _close(stored, expected)
+        for name in ("q", "k", "v"):
+            assert_head_site_from_the_maps(store, eager, name, layer)
+
+
+def test_a_clipping_olmo_says_so_and_stays_exact(clipped_olmo):
+    """clip_qkv clamps q, k, v after the projections: the description records it, the weight maps
+    reproduce the stored sites only with the clamp, and attention stays exact."""
+    model_type, store, eager = clipped_olmo
+    assert store.attrs["model"]["clip_qkv"] == CLIP_QKV
+    assert np.abs(store["q"].values[:, :, 0]).max() == pytest.approx(CLIP_QKV)  # rotary is the identity at position 0
+    unclipped = np.einsum("spm,hmd->sphd", store["attn_in"].values[:, 0].astype(np.float64), store["w_q"].values[0])
+    assert np.abs(unclipped).max() > 2 * CLIP_QKV  # the clamp bites
+    for layer in range(store.sizes["layer"]):
+        for name in ("q", "k", "v"):
+            assert_head_site_from_the_maps(store, eager, name, layer)
+    assert_exact(model_type, store, eager)
+
+
+RECORDED_SITES = ("embedding", "mlp_input", "mlp_output", "resid_post", "final")
+"""Norm sites whose input or output is no stored site: the test records them in the model's own pass."""
+
+
+def recorded_norms(model, store) -> dict:
+    """(site, layer) -> (input, output) in float32 of the described norm modules at RECORDED_SITES in
+    one eager pass over the store's tokens (layer None for the embedding and final norms), as
+    (sample, pos, d_model) (OPT flattens sample and pos around its MLP)."""
+    records, hooks = {}, []
+    blocks = range(store.sizes["layer"])
+    shape = store["resid_pre"].shape[:1] + store["resid_pre"].shape[2:]
+    for entry in (norm for norm in store.attrs["model"]["norms"] if norm["site"] in RECORDED_SITES):
+        for layer in [None] if entry["site"] in OUTSIDE_BLOCKS else blocks:
+            module = model.get_submodule(entry["module"].format(layer=layer))
+            hooks.append(module.register_forward_hook(
+                lambda _m, inputs, output, key=(entry["site"], layer): records.__setitem__(
+                    key, (inputs[0].numpy().reshape(shape), output.numpy().reshape(shape)))))
+    with torch.no_grad():
+        model(input_ids=torch.from_numpy(store["tokens"].values).long(),
+              attention_mask=torch.from_numpy(store["valid"].values).long())
+    for hook in hooks:
+        hook.remove()
+    return records
 
 
 def test_every_described_norm_gives_the_stored_sites(family):
+    """Each entry of the norm description, at its site: applied to the stored stream it reads, its
+    module gives the stored stream it writes (attn_input -> attn_in, attn_output and resid_mid ->
+    resid_mid, q/k/v -> the stored q, k, v from the weight maps); where that stream is not stored,
+    the module, recorded in the model's own pass, reads the stored stream the description says
+    (mlp_input: resid_mid, or resid_pre in parallel blocks; final: the last resid_post) or writes it
+    (embedding: resid_pre of layer 0; mlp_output: resid_post - resid_mid; resid_post)."""
     model_type, store, eager = family
     description = store.attrs["model"]
+    sites = {norm["site"] for norm in description["norms"]}
+    assert sites <= set(NORM_SITES)
+    records = recorded_norms(eager, store)
+    valid = store["valid"].values
+    stream = {name: store[name].values for name in ("resid_pre", "resid_mid", "resid_post")}
     group = description["n_heads"] // description["n_kv_heads"]
+    checked = set()
     for layer in range(store.sizes["layer"]):
-        resid_pre = store["resid_pre"].values[:, layer]
+        resid_pre, resid_mid, resid_post = (stream[name][:, layer] for name in ("resid_pre", "resid_mid", "resid_post"))
         norm_in = _norm_module(eager, store, "attn_input", layer)
-        expected_in = resid_pre if norm_in is None else _apply(norm_in[1], resid_pre)
-        _close(store["attn_in"].values[:, layer], expected_in)
+        _close(store["attn_in"].values[:, layer], resid_pre if norm_in is None else _apply(norm_in[1], resid_pre))
         v = np.repeat(store["v"].values[:, layer].astype(np.float64), group, axis=2)
         z = np.einsum("shqk,skhd->sqhd", store["pattern"].values[:, layer].astype(np.float64), v)
         attention_out = np.einsum("sqhd,hdm->sqm", z, store["w_o"].values[layer]) + store["b_o"].values[layer]
@@ -199,7 +291,27 @@ def test_every_described_norm_gives_the_stored_sites(family):
             attention_out = _apply(norm_out[1], attention_out)
         norm_mid = _norm_module(eager, store, "resid_mid", layer)
         expected_mid = resid_pre + attention_out if norm_mid is None else _apply(norm_mid[1], resid_pre + attention_out)
-        _close(store["resid_mid"].values[:, layer], expected_mid, scale_of=resid_pre)
+        _close(resid_mid, expected_mid, scale_of=resid_pre)
+        checked |= {"attn_input", "attn_output", "resid_mid"}
+        for name in sites & {"q", "k", "v"}:
+            assert_head_site_from_the_maps(store, eager, name, layer)
+            checked.add(name)
+        if "mlp_input" in sites:
+            _close(records["mlp_input", layer][0][valid], (resid_pre if description["parallel"] else resid_mid)[valid])
+            checked.add("mlp_input")
+        if "mlp_output" in sites:
+            _close(records["mlp_output", layer][1][valid], (resid_post - resid_mid)[valid], scale_of=resid_post[valid])
+            checked.add("mlp_output")
+        if "resid_post" in sites:
+            _close(records["resid_post", layer][1][valid], resid_post[valid])
+            checked.add("resid_post")
+    if "embedding" in sites:
+        _close(records["embedding", None][1][valid], stream["resid_pre"][:, 0][valid])
+        checked.add("embedding")
+    if "final" in sites:
+        _close(records["final", None][0][valid], stream["resid_post"][:, -1][valid])
+        checked.add("final")
+    assert sites <= checked, f"{model_type}: norms at {sorted(sites - checked)} were not checked"
 
 
 def _apply(module, x):

@@ -2,9 +2,9 @@
 
 2 layers, d_model 32, 4 query heads (2 key/value heads where the family has grouped-query
 attention), a sliding window of 4 positions where the family has one (so that the test
-sequences, up to 12 tokens, are longer than the window), soft-capping at 10 for Gemma 2, and
-q and k maps large enough that attention is sharp (most queries put nearly all their attention on one
-key), which is where a wrong score term shows. No downloads.
+sequences, up to 12 tokens, are longer than the window), soft-capping at 20 for Gemma 2 (logits
+reach it, so it matters, without flattening them), and attention sharp in every layer (most queries
+put nearly all their attention on one key), which is where a wrong score term shows. No downloads.
 """
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import torch
 from tests.test_extract_models import VOCAB
 
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
-SHARPEN = 3.0
+SHARPEN = 5.0
 """q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
-logits of order 10."""
+logits of order 10 and more."""
+EMBEDDING_STD = 1.0
+"""Token and position embeddings drawn with this standard deviation (transformers' default is 0.02):
+the tokens then differ by more than the biases every position shares, so that the residual stream
+of later layers still tells positions apart and their attention is sharp too."""
 
 
 def _llama_sizes(**extra):
@@ -38,7 +42,7 @@ def family_configs() -> dict:
         "olmo": ("OlmoConfig", _llama_sizes(), "OlmoForCausalLM"),
         "olmo2": ("Olmo2Config", _llama_sizes(), "Olmo2ForCausalLM"),
         "gemma": ("GemmaConfig", _llama_sizes(head_dim=8), "GemmaForCausalLM"),
-        "gemma2": ("Gemma2Config", _llama_sizes(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=10.0,
+        "gemma2": ("Gemma2Config", _llama_sizes(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=20.0,
                                                 query_pre_attn_scalar=16), "Gemma2ForCausalLM"),
         "gemma3_text": ("Gemma3TextConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
                                                          sliding_window_pattern=2), "Gemma3ForCausalLM"),
@@ -75,26 +79,31 @@ def family_configs() -> dict:
 FAMILIES = tuple(family_configs())
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
+    """The family's tiny config; `overrides` replace or add config values (e.g. OLMo's clip_qkv)."""
     import transformers
 
     config_class, options, _ = family_configs()[model_type]
     ids = dict(vocab_size=len(VOCAB), pad_token_id=0, bos_token_id=4, eos_token_id=4)
-    return getattr(transformers, config_class)(**options, **ids, tie_word_embeddings=False)
+    return getattr(transformers, config_class)(**(options | overrides), **ids, tie_word_embeddings=False)
 
 
 SHARPENED = ("q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
              "q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
 
-def tiny_model(model_type: str, seed: int = 0):
+def tiny_model(model_type: str, seed: int = 0, **overrides):
     """A tiny random model of the family in eval mode, with a spread of biases and norm gains (so no
-    map is trivially zero or one) and q/k maps of SHARPEN (sharp attention)."""
+    map is trivially zero or one), embeddings of EMBEDDING_STD and q/k maps of SHARPEN (sharp
+    attention in every layer)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = getattr(transformers, family_configs()[model_type][2])(tiny_config(model_type)).eval()
+    model = getattr(transformers, family_configs()[model_type][2])(tiny_config(model_type, **overrides)).eval()
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                module.weight.normal_(0.0, EMBEDDING_STD)
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name.lower():
                 parameter.add_(0.1 * torch.randn_like(parameter))
