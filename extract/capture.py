@@ -24,10 +24,11 @@ Sites of block (layer) l, each (batch, pos, ...):
   too, resid_pre plus the attention output.
 - ``attn_in``: what W_Q, W_K and W_V read: the Pre-Norm's output, or the block input.
 - ``q`` (head, d_head), ``k`` and ``v`` (kv_head, d_head): as they enter the score and the
-  weighted sum -- after rotary embedding and any QK-norm, before grouped-query heads are
-  repeated -- so softmax of the score (``orthosphere.analyze.attention``: q . k times the
-  layer's scale, soft-capped, plus ALiBi, over the keys the causal, padding and sliding-window
-  masks allow) is the model's own attention; head h reads kv_head h // (n_heads // n_kv_heads).
+  weighted sum -- after rotary embedding, any QK-norm and OLMo's ``clip_qkv`` clamp (recorded in
+  the description), before grouped-query heads are repeated -- so softmax of the score
+  (``orthosphere.analyze.attention``: q . k times the layer's scale, soft-capped, plus ALiBi,
+  over the keys the causal, padding and sliding-window masks allow) is the model's own
+  attention; head h reads kv_head h // (n_heads // n_kv_heads).
 - ``pattern`` (head, qpos, kpos): that softmax, as the model computed it.
 
 ``edit_qkv`` hands ``fn`` q (batch, pos, head, d_head) and k, v (batch, pos, kv_head, d_head)
@@ -96,8 +97,10 @@ class Adapter:
     def head_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """w_q (head, d_model, d_head), w_k, w_v (kv_head, d_model, d_head), w_o (head, d_head, d_model),
         biases b_q, b_k, b_v (.., d_head) and b_o (d_model), float32: q = attn_in @ w_q[h] + b_q[h]
-        before rotary embedding or any per-head norm. Views of the parameters where the layout allows
-        (all_head_weights copies them once, into its stack): copy before changing them."""
+        before rotary embedding, any per-head norm and, where the description has ``clip_qkv``
+        (OLMo), the clamp of q, k and v to [-clip_qkv, clip_qkv], which makes them nonlinear in
+        attn_in. Views of the parameters where the layout allows (all_head_weights copies them
+        once, into its stack): copy before changing them."""
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
