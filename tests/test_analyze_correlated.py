@@ -178,6 +178,7 @@ def test_a_factor_sharing_no_token_with_the_others_is_refused(correlated):
         factor_subspaces(dataset, factors=["gamma[role=x]", "alpha[role=y]"], n_bootstrap=0)
 
 
+@pytest.mark.slow
 def test_random_labels_on_isotropic_noise_are_judged_at_the_stated_false_positive_rate(tmp_path):
     rng = np.random.default_rng(5)
     n_samples, n_pos, d_model, n_layers = 200, 21, 16, 40
@@ -226,6 +227,7 @@ def pair_replicates(tmp_path, planted_angles: dict[str, list[float]], n_layers: 
     return open_for_analysis(write_store(tmp_path / "pairs.zarr", {"resid_pre": x}, labels=labels, samples_per_chunk=50))
 
 
+@pytest.mark.slow
 def test_the_pair_nulls_hold_their_level_and_find_what_is_planted(tmp_path):
     """With the nulls exact (tolerances 0): exactly orthogonal pairs reject orthogonality, and pairs
     sharing a direction reject dependence, at about the significance level (p-values spread evenly);

@@ -31,6 +31,7 @@ def extracted(tmp_path_factory):
     return url
 
 
+@pytest.mark.slow
 def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
     out = tmp_path / "results.zarr"
     analyze(extracted, out, only=["norms", "subspaces", "spheres", "neighbours"],

@@ -303,6 +303,7 @@ def test_theory_agrees_to_first_order_and_collapse_grows_monotonically(tmp_path)
     assert rates[1] < 0.01 <= rates[2]
 
 
+@pytest.mark.slow
 def test_same_seed_same_results_for_any_chunking_of_samples_and_draws(tmp_path, monkeypatch):
     q, k, v, w_o = random_heads(n_samples=10)
     results = [replay(write_store(tmp_path / f"s{size}", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=size),

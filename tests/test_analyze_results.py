@@ -77,6 +77,7 @@ def test_results_never_overwrite_what_is_not_theirs(store, tmp_path):
         open_results(tmp_path / "missing.zarr")
 
 
+@pytest.mark.slow
 def test_results_on_s3(store, s3_bucket):
     out = f"{s3_bucket}/results.zarr"
     analyze(store, out, only=["neighbours"])
@@ -98,6 +99,7 @@ def test_the_analyze_verb(store, tmp_path):
     assert failed.exit_code == 1 and failed.output.startswith("Error: store ") and "no site 'v'" in failed.output
 
 
+@pytest.mark.slow
 def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     out = str(tmp_path / "cluster.zarr")
     result = CliRunner().invoke(main, ["--workers", "1", "analyze", store, "--out", out, "--only", "norms,subspaces",
@@ -111,6 +113,7 @@ class Killed(Exception):
     """Stands for a kill: write_results stops where it is, with no clean-up."""
 
 
+@pytest.mark.slow
 def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp_path, monkeypatch):
     out = tmp_path / "results.zarr"
     analyze(store, out, only=["norms", "neighbours"], options={"layers": [0], "norms.sites": ["resid_pre"]})
@@ -155,6 +158,7 @@ def chunk_reads(monkeypatch):
     return reads
 
 
+@pytest.mark.slow
 def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
     dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples, one zarr chunk each
     n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])

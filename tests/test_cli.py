@@ -128,6 +128,7 @@ def test_truncated_weights(tmp_path, model_dir):
     assert not (tmp_path / "store.zarr").exists()
 
 
+@pytest.mark.slow
 def test_binary_text_input(tmp_path):
     model = write_hf_model(tmp_path / "llama", "llama")
     corpus = tmp_path / "corpus.txt"
@@ -160,6 +161,7 @@ def test_analysing_a_store_with_an_overwritten_chunk(store, tmp_path):
             f"corrupted). To repair it, `orthosphere validate {store} --full --reopen`") in line
 
 
+@pytest.mark.slow
 def test_validate_lists_damage_and_reopens_its_shards(store):
     assert run("validate", store).output.strip() == f"store {store} is valid: every chunk is there"
     os.unlink(os.path.join(store, "resid_pre", "c", "5", "0", "0", "0"))
@@ -188,6 +190,7 @@ def test_break_lock(tmp_path, model_dir):
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_run_breaks_the_lock_of_a_pipeline_store_with_break_lock(tmp_path, model_dir):
     config = tmp_path / "pipeline.toml"
     config.write_text(f"""

@@ -133,6 +133,7 @@ def test_arithmetic_attention_is_reproduced_from_the_store(tmp_path, placement, 
     check_store_against(store, pattern, logits)
 
 
+@pytest.mark.slow
 def test_float16_store_holds_the_float32_values_rounded(tmp_path):
     model_dir = write_hf_model(tmp_path / "llama", "llama")
     text = write_text(tmp_path / "text.txt")

@@ -115,6 +115,7 @@ def assert_same_arrays(left: dict, right: dict):
 # --- packing ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_packed_windows_concatenate_back_to_the_tokenised_corpus(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines[:10] + [""] + lines[10:])  # a blank line is no document
     store = run(model_dir, tmp_path / "s.zarr", f"text:path={text},context=16")
@@ -134,6 +135,7 @@ def test_packed_windows_concatenate_back_to_the_tokenised_corpus(tmp_path, model
     assert store["scored"].values.all()
 
 
+@pytest.mark.slow
 def test_labels_point_back_to_the_text(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines[:3] + ["", ""] + lines[3:])
     store = run(model_dir, tmp_path / "s.zarr", f"text:path={text},context=16")
@@ -207,6 +209,7 @@ def test_padded_documents_one_a_sample(tmp_path, model_dir, lines):
     assert task["layout"] == "padded" and task["truncated_documents"] == sum(len(line.split()) + 1 > 12 for line in lines[:6])
 
 
+@pytest.mark.slow
 def test_a_whole_file_is_one_document_in_the_store(tmp_path, model_dir, lines, monkeypatch):
     text = write_lines(tmp_path / "book.txt", lines)
     whole = arrays_of(run(model_dir, tmp_path / "whole.zarr", f"text:path={text},document=file,context=16"))
@@ -364,6 +367,7 @@ def test_every_source_of_the_same_texts_gives_the_same_store(tmp_path, model_dir
     assert read_attrs(str(tmp_path / "parquet.zarr"))["task"]["rows"] == len(lines)  # from the Parquet metadata
 
 
+@pytest.mark.slow
 def test_token_ids_need_no_tokenizer(tmp_path, model_dir, sources, lines):
     bare = write_model(tmp_path / "bare", tokenizer=False)  # the same weights as model_dir, no tokenizer files
     store = run(bare, tmp_path / "ids.zarr", sources["token ids"] + ",context=16")
@@ -423,6 +427,7 @@ def test_bfloat16_round_trips_every_bit_pattern(tmp_path):
     np.testing.assert_array_equal(widened.values.view(np.uint32), bits.astype(np.uint32) << 16)
 
 
+@pytest.mark.slow
 def test_xarray_in_a_fresh_process_reads_bfloat16_after_importing_the_store(tmp_path):
     values = np.linspace(-3e38, 3e38, 64, dtype=np.float32).reshape(2, 1, 8, 2, 2)
     url = bfloat16_store(tmp_path, values.astype(BFLOAT16))
@@ -433,6 +438,7 @@ def test_xarray_in_a_fresh_process_reads_bfloat16_after_importing_the_store(tmp_
     assert result.stdout.split() == ["bfloat16", str(float(values.astype(BFLOAT16).astype(np.float32).max()))]
 
 
+@pytest.mark.slow
 def test_bfloat16_extraction_holds_the_float32_values_rounded(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines)
     exact = run(model_dir, tmp_path / "f32.zarr", f"text:path={text},context=16", n_samples=6)
@@ -459,6 +465,7 @@ def test_float16_overflow_is_refused_and_bfloat16_keeps_it(tmp_path, lines):
 # --- jobs: Dask, resume, info ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_packed_shards_on_dask_read_their_tokens_from_the_store(tmp_path, model_dir, lines):
     from distributed import Client, LocalCluster
 
@@ -493,6 +500,7 @@ def test_killed_packed_job_resumes_bitwise_identical(tmp_path, model_dir, lines)
     assert_same_arrays(arrays_of(open_store(str(out))), reference)
 
 
+@pytest.mark.slow
 def test_info_gives_bytes_per_real_token_within_two_percent_of_the_sites(tmp_path):
     wide = write_model(tmp_path / "wide", d_model=256)  # sites of 6 kB a token: like a real model's, they outweigh the rest
     text = write_lines(tmp_path / "corpus.txt", sentences(100))

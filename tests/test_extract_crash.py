@@ -71,6 +71,7 @@ CRASHES = [  # (where the run kills itself, which shards are complete afterwards
 ]
 
 
+@pytest.mark.slow
 def test_killed_extraction_resumes_to_a_bitwise_identical_store(tmp_path, model_dir, uninterrupted):
     out = tmp_path / "store.zarr"
     for attempt, (point, complete_after) in enumerate(CRASHES):

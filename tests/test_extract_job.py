@@ -195,6 +195,7 @@ def test_resume_refuses_a_different_model(tmp_path, arithmetic_dir):
 # --- shards, Dask, the CLI ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_shards_on_dask_workers_equal_the_in_process_run(tmp_path, arithmetic_dir, caplog):
     """The CLI with --workers 2: each shard a Dask task in a worker process; bitwise the same store."""
     reference = tmp_path / "in-process.zarr"

@@ -70,6 +70,7 @@ def offline_replay(ds, settings):
     return replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=10)
 
 
+@pytest.mark.slow
 def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     model = arithmetic_model()
     adapter = adapter_for(model)
@@ -86,6 +87,7 @@ def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     np.testing.assert_allclose(all_layers, online.collapse_rate.sel(definition="collapse", layer=0))  # layer 0 sees no upstream noise
 
 
+@pytest.mark.slow
 def test_the_online_check_joins_the_results_tree_under_replay(tmp_path):
     model = arithmetic_model()
     extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(8))
@@ -99,6 +101,7 @@ def test_the_online_check_joins_the_results_tree_under_replay(tmp_path):
         with_online_check(xr.DataTree(), str(tmp_path / "s"), model)
 
 
+@pytest.mark.slow
 def test_analyze_verb_with_online_check(tmp_path):
     from click.testing import CliRunner
 
@@ -155,6 +158,7 @@ def hugging_face_model(kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_hugging_face_model_online_equals_offline(tmp_path, kind):
     model = hugging_face_model(kind)
     generator = np.random.default_rng(0)
@@ -168,6 +172,7 @@ def test_hugging_face_model_online_equals_offline(tmp_path, kind):
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "bloom", "mistral", "falcon"])
+@pytest.mark.slow
 def test_the_replay_perturbs_exactly_the_models_score(tmp_path, model_type):
     """Soft-capping and a sliding window (Gemma 2), ALiBi (Bloom), a window on every layer (Mistral),
     noise put in before Falcon's rotary embedding: the offline replay's collapses, from the stored q,

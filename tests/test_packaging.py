@@ -46,6 +46,7 @@ def test_version_and_python_m():
     assert resources.files("orthosphere").joinpath("py.typed").is_file()
 
 
+@pytest.mark.slow
 def test_importing_analyze_store_and_the_cli_imports_no_torch():
     code = ("import sys, orthosphere.analyze, orthosphere.store, orthosphere.workflows.cli; "
             "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'transformers', 'safetensors'}))")

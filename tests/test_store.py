@@ -195,6 +195,7 @@ def test_memory_url_round_trip():
     assert validate(url) == []
 
 
+@pytest.mark.slow
 def test_s3_round_trip(s3_bucket):
     url = f"{s3_bucket}/runs/store.zarr"
     written = fill(make_store(url))
@@ -206,6 +207,7 @@ def test_s3_round_trip(s3_bucket):
 # Locking -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.slow
 def test_lock_is_created_exclusively(tmp_path, request, monkeypatch, where):
     """Two writers that both saw no lock: only one creates it (O_EXCL locally, a conditional write on S3)."""
     url = str(tmp_path / "store.zarr") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/runs/store.zarr"
@@ -237,6 +239,7 @@ def hold_lock(url, mode):
     return process
 
 
+@pytest.mark.slow
 def test_lock_names_a_running_holder(tmp_path):
     url = str(tmp_path / "store.zarr")
     holder = hold_lock(url, "wait")
@@ -250,6 +253,7 @@ def test_lock_names_a_running_holder(tmp_path):
         holder.wait()
 
 
+@pytest.mark.slow
 def test_lock_of_a_dead_process_of_this_host_is_broken_with_a_warning(tmp_path, caplog):
     url = str(tmp_path / "store.zarr")
     holder = hold_lock(url, "die")
@@ -395,6 +399,7 @@ class Killed(BaseException):
     """Stands for a SIGKILL: nothing after it runs, nothing catches it."""
 
 
+@pytest.mark.slow
 def test_overwrite_killed_at_any_instant_of_clearing_leaves_a_remnant_that_overwrite_replaces(tmp_path, monkeypatch):
     url = str(tmp_path / "store.zarr")
     location = as_location(url)

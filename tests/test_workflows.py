@@ -95,6 +95,7 @@ def assert_same_results(first_url: str, second_url: str) -> None:
             np.testing.assert_array_equal(second[name], values, err_msg=name)
 
 
+@pytest.mark.slow
 def test_pipeline_writes_stores_results_and_report(tiny_run):
     _, out = tiny_run
     assert sorted(p.name for p in (out / "stores").iterdir()) == ["pre-extrapolation.zarr", "pre-test.zarr"]
@@ -113,6 +114,7 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
         assert (out / "report" / "figures" / f"{figure}.png").stat().st_size > 5000, figure
 
 
+@pytest.mark.slow
 def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, tmp_path, caplog):
     config, out = tiny_run
     results = out / "results" / "pre-test.zarr" / "zarr.json"
@@ -132,6 +134,7 @@ def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, tmp_path, ca
     assert (tmp_path / "out" / "results" / "pre-test.zarr" / "zarr.json").stat().st_mtime_ns > stamps[1]
 
 
+@pytest.mark.slow
 def test_report_verb(tiny_run, tmp_path):
     _, out = tiny_run
     results = [str(p) for p in sorted((out / "results").iterdir())]
@@ -140,6 +143,7 @@ def test_report_verb(tiny_run, tmp_path):
     assert (tmp_path / "report" / "report.html").exists()
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tiny_run):
     nbclient = pytest.importorskip("nbclient")
     import nbformat
@@ -158,6 +162,7 @@ def test_notebook_runs_top_to_bottom(tiny_run):
     assert len(images) >= 4
 
 
+@pytest.mark.slow
 def test_local_cluster_gives_the_same_results(tiny_run, tmp_path):
     _, out = tiny_run
     config = write_pipeline(tmp_path)
@@ -166,6 +171,7 @@ def test_local_cluster_gives_the_same_results(tiny_run, tmp_path):
         assert_same_results(str(out / "results" / name), str(tmp_path / "out" / "results" / name))
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_analysis_gives_the_same_results(tiny_run, tmp_path):
     from distributed import Client, LocalCluster
 
@@ -192,6 +198,7 @@ def test_worker_killed_mid_analysis_gives_the_same_results(tiny_run, tmp_path):
     assert_same_results(expected, str(tmp_path / "killed.zarr"))
 
 
+@pytest.mark.slow
 def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
     _, out = tiny_run
     config = write_pipeline(tmp_path, root=f"{s3_bucket}/tiny", data=("test",))
@@ -230,6 +237,7 @@ def test_missing_pipeline_config(tmp_path):
         load_pipeline(tmp_path / "nowhere.toml")
 
 
+@pytest.mark.slow
 def test_hf_text_pipeline_runs_on_the_shipped_stand_in_checkpoint(tmp_path):
     pipeline = load_pipeline(REPO / "workflows" / "configs" / "hf-text.toml", root=str(tmp_path / "hf"))
     report = run_pipeline(pipeline)
