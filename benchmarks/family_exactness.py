@@ -3,7 +3,7 @@ terms is from transformers' own eager attention.
 
 For every supported transformers family, the tiny random-weights model of the tests
 (tests/tiny_families.py: 2 layers, d_model 32, sharp attention, sliding windows of 4 positions,
-Gemma 2's soft-cap of 10, Bloom's ALiBi) is captured over a padded batch of uneven lengths
+Gemma 2's soft-cap of 20, Bloom's ALiBi) is captured over a padded batch of uneven lengths
 (16 sequences of up to 24 tokens, so windows are much shorter than the sequences), and the eager
 pattern of the same weights (loaded with attn_implementation="eager") is compared, on valid queries,
 with the float64 softmax of the captured q, k and the score terms of the model description, and with
