@@ -13,8 +13,13 @@ SPEC = {"train_counts": [3, 4, 6], "digit_lengths": [1, 2]}
 def results_tree(source: str, sha: str, placement: str, split: str, accuracy: float, band: float = 0.2,
                  sparse: int = 50, d_model: int = 64) -> xr.DataTree:
     """A results tree holding what the headline reads, for one (model, data) pair."""
+    per_head = placement == "qkv"  # what a store's description says of the placement, beyond its name
+    norms = [{"site": site, "type": "layer", "scope": "head" if per_head else "d_model"}
+             for site in (("q", "k", "v") if per_head else ("attn_input",))]
     model = {"family": "arithmetic", "norm_placement": placement, "n_layers": 2, "d_model": d_model,
-             "n_heads": 4, "d_head": d_model // 4, "source": source, "weights_sha256": sha}
+             "n_heads": 4, "d_head": d_model // 4, "source": source, "weights_sha256": sha, "norms": norms,
+             "qk_norm": "head" if per_head else None, "v_norm": "head" if per_head else None,
+             "n_parameters": 1000 + (64 if per_head else 0)}
     layer_head = {"layer": [0, 1], "head": [0, 1, 2, 3]}
     replay = xr.Dataset({
         "collapse_level_pooled": ("definition", [0.1, 0.2]),

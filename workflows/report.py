@@ -42,6 +42,9 @@ PLACEMENT_ORDER = ("pre", "qkv", "none", "post")
 
 IDENTITY_KEYS = ("source", "weights_sha256", "format")
 """Model description keys that tell one trained model from another of the same variant."""
+PLACEMENT_KEYS = ("norm_placement", "norms", "qk_norm", "v_norm", "n_parameters")
+"""Model description keys that follow from the norm placement (QKV-Norm adds per-head norms and
+their parameters): two configurations that differ only in these differ only in the placement."""
 
 
 @dataclass
@@ -451,7 +454,8 @@ def families(runs: list[Run]) -> list[dict[str, list[Run]]]:
         first = members[0]
         if first.model.get("family") == "arithmetic" and first.placement in ("pre", "qkv"):
             without = json.loads(first.variant)
-            without[0].pop("norm_placement", None)
+            for key in PLACEMENT_KEYS:
+                without[0].pop(key, None)
             found.setdefault(json.dumps(without, sort_keys=True), {})[first.placement] = members
     return list(found.values())
 
