@@ -164,3 +164,10 @@ def test_learning_curves_come_from_the_models_metrics_where_readable(tmp_path):
     figure = report.figure_learning_curves(runs)
     (line,) = figure.axes[0].get_lines()
     assert list(line.get_ydata()) == [50.0, 80.0]
+
+
+def test_a_level_some_seeds_never_reach_is_counted_not_averaged():
+    assert report._spread([0.2, 0.22, np.inf]) == "21.0 % [20.0–22.0] (never reached by 1 of 3)"
+    assert report._spread([np.inf, np.inf, None]) == "never reached (2 of 2)"
+    assert report._spread([0.1, None]) == "10.0 %"
+    assert report._spread([None, np.nan]) == "n/a"

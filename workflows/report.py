@@ -415,13 +415,17 @@ def _percent(value) -> str:
 
 
 def _spread(values: list[float], scale: float = 100, unit: str = " %") -> str:
-    """A quantity over seeds: its mean and [min–max]; the value alone for one seed."""
-    values = [v for v in values if v is not None and np.isfinite(v)]
+    """A quantity over seeds: its mean and [min–max] (the value alone for one seed); an infinite
+    value (a collapse level that the noise tested never reaches) is counted, never averaged."""
+    measured = [v for v in values if v is not None and not np.isnan(v)]
+    values = [v for v in measured if np.isfinite(v)]
+    unreached = len(measured) - len(values)
+    note = f" (never reached by {unreached} of {len(measured)})" if unreached and values else ""
     if not values:
-        return "n/a"
+        return f"never reached ({unreached} of {unreached})" if unreached else "n/a"
     if len(values) == 1:
-        return f"{values[0] * scale:.1f}{unit}"
-    return f"{np.mean(values) * scale:.1f}{unit} [{min(values) * scale:.1f}–{max(values) * scale:.1f}]"
+        return f"{values[0] * scale:.1f}{unit}{note}"
+    return f"{np.mean(values) * scale:.1f}{unit} [{min(values) * scale:.1f}–{max(values) * scale:.1f}]{note}"
 
 
 def direction_verdict(pre: list[float], qkv: list[float], paper_direction: int) -> str:
