@@ -246,8 +246,8 @@ def _pair_angles(fit: LayerFit, a: int, b: int, replicates: list, null_bases, se
 
 
 def _pair_tests(fit: LayerFit, effects: list[FactorEffects], a: int, b: int, settings: DrawSettings) -> None:
-    """p-values of the pair's two nulls, orthogonality and dependence: the fitted effects of both
-    factors are turned to the null's boundary (``boundary_turns``), then drawn again with the noise
+    """p-values of the pair's two nulls, orthogonality and dependence: both factors' effects, denoised
+    (``denoised``), are turned to the null's boundary (``boundary_turns``), then drawn again with the noise
     of the fit (the groups' influences with random signs, the same signs for both factors, whose
     noise comes from the same tokens); the share of draws whose smallest angle lies as far from the
     null as the measured one is its p-value (add-one)."""
