@@ -85,6 +85,7 @@ def correlated(tmp_path_factory):
     return dataset, joint, planted, {"alpha": alpha, "beta": beta, "gamma": gamma, "role_x": role_x}
 
 
+@pytest.mark.slow
 def test_planted_angles_and_ranks_are_recovered_from_correlated_labels(correlated):
     _, joint, planted, _ = correlated
     angles = joint["angles"].sel(factor="alpha", other="beta").values

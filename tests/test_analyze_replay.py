@@ -158,6 +158,7 @@ def _study(block, settings, layer=0):
 
 
 @pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
+@pytest.mark.slow
 def test_measured_collapse_rate_matches_the_analytic_rate_for_a_known_margin_distribution(tmp_path, distribution):
     ratios = np.random.default_rng(1).uniform(1.02, 1.3, size=64)
     q, k = margin_head(ratios)
@@ -287,6 +288,7 @@ def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_te
     assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["predicted"].any()
 
 
+@pytest.mark.slow
 def test_theory_agrees_to_first_order_and_collapse_grows_monotonically(tmp_path):
     q, k, v, w_o = random_heads(n_samples=16)
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5)

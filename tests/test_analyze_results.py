@@ -27,6 +27,7 @@ def store(tmp_path_factory):
                        samples_per_chunk=20)
 
 
+@pytest.mark.slow
 def test_results_round_trip_with_provenance_and_options(store, tmp_path):
     out = tmp_path / "results.zarr"
     tree = analyze(store, out, only=["norms", "neighbours"], options={"layers": [1], "norms.mass": 0.5},
@@ -46,6 +47,7 @@ def test_results_round_trip_with_provenance_and_options(store, tmp_path):
     assert written["norms/resid_pre"]["band"].dims == ("layer", "head")
 
 
+@pytest.mark.slow
 def test_writing_again_replaces_only_the_groups_just_computed(store):
     out = f"memory://results-{uuid.uuid4().hex}"
     analyze(store, out, only=["neighbours"], options={"layers": [0]})
@@ -59,6 +61,7 @@ def test_writing_again_replaces_only_the_groups_just_computed(store):
     assert "subspaces" in open_results(out).children
 
 
+@pytest.mark.slow
 def test_results_never_overwrite_what_is_not_theirs(store, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
@@ -84,6 +87,7 @@ def test_results_on_s3(store, s3_bucket):
     assert open_results(out)["neighbours"]["n_sequences"].values.tolist() == [60, 60]
 
 
+@pytest.mark.slow
 def test_the_analyze_verb(store, tmp_path):
     out = str(tmp_path / "cli.zarr")
     runner = CliRunner()
@@ -193,6 +197,7 @@ def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatc
     assert any(m.startswith("analyze pass 2 (spheres): done in") for m in messages)
 
 
+@pytest.mark.slow
 def test_the_report_tabulates_label_association_beside_the_angles_and_their_null(store, tmp_path):
     from orthosphere.workflows.report import figure_association, load_runs
 

@@ -46,6 +46,7 @@ def spheres(tmp_path_factory):
     return dataset, sphere_structure(dataset, factors=["alpha", "beta"]), components
 
 
+@pytest.mark.slow
 def test_orthogonal_spheres_have_zero_deviation_and_exact_fits(spheres):
     _, result, _ = spheres
     layer = result.sel(layer=0)
@@ -88,6 +89,7 @@ def test_planted_cross_talk_gives_the_planted_cross_term_share(spheres):
     np.testing.assert_allclose(layer["radius_cv"], [0.1, 0.0], atol=0.01)
 
 
+@pytest.mark.slow
 def test_spheres_use_the_fitted_subspaces_they_are_given(spheres):
     dataset, result, _ = spheres
     tree = analyze(dataset.attrs["url"], only=["subspaces", "spheres"],

@@ -42,6 +42,7 @@ def planted(tmp_path_factory):
     return dataset, factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=100, seed=3)
 
 
+@pytest.mark.slow
 def test_planted_principal_angles_are_recovered_within_one_degree(planted):
     _, result = planted
     angles = result["angles"].sel(factor="alpha", other="beta")

@@ -152,6 +152,7 @@ def test_analysing_a_store_with_a_deleted_chunk(store, tmp_path):
                            "(samples 4-5, layer 1): missing. To repair it, resume the job that wrote it")
 
 
+@pytest.mark.slow
 def test_analysing_a_store_with_an_overwritten_chunk(store, tmp_path):
     path = os.path.join(store, "k", "c", "0", "2", "0", "0", "0")
     with open(path, "r+b") as handle:

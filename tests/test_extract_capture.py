@@ -102,6 +102,7 @@ def eager_reference(model, store):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_gguf_attention_is_reproduced_from_the_store(tmp_path, family):
     reference = gguf_model(family, seed=3)
     path = write_gguf(tmp_path / "tiny.gguf", reference)
@@ -125,6 +126,7 @@ def arithmetic_reference(model_dir, store):
 
 
 @pytest.mark.parametrize("placement,norm_type", [("none", "layer"), ("pre", "layer"), ("post", "layer"), ("qkv", "rms")])
+@pytest.mark.slow
 def test_arithmetic_attention_is_reproduced_from_the_store(tmp_path, placement, norm_type):
     model_dir = write_arithmetic_model(tmp_path / "model", placement=placement, norm_type=norm_type)
     store = run(tmp_path, model_dir, "arithmetic:split=test,seed=4", n_samples=7)
@@ -144,6 +146,7 @@ def test_float16_store_holds_the_float32_values_rounded(tmp_path):
         np.testing.assert_array_equal(half[site].values, exact[site].values.astype(np.float16))
 
 
+@pytest.mark.slow
 def test_layer_subset_and_site_subset(tmp_path):
     model_dir = write_arithmetic_model(tmp_path / "model", n_layers=3)
     full = run(tmp_path, model_dir, "arithmetic", n_samples=4)
@@ -219,6 +222,7 @@ def concurrent_models(tmp_path):
     yield adapter_for(tiny_model("bloom"))
 
 
+@pytest.mark.slow
 def test_concurrent_captures_on_one_model_stay_apart(tmp_path):
     """Two threads capture on one model at once (as two shards on one multi-threaded Dask worker),
     one of them editing q: each gets exactly what it gets alone."""
@@ -259,6 +263,7 @@ def test_concurrent_captures_on_one_model_stay_apart(tmp_path):
         assert not torch.allclose(alone[1]["q"], alone[0]["q"])  # the threads' results do differ
 
 
+@pytest.mark.slow
 def test_one_adapter_per_model_and_a_forward_outside_a_capture_records_nothing(tmp_path):
     model = load_model(write_arithmetic_model(tmp_path / "pre", "pre"))
     adapter = adapter_for(model)

@@ -153,6 +153,7 @@ def test_labels_point_back_to_the_text(tmp_path, model_dir, lines):
     assert 3 not in document and 4 not in document  # the blank lines
 
 
+@pytest.mark.slow
 def test_without_bos_and_separator_the_windows_are_the_stream(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines)
     store = run(model_dir, tmp_path / "s.zarr", f"text:path={text},context=8,bos=false,separator=none", n_samples=20)
@@ -161,6 +162,7 @@ def test_without_bos_and_separator_the_windows_are_the_stream(tmp_path, model_di
     assert store.attrs["task"]["bos"] is None and "dropped_tokens" not in store.attrs["task"]  # --samples: a prefix
 
 
+@pytest.mark.slow
 def test_bos_and_separator_are_special_tokens_of_the_tokenizer_or_given(tmp_path, lines):
     # a tokenizer without BOS and EOS, whose config.json names [UNK] for both (as a Llama config's defaults may)
     plain = write_model(tmp_path / "plain", tokenizer_specials=(), config_specials=(UNK, UNK))
@@ -184,6 +186,7 @@ def test_bos_and_separator_are_special_tokens_of_the_tokenizer_or_given(tmp_path
     np.testing.assert_array_equal(given["tokens"].values.ravel(), np.concatenate([word_ids(line) + [EOS] for line in lines])[:64])
 
 
+@pytest.mark.slow
 def test_a_config_token_is_taken_where_the_tokenizer_holds_it_as_a_special_token(tmp_path, lines):
     # the demo checkpoint's layout: the tokenizer's BOS <s> and no EOS; config.json names <s> for both
     model = write_model(tmp_path / "bos-only", tokenizer_specials=("bos",), config_specials=(BOS, BOS))
@@ -381,6 +384,7 @@ def test_token_ids_need_no_tokenizer(tmp_path, model_dir, sources, lines):
         run(bare, tmp_path / "no.zarr", sources["text"] + ",context=16")
 
 
+@pytest.mark.slow
 def test_resuming_with_another_tokenizer_of_the_same_class_is_refused(tmp_path, model_dir, lines):
     text = write_lines(tmp_path / "corpus.txt", lines)
     out = tmp_path / "s.zarr"
@@ -451,6 +455,7 @@ def test_bfloat16_extraction_holds_the_float32_values_rounded(tmp_path, model_di
     assert info(str(tmp_path / "bf16.zarr"))["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_float16_overflow_is_refused_and_bfloat16_keeps_it(tmp_path, lines):
     loud = write_model(tmp_path / "loud", embedding_scale=1e7)  # embeddings far beyond 65504
     text = write_lines(tmp_path / "corpus.txt", lines)
@@ -588,6 +593,7 @@ def bad_files(folder):
     ("text:path={bad}/missing.txt,context=8", r"missing.txt not found"),
     ("text:path={text},context=16", r"packs into \d+ windows of 16 tokens, fewer than --samples 1000"),
 ])
+@pytest.mark.slow
 def test_bad_corpus_is_a_clear_error_and_leaves_the_store_there_untouched(tmp_path, model_dir, sources, earlier_store,
                                                                           task, error):
     bad_files(tmp_path)

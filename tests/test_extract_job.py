@@ -150,6 +150,7 @@ def test_layer_out_of_range_and_missing_site_leave_no_store(tmp_path, arithmetic
     assert not any(tmp_path.glob("*.zarr"))
 
 
+@pytest.mark.slow
 def test_existing_store_needs_resume_or_overwrite(tmp_path, arithmetic_dir):
     out = tmp_path / "s.zarr"
     extract(job(arithmetic_dir, out), progress=False)
@@ -159,6 +160,7 @@ def test_existing_store_needs_resume_or_overwrite(tmp_path, arithmetic_dir):
     assert read_attrs(str(out))["task"]["seed"] == 9 and read_attrs(str(out))["complete"]
 
 
+@pytest.mark.slow
 def test_resume_of_a_complete_store_is_a_no_op(tmp_path, arithmetic_dir, caplog):
     out = tmp_path / "s.zarr"
     first = extract(job(arithmetic_dir, out), progress=False)
@@ -177,6 +179,7 @@ def test_resume_of_a_complete_store_is_a_no_op(tmp_path, arithmetic_dir, caplog)
     ({"layers": (1,)}, "layers"),
     ({"n_samples": 11}, "n_samples"),
 ])
+@pytest.mark.slow
 def test_resume_refuses_a_store_made_by_another_job(tmp_path, arithmetic_dir, change, key):
     out = tmp_path / "s.zarr"
     extract(job(arithmetic_dir, out), progress=False)

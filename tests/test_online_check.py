@@ -189,6 +189,7 @@ def test_the_replay_perturbs_exactly_the_models_score(tmp_path, model_type):
     assert_agrees_with_offline(online, offline_replay(ds, settings))
 
 
+@pytest.mark.slow
 def test_the_online_check_loads_the_model_in_the_stores_dtype(tmp_path):
     tokens, valid = arithmetic_tokens(4)
     path = save_model(arithmetic_model(), tmp_path / "model")
@@ -201,6 +202,7 @@ def test_the_online_check_loads_the_model_in_the_stores_dtype(tmp_path):
         online_check(ds, arithmetic_model(), settings=SETTINGS)
 
 
+@pytest.mark.slow
 def test_a_model_that_is_not_the_stores_is_a_clear_error(tmp_path):
     tokens, valid = arithmetic_tokens(4)
     model = arithmetic_model()

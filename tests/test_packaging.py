@@ -39,6 +39,7 @@ def run_without_extract(*arguments):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_version_and_python_m():
     assert orthosphere.__version__ == metadata.version("orthosphere")
     result = subprocess.run([sys.executable, "-m", "orthosphere", "--version"], capture_output=True, text=True, timeout=120)

@@ -17,6 +17,7 @@ TOLERANCE = 0.03  # per-token accuracy on 300 examples (~1300 answer tokens) vs 
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.slow
 def test_shipped_checkpoint_reproduces_its_recorded_accuracy(placement):
     directory = MODELS / placement
     metrics = json.loads((directory / "metrics.json").read_text())

@@ -98,6 +98,7 @@ def assert_round_trip(dataset, written):
                 np.testing.assert_array_equal(stored, values)
 
 
+@pytest.mark.slow
 def test_round_trip_out_of_order(tmp_path):
     url = str(tmp_path / "store.zarr")
     writer = make_store(url)
@@ -113,6 +114,7 @@ def test_round_trip_out_of_order(tmp_path):
     assert validate(url) == []
 
 
+@pytest.mark.slow
 def test_dataset_is_lazy_and_selectable(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -150,6 +152,7 @@ def test_float16_store_and_chunk_size(tmp_path):
     writer.close()
 
 
+@pytest.mark.slow
 def test_incomplete_store_is_refused_until_finished(tmp_path):
     url = str(tmp_path / "store.zarr")
     writer = make_store(url)
@@ -188,6 +191,7 @@ def test_block_may_not_straddle_shards(tmp_path):
     writer.close()
 
 
+@pytest.mark.slow
 def test_memory_url_round_trip():
     url = f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
     written = fill(make_store(url))
@@ -279,6 +283,7 @@ def foreign_lock(url, seconds_ago, token="theirs"):
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.slow
 def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog, where):
     url = str(tmp_path / "store.zarr") if where == "local" else f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
     fill(make_store(url))
@@ -296,6 +301,7 @@ def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog
     assert read_lock(as_location(url)) is None
 
 
+@pytest.mark.slow
 def test_heartbeat_refreshes_and_a_broken_lock_stops_the_writer(tmp_path, monkeypatch):
     monkeypatch.setattr("orthosphere.store.lock.HEARTBEAT_SECONDS", 0.05)
     url = str(tmp_path / "store.zarr")
@@ -346,6 +352,7 @@ def test_heartbeat_that_cannot_check_the_lock_stops_the_writer_loudly(tmp_path, 
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.slow
 def test_stale_lock_that_another_writer_broke_meanwhile_is_left_to_it(tmp_path, monkeypatch, where):
     """Two writers judge one lock stale: the one that breaks it second must not remove the first one's new lock."""
     url = str(tmp_path / "store.zarr") if where == "local" else f"memory://orthosphere-{uuid.uuid4().hex}/store.zarr"
@@ -362,6 +369,7 @@ def test_stale_lock_that_another_writer_broke_meanwhile_is_left_to_it(tmp_path, 
     assert read_lock(as_location(url))["token"] == "newer"
 
 
+@pytest.mark.slow
 def test_unreadable_lock_needs_break_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -371,6 +379,7 @@ def test_unreadable_lock_needs_break_lock(tmp_path):
     open_writer(url, break_lock=True).close()
 
 
+@pytest.mark.slow
 def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -385,6 +394,7 @@ def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
     assert target.read_text() == "keep me" and not (tmp_path / "store.zarr" / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_overwrite_through_a_symlinked_store_replaces_the_target_and_keeps_the_link(tmp_path):
     target, link = tmp_path / "disk" / "store.zarr", tmp_path / "store.zarr"
     fill(make_store(str(target)))
@@ -434,6 +444,7 @@ def test_overwrite_killed_at_any_instant_of_clearing_leaves_a_remnant_that_overw
 
 
 @pytest.mark.parametrize("name", [LOCK_NAME, HEARTBEAT_NAME])
+@pytest.mark.slow
 def test_folder_holding_only_a_lock_taken_half_way_is_a_remnant(tmp_path, name):
     """A writer killed while taking a new store's lock leaves the lock written aside, never linked into place."""
     folder = tmp_path / "store.zarr"
@@ -456,6 +467,7 @@ def test_finish_releases_the_lock(tmp_path):
 
 # Bad input -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_existing_store_is_not_overwritten_unless_asked(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -566,6 +578,7 @@ def test_bad_writes(tmp_path):
 
 # info ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_info_summary_and_text(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -601,6 +614,7 @@ def chunk_path(url, array, coords):
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
+@pytest.mark.slow
 def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk(tmp_path, damage):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -620,6 +634,7 @@ def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk
         lazy.q.isel(sample=slice(2, 4)).load()
 
 
+@pytest.mark.slow
 def test_overwritten_chunk_fails_its_checksum_when_read_and_in_full_validation(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))

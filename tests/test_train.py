@@ -31,6 +31,7 @@ def write_config(path: Path, text: str = TINY.read_text(), **changes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_loss_falls_and_the_model_is_saved(tmp_path):
     config = training.load_config(TINY)
     torch.manual_seed(config.seed)
