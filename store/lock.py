@@ -41,11 +41,13 @@ STALE_SECONDS = 600.0
 
 log = logging.getLogger("orthosphere.store")
 
+_LOCK_FILE = re.compile(rf"({re.escape(LOCK_NAME)}|{re.escape(HEARTBEAT_NAME)})({PARTIAL_SUFFIX})?")
+
 
 def is_lock_file(name: str) -> bool:
     """Whether a file directly inside a store is the lock, its heartbeat, or one of them written
     aside (a writer killed while taking the lock or beating leaves one)."""
-    return re.fullmatch(rf"({re.escape(LOCK_NAME)}|{re.escape(HEARTBEAT_NAME)})({PARTIAL_SUFFIX})?", name) is not None
+    return _LOCK_FILE.fullmatch(name) is not None
 
 
 def holder_description() -> dict:
@@ -269,7 +271,7 @@ def _remove_lock_if_unchanged(location: Location, judged: str | None) -> None:
         if _read(location, LOCK_NAME) == judged:
             _remove(location, LOCK_NAME)
         return
-    aside = os.path.basename(temporary_path(LOCK_NAME))
+    aside = temporary_path(LOCK_NAME)
     try:
         os.rename(location.key(LOCK_NAME), location.key(aside))
     except FileNotFoundError:
