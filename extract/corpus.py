@@ -120,28 +120,21 @@ def _text_pieces(path) -> Iterator[Piece]:
     """The whole file's exact text as document 0, decoded in pieces of PIECE_BYTES bytes."""
     _check_file(path)
     decoder = codecs.getincrementaldecoder("utf-8")()
-    read, line, line_start, blank = 0, 1, 0, True  # bytes read, the line and where it starts
+    blank = True
     with open(path, "rb") as handle:
         while True:
             raw = handle.read(PIECE_BYTES)
             try:
                 text = decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as error:  # error.object: the bytes held back from the last piece, then raw
-                before = error.object[: error.start]
-                newline = before.rfind(b"\n")
-                position = read - (len(error.object) - len(raw)) + error.start
-                byte = error.start - newline - 1 if newline >= 0 else position - line_start
-                raise _utf8_error(path, line + before.count(b"\n"), error.reason, byte) from None
+            except UnicodeDecodeError:
+                for _ in _lines(path):  # an error path only: reading line by line finds the line and byte, and raises
+                    pass
+                raise
             if text:
                 blank = blank and not text.strip()
                 yield Piece(0, text)
             if not raw:
                 break
-            newline = raw.rfind(b"\n")
-            if newline >= 0:
-                line_start = read + newline + 1
-            read += len(raw)
-            line += raw.count(b"\n")
     if blank:
         raise no_documents_error(path)
 

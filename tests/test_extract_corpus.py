@@ -318,11 +318,15 @@ def test_a_whole_file_as_a_padded_sample_has_the_special_tokens_of_its_whole_tex
 
 
 @pytest.mark.parametrize("piece_bytes", [3, 5, 2**20])
-def test_invalid_utf8_in_a_whole_file_names_its_line_and_byte(tmp_path, monkeypatch, piece_bytes):
+@pytest.mark.parametrize("content, message", [
+    ("the cat\r\na dog\nthe caf\xe9 sat\n".encode("latin-1"), r"line 3: invalid UTF-8 \(invalid continuation byte at byte 7 "),
+    (b"the cat\r\nthe caf\xc3", r"line 2: invalid UTF-8 \(unexpected end of data at byte 7 "),  # cut at the end
+])
+def test_invalid_utf8_in_a_whole_file_names_its_line_and_byte(tmp_path, monkeypatch, piece_bytes, content, message):
     path = tmp_path / "latin1.txt"
-    path.write_bytes("the cat\r\na dog\nthe caf\xe9 sat\n".encode("latin-1"))
+    path.write_bytes(content)
     monkeypatch.setattr(corpus_module, "PIECE_BYTES", piece_bytes)
-    with pytest.raises(CorpusError, match=r"latin1.txt, line 3: invalid UTF-8 \(invalid continuation byte at byte 7 of the line\)"):
+    with pytest.raises(CorpusError, match=r"latin1.txt, " + message + r"of the line\)"):
         list(read_documents(parse_task(f"text:path={path},document=file")))
 
 
