@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -246,7 +247,9 @@ def _read(location: Location, name: str) -> str | None:
 
 def _create_exclusively(location: Location, name: str, text: str) -> None:
     """Write the file only if it does not exist (FileExistsError otherwise). Locally it is a hard
-    link of a finished file written aside, so the file never exists half written."""
+    link of a finished file written aside, so the file never exists half written. The file written
+    aside may vanish before it is linked (another writer took the lock and cleared the store
+    meanwhile): that too is a FileExistsError."""
     path = location.key(name)
     if not location.is_local:
         location.fs.pipe_file(path, text.encode(), mode="create")
@@ -258,8 +261,12 @@ def _create_exclusively(location: Location, name: str, text: str) -> None:
     crash_point("lock-written-aside")
     try:
         os.link(aside, path)  # fails if the lock exists, even as a symbolic link
+    except FileNotFoundError:
+        raise FileExistsError(errno.EEXIST, "the store was cleared by another writer while the lock was taken",
+                              path) from None
     finally:
-        os.unlink(aside)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
 
 
 def _remove_lock_if_unchanged(location: Location, judged: str | None) -> None:

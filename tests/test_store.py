@@ -224,6 +224,24 @@ def test_lock_is_created_exclusively(tmp_path, request, monkeypatch, where):
     assert read_lock(as_location(url))["host"] == "gpu-node-7"
 
 
+def test_lock_whose_copy_written_aside_vanishes_before_it_is_linked_is_another_writers(tmp_path, monkeypatch):
+    """Another writer took the lock and cleared the store between this one writing its lock aside
+    and linking it into place: the clear lock error, never a traceback."""
+    url = str(tmp_path / "store.zarr")
+    make_store(url).close()
+
+    def cleared_before_the_link(source, destination):
+        os.unlink(source)
+        raise FileNotFoundError(2, "No such file or directory", source)
+
+    monkeypatch.setattr("orthosphere.store.lock.os.link", cleared_before_the_link)
+    with pytest.raises(StoreLockedError, match="locked by another writer a moment ago; try again"):
+        open_writer(url)
+    monkeypatch.undo()
+    assert not [entry for entry in os.listdir(tmp_path / "store.zarr") if entry.endswith(".partial")]
+    open_writer(url).close()
+
+
 HOLD_LOCK = """
 import sys, time
 from orthosphere.store import create_store
