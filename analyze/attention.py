@@ -119,13 +119,12 @@ class BlockAttention:
         no_keys = self.n_allowed == 0
         self.no_keys = no_keys[:, None, :] if no_keys.any() else None  # (sample, 1, qpos)
         refused = ~(allowed | no_keys[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
-        dots = key_major_dots(q, k)
-        self.scaled_dots = np.multiply(dots, np.float32(terms.scale), dtype=np.float32, order="C")
+        self.scaled_dots = np.multiply(key_major_dots(q, k), np.float32(terms.scale), dtype=np.float32, order="C")
         np.copyto(self.scaled_dots, np.float32(0), where=refused)
-        self.mask = np.zeros(dots.shape, np.float32)
-        np.copyto(self.mask, np.float32(-np.inf), where=refused)
+        mask = np.where(refused, np.float32(-np.inf), np.float32(0))  # (kpos, sample, 1, qpos)
         bias = score_bias(valid, terms)
-        self.bias = None if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2))
+        # what every score adds after the soft-cap: the ALiBi bias and the mask, computed once
+        self.offset = mask if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2)) + mask
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
         """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:
@@ -133,11 +132,16 @@ class BlockAttention:
         product of the norm factors of q and k), is used as scratch space; without it, the clean
         score."""
         scaled = self.scaled_dots.copy() if factor is None else np.multiply(factor, self.scaled_dots, out=factor)
+        return self._capped_and_offset(scaled)
+
+    def _capped_and_offset(self, scaled: np.ndarray) -> np.ndarray:
+        """softcap * tanh(scaled / softcap) (the model's order of operations) plus the offset, in place."""
         if self.terms.softcap is not None:
-            scaled = np.tanh(scaled / np.float32(self.terms.softcap)) * np.float32(self.terms.softcap)
-        if self.bias is not None:
-            scaled += self.bias
-        scaled += self.mask
+            softcap = np.float32(self.terms.softcap)
+            np.divide(scaled, softcap, out=scaled)
+            np.tanh(scaled, out=scaled)
+            scaled *= softcap
+        scaled += self.offset
         return scaled
 
     def softmax(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,8 +157,10 @@ class BlockAttention:
         return scores, peak, total
 
     def pattern(self) -> np.ndarray:
-        """The clean attention (sample, head, qpos, kpos)."""
-        attention, _, _ = self.softmax(self.scores())
+        """The clean attention (sample, head, qpos, kpos), computed in the block's own dot products
+        (the block cannot score again after it)."""
+        attention, _, _ = self.softmax(self._capped_and_offset(self.scaled_dots))
+        self.scaled_dots = None
         return attention.transpose(1, 2, 3, 0)
 
 
