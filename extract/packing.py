@@ -220,8 +220,8 @@ def whole_text_ids(pieces: Iterable[str], encode: Encode, path) -> Iterator[np.n
         window = replace(window, text=window.text + piece)
         split = _split_window(window, encode, last)
         if split is _MISALIGNED and previous is not None:
-            earlier, begin = previous
-            window, held, previous = replace(earlier, text=earlier.text[:begin] + window.text), None, None
+            text = previous.text[: window.start - previous.start] + window.text  # the held window, run on
+            window, held, previous = replace(previous, text=text), None, None
             split = _split_window(window, encode, last)
         if split is _MISALIGNED:
             raise CorpusError(
@@ -231,12 +231,12 @@ def whole_text_ids(pieces: Iterable[str], encode: Encode, path) -> Iterator[np.n
             )
         if split is None:  # too few tokens yet: read on
             continue
-        ids, following, begin = split
+        ids, following = split
         if held is not None:
             yield held
         held = ids
         if following is not None:
-            previous, window = (window, begin), following
+            previous, window = window, following
     if held is not None:
         yield held
 
@@ -245,9 +245,9 @@ _MISALIGNED = object()
 
 
 def _split_window(window: _Window, encode: Encode, last: bool):
-    """(the window's tokens to take, the next window, where in this one it begins); for the last
-    window, (its tokens, None, None); None when too few tokens are settled; _MISALIGNED when the
-    window does not give the tokens expected before its resume point."""
+    """(the window's tokens to take, the next window); for the last window, (its tokens, None);
+    None when too few tokens are settled; _MISALIGNED when the window does not give the tokens
+    expected before its resume point."""
     ids, starts, ends = encode(window.text)
     boundary = np.zeros(len(ids), dtype=bool)  # a token a window may start at: it shares no character with the last
     boundary[1:] = (starts[1:] >= ends[:-1]) & (starts[1:] > starts[:-1]) & (ends[1:] > starts[1:])
@@ -260,7 +260,7 @@ def _split_window(window: _Window, encode: Encode, last: bool):
             return _MISALIGNED
         first = int(resumes[0])
     if last:
-        return ids[first:], None, None
+        return ids[first:], None
     settled = np.zeros(len(ids), dtype=bool)  # every token before it ends WINDOW_MARGIN_CHARS before the window's end
     settled[1:] = np.maximum.accumulate(ends[:-1]) <= len(window.text) - WINDOW_MARGIN_CHARS
     cuts = np.flatnonzero(boundary & settled)
@@ -271,7 +271,7 @@ def _split_window(window: _Window, encode: Encode, last: bool):
     begin = int(starts[cut - WINDOW_BACK_TOKENS])
     following = _Window(window.text[begin:], window.start + begin, int(starts[cut]) - begin,
                         tuple(int(i) for i in ids[cut - WINDOW_CHECK_TOKENS: cut]))
-    return ids[first:cut], following, begin
+    return ids[first:cut], following
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
