@@ -214,6 +214,10 @@ def test_padded_documents_one_a_sample(tmp_path, model_dir, lines):
 
 @pytest.mark.slow
 def test_a_whole_file_is_one_document_in_the_store(tmp_path, model_dir, lines, monkeypatch):
+    """A whole file is one document in the store (document 0 on every token, offsets running on
+    across windows) and the store is the same however the file is cut into pieces. The whitespace
+    tokenizer's tokens never depend on a cut, so this checks the labels, not the windowing: the
+    trained-tokenizer tests below check that a file's tokens are those of its whole text."""
     text = write_lines(tmp_path / "book.txt", lines)
     whole = arrays_of(run(model_dir, tmp_path / "whole.zarr", f"text:path={text},document=file,context=16"))
     stream = np.concatenate([word_ids(line) for line in lines])  # the word tokenizer's tokens of the whole text
@@ -328,6 +332,26 @@ def test_invalid_utf8_in_a_whole_file_names_its_line_and_byte(tmp_path, monkeypa
     monkeypatch.setattr(corpus_module, "PIECE_BYTES", piece_bytes)
     with pytest.raises(CorpusError, match=r"latin1.txt, " + message + r"of the line\)"):
         list(read_documents(parse_task(f"text:path={path},document=file")))
+
+
+def test_a_tokenizer_whose_tokens_depend_on_text_far_ahead_is_an_error():
+    """A text whose tokens all change with a '!' thousands of characters on cannot be tokenised in
+    pieces: the windows disagree, and again when the held window is tokenised with more text."""
+
+    def encode(text):  # a token a character, marked when a '!' follows anywhere after it
+        marked = np.zeros(len(text), dtype=bool)
+        bang = text.rfind("!")
+        marked[: bang + 1] = bang >= 0
+        ids = np.array([ord(c) + 1000 * m for c, m in zip(text, marked)], dtype=np.int64)
+        positions = np.arange(len(text))
+        return ids, positions, positions + 1
+
+    pieces = ["a" * 2000] * 4 + ["a" * 1000 + "!" + "a" * 999]
+    with pytest.raises(CorpusError, match=r"book.txt: the tokenizer's tokens near character \d+ depend on text more "
+                                          r"than 1024 characters away, so the file cannot be tokenised in pieces"):
+        list(packing.whole_text_ids(pieces, encode, "book.txt"))
+    ids = np.concatenate(list(packing.whole_text_ids(["a" * 2000] * 4, encode, "book.txt")))  # no '!': in pieces as at once
+    np.testing.assert_array_equal(ids, encode("a" * 8000)[0])
 
 
 # --- sources ----------------------------------------------------------------------------------------
