@@ -119,10 +119,15 @@ def acquire_lock(location: Location, break_lock: bool = False) -> dict:
 
 
 def release_lock(location: Location) -> None:
-    """Remove the lock if this process holds it."""
+    """Remove the lock if this process holds it, and with it, while it is still held, every copy
+    of the lock or heartbeat written aside (left by a writer killed while taking the lock, while
+    beating or while breaking a lock). The heartbeat thread must be stopped first."""
     text, holder = current_lock(location)
     if holder is not None and _is_mine(holder):
         _remove(location, HEARTBEAT_NAME)
+        for name in location.entries():
+            if name not in (LOCK_NAME, HEARTBEAT_NAME) and is_lock_file(name):
+                _remove(location, name)
         _remove_lock_if_unchanged(location, text)
 
 
@@ -248,8 +253,8 @@ def _read(location: Location, name: str) -> str | None:
 def _create_exclusively(location: Location, name: str, text: str) -> None:
     """Write the file only if it does not exist (FileExistsError otherwise). Locally it is a hard
     link of a finished file written aside, so the file never exists half written. The file written
-    aside may vanish before it is linked (another writer took the lock and cleared the store
-    meanwhile): that too is a FileExistsError."""
+    aside may vanish before it is linked (another writer took the lock and cleared the store, or
+    released it, which removes such files, meanwhile): that too is a FileExistsError."""
     path = location.key(name)
     if not location.is_local:
         location.fs.pipe_file(path, text.encode(), mode="create")

@@ -243,7 +243,8 @@ class StoreWriter:
     def find_damage(self, decode: bool = False) -> list[Damage]:
         """The chunks that complete shards (and written weights) promise but that are missing or
         of the wrong size (with `decode`: that do not decode). The lock holder also removes the
-        temporary files of writes that a kill interrupted (the lock's own are left to it)."""
+        temporary files of writes that a kill interrupted (the lock's own are left to it: releasing the
+        lock removes them)."""
         files = self.location.list_files()
         if self.holds_lock:
             for key in [key for key in files if key.endswith(".partial") and not is_lock_file(key)]:

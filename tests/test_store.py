@@ -477,6 +477,19 @@ def test_folder_holding_only_a_lock_taken_half_way_is_a_remnant(tmp_path, name):
     assert read_attrs(str(folder))["complete"]
 
 
+def test_lock_files_written_aside_in_a_created_store_are_removed_when_its_writer_finishes(tmp_path):
+    """A resume killed while taking the lock, or a writer killed while beating, leaves a copy
+    written aside; the next writer removes them when it gives the lock back."""
+    url = str(tmp_path / "store.zarr")
+    make_store(url).close()
+    holder = {"host": socket.gethostname(), "pid": 2**22 + 1, "token": "dead"}
+    for name in (LOCK_NAME, HEARTBEAT_NAME):
+        (tmp_path / "store.zarr" / f"{name}.{uuid.uuid4().hex}.partial").write_text(json.dumps(holder))
+    fill(open_writer(url))
+    assert not [entry for entry in os.listdir(tmp_path / "store.zarr") if entry.startswith(LOCK_NAME)]
+    assert read_attrs(url)["complete"]
+
+
 def test_finish_releases_the_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
