@@ -27,11 +27,11 @@ with one, each shard is a Dask task that loads the model on the job's device (on
 writes its own chunks and records itself complete, while this coordinating process reads the
 model's description and weights on the CPU: it never needs the workers' device.
 
-Whatever a kill leaves, ``--resume`` continues: a store whose creation was interrupted is
-created afresh (nothing was written to it), a created one continues with its unfinished shards
-(a corpus's token arrays of those shards are written again), and chunks of complete shards found
-missing or truncated are rewritten; ``--overwrite`` replaces any of them. For the crash tests,
-``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a named point (see
+Whatever a kill leaves, ``--resume`` continues: a store whose creation or replacement was
+interrupted is created afresh (nothing in it can be resumed), a created one continues with its
+unfinished shards (a corpus's token arrays of those shards are written again), and chunks of
+complete shards found missing or truncated are rewritten; ``--overwrite`` replaces any of them.
+For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a named point (see
 ``orthosphere.store.faults``; ``samples-written`` follows each block of a corpus's token arrays).
 """
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
         log.info("resuming the extraction into %s", writer.url)
     else:
         if found.kind == REMNANT:
-            log.info("%s holds a store whose creation was interrupted: creating it afresh", job.out)
+            log.info("%s holds a store whose creation or replacement was interrupted: creating it afresh", job.out)
         writer = _create(job, identity, replacing=found.is_ours)
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
@@ -242,7 +242,7 @@ def _scratch_folder(job: ExtractJob) -> str | None:
     location = as_location(job.out, job.storage_options)
     if not location.is_local:
         return None
-    folder = os.path.dirname(os.path.abspath(location.local_path))
+    folder = os.path.dirname(location.local_path)
     return folder if os.path.isdir(folder) else None
 
 
@@ -354,8 +354,8 @@ def _existing_store(job: ExtractJob) -> Found:
         return found
     if found.kind == REMNANT:
         raise StoreExistsError(
-            f"{job.out} holds a store whose creation was interrupted (nothing was written to it): pass --resume to "
-            "create it afresh, or --overwrite"
+            f"{job.out} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
+            "pass --resume to create it afresh, or --overwrite"
         )
     state = "complete" if found.attrs.get("complete") else "incomplete"
     raise StoreExistsError(
