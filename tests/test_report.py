@@ -72,9 +72,9 @@ def test_models_of_different_sizes_are_different_variants_and_labelled_by_size()
     assert len(report.families(runs)) == 2
 
 
-def language_model_tree(source: str, family: str, qk_norm: str | None, **options) -> xr.DataTree:
+def language_model_tree(source: str, family: str, qk_norm: str | None) -> xr.DataTree:
     """A results tree of a transformers model of `family`: Pre-Norm RMSNorm, QK-norm per head or none."""
-    tree = results_tree(source, family * 8, "pre", "test", 0.5, **options)
+    tree = results_tree(source, family * 8, "pre", "test", 0.5)
     tree.attrs["model"] |= {"family": family, "norm_type": "rms", "qk_norm": qk_norm, "v_norm": None,
                             "parallel": False}
     tree.attrs["task"] = {"name": "corpus", "split": "test"}
@@ -171,3 +171,23 @@ def test_a_level_some_seeds_never_reach_is_counted_not_averaged():
     assert report._spread([np.inf, np.inf, None]) == "never reached (2 of 2)"
     assert report._spread([0.1, None]) == "10.0 %"
     assert report._spread([None, np.nan]) == "n/a"
+
+
+def test_models_that_differ_only_in_placement_pair_up_from_the_extractors_own_descriptions():
+    """The pairing read from real store descriptions (the extractor's, every placement), so that a
+    key the extractor adds for one placement cannot split the Pre-Norm / QKV-Norm pair unnoticed."""
+    pytest.importorskip("torch")
+    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.model import NORM_PLACEMENTS, ArithmeticTransformer, ModelConfig
+
+    runs = []
+    for placement in NORM_PLACEMENTS:
+        model = ArithmeticTransformer(ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, norm_placement=placement))
+        for seed in range(2):
+            tree = results_tree(f"/models/{placement}-s{seed}", f"{placement}{seed}" * 8, placement, "test", 0.8)
+            tree.attrs["model"] = {**adapter_for(model).describe(), "source": f"/models/{placement}-s{seed}",
+                                   "weights_sha256": f"{placement}{seed}" * 8}
+            runs.append(report.Run(f"{placement}-s{seed}.zarr", tree))
+    (family,) = report.families(report.name_runs(runs))
+    assert {placement: [run.name for run in members] for placement, members in family.items()} == {
+        "pre": ["pre-s0", "pre-s1"], "qkv": ["qkv-s0", "qkv-s1"]}

@@ -414,10 +414,16 @@ def _percent(value) -> str:
     return "n/a" if value is None or not np.isfinite(value) else f"{value * 100:.1f} %"
 
 
+def _measured(values: list[float]) -> list[float]:
+    """The values a seed measured: None and NaN dropped; an infinite collapse level (never reached
+    within the noise tested) is a measurement, and compares as beyond every finite one."""
+    return [v for v in values if v is not None and not np.isnan(v)]
+
+
 def _spread(values: list[float], scale: float = 100, unit: str = " %") -> str:
     """A quantity over seeds: its mean and [min–max] (the value alone for one seed); an infinite
     value (a collapse level that the noise tested never reaches) is counted, never averaged."""
-    measured = [v for v in values if v is not None and not np.isnan(v)]
+    measured = _measured(values)
     values = [v for v in measured if np.isfinite(v)]
     unreached = len(measured) - len(values)
     note = f" (never reached by {unreached} of {len(measured)})" if unreached and values else ""
@@ -431,8 +437,7 @@ def _spread(values: list[float], scale: float = 100, unit: str = " %") -> str:
 def direction_verdict(pre: list[float], qkv: list[float], paper_direction: int) -> str:
     """Whether the paper's direction (+1: Pre-Norm above QKV-Norm, -1: below, 0: the paper
     compares nothing) holds beyond the seed spread: min of one above max of the other."""
-    pre = [v for v in pre if v is not None and np.isfinite(v)]
-    qkv = [v for v in qkv if v is not None and np.isfinite(v)]
+    pre, qkv = _measured(pre), _measured(qkv)
     if not paper_direction:
         return "—"
     if not pre or not qkv:
