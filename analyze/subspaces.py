@@ -12,8 +12,9 @@ subspace is spanned by the leading right singular vectors of its count-weighted 
 its rank is ``rank`` or the fewest directions holding ``rank_threshold`` of their variance.
 
 Factors with many classes (token identity over a real vocabulary) keep their ``max_classes - 1``
-most frequent classes and pool the rest into one class (``factors.cap_classes``): the streamed
-sums and every bootstrap or null draw then cost the same whatever the vocabulary.
+most frequent classes and pool the rest into one class; the position is cut into ``max_classes``
+contiguous ranges instead (``factors.cap_classes``): the streamed sums and every bootstrap or null
+draw then cost the same whatever the vocabulary or context.
 
 Uncertainty and chance, both from ``bootstrap_groups`` seeded groups of samples (so tokens of
 one sequence, which are not independent, stay together):

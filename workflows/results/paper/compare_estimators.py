@@ -14,7 +14,8 @@ from itertools import combinations
 from pathlib import Path
 
 import numpy as np
-import xarray as xr
+
+from orthosphere.analyze import open_results
 
 MODELS = ("pre", "qkv", "none", "post")
 
@@ -31,8 +32,8 @@ def marginal_results(root: Path, model: str) -> Path:
 def summary(results: Path) -> dict[str, str]:
     """Mean smallest angle over layers per factor pair (with the most frequent relation), mean rank
     per factor, and the sphere deviation (layer 0; mean over layers)."""
-    subspaces = xr.open_datatree(results, engine="zarr")["subspaces"].to_dataset()
-    spheres = xr.open_datatree(results, engine="zarr")["spheres"].to_dataset()
+    tree = open_results(results)
+    subspaces, spheres = tree["subspaces"].to_dataset(), tree["spheres"].to_dataset()
     row = {}
     for a, b in combinations(subspaces.factor.values.tolist(), 2):
         pair = subspaces.sel(factor=a, other=b)
