@@ -10,9 +10,13 @@
 - A lock is **stale** when its holder was a process on this host that no longer runs, or when
   its heartbeat is older than ``STALE_SECONDS`` (any host: a job that died elsewhere). A stale
   lock is broken automatically, with a warning; ``break_lock=True`` (CLI ``--break-lock``) also
-  breaks a lock that looks alive, for when you know its holder is dead. A lock is removed only
-  if it is still the one judged stale: when two writers break one lock, the second leaves the
-  first one's new lock alone.
+  breaks a lock that looks alive, for when you know its holder is dead. Locally a lock is removed
+  only if it is still the one judged stale (it is moved aside in one step and compared there):
+  when two writers break one lock, the second leaves the first one's new lock alone. On object
+  storage the check is a read, then a remove, so two writers that break one lock at once can
+  race: the second may remove the lock the first has just taken. The first then stops writing,
+  loudly, at its next heartbeat, which finds the lock not its own; until then (up to
+  ``HEARTBEAT_SECONDS``, and the write in progress) both may write.
 - Lock and heartbeat files are never followed or written through when they are symbolic links.
 """
 from __future__ import annotations
@@ -277,8 +281,9 @@ def _create_exclusively(location: Location, name: str, text: str) -> None:
 def _remove_lock_if_unchanged(location: Location, judged: str | None) -> None:
     """Remove the lock if it still holds `judged`, the text read when it was judged stale (or
     ours): another writer may have broken it and taken the lock since, and that lock stays.
-    Locally the lock is moved aside in one step, compared there and put back if it changed; on
-    object storage it is read again and removed."""
+    Locally the lock is moved aside in one step, compared there and put back if it changed. On
+    object storage it is read again, then removed: a lock taken between the two is removed too,
+    and its holder stops at its next heartbeat (see the module's docstring)."""
     if not location.is_local:
         if _read(location, LOCK_NAME) == judged:
             _remove(location, LOCK_NAME)
