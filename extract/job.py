@@ -220,11 +220,12 @@ def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
         data, n_samples=job.n_samples, tokenizer=loaded.corpus_tokenizer(data.tokenized), causal=description["causal"],
         vocab_size=description.get("vocab_size"), scratch=_scratch_folder(job),
     )
-    try:
-        _check_positions(dataset.n_pos, limit, "max_length")
-    except ConfigError:
-        dataset.close()
-        raise
+    if data.layout == "padded":
+        try:
+            _check_positions(dataset.n_pos, limit, "max_length")
+        except ConfigError:
+            dataset.close()
+            raise
     return dataset
 
 

@@ -645,3 +645,12 @@ def test_a_layout_the_model_or_corpus_cannot_hold_is_refused_before_tokenising(t
     with pytest.raises(ConfigError, match=error):
         run(model_dir, tmp_path / "s.zarr", task.format(**source_paths(sources, tmp_path)), n_samples=samples)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_padded_documents_longer_than_the_model_takes_are_refused_once_tokenised(tmp_path, model_dir):
+    text = write_lines(tmp_path / "long.txt", ["the cat sat", " ".join(["dog"] * 80)])
+    with pytest.raises(ConfigError, match=r"samples of 81 positions are longer than the model's 64 positions: "
+                                          r"use max_length=64 or less"):
+        run(model_dir, tmp_path / "s.zarr", f"text:path={text},max_length=100")
+    assert not (tmp_path / "s.zarr").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".orthosphere-tokens-")]
