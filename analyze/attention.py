@@ -90,10 +90,15 @@ def score_bias(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray | None:
     return (-slopes * distance[..., None, :, :]).astype(np.float32)
 
 
+def per_head(kv: np.ndarray, n_heads: int) -> np.ndarray:
+    """A (sample, pos, kv_head, ...) array for every query head: head h reads kv_head h // group."""
+    group = n_heads // kv.shape[2]
+    return np.repeat(kv, group, axis=2) if group > 1 else kv
+
+
 def key_major_dots(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """q . k laid out (kpos, sample, head, qpos), float32 as in the model; heads share kv_heads in groups."""
-    group = q.shape[2] // k.shape[2]
-    k = np.repeat(k, group, axis=2) if group > 1 else k
+    k = per_head(k, q.shape[2])
     keys = np.ascontiguousarray(np.asarray(k).transpose(0, 2, 1, 3), np.float32)  # (sample, head, kpos, d_head)
     queries = np.ascontiguousarray(np.asarray(q).transpose(0, 2, 3, 1), np.float32)  # (sample, head, d_head, qpos)
     return (keys @ queries).transpose(2, 0, 1, 3)

@@ -75,7 +75,7 @@ import dask
 import numpy as np
 import xarray as xr
 
-from .attention import BlockAttention, ScoreTerms
+from .attention import BlockAttention, ScoreTerms, per_head
 from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
@@ -272,8 +272,7 @@ class HeadBlock:
 
 def _key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
     """(sample, kpos, kv_head) -> float32 (kpos, sample, head, 1), heads sharing their group's value."""
-    group = n_heads // kappa.shape[2]
-    kappa = np.repeat(kappa, group, axis=2) if group > 1 else kappa
+    kappa = per_head(kappa, n_heads)
     return np.ascontiguousarray(kappa.transpose(1, 0, 2), dtype=np.float32)[..., None]
 
 
@@ -286,8 +285,7 @@ def message_frame(w_o: np.ndarray) -> np.ndarray:
 
 def _framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
     """Messages v F per head (sample, head, kpos, d_head), float32; heads share kv_heads in groups."""
-    group = frame.shape[0] // v.shape[2]
-    v = np.repeat(v, group, axis=2) if group > 1 else v
+    v = per_head(v, frame.shape[0])
     return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
 
 
