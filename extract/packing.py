@@ -26,8 +26,8 @@ is scored.
 
 Padded (``max_length=N``, the default): one sample per document, tokenised with the special tokens
 its tokenizer adds (BOS, [CLS] ... [SEP]), truncated to N tokens (task attribute
-``truncated_documents``) and padded to the longest; ``valid`` marks the real tokens, and a causal
-model's last real token has no target.
+``truncated_documents``; a whole file is read only until its N tokens are known) and padded to
+the longest; ``valid`` marks the real tokens, and a causal model's last real token has no target.
 
 Labels (per token): ``token_str``; ``document``, the source record the token comes from (line of a
 text or JSONL file, row of a Parquet file or dataset; a SEP belongs to the document it ends);
@@ -74,8 +74,9 @@ class TokenizedCorpus:
                  stop_documents: int | None = None, scratch: str | None = None):
         """Tokenise the documents of `data`, each cut to max_document_tokens (None: kept whole) and
         followed by `separator` (None: nothing) unless it is the last; stop reading once the stream
-        holds stop_tokens tokens or stop_documents documents (None: read everything). The token
-        files go to a new folder in `scratch` (None: the system's temporary folder)."""
+        holds stop_tokens tokens or stop_documents documents (None: read everything), or once a
+        whole file's one document is cut. The token files go to a new folder in `scratch` (None:
+        the system's temporary folder)."""
         self.data, self.tokenizer = data, tokenizer
         self.special_tokens, self.separator, self.vocab_size = special_tokens, separator, vocab_size
         self.max_document_tokens = max_document_tokens
@@ -99,6 +100,7 @@ class TokenizedCorpus:
         table = _DocumentTable(self.folder)
         self.n_tokens = self.n_documents = self.truncated_documents = 0
         current = None  # [source index, first token, length] of the document being read
+        one_document = self.data.source == "text" and self.data.document == "file"
         with open(stream_path, "wb") as stream, table:
             for document, ids in self._encoded():
                 if stop_tokens is not None and self.n_tokens >= stop_tokens:
@@ -116,10 +118,12 @@ class TokenizedCorpus:
                             self.n_tokens += 1
                     current = [document, self.n_tokens, 0]
                     self.n_documents += 1
-                ids = self._cut(ids, current[2])
-                stream.write(ids.tobytes())
-                current[2] += len(ids)
-                self.n_tokens += len(ids)
+                kept = self._cut(ids, current[2])
+                stream.write(kept.tobytes())
+                current[2] += len(kept)
+                self.n_tokens += len(kept)
+                if one_document and len(kept) < len(ids):
+                    break  # the whole file's one document is full: the rest of it is not read
             if current is not None:
                 table.append(current)
         if self.n_tokens == 0:
@@ -145,12 +149,13 @@ class TokenizedCorpus:
         yield np.asarray(after, dtype=np.int32)
 
     def _cut(self, ids: np.ndarray, held: int) -> np.ndarray:
-        """The ids that fit in a document holding `held` tokens already (all when uncut)."""
+        """The ids that fit in a document holding `held` tokens already (all when uncut), counting
+        the document as truncated when some do not (a document is cut once: a whole file, the one
+        document read in parts, is read no further)."""
         if self.max_document_tokens is None or held + len(ids) <= self.max_document_tokens:
             return ids
-        if held < self.max_document_tokens:
-            self.truncated_documents += 1
-        return ids[: max(0, self.max_document_tokens - held)]
+        self.truncated_documents += 1
+        return ids[: self.max_document_tokens - held]
 
     def _encode(self, batch) -> list[np.ndarray]:
         if self.data.tokenized:

@@ -321,6 +321,27 @@ def test_a_whole_file_as_a_padded_sample_has_the_special_tokens_of_its_whole_tex
     corpus.close()
 
 
+@pytest.mark.parametrize("max_length", [1, 50])
+def test_a_whole_file_as_a_padded_sample_is_read_only_as_far_as_it_keeps(tmp_path, monkeypatch, max_length):
+    from orthosphere.extract.sources import HuggingFaceTokenizer
+
+    tokenizer = HuggingFaceTokenizer(trained_tokenizer("sentencepiece-bpe"))
+    text = prose(3000, seed=3)
+    path = tmp_path / "book.txt"
+    path.write_bytes(text.encode())
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 64)
+    monkeypatch.setattr(packing, "WINDOW_MARGIN_CHARS", 64)
+    read = []
+    monkeypatch.setattr(packing, "read_documents", lambda data: (read.append(p) or p for p in read_documents(data)))
+    corpus = TokenizedCorpus(parse_task(f"text:path={path},document=file,max_length={max_length}"), tokenizer,
+                             special_tokens=True, separator=None, vocab_size=None, max_document_tokens=max_length)
+    whole = tokenizer.encode_batch([text])[0]
+    np.testing.assert_array_equal(corpus.stream, whole[:max_length])  # max_length=1: the BOS alone, yet cut
+    assert corpus.n_documents == 1 and corpus.truncated_documents == 1
+    assert len(read) < 20 < len(text.encode()) // 64  # a few pieces of the file, not all of them
+    corpus.close()
+
+
 @pytest.mark.parametrize("piece_bytes", [3, 5, 2**20])
 @pytest.mark.parametrize("content, message", [
     ("the cat\r\na dog\nthe caf\xe9 sat\n".encode("latin-1"), r"line 3: invalid UTF-8 \(invalid continuation byte at byte 7 "),
