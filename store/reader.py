@@ -56,8 +56,8 @@ def not_a_store_error(location: Location, kind: str) -> StoreError:
             f"no store at {location.url}: the path does not exist; check it, or create a store with `orthosphere extract`"
         )
     what = {
-        REMNANT: "is a store whose creation was interrupted (nothing was written to it): rerun the job that makes it, "
-                 "with --resume (or --overwrite)",
+        REMNANT: "is a store whose creation or replacement was interrupted (nothing in it can be resumed): rerun the "
+                 "job that makes it, with --resume (or --overwrite)",
         DAMAGED: f"is a damaged orthosphere store: its progress record {PROGRESS_GROUP}/shard_complete is missing, so "
                  "no shard can be trusted; replace it (`orthosphere extract ... --overwrite`)",
         FOREIGN_ZARR: "is a Zarr store but not an orthosphere store (no 'schema' attribute); open it with zarr or "

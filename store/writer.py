@@ -380,8 +380,8 @@ def refuse_foreign(location: Location, found: Found) -> None:
 def _exists_message(location: Location, found: Found) -> str:
     if found.kind == REMNANT:
         return (
-            f"{location.url} holds a store whose creation was interrupted (nothing was written to it): pass "
-            "overwrite=True (CLI: --overwrite, or --resume, which starts it afresh) to replace it"
+            f"{location.url} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
+            "pass overwrite=True (CLI: --overwrite, or --resume, which starts it afresh) to replace it"
         )
     state = "complete" if found.attrs.get("complete") else "incomplete"
     return (

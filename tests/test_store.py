@@ -454,7 +454,7 @@ def test_overwrite_killed_at_any_instant_of_clearing_leaves_a_remnant_that_overw
         finally:
             monkeypatch.undo()
         assert inspect(location).kind == REMNANT, f"killed after removing {calls}"
-        with pytest.raises(StoreExistsError, match="creation was interrupted"):
+        with pytest.raises(StoreExistsError, match=r"creation or replacement was interrupted \(nothing in it can be resumed\)"):
             make_store(url)
     assert removals > 10
     fill(make_store(url, overwrite=True))
@@ -470,7 +470,7 @@ def test_folder_holding_only_a_lock_taken_half_way_is_a_remnant(tmp_path, name):
     holder = {"host": socket.gethostname(), "pid": 2**22 + 1, "token": "dead"}
     (folder / f"{name}.{uuid.uuid4().hex}.partial").write_text(json.dumps(holder))
     assert inspect(as_location(str(folder))).kind == REMNANT
-    with pytest.raises(StoreExistsError, match="creation was interrupted"):
+    with pytest.raises(StoreExistsError, match=r"creation or replacement was interrupted \(nothing in it can be resumed\)"):
         make_store(str(folder))
     fill(make_store(str(folder), overwrite=True))
     assert not [entry for entry in os.listdir(folder) if entry.endswith(".partial")]
