@@ -160,7 +160,7 @@ def _special_option(key: str, value: str, default: str, nones: tuple[str, ...]) 
         return True, None
     if value in nones:
         return False, None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not "²", which isdigit() takes and int() refuses
         return True, int(value)
     raise ValueError(f"{key}={value!r}: expected {default} or {nones[0]}, or a token id")
 

@@ -186,6 +186,16 @@ def test_bos_and_separator_are_special_tokens_of_the_tokenizer_or_given(tmp_path
     np.testing.assert_array_equal(given["tokens"].values.ravel(), np.concatenate([word_ids(line) + [EOS] for line in lines])[:64])
 
 
+@pytest.mark.parametrize("spec, detail", [
+    ("text:path=a.txt,context=8,bos=²", r"bos='²': expected true or none, or a token id"),  # a digit, not a decimal one
+    ("text:path=a.txt,context=8,separator=٣", r"separator='٣': expected eos or none, or a token id"),
+    ("text:path=a.txt,context=8,bos=-1", r"bos='-1': expected true or none, or a token id"),
+])
+def test_a_special_token_that_is_not_an_id_does_not_parse(spec, detail):
+    with pytest.raises(ConfigError, match=rf"task spec .* does not parse \({detail}\)"):
+        parse_task(spec)
+
+
 @pytest.mark.slow
 def test_a_config_token_is_taken_where_the_tokenizer_holds_it_as_a_special_token(tmp_path, lines):
     # the demo checkpoint's layout: the tokenizer's BOS <s> and no EOS; config.json names <s> for both
