@@ -95,10 +95,11 @@ class CorpusData:
     length: int = DEFAULT_MAX_LENGTH
     bos: bool = True
     bos_id: int | None = None
-    """The BOS given as a token id (None: the tokenizer's)."""
+    """The BOS given as a token id (None: the tokenizer's); only with bos (ignored without)."""
     separator: bool = True
     separator_id: int | None = None
-    """The separator given as a token id (None: the tokenizer's end-of-sequence token)."""
+    """The separator given as a token id (None: the tokenizer's end-of-sequence token); only with
+    separator (ignored without)."""
 
 
 def parse_task(spec: str) -> ArithmeticData | CorpusData:
@@ -215,8 +216,8 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
                                  max_document_tokens=data.length, stop_documents=n_samples, scratch=scratch)
         layout = functools.partial(PaddedDocuments, max_length=data.length)
     else:
-        bos = _special(data, "bos", tokenizer.bos_id, tokenizer, vocab_size)
-        separator = _special(data, "separator", tokenizer.eos_id, tokenizer, vocab_size)
+        bos = _special("bos", data.bos, data.bos_id, tokenizer.bos_id, tokenizer, vocab_size)
+        separator = _special("separator", data.separator, data.separator_id, tokenizer.eos_id, tokenizer, vocab_size)
         body = data.length - (bos is not None)
         corpus = TokenizedCorpus(data, tokenizer, special_tokens=False, separator=separator, vocab_size=vocab_size,
                                  stop_tokens=None if n_samples is None else n_samples * body + 1, scratch=scratch)
@@ -228,11 +229,12 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
         raise
 
 
-def _special(data: CorpusData, key: str, own: int | None, tokenizer, vocab_size: int | None) -> int | None:
-    """The token id that bos= or separator= (`key`) asks for: none, the id given, or `own`, the tokenizer's."""
-    if not getattr(data, key):
+def _special(key: str, wanted: bool, given: int | None, own: int | None, tokenizer,
+             vocab_size: int | None) -> int | None:
+    """The token id that bos= or separator= (`key`) asks for: none (not `wanted`), the id `given`,
+    or `own`, the tokenizer's."""
+    if not wanted:
         return None
-    given = getattr(data, f"{key}_id")
     if given is not None:
         if vocab_size is not None and given >= vocab_size:
             raise ConfigError(f"{key}={given} is outside the model's vocabulary 0..{vocab_size - 1}: give a token id "
