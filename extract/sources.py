@@ -77,7 +77,8 @@ class Tokenizer:
 
     def sha256(self) -> str:
         """A SHA-256 of what the tokenizer turns text into (vocabulary, rules, special tokens), so that
-        a resumed job can tell a different tokenizer of the same class apart."""
+        a resumed job can tell a different tokenizer of the same class apart (a slow Hugging Face
+        tokenizer without its vocabulary files: its vocabulary and special tokens only)."""
         return hashlib.sha256(self._definition().encode()).hexdigest()
 
     def _definition(self) -> str:
@@ -171,9 +172,25 @@ class HuggingFaceTokenizer(Tokenizer):
         return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids])
 
     def _definition(self):
-        backend = self.tokenizer.backend_tokenizer.to_str() if self.tokenizer.is_fast else \
-            json.dumps(self.tokenizer.get_vocab(), sort_keys=True)
+        """A fast tokenizer's whole backend (vocabulary, rules, normalizer...). A slow one's vocabulary
+        (added tokens included) and the SHA-256 of its vocabulary files (its class's
+        vocab_files_names found in the folder it was loaded from: merges, a SentencePiece model's
+        scores...); without such files (a tokenizer built in memory), its vocabulary alone, which
+        leaves its rules and scores out."""
+        if self.tokenizer.is_fast:
+            backend = self.tokenizer.backend_tokenizer.to_str()
+        else:
+            files = self._vocabulary_files()
+            backend = [json.dumps(self.tokenizer.get_vocab(), sort_keys=True), files_sha256(files) if files else None]
         return json.dumps([self.name, backend, self.pad_id, self.bos_id, self.eos_id])
+
+    def _vocabulary_files(self) -> list[Path]:
+        """The slow tokenizer's vocabulary files in the folder it was loaded from, in its class's order."""
+        folder = self.tokenizer.name_or_path
+        if not folder or not os.path.isdir(folder):
+            return []
+        candidates = (Path(folder) / name for name in self.tokenizer.vocab_files_names.values())
+        return [path for path in candidates if path.is_file()]
 
 
 @dataclass

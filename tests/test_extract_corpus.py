@@ -331,6 +331,35 @@ def test_a_whole_file_as_a_padded_sample_has_the_special_tokens_of_its_whole_tex
     corpus.close()
 
 
+def slow_tokenizer(folder, merges: str):
+    """A slow (Python) BPE tokenizer saved in `folder`: CTRL's, a vocabulary and merge rules."""
+    from transformers import AutoTokenizer
+
+    folder.mkdir()
+    words = ["<unk>", "t", "h", "e", "c", "a", "th", "the", "ca", "cat", "t@@", "h@@", "e@@", "c@@", "a@@"]
+    (folder / "vocab.json").write_text(json.dumps({word: i for i, word in enumerate(words)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + merges)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "CTRLTokenizer", "unk_token": "<unk>"}))
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def test_a_slow_tokenizer_is_told_apart_by_its_rules_and_cannot_read_a_whole_file(tmp_path, monkeypatch):
+    from orthosphere.extract.sources import HuggingFaceTokenizer
+
+    monkeypatch.setenv("ORTHOSPHERE_CACHE", str(tmp_path / "cache"))
+    rules = HuggingFaceTokenizer(slow_tokenizer(tmp_path / "rules", "t h\nth e\nc a\nca t\n"))
+    fewer = HuggingFaceTokenizer(slow_tokenizer(tmp_path / "fewer", "t h\nc a\n"))  # the same vocabulary
+    again = HuggingFaceTokenizer(slow_tokenizer(tmp_path / "again", "t h\nth e\nc a\nca t\n"))
+    assert not rules.tokenizer.is_fast and rules.tokenizer.get_vocab() == fewer.tokenizer.get_vocab()
+    assert rules.sha256() != fewer.sha256() and rules.sha256() == again.sha256()
+    path = tmp_path / "book.txt"
+    path.write_text("the cat\n")
+    with pytest.raises(ConfigError, match=r"a whole text file \(document=file\) is tokenised with character offsets, "
+                                          r"which CTRLTokenizer does not give: use a fast tokenizer \(tokenizer.json\) "
+                                          r"or document=line"):
+        whole_file_corpus(path, rules)
+
+
 @pytest.mark.parametrize("max_length", [1, 50])
 def test_a_whole_file_as_a_padded_sample_is_read_only_as_far_as_it_keeps(tmp_path, monkeypatch, max_length):
     from orthosphere.extract.sources import HuggingFaceTokenizer
