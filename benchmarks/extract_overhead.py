@@ -148,6 +148,7 @@ def run_child(kind: str, arguments, model_dir: str, corpus: str, windows: int, d
     if arguments.threads:
         command += ["--threads", str(arguments.threads)]
     environment = dict(os.environ, ORTHOSPHERE_CACHE=os.path.join(arguments.dir, "cache"))
+    os.sync()  # the previous child's store reaches the disk before this child's clock starts, not during it
     output = subprocess.run(command, check=True, capture_output=True, text=True, env=environment).stdout
     return json.loads(output.strip().splitlines()[-1])
 

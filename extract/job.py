@@ -51,11 +51,12 @@ import torch
 from tqdm import tqdm
 
 from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
-from orthosphere.store.bfloat16 import BFLOAT16
+from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
 from orthosphere.store.reader import not_a_store_error
-from orthosphere.store.schema import check_dtype, dim_sizes, resolved_dtype, variables_for
+from orthosphere.store.schema import check_dtype, dim_sizes, item_size, variables_for
+from orthosphere.store.stream import ChunkStream
 from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
@@ -315,7 +316,7 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
     sizes = dim_sizes(model, n_samples, n_pos, n_layers)
     variables = variables_for(sites, with_weights=False)
     row = sum(
-        math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(resolved_dtype(var, dtype)).itemsize
+        math.prod(sizes[d] for d in var.dims[1:]) * item_size(var, dtype)
         for var in variables.values()
     )
     samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
@@ -449,7 +450,7 @@ def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, sink
             valid = torch.from_numpy(inputs["valid"]).to(device)
             logits = adapter.forward(tokens, valid)
             arrays = {name: values for name, values in inputs.items() if name not in dataset.prewritten}
-            arrays["pred"] = logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+            arrays["pred"] = logits.max(dim=-1).indices.to(torch.int32).cpu().numpy()  # argmax, twice as fast
             buffers = recording.take()
             if dtype == torch.float16:
                 check_float16_range(buffers, plan.layers, first)
@@ -469,7 +470,7 @@ class Float16OverflowError(ConfigError):
 def check_float16_range(buffers: dict, layers, first: int) -> None:
     """Refuse float16 activations that overflowed (|x| > 65504 became inf), naming where."""
     for site, values in buffers.items():
-        low, high = torch.aminmax(values)
+        low, high = torch.aminmax(_in_memory_order(values))
         if torch.isinf(low) or torch.isinf(high):
             infinite = torch.isinf(values).flatten(2).any(dim=2)  # (batch, layer)
             samples, slots = (index.tolist() for index in torch.nonzero(infinite, as_tuple=True))
@@ -480,10 +481,16 @@ def check_float16_range(buffers: dict, layers, first: int) -> None:
             )
 
 
+def _in_memory_order(values: torch.Tensor) -> torch.Tensor:
+    """The same elements as a view whose dimensions follow the memory layout (a layer-major
+    buffer's reductions then read memory in order: 2-3x faster)."""
+    return values.permute(*sorted(range(values.dim()), key=lambda d: -values.stride(d)))
+
+
 def as_numpy(values: torch.Tensor) -> np.ndarray:
     """A CPU tensor as a numpy array sharing its memory (bfloat16 as ml_dtypes.bfloat16)."""
     if values.dtype == torch.bfloat16:
-        return values.view(torch.int16).numpy().view(BFLOAT16)
+        return values.view(torch.int16).numpy().view(bfloat16_dtype())
     return values.numpy()
 
 
@@ -589,79 +596,6 @@ def _run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
 # --- writing behind compute ---------------------------------------------------------------
 
 
-class ChunkAligner:
-    """Regroups consecutive blocks of samples into blocks that cover whole chunks.
-
-    A block given with a `release` callback is released (pop_released) once no piece of it is held.
-    With reuse=True, blocks joined into one chunk are copied into the same buffers every time: each
-    returned block is then valid only until the next call (the writer thread writes it at once)."""
-
-    def __init__(self, samples_per_chunk: int, reuse: bool = False):
-        self.chunk, self.reuse = samples_per_chunk, reuse
-        self.pieces: list[tuple[int, dict, object]] = []
-        self.released: list = []
-        self.joined: dict[str, np.ndarray] = {}
-
-    @property
-    def start(self) -> int:
-        return self.pieces[0][0]
-
-    @property
-    def stop(self) -> int:
-        first, arrays, _ = self.pieces[-1]
-        return first + _length(arrays)
-
-    def add(self, first: int, arrays: dict, release=None) -> list[tuple[int, dict]]:
-        """Take a block; return the whole chunks now complete (as one block, or none)."""
-        if self.pieces and first != self.stop:
-            raise RuntimeError(f"block at sample {first} does not follow the previous one, which ends at {self.stop}")
-        self.pieces.append((first, arrays, release))
-        boundary = self.stop // self.chunk * self.chunk
-        return [self._take(boundary)] if boundary > self.start else []
-
-    def flush(self) -> list[tuple[int, dict]]:
-        """Everything held (the shard's end, which is chunk-aligned or the store's end)."""
-        return [self._take(self.stop)] if self.pieces else []
-
-    def pop_released(self) -> list:
-        """The release callbacks of the blocks handed out whole since the last call."""
-        released, self.released = self.released, []
-        return released
-
-    def _take(self, boundary: int) -> tuple[int, dict]:
-        start, before, after = self.start, [], []
-        for first, arrays, release in self.pieces:
-            n = _length(arrays)
-            if first + n <= boundary:
-                before.append(arrays)
-                if release is not None:
-                    self.released.append(release)
-            elif first >= boundary:
-                after.append((first, arrays, release))
-            else:
-                cut = boundary - first
-                before.append({name: values[:cut] for name, values in arrays.items()})
-                after.append((boundary, {name: values[cut:] for name, values in arrays.items()}, release))
-        self.pieces = after
-        if len(before) == 1:
-            return start, before[0]
-        return start, {name: self._join(name, [block[name] for block in before]) for name in before[0]}
-
-    def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
-        if not self.reuse:
-            return np.concatenate(parts)
-        shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
-        dtype = np.result_type(*parts)
-        held = self.joined.get(name)
-        if held is None or held.shape != shape or held.dtype != dtype:
-            held = self.joined[name] = np.empty(shape, dtype)
-        return np.concatenate(parts, out=held)
-
-
-def _length(arrays: dict) -> int:
-    return len(next(iter(arrays.values())))
-
-
 class WriteBehind:
     """A bounded queue of batches, drained into the store by one writer thread in whole chunks."""
 
@@ -705,23 +639,18 @@ class WriteBehind:
                 continue
 
     def _drain(self) -> None:
-        aligner = ChunkAligner(self.writer.attrs["samples_per_chunk"], reuse=True)
+        stream = ChunkStream(self.writer)
         while (item := self.queue.get()) is not None:
             if self.error is not None:
                 continue
             try:
                 if item[0] == "block":
-                    self._write(aligner.add(*item[1:]))
+                    stream.add(*item[1:])
                 else:
-                    self._write(aligner.flush())
+                    stream.flush()
                     self.writer.mark_shard_complete(item[1], written_elsewhere=self.prewritten)
                     crash_point("shard-complete")
-                for release in aligner.pop_released():
+                for release in stream.pop_released():
                     release()
             except BaseException as error:  # handed to the producer by _send / close
                 self.error = error
-
-    def _write(self, blocks) -> None:
-        for first, arrays in blocks:
-            self.writer.write(first, arrays)
-            crash_point("chunk-written")

@@ -1,4 +1,4 @@
-"""The buffer of one capture: activations copied by hooks into CPU tensors laid out as in the store."""
+"""The buffer of one capture: activations copied by hooks into CPU tensors shaped as in the store."""
 from __future__ import annotations
 
 import torch
@@ -66,4 +66,9 @@ class Recording:
 
 
 def new_buffer(shape, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    """A (batch, layer, ...) buffer laid out layer-major in memory, so that one layer of the batch
+    is one contiguous block: the bytes of its piece of a chunk file (see store.stream)."""
+    if len(shape) < 2:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    layer_major = (shape[1], shape[0], *shape[2:])
+    return torch.empty(layer_major, dtype=dtype, pin_memory=pin_memory).transpose(0, 1)

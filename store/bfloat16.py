@@ -17,32 +17,52 @@ variable.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from zarr.core.dtype import DataTypeValidationError, data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+@functools.cache
+def bfloat16_dtype() -> np.dtype:
+    """numpy's bfloat16 (ml_dtypes), imported on first use: the import takes about half a second,
+    which only stores and jobs that hold bfloat16 pay."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether a dtype (or its name) is bfloat16, without importing ml_dtypes."""
+    return str(dtype) == "bfloat16"
+
+
+class _NotLoaded:
+    """Stands for ml_dtypes' bfloat16 dtype class until it is imported."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class BFloat16(BaseFloat):
     """bfloat16 (1 sign, 8 exponent, 7 fraction bits), little-endian, Zarr v3 only."""
 
-    dtype_cls = type(BFLOAT16)
+    dtype_cls = _NotLoaded
     _zarr_v3_name = "bfloat16"
     _zarr_v2_names = ()
 
     @classmethod
+    def _check_native_dtype(cls, dtype) -> bool:
+        return is_bfloat16(dtype) and dtype == bfloat16_dtype()
+
+    @classmethod
     def from_native_dtype(cls, dtype) -> BFloat16:
-        if dtype == BFLOAT16:
+        if cls._check_native_dtype(dtype):
             return cls(endianness="little")
-        raise DataTypeValidationError(f"invalid data type {dtype}: expected {BFLOAT16}")
+        raise DataTypeValidationError(f"invalid data type {dtype}: expected bfloat16 (ml_dtypes.bfloat16)")
 
     def to_native_dtype(self) -> np.dtype:
-        return BFLOAT16
+        return bfloat16_dtype()
 
     @property
     def item_size(self) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bfloat16 import BFLOAT16
+from .bfloat16 import is_bfloat16
 from .errors import StoreError
 
 SCHEMA_VERSION = 1
@@ -108,10 +108,6 @@ def check_dtype(dtype) -> str:
     return name
 
 
-def is_bfloat16(dtype) -> bool:
-    return np.dtype(dtype) == BFLOAT16
-
-
 def check_model(model: dict) -> dict:
     """The model description, checked for the size keys that the arrays need."""
     missing = [key for key in MODEL_SIZE_KEYS if key not in model]
@@ -175,6 +171,12 @@ def variables_for(sites, with_weights: bool) -> dict[str, Variable]:
 
 def resolved_dtype(variable: Variable, activation_dtype: str) -> str:
     return activation_dtype if variable.dtype == "activation" else variable.dtype
+
+
+def item_size(variable: Variable, activation_dtype: str) -> int:
+    """Bytes a value of the variable takes (bfloat16's 2 without importing its numpy type)."""
+    dtype = resolved_dtype(variable, activation_dtype)
+    return 2 if is_bfloat16(dtype) else np.dtype(dtype).itemsize
 
 
 LABEL_DTYPES = ("str", "int16", "int32", "int64")

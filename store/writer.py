@@ -42,7 +42,7 @@ def samples_per_chunk_for(variables: dict, sizes: dict, dtype: str) -> int:
     """Samples per chunk so that the largest one-layer chunk holds about 4 MB."""
     largest = max(
         math.prod(sizes[d] for d in var.dims if d not in ("sample", "layer"))
-        * np.dtype(schema.resolved_dtype(var, dtype)).itemsize
+        * schema.item_size(var, dtype)
         for var in variables.values()
         if var.dims[0] == "sample"
     )
@@ -192,7 +192,7 @@ class StoreWriter:
         if len(lengths) != 1:
             raise StoreError(f"arrays written together must have the same sample count, got {sorted(lengths)}")
         stop = start + lengths.pop()
-        self._written.setdefault(self.shard_of(start, stop), set()).update(arrays)
+        self.note_written(start, stop, arrays)
         for name, values in arrays.items():
             target = self._array(name)
             expected = (stop - start,) + target.shape[1:]
@@ -202,6 +202,12 @@ class StoreWriter:
                     f"(dims {target.metadata.dimension_names}) for samples [{start}, {stop})"
                 )
             target[start:stop] = np.asarray(values)
+
+    def note_written(self, start: int, stop: int, names) -> None:
+        """Record that samples [start, stop) of the named arrays are (being) written, by this writer
+        or by a ChunkStream of it, so that completing their shard does not fill them."""
+        self._check_lock()
+        self._written.setdefault(self.shard_of(start, stop), set()).update(names)
 
     def write_weights(self, arrays: dict) -> None:
         """Write the per-layer attention maps (all of w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)."""
@@ -394,7 +400,7 @@ def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) ->
     """Refuse, before anything is written, a store larger than the room where it goes, or whose
     sample coordinate, which every reader loads into memory, would not fit in memory."""
     per_sample = sum(
-        math.prod(sizes[d] for d in var.dims[1:]) * np.dtype(schema.resolved_dtype(var, dtype)).itemsize
+        math.prod(sizes[d] for d in var.dims[1:]) * schema.item_size(var, dtype)
         for var in variables.values() if var.dims[0] == "sample"
     )
     needed, available = per_sample * sizes["sample"], psutil.virtual_memory().available

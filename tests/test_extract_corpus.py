@@ -26,7 +26,7 @@ from orthosphere.extract.job import ExtractJob, Float16OverflowError, JobMismatc
 from orthosphere.extract.model import ConfigError
 from orthosphere.extract.packing import TokenizedCorpus
 from orthosphere.store import create_store, format_info, info, open_store, read_attrs
-from orthosphere.store.bfloat16 import BFLOAT16
+from orthosphere.store.bfloat16 import bfloat16_dtype
 
 WORDS = "the a cat dog sat ran on under mat rug big small red blue and then bird tree sang".split()
 SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
@@ -507,12 +507,12 @@ def bfloat16_store(tmp_path, values: np.ndarray):
 @pytest.mark.filterwarnings("ignore:invalid value encountered in equal:RuntimeWarning")  # zarr compares the NaNs
 def test_bfloat16_round_trips_every_bit_pattern(tmp_path):
     bits = np.arange(2**16, dtype=np.uint16).reshape(2**10, 1, 16, 2, 2)  # every bfloat16, inf and nan included
-    url = bfloat16_store(tmp_path, bits.view(BFLOAT16))
+    url = bfloat16_store(tmp_path, bits.view(bfloat16_dtype()))
     raw = zarr.open_group(url, mode="r")["q"]
     assert str(raw.metadata.data_type.to_json(3)) == "bfloat16"
     np.testing.assert_array_equal(raw[:].view(np.uint16), bits)
     plain = xr.open_zarr(url)  # plain xarray: bfloat16 values, bit for bit
-    assert plain["q"].dtype == BFLOAT16
+    assert plain["q"].dtype == bfloat16_dtype()
     np.testing.assert_array_equal(plain["q"].values.view(np.uint16), bits)
     widened = open_store(url)["q"]  # open_store: float32, exactly the same numbers
     assert widened.dtype == np.float32
@@ -522,12 +522,12 @@ def test_bfloat16_round_trips_every_bit_pattern(tmp_path):
 @pytest.mark.slow
 def test_xarray_in_a_fresh_process_reads_bfloat16_after_importing_the_store(tmp_path):
     values = np.linspace(-3e38, 3e38, 64, dtype=np.float32).reshape(2, 1, 8, 2, 2)
-    url = bfloat16_store(tmp_path, values.astype(BFLOAT16))
+    url = bfloat16_store(tmp_path, values.astype(bfloat16_dtype()))
     script = (f"import orthosphere.store, xarray as xr; q = xr.open_zarr({url!r})['q']; "
               "print(q.dtype, float(q.astype('float32').values.max()))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["bfloat16", str(float(values.astype(BFLOAT16).astype(np.float32).max()))]
+    assert result.stdout.split() == ["bfloat16", str(float(values.astype(bfloat16_dtype()).astype(np.float32).max()))]
 
 
 @pytest.mark.slow

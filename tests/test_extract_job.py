@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from orthosphere.extract import tasks
 from orthosphere.extract.data import ArithmeticData, CorpusData, parse_task
 from orthosphere.extract.job import (
-    ChunkAligner,
     ExtractJob,
     JobMismatchError,
     WriteBehind,
@@ -22,6 +21,7 @@ from orthosphere.extract.job import (
 )
 from orthosphere.extract.model import ConfigError
 from orthosphere.store import StoreExistsError, open_store, read_attrs
+from orthosphere.store.stream import ChunkAligner
 from orthosphere.workflows.cli import main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model, write_text
 

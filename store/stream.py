@@ -1,0 +1,281 @@
+"""Writing consecutive blocks of samples into a store, chunk by chunk, with as few copies as possible.
+
+``ChunkStream(writer)`` takes a shard's blocks in order (``add``) and writes them:
+
+- an uncompressed per-sample array of a local store (bytes + CRC-32C, the default for activations)
+  is written straight into its chunk files: each block's piece of a chunk goes to its offset in the
+  file and extends the chunk's running checksum; the chunk's last piece pads a short last chunk
+  with the fill value and appends the checksum. No block is joined with another or copied
+  (a layer of a layer-major buffer is one contiguous piece), and zarr's per-chunk machinery
+  is not involved. The files are byte for byte what zarr writes (tested);
+- every other array (compressed, on object storage, or a writer without a local store) is
+  regrouped into whole chunks (``ChunkAligner``) and written through ``StoreWriter.write``.
+
+A chunk file is complete only after its last piece; shards are chunk-aligned and a shard is
+marked complete only after its chunks, so a kill mid-chunk leaves an incomplete shard, which a
+resumed job rewrites from its first chunk (the first piece truncates the file).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import google_crc32c
+import numpy as np
+from zarr.codecs import BytesCodec, Crc32cCodec
+
+from .errors import StoreError
+from .faults import crash_point
+
+
+class ChunkAligner:
+    """Regroups consecutive blocks of samples into blocks that cover whole chunks.
+
+    A block given with a `release` callback is released (pop_released) once no piece of it is held.
+    With reuse=True, blocks joined into one chunk are copied into the same buffers every time: each
+    returned block is then valid only until the next call (the writer writes it at once)."""
+
+    def __init__(self, samples_per_chunk: int, reuse: bool = False):
+        self.chunk, self.reuse = samples_per_chunk, reuse
+        self.pieces: list[tuple[int, dict, object]] = []
+        self.released: list = []
+        self.joined: dict[str, np.ndarray] = {}
+
+    @property
+    def start(self) -> int:
+        return self.pieces[0][0]
+
+    @property
+    def stop(self) -> int:
+        first, arrays, _ = self.pieces[-1]
+        return first + _length(arrays)
+
+    def add(self, first: int, arrays: dict, release=None) -> list[tuple[int, dict]]:
+        """Take a block; return the whole chunks now complete (as one block, or none)."""
+        if self.pieces and first != self.stop:
+            raise RuntimeError(f"block at sample {first} does not follow the previous one, which ends at {self.stop}")
+        self.pieces.append((first, arrays, release))
+        boundary = self.stop // self.chunk * self.chunk
+        return [self._take(boundary)] if boundary > self.start else []
+
+    def flush(self) -> list[tuple[int, dict]]:
+        """Everything held (the shard's end, which is chunk-aligned or the store's end)."""
+        return [self._take(self.stop)] if self.pieces else []
+
+    def pop_released(self) -> list:
+        """The release callbacks of the blocks handed out whole since the last call."""
+        released, self.released = self.released, []
+        return released
+
+    def _take(self, boundary: int) -> tuple[int, dict]:
+        start, before, after = self.start, [], []
+        for first, arrays, release in self.pieces:
+            n = _length(arrays)
+            if first + n <= boundary:
+                before.append(arrays)
+                if release is not None:
+                    self.released.append(release)
+            elif first >= boundary:
+                after.append((first, arrays, release))
+            else:
+                cut = boundary - first
+                before.append({name: values[:cut] for name, values in arrays.items()})
+                after.append((boundary, {name: values[cut:] for name, values in arrays.items()}, release))
+        self.pieces = after
+        if len(before) == 1:
+            return start, before[0]
+        return start, {name: self._join(name, [block[name] for block in before]) for name in before[0]}
+
+    def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
+        if not self.reuse:
+            return np.concatenate(parts)
+        shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
+        dtype = np.result_type(*parts)
+        held = self.joined.get(name)
+        if held is None or held.shape != shape or held.dtype != dtype:
+            held = self.joined[name] = np.empty(shape, dtype)
+        return np.concatenate(parts, out=held)
+
+
+def _length(arrays: dict) -> int:
+    return len(next(iter(arrays.values())))
+
+
+@dataclass
+class ChunkFiles:
+    """The chunk files of one per-sample array written directly: (sample, [layer,] rest...) with
+    chunks of `samples_per_chunk` samples, one layer, everything else whole."""
+
+    folder: str
+    metadata: object
+    dtype: np.dtype
+    n_samples: int
+    samples_per_chunk: int
+    has_layer: bool
+    fill: np.ndarray
+    """One sample's fill value bytes (uint8), for the padding of a short last chunk."""
+    checksums: dict = field(default_factory=dict)
+    """(chunk, layer) -> running CRC-32C of the bytes written so far."""
+    filled: dict = field(default_factory=dict)
+    """chunk -> samples written so far."""
+    made: set = field(default_factory=set)
+
+    @property
+    def sample_bytes(self) -> int:
+        return self.fill.size
+
+    def write(self, first: int, values: np.ndarray) -> list[int]:
+        """Write samples [first, first + len(values)); returns the chunks completed."""
+        if values.dtype != self.dtype or values.shape[1:] != tuple(self.metadata.shape[1:]):
+            raise StoreError(
+                f"array {os.path.basename(self.folder)!r} takes blocks of shape (n, {', '.join(map(str, self.metadata.shape[1:]))}) "
+                f"and dtype {self.dtype}: got {values.shape} of dtype {values.dtype}"
+            )
+        completed = []
+        stop = first + len(values)
+        while first < stop:
+            chunk = first // self.samples_per_chunk
+            begin = chunk * self.samples_per_chunk
+            end = min(begin + self.samples_per_chunk, self.n_samples)
+            last = min(stop, end)
+            self._piece(chunk, first - begin, values[: last - first])
+            values, first = values[last - first:], last
+            if self.filled[chunk] == end - begin:
+                self._finish(chunk, end - begin)
+                completed.append(chunk)
+        return completed
+
+    def pending(self) -> list[int]:
+        return sorted(self.filled)
+
+    def _piece(self, chunk: int, offset: int, values: np.ndarray) -> None:
+        expected = self.filled.get(chunk, 0)
+        if offset != expected:
+            raise RuntimeError(
+                f"samples {chunk * self.samples_per_chunk + offset}.. of {self.folder} do not follow the "
+                f"chunk's previous ones (a chunk is written from its first sample, in order)"
+            )
+        for layer, piece in self._layers(values):
+            path = self._path(chunk, layer)
+            data = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+            key = (chunk, layer)
+            self.checksums[key] = google_crc32c.extend(self.checksums.get(key, 0) if offset else 0, data)
+            _write_at(path, data, offset * self.sample_bytes, truncate=offset == 0)
+        self.filled[chunk] = expected + len(values)
+
+    def _finish(self, chunk: int, n_written: int) -> None:
+        padding = np.tile(self.fill, self.samples_per_chunk - n_written)
+        for layer in self._layer_indices():
+            key = (chunk, layer)
+            checksum = google_crc32c.extend(self.checksums.pop(key), padding) if padding.size else self.checksums.pop(key)
+            tail = np.concatenate([padding, np.frombuffer(int(checksum).to_bytes(4, "little"), np.uint8)])
+            _write_at(self._path(chunk, layer), tail, n_written * self.sample_bytes, truncate=False)
+        del self.filled[chunk]
+
+    def _layers(self, values: np.ndarray):
+        if not self.has_layer:
+            return [(None, values)]
+        return [(layer, values[:, layer]) for layer in range(values.shape[1])]
+
+    def _layer_indices(self):
+        return [None] if not self.has_layer else range(self.metadata.shape[1])
+
+    def _path(self, chunk: int, layer) -> str:
+        coords = (chunk,) + (() if layer is None else (layer,)) + (0,) * (len(self.metadata.shape) - 1 - self.has_layer)
+        path = os.path.join(self.folder, self.metadata.encode_chunk_key(coords))
+        folder = os.path.dirname(path)
+        if folder not in self.made:
+            os.makedirs(folder, exist_ok=True)
+            self.made.add(folder)
+        return path
+
+
+def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+    descriptor = os.open(path, flags, 0o644)
+    try:
+        view, written = memoryview(data), 0
+        while written < len(view):
+            written += os.pwrite(descriptor, view[written:], offset + written)
+    finally:
+        os.close(descriptor)
+
+
+def chunk_files(writer, name: str) -> ChunkFiles | None:
+    """How to write `name` directly into its chunk files, or None where zarr must (compressed,
+    not local, not chunked along sample only [and layer], or not little-endian)."""
+    location = getattr(writer, "location", None)
+    if location is None or not location.is_local or sys.byteorder != "little":
+        return None
+    array = writer._array(name)
+    metadata = array.metadata
+    codecs = metadata.codecs
+    if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], Crc32cCodec):
+        return None
+    dims, shape, chunks = metadata.dimension_names, metadata.shape, metadata.chunk_grid.chunk_shape
+    has_layer = len(dims) > 1 and dims[1] == "layer"
+    if chunks[1 + has_layer:] != shape[1 + has_layer:] or (has_layer and chunks[1] != 1):
+        return None
+    dtype = np.dtype(array.dtype)
+    if dtype.itemsize > 1 and dtype.byteorder == ">":
+        return None
+    per_sample = math.prod(shape[1 + has_layer:])
+    fill = np.full(per_sample, array.fill_value, dtype=dtype).view(np.uint8)
+    return ChunkFiles(os.path.join(location.local_path, name), metadata, dtype, shape[0], chunks[0], has_layer, fill)
+
+
+class ChunkStream:
+    """Writes one shard's consecutive blocks: directly into chunk files where it can (see the
+    module's docstring), through whole-chunk zarr writes otherwise."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.aligner = ChunkAligner(writer.attrs["samples_per_chunk"], reuse=True)
+        self.direct: dict[str, ChunkFiles | None] = {}
+        self.released: list = []
+
+    def add(self, first: int, arrays: dict, release=None) -> None:
+        """Write the block of samples [first, first + n), or hold what must wait for a whole chunk.
+        `release` is called (pop_released) once nothing of the block is held."""
+        direct = {name: values for name, values in arrays.items() if self._files(name) is not None}
+        held = {name: values for name, values in arrays.items() if name not in direct}
+        if direct:
+            self.writer.note_written(first, first + _length(arrays), direct)
+        completed = False
+        for name, values in direct.items():
+            completed |= bool(self.direct[name].write(first, np.asarray(values)))
+        if direct and held:  # hold copies of the small rest, so that the block's buffers go back now
+            held = {name: np.array(values) for name, values in held.items()}
+        if direct and release is not None:
+            self.released.append(release)
+            release = None
+        if held:
+            completed |= self._write(self.aligner.add(first, held, release))
+        elif release is not None:
+            self.released.append(release)
+        if completed:
+            crash_point("chunk-written")
+
+    def flush(self) -> None:
+        """Write everything held: the shard's end, which ends a chunk."""
+        if self._write(self.aligner.flush()):
+            crash_point("chunk-written")
+        pending = {name: files.pending() for name, files in self.direct.items() if files is not None and files.pending()}
+        if pending:
+            raise RuntimeError(f"chunks left unfinished at the end of a shard: {pending}")
+
+    def pop_released(self) -> list:
+        released, self.released = self.released + self.aligner.pop_released(), []
+        return released
+
+    def _files(self, name: str) -> ChunkFiles | None:
+        if name not in self.direct:
+            self.direct[name] = chunk_files(self.writer, name)
+        return self.direct[name]
+
+    def _write(self, blocks) -> bool:
+        for first, arrays in blocks:
+            self.writer.write(first, arrays)
+        return bool(blocks)

@@ -1,0 +1,110 @@
+"""ChunkStream: chunk files written directly are byte for byte what zarr writes, for every dtype,
+short last chunks, blocks that straddle chunks and layer-major buffers; and misuse is refused."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from orthosphere.store import StoreError, open_store, validate
+from orthosphere.store.bfloat16 import bfloat16_dtype
+from orthosphere.store.stream import ChunkStream, chunk_files
+from tests.test_store import N_POS, N_SAMPLES, make_store, sample_block, weights
+
+SITES = ("resid_pre", "q", "k")
+
+
+def chunk_bytes(url) -> dict[str, bytes]:
+    """Every chunk file of the store (paths under an array's c/ folder), with its bytes."""
+    found = {}
+    for folder, _, names in os.walk(url):
+        for name in names:
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, url)
+            if f"{os.sep}c{os.sep}" in f"{os.sep}{relative}":
+                with open(path, "rb") as handle:
+                    found[relative] = handle.read()
+    return found
+
+
+def activations(start, stop, dtype, layer_major: bool) -> dict:
+    """Samples [start, stop) of sample_block(0, N_SAMPLES)'s sites in the store's dtype; with
+    layer_major, held in (layer, sample, ...) memory as a capture's buffers are."""
+    whole = sample_block(0, N_SAMPLES)
+    block = {}
+    for site in SITES:
+        values = whole[site][start:stop]
+        values = values.astype(bfloat16_dtype()) if dtype == "bfloat16" else values.astype(dtype)
+        if layer_major:
+            values = np.ascontiguousarray(values.swapaxes(0, 1)).swapaxes(0, 1)
+        block[site] = values
+    return block
+
+
+def write_both(tmp_path, dtype, batch, codec="none"):
+    """The same samples written by zarr (whole shards via StoreWriter.write) and by ChunkStream
+    (batches of `batch`, straddling chunks)."""
+    urls = {}
+    for how in ("zarr", "stream"):
+        url = urls[how] = str(tmp_path / f"{how}.zarr")
+        writer = make_store(url, dtype=dtype, samples_per_chunk=3, n_shards=2, codec=codec, sites=SITES)
+        stream = ChunkStream(writer)
+        for index, (start, stop) in enumerate(writer.shards):
+            if how == "zarr":
+                writer.write(start, activations(start, stop, dtype, layer_major=False))
+            else:
+                for first in range(start, stop, batch):
+                    stream.add(first, activations(first, min(first + batch, stop), dtype, layer_major=True))
+                stream.flush()
+            writer.mark_shard_complete(index)
+        writer.write_weights(weights(writer))
+        writer.finish()
+    return urls
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_stream_writes_the_chunk_files_zarr_writes(tmp_path, dtype):
+    urls = write_both(tmp_path, dtype, batch=2)  # 11 samples, chunks of 3 (the last holds 2), shards [0, 6) [6, 11)
+    written, expected = chunk_bytes(urls["stream"]), chunk_bytes(urls["zarr"])
+    assert written.keys() == expected.keys()
+    assert [key for key in written if written[key] != expected[key]] == []
+    assert validate(urls["stream"], full=True) == []
+    stored, reference = open_store(urls["stream"]), open_store(urls["zarr"])
+    for site in SITES:
+        np.testing.assert_array_equal(stored[site].values.view(np.uint8), reference[site].values.view(np.uint8))
+
+
+def test_compressed_store_is_written_through_zarr_in_whole_chunks(tmp_path):
+    urls = write_both(tmp_path, "float16", batch=2, codec="zstd")
+    writer = make_store(str(tmp_path / "other.zarr"), codec="zstd", sites=SITES)
+    assert chunk_files(writer, "q") is None
+    written, expected = chunk_bytes(urls["stream"]), chunk_bytes(urls["zarr"])
+    assert written == expected
+
+
+def test_stream_writes_an_uncompressed_local_array_directly(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"), dtype="float16", sites=SITES)
+    files = chunk_files(writer, "q")
+    assert files is not None and files.has_layer and files.sample_bytes == N_POS * 4 * 2 * 2
+    assert chunk_files(writer, "role") is None  # labels are compressed
+
+
+def test_blocks_out_of_order_or_of_the_wrong_shape_are_refused(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"), dtype="float16", samples_per_chunk=4, n_shards=1, sites=SITES)
+    stream = ChunkStream(writer)
+    stream.add(0, {"q": activations(0, 2, "float16", True)["q"]})
+    with pytest.raises(RuntimeError, match="do not follow"):
+        stream.add(3, {"q": activations(3, 4, "float16", True)["q"]})
+    with pytest.raises(StoreError, match="'k' takes blocks of shape"):
+        stream.add(0, {"k": np.zeros((2, 3, N_POS, 4, 2), np.float16)})
+    with pytest.raises(StoreError, match="dtype float16"):
+        stream.add(0, {"k": np.zeros((2, 3, N_POS, 2, 2), np.float32)})
+
+
+def test_a_shard_that_ends_inside_a_chunk_is_refused(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"), dtype="float16", samples_per_chunk=4, n_shards=1, sites=SITES)
+    stream = ChunkStream(writer)
+    stream.add(0, {"q": activations(0, 2, "float16", True)["q"]})
+    with pytest.raises(RuntimeError, match="unfinished"):
+        stream.flush()
