@@ -16,8 +16,9 @@ back from the store, so no worker needs the corpus or a tokenizer.
 Each shard runs its samples in batches starting at the shard's first sample, so a shard's
 values never depend on which process runs it or when: a resumed job is bitwise identical to
 an uninterrupted one. Writes happen behind compute: the forward pass hands each batch to a
-bounded queue that one writer thread drains, regrouping batches into whole chunks, and the
-thread marks a shard complete only after its last chunk is written. Memory is bounded by the
+bounded queue that one writer thread drains (``store.stream.ChunkStream``: each batch's layers
+go straight into their chunk files of a local uncompressed store, from the capture's layer-major
+buffers, without copies), and the thread marks a shard complete only after its last chunk is written. Memory is bounded by the
 queue depth, whatever the number of samples: the capture's batch buffers come from a pool that
 takes them back once written, so no batch pays for fresh memory. A float16 store refuses
 values beyond float16's range (they would be stored as inf).
@@ -597,7 +598,7 @@ def _run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
 
 
 class WriteBehind:
-    """A bounded queue of batches, drained into the store by one writer thread in whole chunks."""
+    """A bounded queue of batches, drained into the store by one writer thread (ChunkStream)."""
 
     def __init__(self, writer, depth: int = QUEUE_DEPTH, prewritten=()):
         """prewritten: the per-sample arrays written before the shards ran (see StoredTokens)."""
