@@ -15,6 +15,7 @@ N_BINS = 16384
 N_SLOTS = N_BINS + 2
 BIN_WIDTH = (LOG_HIGH - LOG_LOW) / N_BINS
 EDGES = np.linspace(LOG_LOW, LOG_HIGH, N_BINS + 1)
+BLOCK = 512  # groups summarised at once
 
 
 def log_histogram(values: np.ndarray, weights: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
@@ -28,78 +29,109 @@ def log_histogram(values: np.ndarray, weights: np.ndarray, groups: np.ndarray, n
     return counts.reshape(n_groups, N_SLOTS)
 
 
-class Distribution:
-    """The weighted distribution of one group's values, from its histogram (N_SLOTS,)."""
+def _cumulative(flat: np.ndarray) -> np.ndarray:
+    """Mass at or below each edge of EDGES, per row of flat (groups, N_SLOTS): (groups, N_BINS + 1)."""
+    cumulative = np.empty((len(flat), N_BINS + 1))
+    cumulative[:, 0] = 0.0
+    np.cumsum(flat[:, 1:-1], axis=1, out=cumulative[:, 1:])
+    cumulative += flat[:, :1]
+    return cumulative
 
-    def __init__(self, counts: np.ndarray):
-        counts = np.asarray(counts, dtype="float64")
-        self.total = counts.sum()
-        self.cumulative = counts[0] + np.concatenate([[0.0], np.cumsum(counts[1:-1])])
 
-    def cdf(self, value: float) -> float:
-        """Mass at or below `value`."""
-        if value <= 0:
-            return 0.0
-        return float(np.interp(np.log(value), EDGES, self.cumulative))
+def _cdf(cumulative: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Mass at or below `values` of cumulative[rows] (broadcast): np.interp of log(value) through
+    (EDGES, cumulative row), clamped to the end values outside the edges; 0 for values <= 0."""
+    positive = values > 0
+    logs = np.log(np.where(positive, values, 1.0))
+    j = np.clip(np.searchsorted(EDGES, logs, side="right") - 1, 0, N_BINS - 1)
+    below, above = cumulative[rows, j], cumulative[rows, j + 1]
+    with np.errstate(invalid="ignore"):
+        inside = (above - below) / (EDGES[j + 1] - EDGES[j]) * (logs - EDGES[j]) + below
+    clamped = np.where(logs < EDGES[0], cumulative[rows, 0], np.where(logs >= EDGES[-1], cumulative[rows, -1], inside))
+    return np.where(positive, clamped, 0.0)
 
-    def quantile(self, fraction: float) -> float:
-        """The value below which `fraction` of the mass lies (inf when it lies past e^20)."""
-        target = fraction * self.total
-        if target <= self.cumulative[0]:
-            return 0.0
-        if target > self.cumulative[-1]:
-            return np.inf
-        j = int(np.searchsorted(self.cumulative, target, side="left"))
-        below, above = self.cumulative[j - 1], self.cumulative[j]
-        return float(np.exp(EDGES[j - 1] + (target - below) / (above - below) * BIN_WIDTH))
 
-    def band(self, centre: float, mass: float) -> float:
-        """Smallest p such that [centre (1 - p), centre (1 + p)] holds `mass` of the total."""
-        target = mass * self.total
+def _first_reaching(cumulative: np.ndarray, rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per element, the first index j with cumulative[rows, j] >= targets (N_BINS where none is):
+    np.searchsorted(side="left") of each row, by bisection over all rows at once."""
+    low, high = np.zeros(targets.shape, dtype="int64"), np.full(targets.shape, N_BINS)
+    for _ in range(N_BINS.bit_length()):
+        middle = (low + high) // 2
+        short = cumulative[rows, middle] < targets
+        low, high = np.where(short, middle + 1, low), np.where(short, high, middle)
+    return high
 
-        def held(p):
-            return self.cdf(centre * (1 + p)) - self.cdf(centre * (1 - p))
 
-        high = 1.0
-        while held(high) < target:
-            high *= 2
-            if centre * (1 + high) > np.exp(LOG_HIGH):
-                return np.nan
-        low = 0.0
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (low, middle) if held(middle) >= target else (middle, high)
-        return high
+def _quantile(cumulative: np.ndarray, rows: np.ndarray, total: np.ndarray, fractions) -> np.ndarray:
+    """Values (rows, fractions) below which each fraction of the total lies: 0 when it lies in slot 0,
+    inf when past e^20, else linear in log(value) inside its bin."""
+    rows = rows[:, None]
+    target = np.asarray(fractions, dtype="float64") * total[:, None]
+    j = np.clip(_first_reaching(cumulative, rows, target), 1, N_BINS)
+    below, above = cumulative[rows, j - 1], cumulative[rows, j]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inside = np.exp(EDGES[j - 1] + (target - below) / (above - below) * BIN_WIDTH)
+    return np.where(target <= cumulative[rows, 0], 0.0, np.where(target > cumulative[rows, -1], np.inf, inside))
+
+
+def _band(cumulative: np.ndarray, rows: np.ndarray, centre: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Smallest p per row such that [centre (1 - p), centre (1 + p)] holds `target`: `high` doubles
+    from 1 until it holds (NaN once centre (1 + high) passes e^LOG_HIGH), then 60 bisection steps."""
+
+    def held(p, at=slice(None)):
+        return _cdf(cumulative, rows[at], centre[at] * (1 + p)) - _cdf(cumulative, rows[at], centre[at] * (1 - p))
+
+    high = np.ones(len(rows))
+    short = held(high) < target
+    while short.any():
+        high[short] *= 2
+        lost = short & (centre * (1 + high) > np.exp(LOG_HIGH))
+        high[lost] = np.nan
+        short &= ~lost
+        short[short] = held(high[short], short) < target[short]
+    low = np.zeros(len(rows))
+    for _ in range(60):
+        middle = (low + high) / 2
+        enough = held(middle) >= target
+        low, high = np.where(enough, low, middle), np.where(enough, middle, high)
+    return high
+
+
+def _summarise_block(flat: np.ndarray, mass: float, quantiles, ratio_edges: np.ndarray) -> dict[str, np.ndarray]:
+    """summarise for the groups of flat (groups, N_SLOTS), all at once."""
+    total, cumulative = flat.sum(axis=1), _cumulative(flat)
+    median = _quantile(cumulative, np.arange(len(flat)), total, [0.5])[:, 0]
+    rows = np.flatnonzero((0 < median) & (median < np.inf))
+    centre, weight = median[rows], total[rows]
+    below = _cdf(cumulative, rows[:, None], centre[:, None] * ratio_edges)
+    found = {
+        "median": centre,
+        "band": _band(cumulative, rows, centre, mass * weight),
+        "quantile": _quantile(cumulative, rows, weight, quantiles) / centre[:, None],
+        "histogram": np.diff(below, axis=1) / weight[:, None],
+        "beyond": 1 - below[:, -1] / weight,
+    }
+    out = {"total": total}
+    for name, value in found.items():
+        out[name] = np.full((len(flat),) + value.shape[1:], np.nan)
+        out[name][rows] = value
+    return out
 
 
 def summarise(counts: np.ndarray, *, mass: float, quantiles, ratio_edges: np.ndarray) -> dict[str, np.ndarray]:
     """Per group (leading dims of counts): total weight, median, band half-width holding `mass`,
     quantiles of value / median, and the fraction of the mass per bin of value / median
-    (`ratio_edges`; `beyond` holds the fraction past the last edge)."""
+    (`ratio_edges`; `beyond` holds the fraction past the last edge). All but total are NaN where
+    the median is 0 or inf (an empty group included). Vectorised over blocks of BLOCK groups
+    (which bounds the memory of the cumulative sums)."""
     counts = np.asarray(counts, dtype="float64")
     groups = counts.shape[:-1]
     flat = counts.reshape(-1, N_SLOTS)
-    out = {
-        "total": np.zeros(len(flat)),
-        "median": np.full(len(flat), np.nan),
-        "band": np.full(len(flat), np.nan),
-        "quantile": np.full((len(flat), len(quantiles)), np.nan),
-        "histogram": np.full((len(flat), len(ratio_edges) - 1), np.nan),
-        "beyond": np.full(len(flat), np.nan),
-    }
-    for index, group_counts in enumerate(flat):
-        distribution = Distribution(group_counts)
-        out["total"][index] = distribution.total
-        median = distribution.quantile(0.5) if distribution.total > 0 else 0.0
-        if not 0 < median < np.inf:
-            continue
-        out["median"][index] = median
-        out["band"][index] = distribution.band(median, mass)
-        out["quantile"][index] = [distribution.quantile(q) / median for q in quantiles]
-        below = np.array([distribution.cdf(median * edge) for edge in ratio_edges])
-        out["histogram"][index] = np.diff(below) / distribution.total
-        out["beyond"][index] = 1 - below[-1] / distribution.total
-    return {name: value.reshape(groups + value.shape[1:]) for name, value in out.items()}
+    edges = np.asarray(ratio_edges, dtype="float64")
+    blocks = [_summarise_block(flat[start:start + BLOCK], mass, quantiles, edges)
+              for start in range(0, max(len(flat), 1), BLOCK)]
+    return {name: np.concatenate([block[name] for block in blocks]).reshape(groups + blocks[0][name].shape[1:])
+            for name in blocks[0]}
 
 
 def spread_variables(counts: np.ndarray, *, group_dims: tuple[str, ...], coords: dict, median_name: str, mass: float,

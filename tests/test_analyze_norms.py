@@ -140,3 +140,56 @@ def test_results_say_which_norm_produced_each_site(tmp_path):
     assert normalised_by(post, "resid_mid") == "layer norm over d_model"
     assert normalised_by(post, "resid_pre") == "layer norm over d_model of the previous block (layer 0: no norm)"
     assert normalised_by(post, "attn_in") == "" and normalised_by({"norm_placement": "qkv", "norm_type": "rms"}, "v") != ""
+
+
+def test_summarise_matches_a_per_group_reference():
+    """summarise (all groups at once) against each group's own np.interp cdf: quantiles by bisection of
+    that cdf, the band as the smallest p holding the mass, the ratio histogram from cdf differences;
+    an empty group, medians 0 and inf (NaN but total), one filled slot, slots 0 and last filled."""
+    from orthosphere.analyze.histogram import EDGES, LOG_HIGH, LOG_LOW, N_SLOTS, log_histogram, summarise
+    rng = np.random.default_rng(3)
+    counts = np.zeros((7, N_SLOTS))
+    counts[1, 5000] = 2.0
+    counts[2, [0, 9000]] = [3.0, 1.0]
+    counts[3, [-1, 9000]] = [3.0, 1.0]
+    values = np.exp(rng.normal([[0.0], [3.0], [19.5]], [[0.3], [0.1], [1.0]], (3, 500)))
+    values[0, :20] = 0.0
+    counts[4:] = log_histogram(values, rng.random(values.shape), np.repeat(np.arange(3), 500).reshape(3, 500), 3)
+    mass, quantiles, edges = 0.9, (0.1, 0.5, 0.9), np.linspace(0.0, 2.0, 21)
+    got = summarise(counts.reshape(7, 1, N_SLOTS), mass=mass, quantiles=quantiles, ratio_edges=edges)
+    assert got["histogram"].shape == (7, 1, 20) and got["quantile"].shape == (7, 1, 3)
+    got = {name: value[:, 0] for name, value in got.items()}
+
+    def cdf(cumulative, value):
+        return np.interp(np.log(value), EDGES, cumulative) if value > 0 else 0.0
+
+    def quantile(cumulative, target):
+        if target <= cumulative[0] or target > cumulative[-1]:
+            return 0.0 if target <= cumulative[0] else np.inf
+        low, high = LOG_LOW, LOG_HIGH
+        for _ in range(100):
+            middle = (low + high) / 2
+            low, high = (low, middle) if cdf(cumulative, np.exp(middle)) >= target else (middle, high)
+        return np.exp(high)
+
+    def held(cumulative, centre, p):
+        return cdf(cumulative, centre * (1 + p)) - cdf(cumulative, centre * (1 - p))
+
+    for group, row in enumerate(counts):
+        total = row.sum()
+        cumulative = row[0] + np.concatenate([[0.0], np.cumsum(row[1:-1])])
+        assert got["total"][group] == pytest.approx(total, rel=1e-12)
+        median = quantile(cumulative, 0.5 * total)
+        if not 0 < median < np.inf:
+            assert group in (0, 2, 3) and all(np.isnan(got[name][group]).all() for name in got if name != "total")
+            continue
+        np.testing.assert_allclose(got["median"][group], median, rtol=1e-9)
+        np.testing.assert_allclose(got["quantile"][group], [quantile(cumulative, q * total) / median for q in quantiles], rtol=1e-9)
+        below = np.array([cdf(cumulative, median * edge) for edge in edges])
+        np.testing.assert_allclose(got["histogram"][group], np.diff(below) / total, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got["beyond"][group], 1 - below[-1] / total, rtol=1e-9, atol=1e-12)
+        p, centre = got["band"][group], got["median"][group]
+        if group == 6:  # 90 % needs p > 2, and median (1 + 2) passes e^20
+            assert np.isnan(p) and held(cumulative, centre, 1.0) < mass * total and centre * 3 > np.exp(LOG_HIGH)
+        else:
+            assert held(cumulative, centre, p) >= mass * total > held(cumulative, centre, p * (1 - 1e-9))
