@@ -17,11 +17,11 @@ Each shard runs its samples in batches starting at the shard's first sample, so 
 values never depend on which process runs it or when: a resumed job is bitwise identical to
 an uninterrupted one. Writes happen behind compute: the forward pass hands each batch to a
 bounded queue that one writer thread drains (``store.stream.ChunkStream``: each batch's layers
-go straight into their chunk files of a local uncompressed store, from the capture's layer-major
-buffers, without copies), and the thread marks a shard complete only after its last chunk is written. Memory is bounded by the
-queue depth, whatever the number of samples: the capture's batch buffers come from a pool that
-takes them back once written, so no batch pays for fresh memory. A float16 store refuses
-values beyond float16's range (they would be stored as inf).
+go straight into the chunk files of a local uncompressed store, from the capture's layer-major
+buffers, without copies), and the thread marks a shard complete only after its last chunk is
+written. Memory is bounded by the queue depth, whatever the number of samples: the capture's
+batch buffers come from a pool that takes them back once written, so no batch pays for fresh
+memory. A float16 store refuses values beyond float16's range (they would be stored as inf).
 
 Without a Dask client the shards run one after another in this process, on the job's device;
 with one, each shard is a Dask task that loads the model on the job's device (once per worker),
@@ -57,8 +57,8 @@ from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
 from orthosphere.store.reader import not_a_store_error
 from orthosphere.store.schema import check_dtype, dim_sizes, item_size, variables_for
-from orthosphere.store.stream import ChunkStream
 from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
+from orthosphere.store.stream import ChunkStream
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, parse_task
