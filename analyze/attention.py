@@ -97,11 +97,19 @@ def per_head(kv: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def key_major_dots(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """q . k laid out (kpos, sample, head, qpos), float32 as in the model; heads share kv_heads in groups."""
-    k = per_head(k, q.shape[2])
-    keys = np.ascontiguousarray(np.asarray(k).transpose(0, 2, 1, 3), np.float32)  # (sample, head, kpos, d_head)
-    queries = np.ascontiguousarray(np.asarray(q).transpose(0, 2, 3, 1), np.float32)  # (sample, head, d_head, qpos)
-    return (keys @ queries).transpose(2, 0, 1, 3)
+    """q . k laid out (kpos, sample, head, qpos), C-contiguous, float32 as in the model; heads share
+    kv_heads in groups (head h reads kv_head h // group). One product per (sample, kv_head) covers its
+    group's heads, read from q and k in their stored layout and written in place into the key-major
+    result: no per-head copy of k and no transposed copies."""
+    n_samples, n_pos, n_heads, d_head = q.shape
+    n_keys, n_kv_heads = k.shape[1], k.shape[2]
+    group = n_heads // n_kv_heads
+    queries = np.asarray(q, np.float32).reshape(n_samples, n_pos, n_kv_heads, group, d_head).transpose(0, 2, 3, 4, 1)
+    keys = np.asarray(k, np.float32).transpose(0, 2, 1, 3)[:, :, None]  # (sample, kv_head, 1, kpos, d_head)
+    dots = np.empty((n_keys, n_samples, n_heads, n_pos), np.float32)
+    grouped = dots.reshape(n_keys, n_samples, n_kv_heads, group, n_pos).transpose(1, 2, 3, 0, 4)
+    np.matmul(keys, queries, out=grouped)
+    return dots
 
 
 class BlockAttention:
@@ -124,7 +132,8 @@ class BlockAttention:
         no_keys = self.n_allowed == 0
         self.no_keys = no_keys[:, None, :] if no_keys.any() else None  # (sample, 1, qpos)
         refused = ~(allowed | no_keys[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
-        self.scaled_dots = np.multiply(key_major_dots(q, k), np.float32(terms.scale), dtype=np.float32, order="C")
+        self.scaled_dots = key_major_dots(q, k)
+        self.scaled_dots *= np.float32(terms.scale)
         np.copyto(self.scaled_dots, np.float32(0), where=refused)
         mask = np.where(refused, np.float32(-np.inf), np.float32(0))  # (kpos, sample, 1, qpos)
         bias = score_bias(valid, terms)
@@ -172,8 +181,9 @@ class BlockAttention:
 def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
     """Pattern (sample, head, qpos, kpos), float32 as in the model, from q (sample, pos, head, d_head),
     k (sample, pos, kv_head, d_head), valid (sample, pos) and the layer's score terms; head h reads
-    kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row."""
-    return np.ascontiguousarray(BlockAttention(q, k, valid, terms).pattern())
+    kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row. A view of
+    the key-major computation (not C-contiguous: copy it where that matters)."""
+    return BlockAttention(q, k, valid, terms).pattern()
 
 
 def attention_source(dataset: xr.Dataset) -> str:

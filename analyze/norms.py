@@ -62,9 +62,10 @@ def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Ar
 
 
 def _received(mask, pattern):
+    """(sample, head, kpos) attention each analysed key receives from the analysed queries (einsum
+    reads a key-major pattern in place; a matrix product would copy it first)."""
     weights = single_block(mask).astype("float32")
-    received = (weights[:, None, None, :] @ single_block(pattern))[:, :, 0, :]
-    return received * weights[:, None, :]
+    return np.einsum("shqk,sq->shk", single_block(pattern), weights) * weights[:, None, :]
 
 
 def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
