@@ -8,8 +8,9 @@ repository's own documentation, one a line) and a byte-level BPE tokenizer train
 --threads): the bare forward (load the model and tokenizer, tokenise and pack the corpus into the
 same windows -- documents joined by EOS, BOS per window -- and run transformers' default attention,
 logits only), and `extract` of those windows with every default site, in float16 and in bfloat16.
-Each repeat runs bare, float16, bfloat16, bare; a ratio uses the mean of the bare runs around it,
-and the summary gives the median over repeats.
+Each repeat runs bare, both extractions, bare (float16 first in odd repeats, bfloat16 first in even
+ones, so that neither always follows the other's writes); a ratio uses the mean of the bare runs
+around it, and the summary gives the median over repeats.
 
 Printed: wall and CPU seconds; the loop (extraction's batches) / bare forward; the whole command
 (each child process from its start: imports, loading, set-up and forward passes) / the bare one;
@@ -227,9 +228,9 @@ def main():
         model_dir, corpus = build(arguments.dir, arguments.layers, max(64, 4 * arguments.windows * arguments.context // 100))
         loads = [os.getloadavg()[0]]
         repeats = []
-        for _ in range(arguments.repeats):
+        for index in range(arguments.repeats):
             runs = {"bare": [run_child("bare", arguments, model_dir, corpus, arguments.windows)]}
-            for dtype in ("float16", "bfloat16"):
+            for dtype in ("float16", "bfloat16")[:: 1 if index % 2 == 0 else -1]:
                 runs[dtype] = run_child("extract", arguments, model_dir, corpus, arguments.windows, dtype)
             runs["bare"].append(run_child("bare", arguments, model_dir, corpus, arguments.windows))
             repeats.append(runs)
