@@ -194,7 +194,7 @@ class ChunkFiles:
 
 def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
-    descriptor = os.open(path, flags, 0o644)
+    descriptor = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
     try:
         view, written = memoryview(data), 0
         while written < len(view):
