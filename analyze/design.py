@@ -30,6 +30,7 @@ the bootstrap resamples groups, and the null flips the signs of their residuals.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +181,11 @@ class FactorEffects:
 
     weighted: np.ndarray
     influence: np.ndarray
+
+    @functools.cached_property
+    def influence32(self) -> np.ndarray:
+        """The influences in float32, converted once for every draw (a draw needs no more precision)."""
+        return self.influence.astype("float32")
 
 
 def joint_effects(sums: np.ndarray, counts: Counts, layout: Layout, solution: JointSolution) -> list[FactorEffects]:

@@ -175,7 +175,7 @@ def _draws(effects: FactorEffects, coefficients: np.ndarray, rank: int, with_eff
     """Leading subspaces (draws, d, rank) and total variances (draws,) of drawn effects: the groups'
     influences weighted by the coefficients, added to the fitted effects (bootstrap) or alone (null).
     In float32: a draw's subspace needs no more precision than its sampling spread allows."""
-    influence = effects.influence.astype("float32")
+    influence = effects.influence32
     bases, totals = [], []
     for start in range(0, len(coefficients), DRAW_BATCH):
         drawn = np.tensordot(coefficients[start: start + DRAW_BATCH].astype("float32"), influence, axes=(1, 0))
@@ -300,7 +300,7 @@ def _boundary_angles(first: FactorEffects, second: FactorEffects, truths: list, 
     smallest = []
     for start in range(0, len(coefficients), DRAW_BATCH):
         batch = coefficients[start: start + DRAW_BATCH].astype("float32")
-        spans = [leading_subspaces(np.tensordot(batch, effects.influence.astype("float32"), axes=(1, 0))
+        spans = [leading_subspaces(np.tensordot(batch, effects.influence32, axes=(1, 0))
                                    + weighted.astype("float32"), rank)
                  for effects, weighted, rank in zip((first, second), turned, ranks)]
         smallest.append(principal_angles(*spans)[..., 0])
