@@ -56,7 +56,7 @@ from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
 from orthosphere.store.reader import not_a_store_error
-from orthosphere.store.schema import check_dtype, dim_sizes, item_size, variables_for
+from orthosphere.store.schema import bytes_per_sample, check_dtype, dim_sizes, variables_for
 from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
 from orthosphere.store.stream import ChunkStream
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
@@ -316,10 +316,7 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
     batches fill whole chunks without being copied together."""
     sizes = dim_sizes(model, n_samples, n_pos, n_layers)
     variables = variables_for(sites, with_weights=False)
-    row = sum(
-        math.prod(sizes[d] for d in var.dims[1:]) * item_size(var, dtype)
-        for var in variables.values()
-    )
+    row = bytes_per_sample(variables, sizes, dtype)
     samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
                          math.ceil(n_samples / n_shards)))
     if samples >= n_samples:

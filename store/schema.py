@@ -1,6 +1,7 @@
 """Schema version 1: which arrays a store holds, their dims and dtypes (see SCHEMA.md)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,14 @@ def item_size(variable: Variable, activation_dtype: str) -> int:
     """Bytes a value of the variable takes (bfloat16's 2 without importing its numpy type)."""
     dtype = resolved_dtype(variable, activation_dtype)
     return 2 if is_bfloat16(dtype) else np.dtype(dtype).itemsize
+
+
+def bytes_per_sample(variables: dict, sizes: dict, activation_dtype: str) -> int:
+    """Bytes one sample takes in the per-sample variables (those whose first dim is sample)."""
+    return sum(
+        math.prod(sizes[d] for d in var.dims[1:]) * item_size(var, activation_dtype)
+        for var in variables.values() if var.dims[0] == "sample"
+    )
 
 
 LABEL_DTYPES = ("str", "int16", "int32", "int64")

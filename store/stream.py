@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 import numpy as np
 from zarr.codecs import BytesCodec, Crc32cCodec
+from zarr.core.metadata import ArrayV3Metadata
 
 from .errors import StoreError
 from .faults import crash_point
@@ -109,11 +110,8 @@ class ChunkFiles:
     chunks of `samples_per_chunk` samples, one layer, everything else whole."""
 
     folder: str
-    metadata: object
+    metadata: ArrayV3Metadata
     dtype: np.dtype
-    n_samples: int
-    samples_per_chunk: int
-    has_layer: bool
     fill: np.ndarray
     """One sample's fill value bytes (uint8), for the padding of a short last chunk."""
     checksums: dict = field(default_factory=dict)
@@ -121,6 +119,18 @@ class ChunkFiles:
     filled: dict = field(default_factory=dict)
     """chunk -> samples written so far."""
     made: set = field(default_factory=set)
+
+    @property
+    def n_samples(self) -> int:
+        return self.metadata.shape[0]
+
+    @property
+    def samples_per_chunk(self) -> int:
+        return self.metadata.chunk_grid.chunk_shape[0]
+
+    @property
+    def has_layer(self) -> bool:
+        return _has_layer(self.metadata)
 
     @property
     def sample_bytes(self) -> int:
@@ -209,21 +219,25 @@ def chunk_files(writer, name: str) -> ChunkFiles | None:
     location = getattr(writer, "location", None)
     if location is None or not location.is_local or sys.byteorder != "little":
         return None
-    array = writer._array(name)
+    array = writer.per_sample_array(name)
     metadata = array.metadata
     codecs = metadata.codecs
     if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], Crc32cCodec):
         return None
-    dims, shape, chunks = metadata.dimension_names, metadata.shape, metadata.chunk_grid.chunk_shape
-    has_layer = len(dims) > 1 and dims[1] == "layer"
+    shape, chunks, has_layer = metadata.shape, metadata.chunk_grid.chunk_shape, _has_layer(metadata)
     if chunks[1 + has_layer:] != shape[1 + has_layer:] or (has_layer and chunks[1] != 1):
         return None
     dtype = np.dtype(array.dtype)
     if dtype.itemsize > 1 and dtype.byteorder == ">":
         return None
-    per_sample = math.prod(shape[1 + has_layer:])
-    fill = np.full(per_sample, array.fill_value, dtype=dtype).view(np.uint8)
-    return ChunkFiles(os.path.join(location.local_path, name), metadata, dtype, shape[0], chunks[0], has_layer, fill)
+    fill = np.full(math.prod(shape[1 + has_layer:]), array.fill_value, dtype=dtype).view(np.uint8)
+    return ChunkFiles(os.path.join(location.local_path, name), metadata, dtype, fill)
+
+
+def _has_layer(metadata: ArrayV3Metadata) -> bool:
+    """Whether the array's second dim is layer (chunked one layer a chunk)."""
+    dims = metadata.dimension_names
+    return len(dims) > 1 and dims[1] == "layer"
 
 
 class ChunkStream:
@@ -246,10 +260,9 @@ class ChunkStream:
         completed = False
         for name, values in direct.items():
             completed |= bool(self.direct[name].write(first, np.asarray(values)))
-        if direct and held:  # hold copies of the small rest, so that the block's buffers go back now
+        if direct:  # the block is written but for its small rest: hold copies of that, give the buffers back
             held = {name: np.array(values) for name, values in held.items()}
-        if direct and release is not None:
-            self.released.append(release)
+            self.released += [release] if release is not None else []
             release = None
         if held:
             completed |= self._write(self.aligner.add(first, held, release))

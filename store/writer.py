@@ -194,7 +194,7 @@ class StoreWriter:
         stop = start + lengths.pop()
         self.note_written(start, stop, arrays)
         for name, values in arrays.items():
-            target = self._array(name)
+            target = self.per_sample_array(name)
             expected = (stop - start,) + target.shape[1:]
             if tuple(np.shape(values)) != expected:
                 raise StoreError(
@@ -236,7 +236,7 @@ class StoreWriter:
         start, stop = self.shards[index]
         written = self._written.pop(index, set()) | set(written_elsewhere)
         for name in sorted(set(self.per_sample_names()) - written):
-            target = self._array(name)
+            target = self.per_sample_array(name)
             for first in range(start, stop, self.attrs["samples_per_chunk"]):
                 last = min(first + self.attrs["samples_per_chunk"], stop)
                 target[first:last] = np.full((last - first,) + target.shape[1:], target.fill_value, dtype=target.dtype)
@@ -317,7 +317,8 @@ class StoreWriter:
         if self.heartbeat is not None and self.heartbeat.failure:
             raise StoreLockedError(self.heartbeat.failure)
 
-    def _array(self, name: str) -> zarr.Array:
+    def per_sample_array(self, name: str) -> zarr.Array:
+        """The per-sample array `name`, opened for writing (every chunk written)."""
         if name not in self._writable:
             array = self.group.get(name) if name != "sample" else None
             if not isinstance(array, zarr.Array) or array.metadata.dimension_names[0] != "sample":
@@ -399,10 +400,7 @@ def _exists_message(location: Location, found: Found) -> str:
 def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) -> None:
     """Refuse, before anything is written, a store larger than the room where it goes, or whose
     sample coordinate, which every reader loads into memory, would not fit in memory."""
-    per_sample = sum(
-        math.prod(sizes[d] for d in var.dims[1:]) * schema.item_size(var, dtype)
-        for var in variables.values() if var.dims[0] == "sample"
-    )
+    per_sample = schema.bytes_per_sample(variables, sizes, dtype)
     needed, available = per_sample * sizes["sample"], psutil.virtual_memory().available
     room = _room(location, available)
     if room is not None and needed > room[0]:
