@@ -329,6 +329,19 @@ def test_same_seed_same_results_for_any_chunking_of_samples_and_draws(tmp_path, 
     assert not np.array_equal(other_seed.tv_distance.values, results[0].tv_distance.values)
 
 
+def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, monkeypatch):
+    q, k, v, w_o = random_heads(n_samples=6)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=6)
+    whole = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
+    monkeypatch.setattr(replay_module, "KERNEL_BYTES", 1)  # one sample a sub-block
+    split = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
+    assert whole.n_sparse.sum() > 0 and whole.collapses.sum() > 0
+    for name in ("n_instances", "n_sparse", "collapses", "theory_missed", "collapse_level_ci", "max_attention_hist"):
+        np.testing.assert_array_equal(whole[name].values, split[name].values)
+    for name in ("tv_distance", "output_change", "entropy"):
+        np.testing.assert_allclose(whole[name], split[name], rtol=1e-12)
+
+
 def test_without_resamples_the_interval_is_unknown_and_nan_activations_are_refused(tmp_path):
     q, k, v, w_o = random_heads(n_samples=4)
     result = replay(write_store(tmp_path / "a", q=q, k=k, v=v, w_o=w_o), levels=(0.3,), n_draws=2, n_bootstrap=0)
