@@ -1,7 +1,11 @@
 """The buffer of one capture: activations copied by hooks into CPU tensors shaped as in the store."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from orthosphere.store.stream import DIRECT_ALIGNMENT
 
 
 class Recording:
@@ -67,8 +71,12 @@ class Recording:
 
 def new_buffer(shape, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
     """A (batch, layer, ...) buffer laid out layer-major in memory, so that one layer of the batch
-    is one contiguous block: the bytes of its piece of a chunk file (see store.stream)."""
+    is one contiguous block: the bytes of its piece of a chunk file (see store.stream). It starts
+    at a multiple of ``DIRECT_ALIGNMENT``, so that such a piece can be written to disk directly."""
     if len(shape) < 2:
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     layer_major = (shape[1], shape[0], *shape[2:])
-    return torch.empty(layer_major, dtype=dtype, pin_memory=pin_memory).transpose(0, 1)
+    size = math.prod(layer_major) * dtype.itemsize
+    raw = torch.empty(size + DIRECT_ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    start = -raw.data_ptr() % DIRECT_ALIGNMENT
+    return raw[start: start + size].view(dtype).view(layer_major).transpose(0, 1)

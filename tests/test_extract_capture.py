@@ -279,3 +279,17 @@ def test_one_adapter_per_model_and_a_forward_outside_a_capture_records_nothing(t
     del model, adapter
     gc.collect()
     assert gone() is None  # the adapter does not keep its model alive
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_capture_buffers_are_layer_major_and_start_aligned_for_direct_writes(dtype):
+    from orthosphere.extract.recording import new_buffer
+    from orthosphere.store.stream import DIRECT_ALIGNMENT
+
+    for _ in range(3):
+        buffer = new_buffer((5, 3, 7, 2), dtype, pin_memory=False)
+        assert buffer.shape == (5, 3, 7, 2) and buffer.dtype == dtype
+        assert buffer.data_ptr() % DIRECT_ALIGNMENT == 0
+        assert buffer.stride() == (7 * 2, 5 * 7 * 2, 2, 1)  # one layer of the batch is contiguous
+        buffer.copy_(torch.arange(5 * 3 * 7 * 2, dtype=torch.float32).reshape(5, 3, 7, 2))
+        assert buffer[4, 2, 6, 1].item() == 5 * 3 * 7 * 2 - 1

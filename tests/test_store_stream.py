@@ -2,15 +2,17 @@
 short last chunks, blocks that straddle chunks and layer-major buffers; and misuse is refused."""
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
 import pytest
 
 from orthosphere.store import StoreError, open_store, validate
+from orthosphere.store import stream as stream_module
 from orthosphere.store.bfloat16 import bfloat16_dtype
-from orthosphere.store.stream import ChunkStream, chunk_files
-from tests.test_store import N_POS, N_SAMPLES, make_store, sample_block, weights
+from orthosphere.store.stream import DIRECT_ALIGNMENT, ChunkStream, chunk_files, direct_writes_work
+from tests.test_store import MODEL, N_POS, N_SAMPLES, make_store, sample_block, weights
 
 SITES = ("resid_pre", "q", "k")
 
@@ -108,3 +110,99 @@ def test_a_shard_that_ends_inside_a_chunk_is_refused(tmp_path):
     stream.add(0, {"q": activations(0, 2, "float16", True)["q"]})
     with pytest.raises(RuntimeError, match="unfinished"):
         stream.flush()
+
+
+# --- direct (O_DIRECT) writes -------------------------------------------------------------------
+
+ALIGNED_MODEL = {**MODEL, "d_model": 64, "n_heads": 4, "n_kv_heads": 1, "d_head": 16}
+"""With 16 positions in float32, a sample of resid_pre or q is 4096 bytes (aligned), of k 1024: pieces
+of k of one or two samples are never aligned."""
+
+
+def aligned_layer_major(values: np.ndarray, shift: int = 0) -> np.ndarray:
+    """values held in (layer, sample, ...) memory starting `shift` bytes past a DIRECT_ALIGNMENT boundary."""
+    raw = np.empty(values.nbytes + 2 * DIRECT_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % DIRECT_ALIGNMENT + shift
+    held = raw[start: start + values.nbytes].view(values.dtype).reshape((values.shape[1], values.shape[0]) + values.shape[2:])
+    held[...] = values.swapaxes(0, 1)
+    return held.swapaxes(0, 1)
+
+
+def write_aligned_both(tmp_path, shift=0):
+    """Random float32 sites written by zarr (whole shards) and by ChunkStream (batches of 2 in
+    buffers `shift` bytes past alignment, straddling chunks of 3)."""
+    rng = np.random.default_rng(0)
+    shapes = {"resid_pre": (3, 16, 64), "q": (3, 16, 4, 16), "k": (3, 16, 1, 16)}
+    values = {site: rng.normal(size=(N_SAMPLES,) + shape).astype("float32") for site, shape in shapes.items()}
+    urls = {}
+    for how in ("zarr", "stream"):
+        url = urls[how] = str(tmp_path / f"{how}.zarr")
+        writer = make_store(url, model=ALIGNED_MODEL, n_pos=16, samples_per_chunk=3, n_shards=2, sites=SITES)
+        stream = ChunkStream(writer)
+        for index, (start, stop) in enumerate(writer.shards):
+            if how == "zarr":
+                writer.write(start, {site: value[start:stop] for site, value in values.items()})
+            else:
+                for first in range(start, stop, 2):
+                    last = min(first + 2, stop)
+                    stream.add(first, {site: aligned_layer_major(value[first:last], shift) for site, value in values.items()})
+                stream.flush()
+            writer.mark_shard_complete(index)
+        writer.write_weights(weights(writer))
+        writer.finish()
+    return urls
+
+
+def opened_directly(monkeypatch) -> list[str]:
+    """The array folders of the files that will be opened with O_DIRECT."""
+    opened, real_open = [], os.open
+
+    def recording_open(path, flags, *args):
+        if flags & os.O_DIRECT and f"{os.sep}c{os.sep}" in str(path):
+            opened.append(os.path.basename(str(path).split(f"{os.sep}c{os.sep}")[0]))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    return opened
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+@pytest.mark.parametrize("shift", [0, 64])
+def test_aligned_pieces_go_to_the_disk_directly_and_the_files_are_zarrs(tmp_path, monkeypatch, shift):
+    if not direct_writes_work(str(tmp_path)):
+        pytest.skip("the temporary folder's file system takes no direct writes")
+    opened = opened_directly(monkeypatch)
+    urls = write_aligned_both(tmp_path, shift)
+    written, expected = chunk_bytes(urls["stream"]), chunk_bytes(urls["zarr"])
+    assert written.keys() == expected.keys() and [key for key in written if written[key] != expected[key]] == []
+    assert validate(urls["stream"], full=True) == []
+    if shift == 0:  # resid_pre and q: aligned samples; k: 2048-byte samples, through the page cache
+        # 8 pieces a layer: [0, 2) [2, 3) | [3, 4) [4, 6) || [6, 8) [8, 9) | [9, 10) [10, 11)
+        assert set(opened) == {"resid_pre", "q"} and opened.count("q") == opened.count("resid_pre") == 3 * 8
+    else:  # buffers off alignment: every piece through the page cache
+        assert opened == []
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(stream_module, "direct_writes_work", lambda folder: True)
+    monkeypatch.setattr(os, "open", refusing_open)
+    urls = write_aligned_both(tmp_path)
+    written, expected = chunk_bytes(urls["stream"]), chunk_bytes(urls["zarr"])
+    assert written.keys() == expected.keys() and [key for key in written if written[key] != expected[key]] == []
+
+
+def test_direct_writes_only_on_local_disk_file_systems(tmp_path, monkeypatch):
+    probe = direct_writes_work.__wrapped__  # uncached
+    assert isinstance(stream_module.file_system_type(str(tmp_path)), str)
+    for remote in ("nfs4", "tmpfs", "fuse.sshfs", "overlay", None):
+        monkeypatch.setattr(stream_module, "file_system_type", lambda path, kind=remote: kind)
+        assert probe(str(tmp_path)) is False
+    assert os.listdir(tmp_path) == []  # no probe file left behind
