@@ -571,9 +571,9 @@ def test_packed_shards_on_dask_read_their_tokens_from_the_store(tmp_path, model_
     assert_same_arrays(arrays_of(open_store(str(tmp_path / "dask.zarr"))), reference)
 
 
-def run_cli(model_dir, text, out, crash_at=None, resume=False):
-    arguments = [CLI, "extract", str(model_dir), "--task", f"text:path={text},context=16", "--out", str(out),
-                 "--samples-per-chunk", "2", "--shards", "3", "--batch-size", "3", "--device", "cpu"]
+def run_cli(model_dir, text, out, crash_at=None, resume=False, context=16, dtype="float16"):
+    arguments = [CLI, "extract", str(model_dir), "--task", f"text:path={text},context={context}", "--out", str(out),
+                 "--samples-per-chunk", "2", "--shards", "3", "--batch-size", "3", "--device", "cpu", "--dtype", dtype]
     environment = {key: value for key, value in os.environ.items() if key != "ORTHOSPHERE_CRASH_AT"}
     if crash_at:
         environment["ORTHOSPHERE_CRASH_AT"] = crash_at
@@ -581,14 +581,21 @@ def run_cli(model_dir, text, out, crash_at=None, resume=False):
 
 
 @pytest.mark.slow
-def test_killed_packed_job_resumes_bitwise_identical(tmp_path, model_dir, lines):
+@pytest.mark.parametrize("context, dtype", [(16, "float16"), (64, "float32")])
+def test_killed_packed_job_resumes_bitwise_identical(tmp_path, model_dir, lines, context, dtype):
+    """At context 64 in float32 every piece of every site is a multiple of 4096 bytes: on a local
+    disk the chunks are written with O_DIRECT (store.stream); at 16 in float16 through the page cache."""
+    from orthosphere.store.stream import DIRECT_ALIGNMENT
+
     text = write_lines(tmp_path / "corpus.txt", lines)
-    reference = arrays_of(run(model_dir, tmp_path / "reference.zarr", f"text:path={text},context=16"))
+    reference = arrays_of(run(model_dir, tmp_path / "reference.zarr", f"text:path={text},context={context}", dtype=dtype))
+    resid_sample = context * 32 * np.dtype(dtype).itemsize  # d_model 32; q, k and v as large or half as large
+    assert (resid_sample // 2 % DIRECT_ALIGNMENT == 0) == (context == 64)
     out = tmp_path / "store.zarr"
     for attempt, point in enumerate(["samples-written:2", "chunk-written:2", "shard-complete:1"]):
-        result = run_cli(model_dir, text, out, crash_at=point, resume=attempt > 0)
+        result = run_cli(model_dir, text, out, crash_at=point, resume=attempt > 0, context=context, dtype=dtype)
         assert result.returncode == -signal.SIGKILL, f"expected a SIGKILL at {point}: {result.stderr[-2000:]}"
-    resumed = run_cli(model_dir, text, out, resume=True)
+    resumed = run_cli(model_dir, text, out, resume=True, context=context, dtype=dtype)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_arrays(arrays_of(open_store(str(out))), reference)
 
