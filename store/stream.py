@@ -304,8 +304,8 @@ def chunk_files(writer, name: str) -> ChunkFiles | None:
     if dtype.itemsize > 1 and dtype.byteorder == ">":
         return None
     fill = np.full(math.prod(shape[1 + has_layer:]), array.fill_value, dtype=dtype).view(np.uint8)
-    return ChunkFiles(os.path.join(location.local_path, name), metadata, dtype, fill,
-                      direct=direct_writes_work(location.local_path))
+    folder = os.path.join(location.local_path, name)
+    return ChunkFiles(folder, metadata, dtype, fill, direct=direct_writes_work(folder))
 
 
 def _has_layer(metadata: ArrayV3Metadata) -> bool:
