@@ -321,7 +321,7 @@ def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, se
     """
     q, k, valid = np.asarray(q), np.asarray(k), np.asarray(valid, bool)
     v = None if v is None else np.asarray(v)
-    per_sample = 4 * q.shape[1] * k.shape[1] * q.shape[2]
+    per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
     step = max(1, KERNEL_BYTES // per_sample)
     parts = [_replay_sub_block(q[a:a + step], k[a:a + step], None if v is None else v[a:a + step],
                                valid[a:a + step], frame, samples=samples[a:a + step], layer=layer, draws=draws,

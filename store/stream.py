@@ -51,11 +51,11 @@ class ChunkAligner:
     """Regroups consecutive blocks of samples into blocks that cover whole chunks.
 
     A block given with a `release` callback is released (pop_released) once no piece of it is held.
-    With reuse=True, blocks joined into one chunk are copied into the same buffers every time: each
-    returned block is then valid only until the next call (the writer writes it at once)."""
+    Blocks joined into one chunk are copied into the same buffers every time: each returned block
+    is valid only until the next call (the writer writes it at once)."""
 
-    def __init__(self, samples_per_chunk: int, reuse: bool = False):
-        self.chunk, self.reuse = samples_per_chunk, reuse
+    def __init__(self, samples_per_chunk: int):
+        self.chunk = samples_per_chunk
         self.pieces: list[tuple[int, dict, object]] = []
         self.released: list = []
         self.joined: dict[str, np.ndarray] = {}
@@ -106,8 +106,6 @@ class ChunkAligner:
         return start, {name: self._join(name, [block[name] for block in before]) for name in before[0]}
 
     def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
-        if not self.reuse:
-            return np.concatenate(parts)
         shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
         dtype = np.result_type(*parts)
         held = self.joined.get(name)
@@ -190,7 +188,7 @@ class ChunkFiles:
             data = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
             key = (chunk, layer)
             self.checksums[key] = google_crc32c.extend(self.checksums.get(key, 0) if offset else 0, data)
-            _write_at(path, data, offset * self.sample_bytes, truncate=offset == 0, direct=self.direct)
+            self.direct = _write_at(path, data, offset * self.sample_bytes, truncate=offset == 0, direct=self.direct)
         self.filled[chunk] = expected + len(values)
 
     def _finish(self, chunk: int, n_written: int) -> None:
@@ -220,15 +218,19 @@ class ChunkFiles:
         return path
 
 
-def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool, direct: bool = False) -> None:
-    """Write data's bytes at offset in the file; directly to the disk when `direct` and aligned."""
+def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool, direct: bool = False) -> bool:
+    """Write data's bytes at offset in the file, directly to the disk when `direct` and aligned;
+    returns whether direct writes still work here (False once the file system refused one)."""
     if direct and _aligned(data, offset):
         try:
-            return _write_bytes(path, data, offset, truncate, os.O_DIRECT)
+            _write_bytes(path, data, offset, truncate, os.O_DIRECT)
+            return True
         except OSError as error:  # this file system refuses direct writes after all
             if error.errno != errno.EINVAL:
                 raise
+            direct = False
     _write_bytes(path, data, offset, truncate, 0)
+    return direct
 
 
 def _write_bytes(path: str, data: np.ndarray, offset: int, truncate: bool, mode: int) -> None:
@@ -320,7 +322,7 @@ class ChunkStream:
 
     def __init__(self, writer):
         self.writer = writer
-        self.aligner = ChunkAligner(writer.attrs["samples_per_chunk"], reuse=True)
+        self.aligner = ChunkAligner(writer.attrs["samples_per_chunk"])
         self.direct: dict[str, ChunkFiles | None] = {}
         self.released: list = []
 

@@ -21,7 +21,6 @@ from orthosphere.extract.job import (
 )
 from orthosphere.extract.model import ConfigError
 from orthosphere.store import StoreExistsError, open_store, read_attrs
-from orthosphere.store.stream import ChunkAligner
 from orthosphere.workflows.cli import main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model, write_text
 
@@ -305,19 +304,6 @@ def test_chunks_hold_about_4_mb_fit_in_memory_and_align_with_batches():
 
 def block(start, stop):
     return {"x": np.arange(start, stop)}
-
-
-def test_chunk_aligner_writes_whole_chunks_only():
-    aligner = ChunkAligner(samples_per_chunk=4)
-    written = []
-    for start in range(8, 19, 3):  # a shard [8, 19): batches of 3
-        written += aligner.add(start, block(start, min(start + 3, 19)))
-    written += aligner.flush()
-    assert [(first, list(arrays["x"])) for first, arrays in written] == [
-        (8, [8, 9, 10, 11]), (12, [12, 13, 14, 15]), (16, [16, 17, 18])]
-    with pytest.raises(RuntimeError, match="does not follow"):
-        aligner.add(0, block(0, 3))
-        aligner.add(5, block(5, 6))
 
 
 class SlowWriter:
