@@ -637,11 +637,12 @@ class WriteBehind:
                 continue
 
     def _drain(self) -> None:
-        stream = ChunkStream(self.writer)
+        stream = None
         while (item := self.queue.get()) is not None:
             if self.error is not None:
                 continue
             try:
+                stream = stream or ChunkStream(self.writer)
                 if item[0] == "block":
                     stream.add(*item[1:])
                 else:

@@ -341,6 +341,28 @@ def test_write_queue_is_bounded_and_blocks_the_producer_only_when_full():
     assert writer.written == [0, 1, 2, 3] and writer.complete == [0]
 
 
+def test_a_writer_thread_that_cannot_start_its_stream_fails_the_producer_instead_of_blocking_it():
+    class NoChunking(SlowWriter):
+        attrs = {}  # ChunkStream needs samples_per_chunk
+
+    sink = WriteBehind(NoChunking(), depth=1)
+    failed = []
+
+    def produce():
+        try:
+            for start in range(10):
+                sink.put(start, block(start, start + 1))
+            sink.close()
+        except KeyError as error:
+            failed.append(error)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    producer.join(timeout=10)
+    assert not producer.is_alive(), "the producer waits for a writer thread that has died"
+    assert failed and "samples_per_chunk" in str(failed[0])
+
+
 def test_writer_failure_reaches_the_producer():
     class FailingWriter(SlowWriter):
         def write(self, first, arrays):
