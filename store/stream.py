@@ -120,8 +120,9 @@ def _length(arrays: dict) -> int:
 
 @dataclass
 class ChunkFiles:
-    """The chunk files of one per-sample array written directly: (sample, [layer,] rest...) with
-    chunks of `samples_per_chunk` samples, one layer, everything else whole."""
+    """The chunk files of one array written directly: (sample, [layer,] rest...) with chunks of
+    `samples_per_chunk` samples, one layer, everything else whole; or any array chunked along its
+    first dim only (the weight maps: one layer a chunk)."""
 
     folder: str
     metadata: ArrayV3Metadata
@@ -289,12 +290,20 @@ def file_system_type(path: str) -> str | None:
 
 
 def chunk_files(writer, name: str) -> ChunkFiles | None:
-    """How to write `name` directly into its chunk files, or None where zarr must (compressed,
-    not local, not chunked along sample only [and layer], or not little-endian)."""
+    """How to write the per-sample array `name` directly into its chunk files, or None where
+    zarr must (see ``array_files``)."""
     location = getattr(writer, "location", None)
-    if location is None or not location.is_local or sys.byteorder != "little":
+    if location is None:
         return None
-    array = writer.per_sample_array(name)
+    return array_files(location, name, writer.per_sample_array(name))
+
+
+def array_files(location, name: str, array) -> ChunkFiles | None:
+    """How to write the store's array `name` directly into its chunk files, or None where zarr
+    must (compressed, not local, not chunked along its first dim only [and layer], or not
+    little-endian)."""
+    if not location.is_local or sys.byteorder != "little":
+        return None
     metadata = array.metadata
     codecs = metadata.codecs
     if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], Crc32cCodec):

@@ -27,6 +27,7 @@ from .location import Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, is_lock_file, release_lock
 from .provenance import provenance
 from .state import ABSENT, EMPTY, FOREIGN_ZARR, LOCK_FILES, PROGRESS_GROUP, REMNANT, Found, inspect
+from .stream import array_files
 
 TARGET_CHUNK_BYTES = 4 * 2**20
 CODECS = ("none", "zstd")
@@ -224,7 +225,12 @@ class StoreWriter:
                     f"weights {name!r} have shape {tuple(arrays[name].shape)}: expected {target.shape} "
                     f"(dims {target.metadata.dimension_names})"
                 )
-            target[...] = np.asarray(arrays[name], dtype="float32")
+            values = np.asarray(arrays[name], dtype="float32")
+            files = array_files(self.location, name, target)
+            if files is None:
+                target[...] = values
+            else:  # straight into the chunk files, zarr's bytes (store.stream): a third of the time
+                files.write(0, values)
         self.group[f"{PROGRESS_GROUP}/weights_written"][0] = True
 
     def mark_shard_complete(self, index: int, written_elsewhere=()) -> None:

@@ -7,10 +7,13 @@ import os
 
 import numpy as np
 import pytest
+import zarr
 
 from orthosphere.store import StoreError, open_store, validate
 from orthosphere.store import stream as stream_module
+from orthosphere.store import writer as writer_module
 from orthosphere.store.bfloat16 import bfloat16_dtype
+from orthosphere.store.schema import WEIGHT_VARIABLES
 from orthosphere.store.stream import DIRECT_ALIGNMENT, ChunkAligner, ChunkStream, chunk_files, direct_writes_work
 from tests.test_store import MODEL, N_POS, N_SAMPLES, make_store, sample_block, weights
 
@@ -104,6 +107,27 @@ def test_stream_writes_an_uncompressed_local_array_directly(tmp_path):
     assert chunk_files(writer, "role") is None  # labels are compressed
 
 
+def test_weight_maps_are_written_directly_with_zarrs_bytes(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    maps, written = None, {}
+    for how in ("stream", "zarr"):
+        writer = make_store(str(tmp_path / f"{how}.zarr"), sites=SITES)
+        if how == "zarr":
+            monkeypatch.setattr(writer_module, "array_files", lambda *arguments: None)
+        else:
+            assert all(stream_module.array_files(writer.location, name, writer.group[name]) is not None for name in WEIGHT_VARIABLES)
+            maps = {name: rng.normal(size=writer.group[name].shape) for name in WEIGHT_VARIABLES}  # float64, stored float32
+        writer.write_weights(maps)
+        written[how] = {key: value for key, value in chunk_bytes(writer.url).items() if key.split(os.sep)[0] in WEIGHT_VARIABLES}
+        assert writer.weights_written()
+        writer.close()
+    assert written["stream"].keys() == written["zarr"].keys() and len(written["zarr"]) == len(WEIGHT_VARIABLES) * 3  # a layer a chunk
+    assert [key for key in written["stream"] if written["stream"][key] != written["zarr"][key]] == []
+    reread = zarr.open_group(str(tmp_path / "stream.zarr"), mode="r")
+    for name, values in maps.items():
+        np.testing.assert_array_equal(reread[name][...], values.astype(np.float32))
+
+
 def test_blocks_out_of_order_or_of_the_wrong_shape_are_refused(tmp_path):
     writer = make_store(str(tmp_path / "store.zarr"), dtype="float16", samples_per_chunk=4, n_shards=1, sites=SITES)
     stream = ChunkStream(writer)
@@ -166,12 +190,14 @@ def write_aligned_both(tmp_path, shift=0):
 
 
 def opened_directly(monkeypatch) -> list[str]:
-    """The array folders of the files that will be opened with O_DIRECT."""
+    """The site arrays whose chunk files will be opened with O_DIRECT (the weight maps' may be too,
+    where numpy's memory happens to be aligned)."""
     opened, real_open = [], os.open
 
     def recording_open(path, flags, *args):
         if flags & os.O_DIRECT and f"{os.sep}c{os.sep}" in str(path):
-            opened.append(os.path.basename(str(path).split(f"{os.sep}c{os.sep}")[0]))
+            name = os.path.basename(str(path).split(f"{os.sep}c{os.sep}")[0])
+            opened.extend([name] if name in SITES else [])
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", recording_open)
