@@ -642,7 +642,8 @@ class WriteBehind:
             if self.error is not None:
                 continue
             try:
-                stream = stream or ChunkStream(self.writer)
+                if stream is None:  # here, so that a failure to set it up reaches the producer
+                    stream = ChunkStream(self.writer)
                 if item[0] == "block":
                     stream.add(*item[1:])
                 else:
