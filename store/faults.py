@@ -6,9 +6,10 @@ its place, not yet linked into it), ``lock-taken``, ``root-written``, ``array-cr
 each array), ``progress-created`` (store created, metadata not yet consolidated),
 ``store-created``, ``samples-written`` (after each block of a corpus's token arrays, written
 before the shards run), ``chunk-written`` (after each block that completes a chunk, every array
-of it written), ``shard-complete``, ``before-finish``, ``finish-consolidated`` (metadata consolidated, ``complete`` not yet set),
-``finished`` (complete, lock not yet released); replacing a store (``--overwrite``, or a remnant
-created afresh) meets ``clearing`` after each entry it removes, then ``cleared``.
+of it written), ``shard-complete``, ``before-finish``, ``finish-consolidated`` (metadata
+consolidated, ``complete`` not yet set), ``finished`` (complete, lock not yet released);
+replacing a store (``--overwrite``, or a remnant created afresh) meets ``clearing`` after each
+entry it removes, then ``cleared``.
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@
 - every other array (compressed, on object storage, or a writer without a local store) is
   regrouped into whole chunks (``ChunkAligner``) and written through ``StoreWriter.write``.
 
+``StoreWriter.write_weights`` writes the weight maps (one layer a chunk) through the same chunk
+files (``array_files``) where the store is local and uncompressed.
+
 A chunk file is complete only after its last piece; shards are chunk-aligned and a shard is
 marked complete only after its chunks, so a kill mid-chunk leaves an incomplete shard, which a
 resumed job rewrites from its first chunk (the first piece truncates the file).
