@@ -61,6 +61,11 @@ is ``head`` when weighted by attention, else none for residual sites (per layer)
 and ``kv_head`` for k, v:
   median_norm (layer, G)                 weighted median of |x|
   band (layer, G)                        half-width p: |x| / median within [1 - p, 1 + p] holds `mass`
+  band_layer (layer)                     the same p for the ratios of the layer's groups G pooled: each
+                                         group's |x| over its own median_norm, every token with its weight
+                                         (attention received, or 1), i.e. the groups' histograms added,
+                                         each group counting with its weight_total; without G the layer's band
+  band_pooled ()                         the same pooled over every layer and group (the report's headline)
   ratio_quantile (layer, G, quantile)    quantiles of |x| / median
   histogram (layer, G, ratio)            share of the weight per bin of |x| / median (bin centres)
   beyond (layer, G)                      share of the weight past ratio_max

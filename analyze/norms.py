@@ -2,7 +2,9 @@
 
 For each site, layer and group (the layer; each head for q, k, v or when weighted by attention)
 the distribution of |x| / median(|x|): quantiles, a histogram, and the half-width p of the band
-[1 - p, 1 + p] that holds `mass` of it (the paper's "90 % within +-20 %"). Weighted by attention
+[1 - p, 1 + p] that holds `mass` of it (the paper's "90 % within +-20 %"); that band also per layer
+with its groups pooled and over every layer and group (each group's |x| over its own median,
+weighted as below: the groups' summed histograms added, no second pass). Weighted by attention
 (the paper's choice), a key token counts with the attention it receives from the analysed
 queries of the head (head h reads kv_head h // (n_heads // n_kv_heads)); a query (site q) counts
 once, as it hands out one unit of attention. One streaming pass: per block of samples, fine
@@ -22,7 +24,7 @@ from .attention import ScoreTerms, attention_from_qk, attention_source
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .errors import AnalysisError
-from .histogram import N_SLOTS, log_histogram, spread_variables
+from .histogram import N_SLOTS, log_histogram, pooled_ratio_cumulative, ratio_band, spread_variables
 from .inputs import (
     HEAD_SITES,
     VECTOR_SITES,
@@ -101,16 +103,38 @@ def _group_dim(site: str, weighted: bool) -> str | None:
     return HEAD_SITES.get(site)
 
 
-def _site_summary(dataset, site, layers, counts, group_dim, spread) -> xr.Dataset:
-    stacked = np.stack([counts[layer] for layer in layers])
+def _site_summary(dataset, site, layers, counts, group_dim, spread, by_attention: bool) -> xr.Dataset:
+    stacked = np.stack([counts[layer] for layer in layers])  # (layer, group, slot)
     group_dims = ("layer",) + ((group_dim,) if group_dim else ())
     coords = {"layer": layers}
     if group_dim:
         coords[group_dim] = dataset[group_dim].values
     data = spread_variables(stacked if group_dim else stacked[:, 0], group_dims=group_dims, coords=coords,
                             median_name="median_norm", **spread)
+    median = data["median_norm"][1].reshape(stacked.shape[:2])
+    layer_of_group = np.broadcast_to(np.arange(len(layers))[:, None], stacked.shape[:2])
+    cumulative, total = pooled_ratio_cumulative(stacked, median, layer_of_group, len(layers))
+    by_layer, everywhere = _pooled_band_descriptions(group_dim, by_attention)
+    data["band_layer"] = (("layer",), ratio_band(cumulative, total, spread["mass"]), {"description": by_layer})
+    data["band_pooled"] = ((), ratio_band(cumulative.sum(axis=0, keepdims=True), total.sum(keepdims=True),
+                                          spread["mass"])[0], {"description": everywhere})
     return xr.Dataset(data, coords=coords,
                       attrs={"site": site, "group": group_dim or "layer", "ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
+
+
+def _pooled_band_descriptions(group_dim: str | None, by_attention: bool) -> tuple[str, str]:
+    """The attrs descriptions of band_layer and band_pooled."""
+    weight = ("each key token weighted by the attention it receives from the head's analysed queries"
+              if by_attention else "each token counting once")
+    band = "half-width p such that |x| / median within [1 - p, 1 + p] holds `mass` of the weight"
+    if group_dim is None:
+        ratio = f"|x| divided by the layer's weighted median (median_norm), {weight}"
+        return f"{band}, per layer: {ratio}", f"{band}, pooled over every layer: {ratio}"
+    ratio = (f"every {group_dim}'s |x| divided by that {group_dim}'s own weighted median (median_norm), {weight}; "
+             f"the {group_dim}s' histograms added with their weights, so that each {group_dim} counts with its "
+             "weight_total")
+    return (f"{band}, per layer, pooled over its {group_dim}s: {ratio}",
+            f"{band}, pooled over every layer and {group_dim}: {ratio}")
 
 
 def _sites(dataset: xr.Dataset, sites) -> list[str]:
@@ -167,7 +191,7 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
             group_dim = _group_dim(site, weighted)
             n_groups = dataset.sizes[group_dim] if group_dim else 1
             per_layer = {layer: sums[site, layer][:-1].reshape(n_groups, N_SLOTS) for layer in layers}
-            summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread)
+            summary = _site_summary(dataset, site, layers, per_layer, group_dim, spread, weighted and site != "q")
             summary.attrs.update({
                 "weighting": "attention" if weighted else "uniform",
                 "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")

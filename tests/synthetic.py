@@ -174,19 +174,33 @@ def plant_norm_spread(n_samples: int, n_pos: int, d_model: int, half_widths, *, 
     return directions * norms[..., None]
 
 
-def weighted_band(values: np.ndarray, weights: np.ndarray, mass: float = 0.9) -> float:
-    """Reference answer by sorting: the weighted median m and the smallest p such that
-    |value / m - 1| <= p holds `mass` of the weight."""
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """Reference answer by sorting: the first value (ascending) at which the cumulative weight reaches half."""
+    values, weights = np.ravel(values), np.ravel(weights).astype(float)
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order]) / weights.sum()
+    return float(values[order][np.searchsorted(cumulative, 0.5)])
+
+
+def weighted_band(values: np.ndarray, weights: np.ndarray, mass: float = 0.9, centre: float | None = None) -> float:
+    """Reference answer by sorting: the smallest p such that |value / centre - 1| <= p holds `mass` of the
+    weight, centre the weighted median unless given."""
     values, weights = np.ravel(values), np.ravel(weights).astype(float)
     keep = weights > 0
     values, weights = values[keep], weights[keep]
-    order = np.argsort(values)
-    cumulative = np.cumsum(weights[order]) / weights.sum()
-    median = values[order][np.searchsorted(cumulative, 0.5)]
-    deviation = np.abs(values / median - 1)
+    centre = weighted_median(values, weights) if centre is None else centre
+    deviation = np.abs(values / centre - 1)
     order = np.argsort(deviation)
     cumulative = np.cumsum(weights[order]) / weights.sum()
     return float(deviation[order][np.searchsorted(cumulative, mass)])
+
+
+def pooled_ratio_band(groups, mass: float = 0.9) -> float:
+    """Reference answer by sorting: the band around 1 holding `mass` of the pooled ratios of (values,
+    weights) groups, each group's values divided by its own weighted median, weighted by its weights."""
+    ratios = [np.ravel(values) / weighted_median(values, weights) for values, weights in groups]
+    weights = [np.ravel(weights) for _, weights in groups]
+    return weighted_band(np.concatenate(ratios), np.concatenate(weights), mass, centre=1.0)
 
 
 def plant_neighbours(n_samples: int, n_pos: int, d_model: int, collapse: float, step_deg: float, seed: int = 0):

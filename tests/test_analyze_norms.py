@@ -7,7 +7,7 @@ import pytest
 from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
 from orthosphere.analyze.attention import ScoreTerms
 from tests.reference import attention_atol, attention_float64
-from tests.synthetic import plant_norm_spread, weighted_band, write_store
+from tests.synthetic import plant_norm_spread, pooled_ratio_band, weighted_band, write_store
 
 N_SAMPLES, N_POS = 400, 9
 EVEN, ODD = 0.2 / 0.9, 0.5 / 0.9  # half-widths: 90 % within +-20 % (even positions), +-50 % (odd)
@@ -72,6 +72,84 @@ def test_uniform_spread_per_layer_and_per_kv_head(planted):
     key_norms = np.linalg.norm(k[:, 1:], axis=-1)
     assert tree["k"]["band"].dims == ("layer", "kv_head")
     assert tree["k"]["band"].item() == pytest.approx(weighted_band(key_norms, np.ones_like(key_norms), 0.5), abs=0.01)
+
+
+def band_atol(expected: float) -> float:
+    """What the histogram allows a band p computed from it against the sorted float64 reference: each
+    norm, each median and the pooled cumulative (sampled at the edges) are placed within one log bin,
+    so the ratio's bound 1 + p is off by at most three bins."""
+    from orthosphere.analyze.histogram import BIN_WIDTH
+
+    return (1 + expected) * np.expm1(3 * BIN_WIDTH)
+
+
+@pytest.fixture(scope="module")
+def heads_apart(tmp_path_factory):
+    """Two layers of resid_pre and k whose norms grow with the position (by 30 % from first to last) and
+    spread around that by little at positions 1-5 and much at 6-9 (a layer's own amounts), and three
+    heads per layer: heads 0 and 1 attend to keys 1-5 (pulled towards the first and the last of them),
+    head 2 to keys 6-9. The heads' medians differ and one head in three is wide, so that the pooled
+    bands are far from the median of the per-head ones."""
+    rng = np.random.default_rng(7)
+    n_samples, n_layers, n_pos, n_heads = 60, 2, 10, 3
+    late = np.arange(n_pos) >= 6
+    spread = np.where(late, np.array([[0.4], [0.25]]), np.array([[0.03], [0.06]]))[None, :, :, None]
+    log_norms = np.log(np.linspace(1.0, 1.3, n_pos))[None, None, :, None] + spread * rng.normal(size=(n_samples, n_layers, n_pos, 1))
+    directions = rng.normal(size=(n_samples, n_layers, n_pos, 8))
+    resid = directions / np.linalg.norm(directions, axis=-1, keepdims=True) * np.exp(log_norms)
+    k = rng.normal(size=(n_samples, n_layers, n_pos, 1, 4)) * np.exp(log_norms)[..., None]
+    pull = np.array([-0.5, 0.5, 0.0])[:, None] * np.arange(n_pos)
+    keys = np.stack([~late, ~late, late]) & (np.arange(n_pos) > 0)  # (head, kpos)
+    scores = rng.normal(size=(n_samples, n_layers, n_heads, n_pos, n_pos)) + pull[:, None, :]
+    pattern = np.where(keys[:, None, :], np.exp(scores), 0.0)
+    pattern /= pattern.sum(-1, keepdims=True)
+    sites = {"resid_pre": resid.astype("float32"), "k": k.astype("float32"), "pattern": pattern.astype("float32")}
+    url = write_store(tmp_path_factory.mktemp("heads") / "store.zarr", sites,
+                      model={"n_heads": n_heads, "n_kv_heads": 1, "d_head": 4}, samples_per_chunk=25)
+    norms = {site: np.linalg.norm(sites[site].astype(np.float64), axis=-1).reshape(n_samples, n_layers, n_pos)
+             for site in ("resid_pre", "k")}
+    received = sites["pattern"].astype(np.float64)[:, :, :, 1:, :].sum(axis=3)  # from the queries after the start
+    return open_for_analysis(url), norms, received
+
+
+def test_bands_pooled_per_layer_and_over_layers_match_a_sorted_reference(heads_apart):
+    """band_layer pools a layer's heads, band_pooled every layer and head: each head's |x| over its own
+    weighted median, weighted by the attention each key receives, against sorting in float64."""
+    dataset, norms, received = heads_apart
+    tree = norm_spread(dataset, sites=["resid_pre", "k"])
+    for site in ("resid_pre", "k"):
+        result = tree[site].to_dataset()
+        groups = [[(norms[site][:, layer], received[:, layer, head]) for head in range(3)] for layer in range(2)]
+        for layer in range(2):
+            for head in range(3):
+                expected = weighted_band(*groups[layer][head])
+                assert abs(result["band"].sel(layer=layer, head=head).item() - expected) <= band_atol(expected)
+            expected = pooled_ratio_band(groups[layer])
+            assert abs(result["band_layer"].sel(layer=layer).item() - expected) <= band_atol(expected)
+        expected = pooled_ratio_band(groups[0] + groups[1])
+        assert abs(result["band_pooled"].item() - expected) <= band_atol(expected)
+        assert "pooled over every layer and head" in result["band_pooled"].attrs["description"]
+        assert "attention it receives" in result["band_layer"].attrs["description"]
+    # what pooling changes: the median of the per-head bands (0.11) is far from the pooled band (0.32)
+    resid = tree["resid_pre"].to_dataset()
+    assert resid["band_pooled"].item() - float(resid["band"].median()) > 0.15
+
+
+def test_uniform_bands_pool_tokens_counted_once(heads_apart):
+    """Without attention weighting: resid_pre has one group per layer (band_layer is the layer's band),
+    k one per kv_head; band_pooled pools the layers, each token over its own layer's median."""
+    dataset, norms, _ = heads_apart
+    tree = norm_spread(dataset, sites=["resid_pre", "k"], weight_by_attention=False, mass=0.8)
+    ones = np.ones_like(norms["resid_pre"][:, 0, 1:])
+    for site in ("resid_pre", "k"):
+        result = tree[site].to_dataset()
+        groups = [(norms[site][:, layer, 1:], ones) for layer in range(2)]
+        for layer in range(2):
+            expected = weighted_band(*groups[layer], mass=0.8)
+            assert abs(result["band_layer"].sel(layer=layer).item() - expected) <= band_atol(expected)
+        expected = pooled_ratio_band(groups, mass=0.8)
+        assert abs(result["band_pooled"].item() - expected) <= band_atol(expected)
+        assert "each token counting once" in result["band_pooled"].attrs["description"]
 
 
 def test_float16_stores_with_norms_beyond_float16_squares(tmp_path):

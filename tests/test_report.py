@@ -28,11 +28,23 @@ def results_tree(source: str, sha: str, placement: str, split: str, accuracy: fl
     }, coords={"definition": ["collapse", "strict"], **layer_head})
     tree = xr.DataTree.from_dict({
         "/accuracy": xr.Dataset({"token_accuracy": accuracy}),
-        "/norms/resid_pre": xr.Dataset({"band": (("layer", "head"), np.full((2, 4), band))}, coords=layer_head),
+        "/norms/resid_pre": norms_group(band, layer_head),
         "/replay": replay,
     })
     tree.attrs = {"model": model, "task": {"name": "arithmetic", "split": split, "spec": SPEC}}
     return tree
+
+
+def norms_group(band: float, layer_head: dict) -> xr.Dataset:
+    """/norms/resid_pre whose pooled band is `band`, its layers' 0.12 and 0.72 and its heads' a tenth of
+    it (what the median over heads gave before the pooling)."""
+    ratio = np.linspace(0.01, 1.99, 100)
+    histogram = np.broadcast_to(np.exp(-((ratio - 1) / 0.1) ** 2), (2, 4, 100))
+    return xr.Dataset({
+        "band": (("layer", "head"), np.full((2, 4), band / 10)), "band_layer": ("layer", [0.12, 0.72]),
+        "band_pooled": ((), band), "histogram": (("layer", "head", "ratio"), histogram / histogram.sum(-1, keepdims=True)),
+        "weight_total": (("layer", "head"), np.full((2, 4), 10.0)),
+    }, coords={**layer_head, "ratio": ratio}, attrs={"weighting": "attention", "mass": 0.9})
 
 
 def runs_of(accuracies: dict[str, list[float]], **kwargs) -> list[report.Run]:
@@ -122,11 +134,20 @@ def test_headline_gives_mean_and_spread_over_seeds_and_judges_the_direction():
     assert test[1] == "91.4 % / 91.0 %"
     assert test[2] == "holds beyond the seed spread (3 / 3 seeds)"
     band = rows["Pre-Norm / QKV-Norm: half-width of the band holding 90 % of |x| / median "
-                "(attention-weighted; median over layers and heads)"]
+                "(each head's ratios to its own median, attention-weighted, pooled over layers and heads)"]
     assert band[0] == "20.0 % [20.0–20.0] / 20.0 % [20.0–20.0]"
     assert band[2].startswith("within the seed spread")
     assert rows["Pre-Norm / QKV-Norm: share of queries and heads with max attention ≥ 0.95 (sparse)"][0].startswith("50.0 %")
     assert rows["Seeds (models) per placement, Pre-Norm / QKV-Norm"][0] == "3 / 3"
+
+
+def test_the_norm_spread_figure_gives_each_layers_band_and_the_pooled_one():
+    figure = report.figure_norm_spread(runs_of({"pre": [0.9], "qkv": [0.7]}, band=0.25))
+    first = figure.axes[0]
+    assert first.get_title() == "pre-s0: band ±25 % (layers and heads pooled)"
+    legend = [text.get_text() for text in first.get_legend().get_texts()]
+    assert legend == ["layer 0: band ±12 %", "layer 1: band ±72 %", "±20 % (paper)"]
+    assert "heads pooled" in figure.get_suptitle() and "90 %" in figure.get_suptitle()
 
 
 @pytest.mark.parametrize("pre, qkv, direction, verdict", [

@@ -152,7 +152,9 @@ def _axes_grid(n: int, width: float = 4.2, height: float = 3.2):
 
 
 def figure_norm_spread(runs: list[Run]):
-    """|x| / median of the attention input, per layer, one panel per placement."""
+    """|x| / median of the attention input, per layer (each head's ratios to its own median, pooled over the
+    layer's heads with their weights), one panel per placement; the legend gives each layer's band
+    (band_layer), the title the band over every layer and head (band_pooled)."""
     panels = groups(runs, "norms/resid_pre", "histogram")
     if not panels:
         return None
@@ -164,12 +166,15 @@ def figure_norm_spread(runs: list[Run]):
             histogram = (histogram * weights).sum("head") / weights.sum("head")
         for layer in histogram.layer.values:
             curve = histogram.sel(layer=layer)
-            axis.plot(curve.ratio, curve / curve.sum(), label=f"layer {layer}")
+            band = float(norms.band_layer.sel(layer=layer)) * 100
+            axis.plot(curve.ratio, curve / curve.sum(), label=f"layer {layer}: band ±{band:.0f} %")
         axis.axvspan(0.8, 1.2, color="0.9", zorder=0, label="±20 % (paper)")
-        axis.set(title=f"{run.name}: band {np.nanmedian(norms.band.values) * 100:.0f} %",
+        axis.set(title=f"{run.name}: band ±{float(norms.band_pooled) * 100:.0f} % (layers and heads pooled)",
                  xlabel="|resid_pre| / median", ylabel="share of attention", xlim=(0, float(curve.ratio.max())))
         axis.legend(fontsize=7)
-    figure.suptitle(f"Norm spread of the attention input ({norms.attrs.get('weighting', '')} weighting)")
+    pooled = ", each head's |x| over its own median, heads pooled" if "head" in norms.band.dims else ""
+    figure.suptitle(f"Norm spread of the attention input ({norms.attrs['weighting']} weighting{pooled}; "
+                    f"bands hold {norms.attrs['mass'] * 100:.0f} %)")
     return figure
 
 
@@ -470,8 +475,9 @@ def families(runs: list[Run]) -> list[dict[str, list[Run]]]:
 
 
 def _band(run: Run) -> float | None:
+    """The band of the attention input's |x| / median pooled over layers and heads (band_pooled)."""
     norms = run.group("norms/resid_pre")
-    return None if norms is None else float(np.nanmedian(norms.band.values))
+    return None if norms is None else float(norms.band_pooled)
 
 
 def _collapse_level(definition: str):
@@ -498,7 +504,8 @@ def _online_drop(run: Run) -> float | None:
 
 
 HEADLINE = (
-    ("half-width of the band holding 90 % of |x| / median (attention-weighted; median over layers and heads)",
+    ("half-width of the band holding 90 % of |x| / median (each head's ratios to its own median, "
+     "attention-weighted, pooled over layers and heads)",
      _band, "±20 % / much wider", -1),
     ("noise RMS at which 1 % of sparse heads collapse", _collapse_level("collapse"), "11 % (Pre-Norm)", 0),
     ("noise RMS at which 1 % of sparse heads strictly collapse", _collapse_level("strict"), "17 % (Pre-Norm)", 0),
