@@ -20,6 +20,11 @@ from .errors import AnalysisError
 from .inputs import align, store_url
 
 POSITION = "pos"
+ROLE = "role"
+"""The label of a token's kind (digit, sign, answer, ...): by default each kind gets its own intercept."""
+NO_INTERCEPTS = "none"
+MIN_GROUPS = 2
+"""A class needs tokens in at least this many groups of samples to be resampled (else it is pooled)."""
 TEXT_FACTORS = ("token_str", POSITION)
 """Default factors of a text store: token identity (its most frequent classes, see ``cap_classes``) and position."""
 _SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\[(.*)\])?\s*$")
@@ -154,32 +159,54 @@ def _selected(factor: Factor, mask: np.ndarray, blocks: dict[str, np.ndarray], m
     return selected
 
 
-def _selections(factors, missing, mask, blocks) -> tuple[list[np.ndarray], np.ndarray]:
-    """Where each factor is read in a block, and each token's pattern (bit a set: factor a applies)."""
+def _selections(factors, missing, mask, blocks, strata=None) -> tuple[list[np.ndarray], np.ndarray]:
+    """Where each factor is read in a block, and each token's intercept cell: its pattern (bit a set:
+    factor a applies) plus, with ``strata`` (the tokens' stratum codes), the code shifted past the
+    pattern bits; 0 where no factor applies."""
     selections = [_selected(factor, mask, blocks, missing_of_factor) for factor, missing_of_factor in zip(factors, missing)]
     pattern = np.zeros(mask.shape, dtype="int64")
     for number, selected in enumerate(selections):
         pattern |= selected.astype("int64") << number
+    if strata is not None:
+        pattern = np.where(pattern > 0, pattern + (strata.astype("int64") << len(factors)), 0)
     return selections, pattern
 
 
-def _block_classes(factors, missing, mask, names, *label_blocks):
-    """One block's values and counts per factor, and the patterns present among its tokens."""
+def _block_classes(factors, missing, n_groups, intercepts, mask, groups, names, *label_blocks):
+    """One block's values, counts and groups of samples (a (value, group) presence table) per factor,
+    and the (pattern, stratum value) pairs present among its tokens."""
     blocks = dict(zip(names, label_blocks))
     selections, pattern = _selections(factors, missing, mask, blocks)
-    found = [np.unique(blocks[factor.label][selected], return_counts=True) for factor, selected in zip(factors, selections)]
-    return found, np.unique(pattern[pattern > 0])
+    token_groups = np.broadcast_to(np.asarray(groups)[:, None], mask.shape)
+    found = []
+    for factor, selected in zip(factors, selections):
+        values, inverse, counts = np.unique(blocks[factor.label][selected], return_inverse=True, return_counts=True)
+        presence = np.zeros((len(values), n_groups), dtype=bool)
+        presence[inverse.ravel(), token_groups[selected]] = True
+        found.append((values, counts, presence))
+    counted = pattern > 0
+    stratum = blocks[intercepts][counted] if intercepts else np.zeros(int(counted.sum()), dtype="int64")
+    cells = [(bits, np.unique(stratum[pattern[counted] == bits])) for bits in np.unique(pattern[counted])]
+    return found, cells
 
 
 def _merge_classes(per_block):
+    """The blocks' findings together: per factor (values, counts, presence), the strata's values and
+    the intercept cells (pattern bits + stratum code << n_factors)."""
     merged = []
     for per_factor in zip(*(found for found, _ in per_block)):
-        values = np.concatenate([values for values, _ in per_factor])
-        counts = np.concatenate([counts for _, counts in per_factor])
+        values = np.concatenate([values for values, _, _ in per_factor])
         classes, inverse = np.unique(values, return_inverse=True)
-        merged.append((classes, np.bincount(inverse.ravel(), weights=counts, minlength=len(classes)).astype("int64")))
-    patterns = np.unique(np.concatenate([patterns for _, patterns in per_block]))
-    return merged, patterns
+        counts = np.bincount(inverse.ravel(), weights=np.concatenate([c for _, c, _ in per_factor]),
+                             minlength=len(classes)).astype("int64")
+        presence = np.zeros((len(classes), per_factor[0][2].shape[1]), dtype=bool)
+        np.logical_or.at(presence, inverse.ravel(), np.concatenate([p for _, _, p in per_factor]))
+        merged.append((classes, counts, presence))
+    cells = [cell for _, block_cells in per_block for cell in block_cells]
+    strata = np.unique(np.concatenate([values for _, values in cells])) if cells else np.zeros(0)
+    shift = len(merged)
+    keys = {int(bits) + (int(code) << shift) for bits, values in cells for code in np.searchsorted(strata, values)}
+    return merged, strata, np.array(sorted(keys), dtype="int64")
 
 
 @dataclass(frozen=True)
@@ -218,56 +245,147 @@ class FactorClasses:
         return np.where(self.values[found] == values, found, len(self.values))
 
 
-def cap_classes(values: np.ndarray, counts: np.ndarray, max_classes: int | None, ordinal: bool = False) -> FactorClasses:
+def cap_classes(values: np.ndarray, counts: np.ndarray, max_classes: int | None, ordinal: bool = False,
+                presence: np.ndarray | None = None) -> FactorClasses:
     """Keep every class, or at most max_classes. A label keeps its max_classes - 1 most frequent
     classes (ties: the smaller value first) and pools the others into one class; an ordinal factor
     (the position, whose values are all about equally frequent) is cut instead into max_classes
-    contiguous ranges holding about equal numbers of tokens."""
-    if max_classes is None or len(values) <= max_classes:
-        return FactorClasses(values, counts)
+    contiguous ranges holding about equal numbers of tokens. With ``presence`` (class x group: the
+    groups of samples holding the class's tokens), a class whose tokens lie in fewer than
+    MIN_GROUPS groups is pooled too (an ordinal one joins its neighbouring range): its noise could
+    not be resampled (see ``design.residual_corrections``)."""
+    resampled = np.ones(len(values), bool) if presence is None else presence.sum(axis=1) >= MIN_GROUPS
     if ordinal:
-        return _ranges(values, counts, max_classes)
-    order = np.lexsort((np.arange(len(values)), -counts))
-    kept = np.sort(order[: max_classes - 1])
+        return _ranges(values, counts, max_classes or len(values), presence)
+    if (max_classes is None or len(values) <= max_classes) and resampled.all():
+        return FactorClasses(values, counts)
+    candidates = np.flatnonzero(resampled)
+    order = candidates[np.lexsort((candidates, -counts[candidates]))]
+    limit = len(order) if max_classes is None or len(order) < max_classes else max_classes - 1
+    kept = np.sort(order[:limit])
     pooled = np.setdiff1d(np.arange(len(values)), kept)
     return FactorClasses(values[kept], np.append(counts[kept], counts[pooled].sum()), len(pooled))
 
 
-def _ranges(values: np.ndarray, counts: np.ndarray, n_ranges: int) -> FactorClasses:
-    """Sorted values cut into n_ranges contiguous, non-empty ranges of about equal total counts."""
+def _ranges(values: np.ndarray, counts: np.ndarray, n_ranges: int, presence: np.ndarray | None) -> FactorClasses:
+    """Sorted values cut into at most n_ranges contiguous, non-empty ranges of about equal total
+    counts, each holding tokens of at least MIN_GROUPS groups (a range short of them joins its
+    neighbour); every value its own class when that needs no cut."""
+    n_ranges = min(n_ranges, len(values))
     cumulative = np.cumsum(counts)
     starts = [0]
     for k in range(1, n_ranges):
         start = int(np.searchsorted(cumulative, cumulative[-1] * k / n_ranges)) + 1
         starts.append(min(max(start, starts[-1] + 1), len(values) - (n_ranges - k)))
+    starts = list(starts)
+    if presence is not None:
+        starts = _resampled_ranges(starts, presence)
     starts = np.asarray(starts)
+    if len(starts) == len(values):
+        return FactorClasses(values, counts)
     ends = np.append(starts[1:], len(values)) - 1
     return FactorClasses(values[starts], np.add.reduceat(counts, starts), 0, values[ends])
 
 
-def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array,
-                     max_classes: int | None = None) -> tuple[dict[str, FactorClasses], np.ndarray]:
-    """Each factor's classes over the analysed tokens (see ``cap_classes``), and the patterns present
-    (bit a of a pattern set: factor a applies): a cheap pass over the labels only. A factor with no
-    tokens or a single class is an error."""
-    names = sorted({label for factor in factors for label in factor.labels})
+def _resampled_ranges(starts: list[int], presence: np.ndarray) -> list[int]:
+    """Range starts after joining each range whose tokens lie in fewer than MIN_GROUPS groups to its
+    neighbour (the previous one; the first range joins the next)."""
+    while len(starts) > 1:
+        groups = np.logical_or.reduceat(presence, starts, axis=0).sum(axis=1)
+        short = np.flatnonzero(groups < MIN_GROUPS)
+        if not short.size:
+            break
+        starts.pop(max(int(short[0]), 1))
+    return starts
+
+
+def default_intercepts(dataset: xr.Dataset) -> str | None:
+    """The label whose classes get their own intercepts by default: the task's ``intercepts`` when its
+    description names one, else ``role`` when the store holds it (tokens of different kinds), else none."""
+    task = dataset.attrs.get("task", {})
+    if "intercepts" in task:
+        return task["intercepts"] or None
+    return ROLE if ROLE in store_labels(dataset) else None
+
+
+def parse_intercepts(dataset: xr.Dataset, spec, factors: list[Factor]) -> str | None:
+    """The intercept label named by `spec`: None for the default (``default_intercepts``; none when a
+    factor is that label: its classes would be the intercepts), "none" for one intercept per
+    pattern, else a label of the store that no factor is read from."""
+    if spec is None:
+        default = default_intercepts(dataset)
+        return None if any(factor.label == default for factor in factors) else default
+    if spec == NO_INTERCEPTS:
+        return None
+    if any(factor.label == spec for factor in factors):
+        raise AnalysisError(
+            f"intercepts={spec!r} gives each class of label {spec!r} its own intercept, which leaves nothing of factor "
+            f"{spec!r} to fit; choose other intercepts, {NO_INTERCEPTS!r}, or drop the factor"
+        )
+    available = store_labels(dataset)
+    if spec not in available:
+        raise AnalysisError(
+            f"intercepts={spec!r}: store {store_url(dataset)} has no label {spec!r}; its labels are {available}. "
+            f"Name the label whose classes (kinds of token) get their own intercepts, or {NO_INTERCEPTS!r}"
+        )
+    return spec
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What the label pass found: each factor's classes, the intercept label and its values among
+    the analysed tokens (the strata), and the intercept cells present (pattern bits + the stratum's
+    code << n_factors; sorted)."""
+
+    classes: dict[str, FactorClasses]
+    intercepts: str | None
+    strata: np.ndarray
+    cells: np.ndarray
+
+    def stratum_codes(self, blocks: dict[str, np.ndarray]) -> np.ndarray | None:
+        """Each token's stratum code (None without an intercept label)."""
+        if self.intercepts is None:
+            return None
+        found = np.minimum(np.searchsorted(self.strata, blocks[self.intercepts]), max(len(self.strata) - 1, 0))
+        return found
+
+
+def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array, max_classes: int | None = None,
+                     groups: da.Array | None = None, n_groups: int = 1, intercepts: str | None = None) -> Discovery:
+    """Each factor's classes over the analysed tokens (see ``cap_classes``; with ``groups``, the
+    (sample,) group of each sample, classes held by fewer than MIN_GROUPS groups are pooled), and
+    the intercept cells present: a cheap pass over the labels only. A factor with no tokens, a
+    single class, or fewer than two classes that its groups can resample is an error."""
+    names = sorted({label for factor in factors for label in factor.labels} | ({intercepts} if intercepts else set()))
     arrays = [label_data(dataset, name, mask) for name in names]
+    if groups is None:
+        groups = da.zeros(mask.shape[0], dtype="int64", chunks=(mask.chunks[0],))
     missing = [missing_value(dataset, factor.label) for factor in factors]
     per_block = [
-        dask.delayed(_block_classes)(factors, missing, mask_block, names, *blocks)
-        for mask_block, *blocks in zip(*(array.to_delayed().ravel() for array in [mask, *arrays]))
+        dask.delayed(_block_classes)(factors, missing, n_groups, intercepts, mask_block, group_block, names, *blocks)
+        for mask_block, group_block, *blocks in zip(*(array.to_delayed().ravel() for array in [mask, groups, *arrays]))
     ]
-    (merged, patterns), = dask.compute(dask.delayed(_merge_classes)(per_block))
+    (merged, strata, cells), = dask.compute(dask.delayed(_merge_classes)(per_block))
     classes = {}
-    for factor, (values, counts) in zip(factors, merged):
+    for factor, (values, counts, presence) in zip(factors, merged):
         if len(values) < 2:
             found = f"a single class ({str(values[0])!r}, {counts[0]} tokens)" if len(values) else "no tokens"
             raise AnalysisError(
                 f"factor {factor.name!r} has {found} among the analysed tokens of store {store_url(dataset)}: "
                 "a factor subspace needs at least two classes; choose another factor or widen its restriction"
             )
-        classes[factor.name] = cap_classes(values, counts, max_classes, ordinal=factor.label == POSITION)
-    return classes, patterns
+        found = cap_classes(values, counts, max_classes, ordinal=factor.label == POSITION,
+                            presence=presence if n_groups > 1 else None)
+        if found.size < 2:
+            raise AnalysisError(
+                f"factor {factor.name!r}: its classes are too rare to test in store {store_url(dataset)}: "
+                f"{int((presence.sum(axis=1) < MIN_GROUPS).sum())} of its {len(values)} classes have all their tokens in "
+                f"one of the {n_groups} groups of samples (bootstrap_groups) that the null and the intervals resample, "
+                "and pooling them leaves a single class; analyse more samples, lower bootstrap_groups, or choose "
+                "a factor with more frequent classes"
+            )
+        classes[factor.name] = found
+    return Discovery(classes, intercepts, strata, cells)
 
 
 def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Array:
@@ -289,16 +407,17 @@ def _codes(classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> 
     return codes
 
 
-def design_columns(dataset: xr.Dataset, factors: list[Factor], classes: dict[str, FactorClasses],
-                   layout, mask: da.Array) -> da.Array:
+def design_columns(dataset: xr.Dataset, factors: list[Factor], discovery: Discovery, layout, mask: da.Array) -> da.Array:
     """Lazy (sample, pos, 1 + factors) int32 design columns of each token (see ``Layout.token_columns``)."""
-    names = sorted({label for factor in factors for label in factor.labels})
+    intercepts = {discovery.intercepts} if discovery.intercepts else set()
+    names = sorted({label for factor in factors for label in factor.labels} | intercepts)
     arrays = [label_data(dataset, name, mask) for name in names]
     missing = [missing_value(dataset, factor.label) for factor in factors]
+    classes = discovery.classes
 
     def block(mask_block, *label_blocks):
         blocks = dict(zip(names, label_blocks))
-        selections, pattern = _selections(factors, missing, mask_block, blocks)
+        selections, pattern = _selections(factors, missing, mask_block, blocks, discovery.stratum_codes(blocks))
         codes = [_codes(classes[factor.name], selected, blocks[factor.label]) for factor, selected in zip(factors, selections)]
         return layout.token_columns(pattern, codes)
 

@@ -52,9 +52,22 @@ def _positive(name, value):
         raise AnalysisError(f"option {name}={value!r}: expected a positive number")
 
 
-def _degrees(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 90:
-        raise AnalysisError(f"option {name}={value!r}: expected an angle in degrees from 0 to 90")
+def _probability(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise AnalysisError(f"option {name}={value!r}: expected a number strictly between 0 and 1, e.g. 0.05")
+
+
+def _tolerance_deg(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 90:
+        raise AnalysisError(
+            f"option {name}={value!r}: expected a tolerance in degrees strictly between 0 and 90 (a claim of "
+            "orthogonality or dependence needs some room to be shown: 10 by default)"
+        )
+
+
+def _intercepts(name, value):
+    if not isinstance(value, str) or not value:
+        raise AnalysisError(f"option {name}={value!r}: expected a label name, or 'none' for one intercept per pattern")
 
 
 def _estimator(name, value):
@@ -84,8 +97,7 @@ RULES = {
     "exclude_start": _flag,
     "weight_by_attention": _flag,
     "mass": _fraction,
-    "rank_threshold": _fraction,
-    "confidence": _fraction,
+    "confidence": _probability,
     "quantiles": _fractions,
     "levels": _noise_levels,
     "ratio_max": _positive,
@@ -93,13 +105,16 @@ RULES = {
     "rank": _count(1),
     "n_bootstrap": _count(0),
     "n_null": _count(0),
-    "significance": _fraction,
+    "significance": _probability,
+    "rank_significance": _probability,
+    "intercepts": _intercepts,
+    "radius_cv_tolerance": _positive,
     "estimator": _estimator,
     "max_classes": _max_classes,
     "bootstrap_groups": _count(2),
     "seed": _count(0),
-    "independence_deg": _degrees,
-    "orthogonality_deg": _degrees,
+    "independence_deg": _tolerance_deg,
+    "orthogonality_deg": _tolerance_deg,
 }
 
 

@@ -1,53 +1,68 @@
-"""Sphere structure: how far the representation is from orthogonal spheres (the paper's Theorem 2).
+"""Sphere structure: how far the representation is from the paper's orthogonal spheres (Theorem 2).
 
-With the factor subspaces of a layer (bases U_a of a fitted ``FactorSubspaces``: by default the
-joint, demixed fit, so that correlated labels do not tilt the bases), every analysed token x
-splits uniquely into components x_a = U_a c_a in the factor subspaces and
-a rest x_r orthogonal to all of them (c = pinv([U_1 ... U_k]) x; x_a is the orthogonal projection
-P_a x when the subspaces are orthogonal). Then |x|^2 = sum_a |x_a|^2 + |x_r|^2 + c, with cross
-terms c = 2 sum_{a<b} x_a . x_b. Orthogonal spheres mean every |x_a| (and |x_r|) is constant and
-c = 0, so the deviation
+Pre-Norm keeps factor subspaces independent only if every component has a constant norm (each
+factor's representations lie on a sphere) and the components are mutually orthogonal. With a
+fitted ``FactorSubspaces`` (by default the joint fit, so that correlated labels do not tilt the
+bases), three separate quantities measure this, each with a noise null and an interval from the
+fit's noise draws (``inference``):
 
-    D = sqrt(sum_parts Var(|x_part|^2) + E[c^2]) / E[|x|^2]
+- **radius spread** of each factor: its class points, the orthogonal projections U'(mean + E[c])
+  of its class means (within-class noise averaged out, what remains of it taken from the radii
+  squared) onto its fitted subspace, and the coefficient of variation of their norms over classes
+  (token-weighted): 0 on a sphere. ``sphere``: "on sphere" when the interval lies below
+  ``radius_cv_tolerance``, "off sphere" when above, after Benjamini-Hochberg's correction over
+  every layer, factor and claim ("undetermined" otherwise, "no structure" without a subspace);
+- **departure from orthogonality** of each pair: the smallest principal angle of the two fitted
+  subspaces, with its noise-corrected estimate and interval (as in ``/subspaces``);
+- **cross term** of each pair: the root mean square of x_a . x_b between the class points of the
+  two components over the tokens both factors read, over the root of the product of their mean
+  |x_a|^2 and |x_b|^2 (a mean cosine between the components: 0 for orthogonal subspaces), with an
+  interval and its null (draws around orthogonal subspaces).
 
-is 0 for a perfect orthogonal-spheres representation; radius_share and cross_term_share split its
-square into the parts' radius variation and the cross terms. Per factor also: the radius |x_a|
-(mean, coefficient of variation, band holding `mass` around the median, quantiles, histogram) and
-an algebraic sphere fit of the points c_a (centre, radius, residual, centre offset from the origin).
-The analysed tokens are those on which every factor is read (their restrictions intersected).
-
-The components depend on bases fitted from all the tokens, so the spheres read their site once
-more after the fit: given fitted subspaces (``subspaces=``, as ``run_analyses`` passes those of
-the same run), in one pass; else the fit is a first pass of their own.
+The spheres need no pass over the store of their own: they read the fit of the subspaces (given,
+as ``run_analyses`` passes that of the same run, or fitted here).
 """
 from __future__ import annotations
 
-from functools import partial
+import inspect
 
 import numpy as np
 import xarray as xr
 
-from .blocks import Packer, sample_block_sums
 from .errors import AnalysisError
-from .factors import factor_tokens, parse_factors
-from .histogram import N_SLOTS, log_histogram, spread_variables
-from .inputs import FiniteCheck, layer_data, square_norms, store_url, token_mask
-from .norms import QUANTILES
-from .options import as_attrs, check_options
+from .inference import SPHERE_CLAIMS, benjamini_hochberg
+from .options import as_attrs
 from .plan import Plan, planned
-from .subspaces import FactorSubspaces, d_model_site
+from .subspaces import BOUNDS, FactorSubspaces
+
+SPHERE_RULE = ("no structure: the factor has rank 0; on sphere / off sphere: the claim that radius_cv is below / above "
+               "radius_cv_tolerance, shown at significance after Benjamini-Hochberg's correction over every layer, "
+               "factor and claim; undetermined: neither; empty without noise draws")
 
 
-def _fitted_subspaces(subspaces, fit: dict):
-    """The given fitted subspaces, checked against the fit options the spheres were given (None: unset)."""
+def plan_sphere_structure(dataset: xr.Dataset, *, subspaces: FactorSubspaces | None = None, **fit) -> Plan:
+    """Radius spread, departure from orthogonality and cross terms of the factors' components, per layer.
+
+    subspaces: a fitted FactorSubspaces whose fit the spheres read; the fit options given besides
+    (the parameters of FactorSubspaces) must agree with it. Without it, the subspaces are fitted
+    here with those options (None: FactorSubspaces' defaults).
+    """
+    given = {name: value for name, value in fit.items() if value is not None}
+    if subspaces is not None:
+        return Plan({}, lambda computed: sphere_dataset(_fitted_subspaces(subspaces, given), "from the subspaces results"))
+    first = FactorSubspaces(**given).plan(dataset)
+    return Plan(first.lazy, lambda computed: sphere_dataset(first.finish(computed), "fitted here"))
+
+
+def _fitted_subspaces(subspaces, given: dict) -> FactorSubspaces:
+    """The given fitted subspaces, checked against the fit options the spheres were given."""
     if not isinstance(subspaces, FactorSubspaces) or not hasattr(subspaces, "fits_"):
         raise AnalysisError(
             f"spheres take fitted subspaces (FactorSubspaces(...).fit(dataset)), got {type(subspaces).__name__}: "
             "fit them first, or pass none and let the spheres fit their own"
         )
-    given = {name: value for name, value in fit.items() if value is not None}
     fitted = subspaces.fit_options
-    different = {name: (value, fitted[name]) for name, value in as_attrs(given).items() if fitted[name] != value}
+    different = {name: (value, fitted[name]) for name, value in as_attrs(given).items() if fitted.get(name) != value}
     if different:
         raise AnalysisError(
             "the spheres were given subspaces fitted otherwise than they were asked for ("
@@ -57,230 +72,100 @@ def _fitted_subspaces(subspaces, fit: dict):
     return subspaces
 
 
-class LayerGeometry:
-    """One layer's stacked bases U = [U_1 ... U_k] = W S V^T: an orthonormal basis W of their span
-    (the projection of a token), the map from W-coordinates to the coordinates c = pinv(U) x of the
-    factors (float32, like the activations), and the Gram blocks U_a^T U_b between factors."""
-
-    def __init__(self, bases: list[np.ndarray]):
-        self.ranks = [basis.shape[1] for basis in bases]
-        self.stops = np.cumsum(self.ranks)
-        self.starts = self.stops - self.ranks
-        stacked = np.concatenate(bases, axis=1)
-        left, singular, right = np.linalg.svd(stacked, full_matrices=False)
-        kept = singular > 1e-6 * singular.max() if singular.size else singular.astype(bool)
-        self.span = left[:, kept].astype("float32")
-        self.to_coordinates = (right[kept].T / singular[kept]).T.astype("float32")
-        self.gram = stacked.T @ stacked
-
-    def part(self, coordinates, a):
-        return coordinates[:, self.starts[a]: self.stops[a]]
-
-    def block(self, a, b):
-        return self.gram[self.starts[a]: self.stops[a], self.starts[b]: self.stops[b]].astype("float32")
+def _sphere_signature(function):
+    """The planner's signature: subspaces, then every parameter of FactorSubspaces (default None)."""
+    parameters = [inspect.Parameter("dataset", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                  inspect.Parameter("subspaces", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    parameters += [parameter.replace(default=None)
+                   for parameter in inspect.signature(FactorSubspaces).parameters.values()]
+    function.__signature__ = inspect.Signature(parameters)
+    return function
 
 
-def _pairs(n_factors: int) -> list[tuple[int, int]]:
-    return [(a, b) for a in range(n_factors) for b in range(a + 1, n_factors)]
+plan_sphere_structure = _sphere_signature(plan_sphere_structure)
+sphere_structure = _sphere_signature(planned(plan_sphere_structure))
 
 
-def _packer(ranks: list[int]) -> Packer:
-    n, n_pairs = len(ranks), len(_pairs(len(ranks)))
-    shapes = {
-        "nonfinite": (), "count": (), "part_sum": (n + 1,), "part_square_sum": (n + 1,), "radius_sum": (n,),
-        "cross_sum": (n_pairs,), "cross_square_sum": (n_pairs,), "total_cross_square_sum": (),
-        "norm_sq_sum": (), "norm_sq_square_sum": (), "histogram": (n, N_SLOTS),
+def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
+    """The results group /spheres of a fitted FactorSubspaces (`source`: where the fit came from)."""
+    layers, names = fitted.layers_, fitted.factors_
+    fits = [fitted.fits_[layer] for layer in layers]
+    n_layers, n_factors = len(layers), len(names)
+    sizes = [fitted.classes_[name].size for name in names]
+    per_factor = {name: np.full((n_layers, n_factors), np.nan) for name in
+                  ("radius_mean", "radius_cv", "radius_cv_estimate", "sphere_null_p")}
+    radius_cv_ci = np.full((n_layers, n_factors, 2), np.nan)
+    claim_p = np.full((n_layers, n_factors, len(SPHERE_CLAIMS)), np.nan)
+    class_radius = np.full((n_layers, n_factors, max(sizes)), np.nan)
+    for i, fit in enumerate(fits):
+        for a, factor in enumerate(fit.factors):
+            if factor.radii is None:
+                continue
+            weights = fitted.classes_[names[a]].counts / fitted.classes_[names[a]].counts.sum()
+            class_radius[i, a, : len(factor.radii)] = factor.radii
+            per_factor["radius_mean"][i, a] = factor.radii @ weights
+            for name in ("radius_cv", "radius_cv_estimate", "sphere_null_p"):
+                per_factor[name][i, a] = getattr(factor, name)
+            radius_cv_ci[i, a] = factor.radius_cv_ci
+            claim_p[i, a] = factor.sphere_p
+    claim_q = benjamini_hochberg(claim_p)
+    rank = np.array([fit.rank for fit in fits], dtype="int64")
+    pairs = {name: np.full((n_layers, n_factors, n_factors) + shape, np.nan)
+             for name, shape in (("cross_term", ()), ("cross_term_ci", (2,)), ("cross_term_null_ci", (2,)),
+                                 ("cross_term_p", ()))}
+    for i, fit in enumerate(fits):
+        for (a, b), pair in fit.pairs.items():
+            for name in pairs:
+                pairs[name][i, a, b] = pairs[name][i, b, a] = getattr(pair, name)
+    lf, lfo = ("layer", "factor"), ("layer", "factor", "other")
+    subspaces = fitted.to_dataset()
+    data = {
+        "subspace_rank": (lf, rank),
+        **{name: (lf, values) for name, values in per_factor.items()},
+        "radius_cv_ci": (lf + ("bound",), radius_cv_ci),
+        "sphere_claim_p": (lf + ("sphere_claim",), claim_p),
+        "sphere_claim_q": (lf + ("sphere_claim",), claim_q),
+        "sphere": (lf, _verdicts(rank, claim_q, fitted.significance, bool(fitted.n_bootstrap))),
+        "class_radius": (lf + ("class_index",), class_radius),
+        "cross_term": (lfo, pairs["cross_term"]),
+        "cross_term_ci": (lfo + ("bound",), pairs["cross_term_ci"]),
+        "cross_term_null_ci": (lfo + ("bound",), pairs["cross_term_null_ci"]),
+        "cross_term_p": (lfo, pairs["cross_term_p"]),
+        **{name: subspaces[name].variable for name in ("min_angle", "min_angle_estimate", "min_angle_ci", "relation")},
     }
-    for a, rank in enumerate(ranks):
-        shapes[f"fit_zz{a}"] = (rank + 1, rank + 1)
-        shapes[f"fit_za{a}"] = (rank + 1,)
-    return Packer(shapes)
+    coords = {"layer": layers, "factor": np.array(names, dtype=object), "other": np.array(names, dtype=object),
+              "bound": np.array(BOUNDS, dtype=object), "sphere_claim": np.array(SPHERE_CLAIMS, dtype=object)}
+    attrs = {"site": fitted.site_, "factors": names, "estimator": fitted.estimator,
+             "intercepts": fitted.intercepts_ or "none", "classes": {name: fitted.classes_[name].names for name in names},
+             "sphere_rule": SPHERE_RULE, "fit": fitted.fit_options, "subspaces": source,
+             **{name: getattr(fitted, name) for name in ("radius_cv_tolerance", "confidence", "significance", "n_bootstrap")}}
+    result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
+    for name, description in DESCRIPTIONS.items():
+        result[name].attrs["description"] = description
+    return result
 
 
-def _sphere_moments(x, tokens, *, geometry: LayerGeometry, packer: Packer):
-    """One block's moment sums of the parts |x_a|^2, the rest, the cross terms, the sphere fits and
-    the radius histograms, over its analysed tokens."""
-    every_square = square_norms(x).ravel()
-    selected = tokens.ravel()
-    norm_sq = every_square[selected].astype("float64")
-    projected = x.reshape(-1, x.shape[-1])[selected] @ geometry.span
-    coordinates = projected @ geometry.to_coordinates
-    n_factors = len(geometry.ranks)
-    parts = [geometry.part(coordinates, a) for a in range(n_factors)]
-    radii = np.sqrt(np.stack([square_norms(part) for part in parts], axis=1))
-    squares = np.concatenate([radii.astype("float64") ** 2, (norm_sq - square_norms(projected))[:, None]], axis=1)
-    cross = np.zeros((len(norm_sq), len(_pairs(n_factors))))
-    for pair, (a, b) in enumerate(_pairs(n_factors)):
-        cross[:, pair] = np.einsum("nr,nr->n", parts[a] @ geometry.block(a, b), parts[b])
-    total_cross = 2 * cross.sum(axis=1)
-    out = {
-        "nonfinite": np.count_nonzero(~np.isfinite(every_square)), "count": len(norm_sq),
-        "part_sum": squares.sum(0), "part_square_sum": np.einsum("np,np->p", squares, squares),
-        "radius_sum": radii.sum(0, dtype="float64"), "cross_sum": cross.sum(0),
-        "cross_square_sum": np.einsum("np,np->p", cross, cross), "total_cross_square_sum": total_cross @ total_cross,
-        "norm_sq_sum": norm_sq.sum(), "norm_sq_square_sum": norm_sq @ norm_sq,
-        "histogram": log_histogram(radii, np.ones(radii.shape), np.broadcast_to(np.arange(n_factors), radii.shape), n_factors),
-    }
-    for a, part in enumerate(parts):
-        # z = [2 y, 1] for the algebraic fit |y|^2 = 2 c . y + k, in float64: the residual is a small difference
-        part = part.astype("float64")
-        rank = part.shape[1]
-        zz = np.empty((rank + 1, rank + 1))
-        zz[:rank, :rank] = 4 * part.T @ part
-        zz[:rank, rank] = zz[rank, :rank] = 2 * part.sum(axis=0)
-        zz[rank, rank] = len(part)
-        out[f"fit_zz{a}"] = zz
-        out[f"fit_za{a}"] = np.append(2 * part.T @ squares[:, a], squares[:, a].sum())
-    return packer.pack(out)
+def _verdicts(rank: np.ndarray, claim_q: np.ndarray, significance: float, drawn: bool) -> np.ndarray:
+    """(layer, factor) sphere verdicts (see SPHERE_RULE)."""
+    shown = claim_q <= significance
+    verdict = np.select([shown[..., 0], shown[..., 1]], ["on sphere", "off sphere"], "undetermined")
+    verdict = np.where(rank > 0, verdict, "no structure")
+    return np.where(drawn, verdict, "").astype(object)
 
 
-def _sphere_fit(zz, za, square_sum, count, basis):
-    """Algebraic fit |y - centre|^2 = radius^2 to a factor's coordinates y: centre (in d_model), radius,
-    relative residual sqrt(mean (|y|^2 - 2 centre . y - k)^2) / radius^2, centre offset |centre| / radius."""
-    theta = np.linalg.lstsq(zz, za, rcond=None)[0]
-    centre, k = theta[:-1], theta[-1]
-    radius = np.sqrt(max(k + centre @ centre, 0.0))
-    mean_square = (square_sum - 2 * theta @ za + theta @ zz @ theta) / count
-    residual = np.sqrt(max(mean_square, 0.0)) / radius**2 if radius > 0 else np.nan
-    offset = np.linalg.norm(centre) / radius if radius > 0 else np.nan
-    return basis @ centre, radius, residual, offset
-
-
-def plan_sphere_structure(dataset: xr.Dataset, *, site: str | None = None, factors=None, layers=None,
-                          exclude_start: bool | None = None, estimator: str | None = None,
-                          rank_threshold: float | None = None, rank: int | None = None,
-                          max_classes: int | None = None, mass: float = 0.9, quantiles=QUANTILES,
-                          ratio_max: float = 2.0, ratio_bins: int = 100,
-                          subspaces: FactorSubspaces | None = None) -> Plan:
-    """Radii, sphere fits, cross terms and the deviation from orthogonal spheres, per layer.
-
-    subspaces: fitted FactorSubspaces whose bases (and site, factors, layers) the spheres use; then
-    site, factors, layers, exclude_start, estimator, rank_threshold, rank and max_classes, when
-    given, must agree with its fit. Without it, the spheres fit their own subspaces with these
-    (None: FactorSubspaces' defaults; no bootstrap, no null). mass, quantiles, ratio_max,
-    ratio_bins: as for norm_spread, applied to each radius |x_a|.
-    """
-    spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
-    fit = {"site": site, "factors": factors, "layers": layers, "exclude_start": exclude_start, "estimator": estimator,
-           "rank_threshold": rank_threshold, "rank": rank, "max_classes": max_classes}
-    if subspaces is not None:
-        return _moments_plan(dataset, _fitted_subspaces(subspaces, fit), spread, "from the subspaces results")
-    own = FactorSubspaces(**{name: value for name, value in fit.items() if value is not None}, n_bootstrap=0, n_null=0)
-    d_model_site(dataset, own.site, "sphere structure")
-    first = own.plan(dataset)
-    return Plan(first.lazy, lambda computed: _moments_plan(dataset, first.finish(computed), spread, "fitted here"))
-
-
-def _moments_plan(dataset: xr.Dataset, subspaces: FactorSubspaces, spread: dict, source: str) -> Plan:
-    """The pass over the site that projects every analysed token onto the fitted subspaces."""
-    site, layers, names = subspaces.site_, subspaces.layers_, subspaces.factors_
-    array = d_model_site(dataset, site, "sphere structure")
-    factors = parse_factors(dataset, names)
-    mask = token_mask(dataset, subspaces.exclude_start)
-    tokens = factor_tokens(dataset, factors[0], mask)  # each factor's tokens lie inside the mask already
-    for factor in factors[1:]:
-        tokens = tokens & factor_tokens(dataset, factor, mask)
-    bases = {layer: dict(zip(names, subspaces.bases(layer))) for layer in layers}
-    finite = FiniteCheck(dataset)
-    lazy, packers = {}, {}
-    for layer in layers:
-        geometry = LayerGeometry(subspaces.bases(layer))
-        packers[layer] = _packer(geometry.ranks)
-        kernel = partial(_sphere_moments, geometry=geometry, packer=packers[layer])
-        lazy[layer] = sample_block_sums(kernel, packers[layer].size, layer_data(array, layer), tokens)
-        finite.reads(layer, (site, layer))
-
-    def finish(sums):
-        finite.check({layer: packers[layer].unpack(vector)["nonfinite"] for layer, vector in sums.items()})
-        count = packers[layers[0]].unpack(sums[layers[0]])["count"]
-        if count == 0:
-            raise AnalysisError(
-                f"no token of store {store_url(dataset)} is read by every factor {names}: their restrictions do not "
-                "intersect; choose factors that apply to common tokens"
-            )
-        result = _sphere_dataset(layers, names, bases, {layer: packers[layer].unpack(sums[layer]) for layer in layers},
-                                 spread)
-        result.attrs.update({"site": site, "factors": names, "bases": source, "estimator": subspaces.estimator,
-                             "mass": spread["mass"], "exclude_start": subspaces.exclude_start})
-        return result
-
-    return Plan(lazy, finish)
-
-
-sphere_structure = planned(plan_sphere_structure)
-
-
-def _sphere_dataset(layers, names, bases, moments, spread) -> xr.Dataset:
-    n_factors = len(names)
-    per_layer = {name: [] for name in (
-        "radius_mean", "radius_cv", "sphere_radius", "fit_residual", "centre_offset", "sphere_centre", "rank",
-        "cross_term_mean", "cross_term_rms", "part_norm_sq_mean", "part_norm_sq_variance", "cross_term_second_moment",
-        "norm_sq_mean", "norm_sq_variance", "deviation", "cross_term_share", "radius_share")}
-    for layer in layers:
-        m = moments[layer]
-        n = m["count"]
-        part_mean = m["part_sum"] / n
-        part_variance = np.maximum(m["part_square_sum"] / n - part_mean**2, 0.0)
-        radius_mean = m["radius_sum"] / n
-        radius_variance = np.maximum(part_mean[:n_factors] - radius_mean**2, 0.0)
-        cross_mean, cross_rms = np.full((n_factors, n_factors), np.nan), np.full((n_factors, n_factors), np.nan)
-        for pair, (a, b) in enumerate(_pairs(n_factors)):
-            cross_mean[a, b] = cross_mean[b, a] = m["cross_sum"][pair] / n
-            cross_rms[a, b] = cross_rms[b, a] = np.sqrt(m["cross_square_sum"][pair] / n)
-        cross_second = m["total_cross_square_sum"] / n
-        norm_sq_mean = m["norm_sq_sum"] / n
-        budget = part_variance.sum() + cross_second
-        fits = [_sphere_fit(m[f"fit_zz{a}"], m[f"fit_za{a}"], m["part_square_sum"][a], n, bases[layer][name])
-                for a, name in enumerate(names)]
-        values = {
-            "radius_mean": radius_mean,
-            "radius_cv": np.divide(np.sqrt(radius_variance), radius_mean, out=np.full(n_factors, np.nan), where=radius_mean > 0),
-            "sphere_centre": np.stack([fit[0] for fit in fits]),
-            "sphere_radius": np.array([fit[1] for fit in fits]),
-            "fit_residual": np.array([fit[2] for fit in fits]),
-            "centre_offset": np.array([fit[3] for fit in fits]),
-            "rank": np.array([bases[layer][name].shape[1] for name in names]),
-            "cross_term_mean": cross_mean,
-            "cross_term_rms": cross_rms,
-            "part_norm_sq_mean": part_mean,
-            "part_norm_sq_variance": part_variance,
-            "cross_term_second_moment": cross_second,
-            "norm_sq_mean": norm_sq_mean,
-            "norm_sq_variance": max(m["norm_sq_square_sum"] / n - norm_sq_mean**2, 0.0),
-            "deviation": np.sqrt(budget) / norm_sq_mean,
-            "cross_term_share": cross_second / budget if budget > 0 else np.nan,
-            "radius_share": part_variance / budget if budget > 0 else np.full(n_factors + 1, np.nan),
-        }
-        for name, value in values.items():
-            per_layer[name].append(value)
-    stacked = {name: np.stack(value) for name, value in per_layer.items()}
-    lf = ("layer", "factor")
-    coords = {
-        "layer": layers,
-        "factor": np.array(names, dtype=object),
-        "other": np.array(names, dtype=object),
-        "part": np.array(names + ["rest"], dtype=object),
-    }
-    data = spread_variables(np.stack([moments[layer]["histogram"] for layer in layers]), group_dims=lf,
-                            coords=coords, median_name="radius_median", **spread)
-    data.update({
-        "n_tokens": ((), int(moments[layers[0]]["count"])),
-        "subspace_rank": (lf, stacked["rank"]),
-        "radius_mean": (lf, stacked["radius_mean"]),
-        "radius_cv": (lf, stacked["radius_cv"]),
-        "sphere_radius": (lf, stacked["sphere_radius"]),
-        "sphere_centre": (lf + ("d_model",), stacked["sphere_centre"]),
-        "centre_offset": (lf, stacked["centre_offset"]),
-        "fit_residual": (lf, stacked["fit_residual"]),
-        "cross_term_mean": (lf + ("other",), stacked["cross_term_mean"]),
-        "cross_term_rms": (lf + ("other",), stacked["cross_term_rms"]),
-        "part_norm_sq_mean": (("layer", "part"), stacked["part_norm_sq_mean"]),
-        "part_norm_sq_variance": (("layer", "part"), stacked["part_norm_sq_variance"]),
-        "cross_term_second_moment": (("layer",), stacked["cross_term_second_moment"]),
-        "norm_sq_mean": (("layer",), stacked["norm_sq_mean"]),
-        "norm_sq_variance": (("layer",), stacked["norm_sq_variance"]),
-        "deviation": (("layer",), stacked["deviation"]),
-        "cross_term_share": (("layer",), stacked["cross_term_share"]),
-        "radius_share": (("layer", "part"), stacked["radius_share"]),
-    })
-    return xr.Dataset(data, coords=coords, attrs={"ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
+DESCRIPTIONS = {
+    "radius_mean": "token-weighted mean norm of the factor's class points (projections of its class means onto its "
+                   "subspace), each class effect's noise taken from its radius squared",
+    "radius_cv": "coefficient of variation of those norms over classes (token-weighted): 0 on a sphere",
+    "radius_cv_estimate": "radius_cv corrected for the noise's bias (median-unbiased over truths of scaled radius spread)",
+    "radius_cv_ci": "confidence interval of the radius spread, inverted from draws around truths of scaled spread",
+    "sphere_null_p": "p-value of 'exactly on a sphere' (draws around the class points moved onto a sphere)",
+    "sphere_claim_p": "p-values of the claims 'on sphere' (radius spread below radius_cv_tolerance) and 'off sphere'",
+    "sphere_claim_q": "sphere_claim_p adjusted for the false-discovery rate over every layer, factor and claim",
+    "class_radius": "norm of each class point (classes in the order of attrs classes)",
+    "cross_term": "root mean square of x_a . x_b of the class points of two components over the tokens both read, over "
+                  "the root of the product of their mean squares: 0 for orthogonal subspaces",
+    "cross_term_ci": "basic bootstrap interval of the cross term (draws around the fit)",
+    "cross_term_null_ci": "central 1 - significance range of the cross term when the subspaces are orthogonal",
+    "cross_term_p": "p-value of 'the subspaces are orthogonal' from the cross term (draws around orthogonal subspaces)",
+}

@@ -35,7 +35,7 @@ def extracted(tmp_path_factory):
 def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
     out = tmp_path / "results.zarr"
     analyze(extracted, out, only=["norms", "subspaces", "spheres", "neighbours"],
-            options={"factors": FACTORS, "n_bootstrap": 20})
+            options={"factors": FACTORS})
     results = open_results(out)
     dataset = open_for_analysis(extracted)
     valid = dataset["valid"].values
@@ -65,11 +65,20 @@ def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
     assert subspaces["n_classes"].sel(factor="digit_value[role=digit]").item() == 10
 
     spheres = results["spheres"]
-    cross_mean = np.triu(np.nan_to_num(spheres["cross_term_mean"].values)).sum(axis=(1, 2))
-    # |x|^2 = sum of the parts' |x_part|^2 plus the cross terms, exactly, on average too
-    np.testing.assert_allclose(spheres["norm_sq_mean"].values,
-                               spheres["part_norm_sq_mean"].sum("part").values + 2 * cross_mean, rtol=1e-6)
-    assert np.all(spheres["deviation"].values > 0)
+    layer = 1  # the joint fit by brute force: role intercepts and every factor's one-hot columns, least squares
+    effects, counts, mean = _joint_effects(dataset, counted, layer, "digit_value", "digit")
+    rank = int(subspaces["subspace_rank"].sel(layer=layer, factor=FACTORS[0]))
+    weighted = np.sqrt(counts)[:, None] * effects
+    expected_basis = np.linalg.svd(weighted, full_matrices=False)[2][:rank].T
+    found_basis = subspaces["basis"].sel(layer=layer, factor=FACTORS[0]).values[:, :rank]
+    assert np.degrees(subspace_angles(expected_basis, found_basis)).max() < 1e-3
+    radii = np.linalg.norm((mean + effects) @ found_basis, axis=1)
+    found = spheres["class_radius"].sel(layer=layer, factor=FACTORS[0]).values[:10]
+    np.testing.assert_allclose(found, radii, rtol=0.02)  # less each class effect's noise variance
+    assert np.all(found <= radii + 1e-6 * radii.max())
+    assert spheres["sphere"].values.size and set(spheres["sphere"].values.ravel()) <= {"on sphere", "off sphere", "undetermined", "no structure"}
+    xr_min = spheres["min_angle"].values
+    np.testing.assert_allclose(xr_min, subspaces["min_angle"].values, equal_nan=True)
 
     pre, post = dataset["resid_pre"].values, dataset["resid_post"].values
     cosine = np.einsum("slpd,slpd->slp", pre, post) / (np.linalg.norm(pre, axis=-1) * np.linalg.norm(post, axis=-1))
@@ -95,3 +104,27 @@ def test_attention_recomputed_from_stored_q_k_is_the_models_own(extracted):
     assert from_pattern.attrs["attention_source"] == "stored pattern"
     assert from_q_k.attrs["attention_source"] == "recomputed from q, k"
     np.testing.assert_allclose(from_q_k["band"].values, from_pattern["band"].values, rtol=1e-4)
+
+
+def _joint_effects(dataset, counted, layer: int, label: str, role: str):
+    """Centred effects (class, d) of `label`[role=...] from one least-squares fit of every factor of FACTORS
+    with one intercept per (pattern, role), its class counts and the mean of its tokens."""
+    x = dataset["resid_pre"].sel(layer=layer).values.astype("float64")[counted]
+    roles = np.array(dataset["role"].values[counted].tolist())
+    digit = roles == role
+    columns = {"cell": np.where(digit, "digit", np.char.add("other:", roles))}
+    for name in ("digit_value", "operand"):
+        columns[name] = np.where(digit, np.array(dataset[name].values[counted].tolist()).astype(str), "")
+    columns["pos"] = np.broadcast_to(dataset["pos"].values, counted.shape)[counted].astype(str)
+    blocks = []
+    for name, values in columns.items():
+        classes = np.unique(values[values != ""])
+        blocks.append((values[:, None] == classes[None]).astype(float))
+    design = np.hstack(blocks)
+    theta = np.linalg.pinv(design) @ x
+    sizes = np.cumsum([0] + [block.shape[1] for block in blocks])
+    factor = list(columns).index(label)
+    raw = theta[sizes[factor]: sizes[factor + 1]]
+    counts = blocks[factor].sum(axis=0)
+    effects = raw - counts @ raw / counts.sum()
+    return effects, counts, x[digit].mean(axis=0)

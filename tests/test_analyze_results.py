@@ -51,7 +51,7 @@ def test_results_round_trip_with_provenance_and_options(store, tmp_path):
 def test_writing_again_replaces_only_the_groups_just_computed(store):
     out = f"memory://results-{uuid.uuid4().hex}"
     analyze(store, out, only=["neighbours"], options={"layers": [0]})
-    analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "n_bootstrap": 10})
+    analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"]})
     merged = open_results(out)
     assert merged.attrs["analyses"] == ["subspaces", "neighbours"]
     assert merged["subspaces"].attrs["classes"]["alpha"] == ["c0", "c1", "c2", "c3", "c4"]
@@ -93,12 +93,13 @@ def test_the_analyze_verb(store, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["analyze", store, "--out", out, "--only", "subspaces,spheres",
                                   "--factor", "alpha", "--factor", "beta", "--layers", "0",
-                                  "--bootstrap", "20", "--option", "spheres.mass=0.8"])
+                                  "--bootstrap", "300", "--option", "radius_cv_tolerance=0.2"])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"wrote /subspaces, /spheres to {out}"
     written = open_results(out)
-    assert written["spheres"].attrs["options"]["mass"] == 0.8 and written["spheres"].attrs["bases"] == "from the subspaces results"
-    assert written["subspaces"].attrs["n_bootstrap"] == 20
+    assert written["spheres"].attrs["options"]["radius_cv_tolerance"] == 0.2
+    assert written["spheres"].attrs["subspaces"] == "from the subspaces results"
+    assert written["subspaces"].attrs["n_bootstrap"] == 300
     failed = runner.invoke(main, ["analyze", store, "--out", out, "--only", "norms", "--sites", "v"])
     assert failed.exit_code == 1 and failed.output.startswith("Error: store ") and "no site 'v'" in failed.output
 
@@ -107,7 +108,7 @@ def test_the_analyze_verb(store, tmp_path):
 def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     out = str(tmp_path / "cluster.zarr")
     result = CliRunner().invoke(main, ["--workers", "1", "analyze", store, "--out", out, "--only", "norms,subspaces",
-                                       "--factor", "alpha", "--bootstrap", "10", "--sites", "resid_pre,k"])
+                                       "--factor", "alpha", "--sites", "resid_pre,k"])
     assert result.exit_code == 0, result.output
     local = analyze(store, only=["norms"], options={"sites": ["resid_pre", "k"]})
     np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)
@@ -128,7 +129,7 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
 
     monkeypatch.setattr("orthosphere.analyze.results.commit_metadata", kill)  # new group written, not yet listed
     with pytest.raises(Killed):
-        analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "n_bootstrap": 0})
+        analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "rank": 1, "n_bootstrap": 0})
     after = open_results(out).load()
     assert set(after.children) == {"norms", "neighbours"} and after.attrs["analyses"] == ["norms", "neighbours"]
     xr.testing.assert_identical(after["neighbours"].to_dataset(), before["neighbours"].to_dataset())
@@ -142,7 +143,7 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
     xr.testing.assert_identical(after["norms/resid_pre"].to_dataset(), before["norms/resid_pre"].to_dataset())
 
     monkeypatch.undo()
-    analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "n_bootstrap": 0})
+    analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "rank": 1, "n_bootstrap": 0})
     assert set(open_results(out).children) == {"norms", "subspaces"}
     assert sorted(path.name for path in out.iterdir()) == ["norms", "subspaces", "zarr.json"]
 
@@ -166,7 +167,7 @@ def chunk_reads(monkeypatch):
 def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
     dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples, one zarr chunk each
     n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])
-    options = {"factors": ["alpha", "beta"], "n_bootstrap": 5, "n_null": 5}
+    options = {"factors": ["alpha", "beta"]}
     replay = {"replay.targets": ["q", "k"], "replay.n_draws": 2, "replay.n_bootstrap": 10}
     run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
     assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
@@ -181,20 +182,20 @@ def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
     for name in ("subspaces", "neighbours"):
         run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
     assert chunk_reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
-    chunk_reads.clear()  # the spheres read their site once more, projecting onto the fitted bases
+    chunk_reads.clear()  # the spheres read the fit of the subspaces: no pass of their own
     run_analyses(dataset, only=["subspaces", "spheres"], options=options)
-    assert chunk_reads == Counter({"resid_pre": 2 * n_chunks})
+    assert chunk_reads == Counter({"resid_pre": n_chunks})
 
 
 def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatch):
     monkeypatch.setattr("orthosphere.analyze.plan.LOG_EVERY_SECONDS", 0.0)
     with caplog.at_level(logging.INFO, logger="orthosphere.analyze"):
-        analyze(store, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "n_bootstrap": 5})
+        analyze(store, only=["subspaces", "neighbours"], options={"factors": ["alpha", "beta"]})
     messages = [record.getMessage() for record in caplog.records]
-    assert "analyze pass 1 (subspaces): started" in messages and "analyze pass 2 (spheres): started" in messages
-    progress = [m for m in messages if m.startswith("analyze pass 1 (subspaces):") and "% of" in m]
+    assert "analyze pass 1 (subspaces, neighbours): started" in messages
+    progress = [m for m in messages if m.startswith("analyze pass 1 (subspaces, neighbours):") and "% of" in m]
     assert progress and all(" s left" in m for m in progress)
-    assert any(m.startswith("analyze pass 2 (spheres): done in") for m in messages)
+    assert any(m.startswith("analyze pass 1 (subspaces, neighbours): done in") for m in messages)
 
 
 @pytest.mark.slow
@@ -202,7 +203,7 @@ def test_the_report_tabulates_label_association_beside_the_angles_and_their_null
     from orthosphere.workflows.report import figure_association, load_runs
 
     out = tmp_path / "results.zarr"
-    tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "n_bootstrap": 10})
+    tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "rank": 2})
     figure = figure_association(load_runs([out]))
     cells = [cell.get_text().get_text() for cell in figure.axes[0].tables[0].get_celld().values()]
     subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")

@@ -1,4 +1,5 @@
-"""Sphere structure on planted orthogonal spheres, planted radius spread and planted cross-talk."""
+"""Sphere structure on planted class points: on orthogonal spheres, with their radii spread, and with
+the two subspaces at 60 degrees (cross terms)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,97 +13,106 @@ from orthosphere.analyze import (
     open_for_analysis,
     sphere_structure,
 )
-from tests.synthetic import PlantedFactor, plane, plant_factors, weighted_band, write_store
+from tests.synthetic import circle, crossed_design, plane, write_store
 
 D_MODEL = 12
-N_SAMPLES, N_POS, N_LEVELS = 200, 21, 50  # 4000 tokens: 5 x 4 classes x 50 levels, twice
+N_SAMPLES, N_POS = 240, 21  # 4800 tokens: 6 x 4 classes, 200 of each pair
+RADII = {"alpha": 2.0, "beta": 1.0}
+SPREAD = 0.4
 
 
-def planted_layers(url, layers):
-    """A store whose layer l holds the factors layers[l] (list of PlantedFactor), no noise."""
-    xs, components = [], []
-    for factors in layers:
-        x, labels, parts = plant_factors(N_SAMPLES, N_POS, factors, n_levels=N_LEVELS)
-        xs.append(x)
-        components.append(parts)
-    write_store(url, {"resid_pre": np.stack(xs, axis=1).astype("float32")}, labels=labels, samples_per_chunk=64)
-    return components
+def alpha_radii(spread: float) -> np.ndarray:
+    """alpha's six class radii: 2 (1 +- spread), alternately."""
+    return RADII["alpha"] * (1 + spread * np.where(np.arange(6) % 2 == 0, 1.0, -1.0))
+
+
+def planted(url, noise: float = 0.05):
+    """Layer 0: alpha (6 classes) and beta (4) on circles of radius 2 and 1 in orthogonal planes.
+    Layer 1: alpha's radii spread +-40 % over its classes. Layer 2: beta's plane at 60 degrees to alpha's."""
+    a, b = crossed_design(N_SAMPLES, N_POS, [6, 4])
+    rng = np.random.default_rng(0)
+    layers = []
+    for spread, tilt in ((0.0, 0.0), (SPREAD, 0.0), (0.0, 60.0)):
+        points_a = alpha_radii(spread)[:, None] * circle(6) @ plane(D_MODEL, (0, 1)).T
+        points_b = RADII["beta"] * circle(4) @ plane(D_MODEL, (2, 3) if tilt == 0 else (0, 1), tilt, (2, 3)).T
+        x = points_a[np.maximum(a, 0)] + points_b[np.maximum(b, 0)] + noise * rng.normal(size=a.shape + (D_MODEL,))
+        x[:, 0] = 0.0
+        x[:, 0, -1] = 30.0
+        layers.append(x)
+    labels = {"alpha": np.where(a >= 0, a, -1).astype("int16"), "beta": np.where(b >= 0, b, -1).astype("int16")}
+    for label in labels.values():
+        label[:, 0] = np.iinfo("int16").min
+    write_store(url, {"resid_pre": np.stack(layers, axis=1).astype("float32")}, labels=labels, samples_per_chunk=60)
+    return labels
 
 
 @pytest.fixture(scope="module")
 def spheres(tmp_path_factory):
-    """Layer 0: perfect orthogonal spheres (radii 2 and 1). Layer 1: the same planes, radii spread
-    with CV 0.1 and 0.05. Layer 2: beta's plane at 60 degrees to alpha's (cross-talk), alpha's radius
-    spread with CV 0.1."""
     url = tmp_path_factory.mktemp("spheres") / "store.zarr"
-    alpha, beta = plane(D_MODEL, (0, 1)), plane(D_MODEL, (2, 3))
-    components = planted_layers(url, [
-        [PlantedFactor("alpha", 5, alpha, 2.0), PlantedFactor("beta", 4, beta, 1.0)],
-        [PlantedFactor("alpha", 5, alpha, 2.0, radius_cv=0.1), PlantedFactor("beta", 4, beta, 1.0, radius_cv=0.05)],
-        [PlantedFactor("alpha", 5, alpha, 2.0, radius_cv=0.1),
-         PlantedFactor("beta", 4, plane(D_MODEL, (0, 1), 60.0, (2, 3)), 1.0)],
-    ])
+    planted(url)
     dataset = open_for_analysis(url)
-    return dataset, sphere_structure(dataset, factors=["alpha", "beta"]), components
+    return dataset, sphere_structure(dataset, factors=["alpha", "beta"])
 
 
-@pytest.mark.slow
-def test_orthogonal_spheres_have_zero_deviation_and_exact_fits(spheres):
-    _, result, _ = spheres
+def test_orthogonal_spheres_read_on_spheres(spheres):
+    _, result = spheres
     layer = result.sel(layer=0)
-    assert layer["deviation"].item() < 1e-5
-    np.testing.assert_allclose(layer["radius_mean"], [2.0, 1.0], rtol=1e-5)
-    np.testing.assert_allclose(layer["radius_cv"], 0.0, atol=1e-5)
-    np.testing.assert_allclose(layer["sphere_radius"], [2.0, 1.0], rtol=1e-5)
-    np.testing.assert_allclose(layer["centre_offset"], 0.0, atol=1e-5)
-    np.testing.assert_allclose(layer["fit_residual"], 0.0, atol=1e-4)
-    np.testing.assert_allclose(layer["band"], 0.0, atol=0.003)
-    np.testing.assert_allclose(layer["cross_term_rms"].sel(factor="alpha", other="beta"), 0.0, atol=1e-5)
-    assert result["n_tokens"].item() == N_SAMPLES * (N_POS - 1)
+    assert layer["sphere"].values.tolist() == ["on sphere", "on sphere"]
+    np.testing.assert_allclose(layer["radius_mean"], [2.0, 1.0], rtol=1e-3)
+    np.testing.assert_allclose(layer["radius_cv"], 0.0, atol=2e-3)
+    assert np.all(layer["radius_cv_ci"].sel(bound="high").values < result.attrs["radius_cv_tolerance"])
+    np.testing.assert_allclose(layer["class_radius"].sel(factor="alpha").values, 2.0, rtol=5e-3)
+    pair = layer.sel(factor="alpha", other="beta")
+    assert pair["cross_term"].item() < 0.01 and pair["cross_term_p"].item() > 0.05
+    assert pair["min_angle"].item() > 89.0 and pair["relation"].item() == "orthogonal"
 
 
-def test_planted_radius_spread_is_recovered(spheres):
-    _, result, components = spheres
+def test_radii_spread_over_classes_read_off_sphere_with_their_spread(spheres):
+    _, result = spheres
     layer = result.sel(layer=1)
-    np.testing.assert_allclose(layer["radius_cv"], [0.1, 0.05], rtol=1e-3)
-    for name in ("alpha", "beta"):
-        radii = np.linalg.norm(components[1][name][:, 1:], axis=-1)
-        expected = weighted_band(radii, np.ones_like(radii))
-        assert layer["band"].sel(factor=name).item() == pytest.approx(expected, abs=0.01)
-    # still orthogonal: all of the deviation is radius variation
-    assert layer["cross_term_share"].item() < 1e-8
-    np.testing.assert_allclose(layer["radius_share"].sel(part="rest"), 0.0, atol=1e-8)
-    assert layer["deviation"].item() > 0.05
+    assert layer["sphere"].values.tolist() == ["off sphere", "on sphere"]
+    np.testing.assert_allclose(layer["radius_cv"].sel(factor="alpha"), SPREAD, atol=0.005)  # classes equally frequent
+    low, high = layer["radius_cv_ci"].sel(factor="alpha").values
+    assert low <= SPREAD <= high and high - low < 0.05
+    np.testing.assert_allclose(layer["class_radius"].sel(factor="alpha").values[:6], alpha_radii(SPREAD), rtol=5e-3)
+    assert layer["sphere_null_p"].sel(factor="alpha").item() <= 0.01
 
 
-def test_planted_cross_talk_gives_the_planted_cross_term_share(spheres):
-    _, result, components = spheres
-    alpha, beta = (components[2][name][:, 1:].reshape(-1, D_MODEL) for name in ("alpha", "beta"))
-    cross = 2 * np.einsum("nd,nd->n", alpha, beta)
-    radius_variance = np.var(np.einsum("nd,nd->n", alpha, alpha)) + np.var(np.einsum("nd,nd->n", beta, beta))
-    share = np.mean(cross**2) / (radius_variance + np.mean(cross**2))
-    layer = result.sel(layer=2)
-    assert 0.1 < share < 0.9
-    assert layer["cross_term_share"].item() == pytest.approx(share, abs=0.01)
-    assert layer["cross_term_rms"].sel(factor="alpha", other="beta").item() == pytest.approx(
-        np.sqrt(np.mean((cross / 2) ** 2)), rel=0.01)
-    np.testing.assert_allclose(layer["radius_cv"], [0.1, 0.0], atol=0.01)
+def test_subspaces_at_sixty_degrees_have_their_planted_cross_term(spheres):
+    _, result = spheres
+    pair = result.sel(layer=2, factor="alpha", other="beta")
+    # every pair of classes meets equally often: the rms of 2 cos(60) (a . b') over the circles' points,
+    # over sqrt(|a|^2 |b|^2) = 2 x 1: cos(60) times the rms cosine between two independent circle points
+    cosines = circle(6) @ circle(4).T
+    expected = np.cos(np.radians(60.0)) * np.sqrt(np.mean(cosines**2))
+    assert pair["cross_term"].item() == pytest.approx(expected, abs=0.005)
+    low, high = pair["cross_term_ci"].values
+    assert low <= expected <= high and pair["cross_term_p"].item() <= 0.01
+    assert pair["min_angle"].item() == pytest.approx(60.0, abs=0.5)
+    assert result["sphere"].sel(layer=2).values.tolist() == ["on sphere", "on sphere"]
 
 
 @pytest.mark.slow
 def test_spheres_use_the_fitted_subspaces_they_are_given(spheres):
-    dataset, result, _ = spheres
-    tree = analyze(dataset.attrs["url"], only=["subspaces", "spheres"],
-                   options={"factors": ["alpha", "beta"], "n_bootstrap": 0, "layers": [1]})
-    assert tree["spheres"].attrs["bases"] == "from the subspaces results"
+    dataset, result = spheres
+    tree = analyze(dataset.attrs["url"], only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "layers": [1]})
+    assert tree["spheres"].attrs["subspaces"] == "from the subspaces results"
     np.testing.assert_allclose(tree["spheres"]["radius_cv"].values, result["radius_cv"].sel(layer=[1]).values, rtol=1e-6)
-    fitted = FactorSubspaces(factors=["alpha", "beta"], layers=[1], n_bootstrap=0, n_null=0, rank=1).fit(dataset)
+    fitted = FactorSubspaces(factors=["alpha", "beta"], layers=[1], rank=1).fit(dataset)
     given = sphere_structure(dataset, subspaces=fitted)
-    assert given.attrs["bases"] == "from the subspaces results"
+    assert given.attrs["subspaces"] == "from the subspaces results"
     assert given["subspace_rank"].values.tolist() == [[1, 1]] and given["layer"].values.tolist() == [1]
     with pytest.raises(AnalysisError, match=r"fitted otherwise than they were asked for \(rank: asked 2, fitted 1\)"):
         sphere_structure(dataset, subspaces=fitted, rank=2)
     with pytest.raises(AnalysisError, match="spheres take fitted subspaces"):
         sphere_structure(dataset, subspaces=FactorSubspaces())
     with pytest.raises(AnalysisError, match="spheres take fitted subspaces .*got Dataset"):
-        sphere_structure(dataset, subspaces=factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=0))
+        sphere_structure(dataset, subspaces=factor_subspaces(dataset, factors=["alpha", "beta"], layers=[1]))
+
+
+def test_without_noise_draws_the_spheres_hold_their_point_estimates(spheres):
+    dataset, _ = spheres
+    result = sphere_structure(dataset, factors=["alpha", "beta"], layers=[1], rank=2, n_bootstrap=0)
+    assert result["sphere"].values.tolist() == [["", ""]]
+    np.testing.assert_allclose(result["radius_cv"].sel(factor="alpha"), SPREAD, atol=0.005)
+    assert np.isnan(result["radius_cv_ci"].values).all()

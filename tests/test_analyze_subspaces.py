@@ -39,7 +39,7 @@ def planted_angle_store(url, *, noise=0.05, n_samples=300, n_pos=21):
 def planted(tmp_path_factory):
     url = planted_angle_store(tmp_path_factory.mktemp("angles") / "store.zarr")
     dataset = open_for_analysis(url)
-    return dataset, factor_subspaces(dataset, factors=["alpha", "beta"], n_bootstrap=100, seed=3)
+    return dataset, factor_subspaces(dataset, factors=["alpha", "beta"], seed=3)
 
 
 @pytest.mark.slow
@@ -52,17 +52,25 @@ def test_planted_principal_angles_are_recovered_within_one_degree(planted):
     assert result["subspace_rank"].values.tolist() == [[2, 2]] * 4
 
 
-def test_bootstrap_intervals_bracket_the_planted_angles_and_the_relation_is_named(planted):
+def test_intervals_bracket_the_planted_angles_and_the_relation_is_named(planted):
+    """Little noise: narrow intervals around the planted angles, and each relation shown."""
     _, result = planted
-    interval = result["min_angle_ci"].sel(factor="alpha", other="beta").values
+    pair = result.sel(factor="alpha", other="beta")
     planted_angles = np.array(PLANTED_ANGLES)
-    assert np.all(interval[:, 0] <= planted_angles + 0.5) and np.all(interval[:, 1] >= planted_angles - 0.5)
-    assert np.all(interval[:, 1] - interval[:, 0] < 1.0)
-    relation = result["relation"].sel(factor="alpha", other="beta").values.tolist()
-    assert relation == ["dependent", "independent", "independent", "orthogonal"]
+    for name in ("min_angle_ci", "max_angle_ci"):
+        low, high = pair[name].values.T
+        assert np.all(low <= planted_angles + 0.5) and np.all(high >= planted_angles - 0.5), name
+        assert np.all(high - low < 2.0), name
+    np.testing.assert_allclose(pair["min_angle_estimate"].values, planted_angles, atol=1.0)
+    assert pair["relation"].values.tolist() == ["dependent", "independent", "independent", "orthogonal"]
+    claims = dict(zip(pair["claim"].values, pair["claim_q"].values.T))
+    assert claims["dependent"][0] <= 0.05 and claims["orthogonal"][3] <= 0.05 and np.all(claims["independent"][1:3] <= 0.05)
     assert result["relation"].sel(factor="alpha", other="alpha").values.tolist() == [""] * 4
     np.testing.assert_allclose(result["overlap"].sel(factor="alpha", other="beta").values,
                                np.cos(np.radians(planted_angles)) ** 2, atol=0.01)
+    assert np.all(result["structure_q"].values <= 1e-3)
+    # each factor's singular values stand far above the noise's at the steps that found them
+    assert np.all(result["singular_value"].isel(component=slice(0, 2)) > 10 * result["noise_singular_value"].isel(component=slice(0, 2)))
 
 
 def test_explained_variance_rank_and_between_fraction(planted):
@@ -96,21 +104,22 @@ def test_fixed_rank_and_restricted_factors(planted):
     # alpha's classes c0, c3 occur only where beta applies too, and c1, c2, c4 only where it does not:
     # jointly, their contrast is confounded with the difference between those kinds of tokens
     with pytest.raises(AnalysisError, match="cannot separate factors"):
-        factor_subspaces(dataset, factors=restricted, n_bootstrap=0, layers=[3])
+        factor_subspaces(dataset, factors=restricted, rank=1, n_bootstrap=0, layers=[3])
     result = factor_subspaces(dataset, factors=restricted, estimator="marginal", rank=1, n_bootstrap=0,
                               n_null=0, layers=[3])
     assert result["subspace_rank"].values.tolist() == [[1, 1]]
     assert result["n_tokens"].sel(factor="alpha[beta=0|1]").item() == 300 * 20 // 2
     assert result["n_tokens"].sel(factor="beta[alpha=c0|c3]").item() == 300 * 20 * 2 // 5
-    assert np.isnan(result["angles_ci"].values).all() and np.isnan(result["structure_p"].values).all()
+    assert np.isnan(result["min_angle_ci"].values).all() and np.isnan(result["structure_p"].values).all()
+    assert result["relation"].values.ravel().tolist() == [""] * 4
     assert result["shared_tokens"].sel(factor="alpha[beta=0|1]", other="beta[alpha=c0|c3]").item() == 300 * 20 * 2 * 2 // 20
 
 
 def test_the_position_determines_the_crossed_labels_so_only_the_marginal_fit_reads_all_three(planted):
     dataset, _ = planted  # the crossed design cycles alpha and beta with the position
     with pytest.raises(AnalysisError, match=r"cannot separate factors \['alpha', 'beta', 'pos'\]"):
-        factor_subspaces(dataset, factors=["alpha", "beta", "pos"], n_bootstrap=0, layers=[3])
-    result = factor_subspaces(dataset, factors=["alpha", "beta", "pos"], estimator="marginal", n_bootstrap=0,
+        factor_subspaces(dataset, factors=["alpha", "beta", "pos"], rank=1, n_bootstrap=0, layers=[3])
+    result = factor_subspaces(dataset, factors=["alpha", "beta", "pos"], estimator="marginal", rank=1, n_bootstrap=0,
                               n_null=0, layers=[3])
     assert result["n_classes"].sel(factor="pos").item() == 20
     assert result.attrs["estimator"] == "marginal" and np.isnan(result["condition_number"].item())
@@ -121,7 +130,7 @@ def test_the_position_determines_the_crossed_labels_so_only_the_marginal_fit_rea
 
 def test_a_balanced_design_gives_the_same_answers_either_way(planted):
     dataset, joint = planted
-    marginal = factor_subspaces(dataset, factors=["alpha", "beta"], estimator="marginal", n_bootstrap=100, seed=3)
+    marginal = factor_subspaces(dataset, factors=["alpha", "beta"], estimator="marginal", seed=3)
     for name in ("angles", "subspace_rank", "singular_value", "between_fraction"):
         np.testing.assert_allclose(joint[name].values, marginal[name].values, rtol=1e-6, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(joint["variance_inflation"].values, 1.0, rtol=1e-9)
@@ -156,8 +165,8 @@ def test_minus_one_is_a_class_and_only_the_stored_not_applicable_value_is_missin
     resid = np.random.default_rng(0).normal(size=(4, 1, 6, 8)).astype("float32")
     dataset = open_for_analysis(write_store(tmp_path / "s.zarr", {"resid_pre": resid}, labels={"carry": carry}))
     assert dataset["carry"].attrs["not_applicable"] == MISSING
-    classes, _ = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
-    np.testing.assert_array_equal(classes["carry"].values, [-1, 0, 1])
+    found = discover_classes(dataset, [Factor("carry")], token_mask(dataset, exclude_start=False))
+    np.testing.assert_array_equal(found.classes["carry"].values, [-1, 0, 1])
 
 
 def test_text_stores_default_to_token_identity_and_position(tmp_path):
@@ -168,7 +177,7 @@ def test_text_stores_default_to_token_identity_and_position(tmp_path):
               "position": np.broadcast_to(np.arange(n_pos, dtype="int16"), (n_samples, n_pos)).copy()}
     resid = rng.normal(size=(n_samples, 1, n_pos, 8)).astype("float32")
     dataset = open_for_analysis(write_store(tmp_path / "text.zarr", {"resid_pre": resid}, labels=labels))
-    result = factor_subspaces(dataset, max_classes=16, n_bootstrap=0, n_null=0)
+    result = factor_subspaces(dataset, max_classes=16, rank=1, n_bootstrap=0, n_null=0)
     assert result["factor"].values.tolist() == ["token_str", "pos"]  # not `position`, which restates pos
     assert result["n_classes"].values.tolist() == [16, n_pos - 1]
     assert result["pooled_classes"].sel(factor="token_str").item() == len(np.unique(token[:, 1:])) - 15

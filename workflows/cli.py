@@ -177,10 +177,14 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.option("--site", default=None, help="subspaces, spheres, neighbours: the residual site (default resid_pre).")
 @click.option("--factor", "factors", multiple=True, metavar="SPEC",
               help="A factor, LABEL or LABEL[KEY=V1|V2] (repeat; default: the task's factors, else every label and pos).")
-@click.option("--rank", type=int, default=None, help="Fixed rank of every factor subspace.")
-@click.option("--rank-threshold", type=float, default=None, help="Share of between-class variance the rank holds (0.95).")
-@click.option("--bootstrap", "n_bootstrap", type=int, default=None, help="Bootstrap replicates.")
-@click.option("--seed", type=int, default=None, help="Seed of the bootstrap (and of the replay's noise).")
+@click.option("--rank", type=int, default=None,
+              help="Fixed rank of every factor subspace (default: the directions that stand above noise).")
+@click.option("--intercepts", default=None, metavar="LABEL",
+              help="subspaces, spheres: the label whose classes get their own intercepts (default: role when "
+                   "stored), or none.")
+@click.option("--bootstrap", "n_bootstrap", type=int, default=None,
+              help="subspaces, spheres: noise draws of the ranks, intervals and claims (200).")
+@click.option("--seed", type=int, default=None, help="Seed of the noise draws (and of the replay's noise).")
 @click.option("--uniform", is_flag=True, help="norms: weight tokens uniformly, not by the attention they receive.")
 @click.option("--include-start", is_flag=True, help="Keep each sequence's start token.")
 @click.option("--option", "extra", multiple=True, metavar="KEY=VALUE",
@@ -192,7 +196,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.option("--online-samples", type=int, default=None, help="Samples the online check runs (default: all).")
 @model_options(with_dtype=False)
 @click.pass_context
-def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, rank_threshold, n_bootstrap, seed,
+def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, intercepts, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
     from orthosphere.analyze.options import parse_assignment
@@ -202,7 +206,7 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, r
     options = {
         "layers": None if layers is None else list(layers),
         "sites": None if sites is None else sites.split(","),
-        "site": site, "factors": list(factors) or None, "rank": rank, "rank_threshold": rank_threshold,
+        "site": site, "factors": list(factors) or None, "rank": rank, "intercepts": intercepts,
         "n_bootstrap": n_bootstrap, "seed": seed,
         "weight_by_attention": False if uniform else None, "exclude_start": False if include_start else None,
     }

@@ -1,0 +1,382 @@
+"""Inference on factor subspaces: what a layer's fitted effects say once their noise is accounted for.
+
+Every statistic here is judged against the noise of the fit itself. A factor's fitted effects
+W = sqrt(n_c) E[c] (class x d, ``design.FactorEffects``) are its true effects plus noise, and the
+corrected influences I_g of the groups of samples stand for that noise: a *noise draw* is
+N = sum_g s_g I_g with random signs s_g (a wild cluster bootstrap; the CR2 correction of the
+influences makes its second moments those of the noise). One set of signs serves every factor of a
+layer, so that the draws keep the correlation of factors read on the same tokens.
+
+- **Structure** (is there anything but noise?): the statistic is |W|^2 (the count-weighted
+  between-class variance); its null is |N|^2 = s' Gamma s with Gamma_gh = <I_g, I_h>, so the
+  ``n_null`` draws cost G^2 each and p-values can be small enough for a false-discovery correction.
+- **Rank** (how many directions stand above noise?): deflated parallel analysis (Horn 1965;
+  Dobriban & Owen 2019). Step k compares the (k+1)-th singular value of W with the (1 - rank_significance)
+  quantile of the largest singular value of the noise draws with W's k leading directions (left
+  and right) projected out; the rank is the first step whose singular value does not stand above.
+- **Draws of subspaces around a truth**: a truth T (class x d, in the span Y of the fitted bases)
+  plus a noise draw, and the leading subspace of T + N re-estimated as the fit estimates it. Only
+  Gram matrices are needed: (T + N)(T + N)' = AA' + A(NY)' + (NY)A' + NN' with A = TY, so each draw
+  costs its noise's Gram matrices once, and each truth a (class x class) eigen-decomposition.
+- **Truths** to draw around: the fitted effects with each leading singular value shrunk to what
+  it would be without the noise (``denoised``), so that draws around them are as noisy as the fit.
+- **Angles**: noise biases principal angles (towards 90 degrees for the noise it adds to each
+  direction, towards 0 when it tilts the two estimates together, and each sorted angle by the
+  others near it), so the intervals of the smallest and the largest angle come from inverting
+  draws (Neyman's construction): the denoised effects are turned (``boundary_turns``) to truths
+  whose principal angles are those of a *least favourable* family, and the bound is the truth at
+  which the draws' (1 + confidence) / 2 or (1 - confidence) / 2 quantile reaches the measured angle
+  (found by a few secant steps from the basic bootstrap interval: ``FamilySearch``). The families (``least_favourable``) are the configurations
+  that push the drawn angle furthest the way the bound needs, so the interval covers whatever
+  the other angles are (exactly when the subspaces meet in one angle, conservatively on one side
+  otherwise). The estimate is the mean of the two families' median-unbiased truths.
+- **Claims** about a pair, tested on the smallest angle at the least favourable configuration of
+  their nulls' boundaries: "orthogonal" (every angle within ``orthogonality_deg`` of 90: H0 smallest
+  <= 90 - tol, drawn at (90 - tol, 90, ...)), "dependent" (a shared direction: H0 smallest >=
+  ``independence_deg``, drawn at (tol, tol, ...)), "independent" (neither: both smallest >= 90 - tol,
+  drawn at (90 - tol, ...), and smallest <= independence_deg, drawn at (tol, 90, ...), rejected; the
+  larger p-value of the two).
+  Each p-value is the add-one share of draws at the boundary at least as extreme as the measurement
+  (below TAIL_DRAWS of them, a normal tail: ``tail_p``); ``subspaces`` controls the false-discovery
+  rate over every claim of a run (Benjamini-Hochberg).
+- **Spheres** (Theorem 2 of the paper: every component of constant norm): a factor's class points
+  are the projections U'(mean + E[c]) of its class means onto its fitted subspace (class means hold
+  little within-class noise; what they hold, each class effect's noise in the subspace, is taken from
+  their radii squared). Their radius spread (coefficient of variation over classes, token-weighted)
+  is inverted like the angles, over truths whose radii are spread t times as much (t = 0: a
+  perfect sphere), with claims "on sphere" (H0 cv >= ``radius_cv_tolerance``) and "off sphere"
+  (H0 cv <= tolerance). The **cross term** of two factors, the mean over their shared tokens of
+  x_a . x_b between the class points of their components over the root of their mean squares (0
+  for orthogonal subspaces), has an interval from the draws around the fit (basic bootstrap) and a
+  null from draws around orthogonal subspaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import norm
+
+from .design import FactorEffects, NoiseTraces
+from .geometry import column_space
+
+DRAW_BATCH = 32
+"""Noise draws are made this many at a time (each batch: draws x classes x d in float32)."""
+ANGLE_TOLERANCE = 0.25
+"""Degrees within which a bound of an angle is settled (``FamilySearch``)."""
+CV_TOLERANCE = 0.002
+"""Within this a bound of a radius spread is settled (``FamilySearch``)."""
+NUMERICAL_ZERO = 1e-6
+"""Singular values below this share of the largest are rounding, whatever the noise (noiseless data)."""
+TAIL_DRAWS = 5
+"""Below this many draws as extreme as a measurement, its p-value comes from a normal tail (``tail_p``)."""
+CLAIMS = ("orthogonal", "dependent", "independent")
+SPHERE_CLAIMS = ("on", "off")
+
+
+def rademacher(rng: np.random.Generator, n: int, n_groups: int) -> np.ndarray:
+    """(n, groups) random signs."""
+    return rng.choice([-1.0, 1.0], size=(n, n_groups)) if n else np.zeros((0, n_groups))
+
+
+def add_one_share(extreme: np.ndarray) -> float:
+    """A Monte Carlo p-value: (1 + extreme draws) / (1 + draws)."""
+    return float((1 + np.count_nonzero(extreme)) / (1 + len(extreme)))
+
+
+def tail_p(draws: np.ndarray, measured: float, upper: bool) -> float:
+    """p-value of a measurement against draws of its null: the share of draws at least as extreme
+    (add-one) when TAIL_DRAWS or more are; beyond the draws' resolution, the tail of a normal
+    distribution with the draws' mean and standard deviation, never above that resolution (so that a
+    false-discovery correction over many tests can succeed without ever more draws)."""
+    extreme = draws >= measured if upper else draws <= measured
+    if np.count_nonzero(extreme) >= TAIL_DRAWS:
+        return add_one_share(extreme)
+    spread = np.std(draws)
+    z = (measured - np.mean(draws)) / spread if spread > 0 else (np.inf if measured != np.mean(draws) else 0.0)
+    return float(min(norm.sf(z if upper else -z), TAIL_DRAWS / (1 + len(draws))))
+
+
+def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
+    """Benjamini-Hochberg adjusted p-values of every finite entry together (NaN stays NaN)."""
+    p = np.asarray(p, float)
+    q = np.full(p.shape, np.nan)
+    finite = np.isfinite(p)
+    values = p[finite]
+    if values.size:
+        order = np.argsort(values)
+        ranked = values[order] * values.size / np.arange(1, values.size + 1)
+        adjusted = np.minimum.accumulate(ranked[::-1])[::-1]
+        out = np.empty_like(values)
+        out[order] = np.minimum(adjusted, 1.0)
+        q[finite] = out
+    return q
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure and rank.
+
+
+def structure_p(effects: FactorEffects, signs: np.ndarray, design: NoiseTraces) -> float:
+    """p-value of "the factor's labels carry no information": the share of noise draws whose
+    between-class variance reaches the fit's |W|^2 (add-one). A draw is |N|^2 = s' Gamma s with
+    Gamma_gh = <I_g, I_h>; its cross products Gamma_gh (g != h) lose what the correlation of the
+    groups' residuals puts into them (tau tr(M_gh), tau the noise variance that matches the diagonal:
+    true noises of different groups are independent), and its spread around the centre sum_g
+    Gamma_gg (itself an estimate of E|W|^2) grows to what the centre's own variance adds and the
+    groups' own noises (which sign flips cannot move) would have added (``design.noise_traces``)."""
+    flat = effects.influence.reshape(len(effects.influence), -1)
+    gram = flat @ flat.T
+    diagonal = np.diag(gram).copy()
+    scale = diagonal.sum() / np.trace(design.traces) if np.trace(design.traces) > 0 else 0.0
+    cross = gram - scale * design.traces
+    cross[np.diag_indices(len(cross))] = 0.0
+    spread = ((signs @ cross) * signs).sum(axis=1)
+    null = diagonal.sum() + np.sqrt((1 + design.centre_variance) / (1 - design.diagonal_share)) * spread
+    return add_one_share(null >= np.sum(effects.weighted**2))
+
+
+def noise_rank(weighted: np.ndarray, gram: np.ndarray, along: np.ndarray, significance: float,
+               limit: int) -> tuple[int, np.ndarray]:
+    """Deflated parallel analysis: the rank and, per step tested, the noise's singular value it was
+    compared with. gram: the draws' N N' (draws, k, k); along: N V (draws, k, p), V the right
+    singular vectors of `weighted` (at least `limit` of them)."""
+    left, singular, _ = np.linalg.svd(weighted, full_matrices=False)
+    thresholds = []
+    for step in range(limit):
+        kept = np.eye(len(left)) - left[:, :step] @ left[:, :step].T
+        rest = gram - along[..., :step] @ np.swapaxes(along[..., :step], -1, -2)
+        top = np.linalg.eigvalsh(kept @ rest @ kept)[:, -1]
+        thresholds.append(np.sqrt(max(np.quantile(top, 1 - significance), 0.0)))
+        if singular[step] <= max(thresholds[-1], NUMERICAL_ZERO * singular[0]):
+            return step, np.asarray(thresholds)
+    return limit, np.asarray(thresholds)
+
+
+# ---------------------------------------------------------------------------------------------
+# The noise draws of one layer, reduced to what every later use needs.
+
+
+@dataclass
+class NoiseParts:
+    """Per factor: its draws' Gram N N' (draws, k, k) and N times the columns of `columns` (draws, k, c);
+    per pair (a, b), a < b: N_a N_b' (draws, k_a, k_b)."""
+
+    gram: list[np.ndarray]
+    along: list[np.ndarray]
+    cross: dict
+
+
+def noise_parts(effects: list[FactorEffects], signs: np.ndarray, columns: np.ndarray, pairs) -> NoiseParts:
+    """The draws' Gram matrices and coordinates (``NoiseParts``), batch by batch."""
+    n = len(effects)
+    gram = [[] for _ in range(n)]
+    along = [[] for _ in range(n)]
+    cross = {pair: [] for pair in pairs}
+    columns32 = columns.astype("float32")
+    for start in range(0, len(signs), DRAW_BATCH):
+        batch = signs[start: start + DRAW_BATCH].astype("float32")
+        drawn = [np.tensordot(batch, factor.influence32, axes=(1, 0)) for factor in effects]
+        for a, noise in enumerate(drawn):
+            gram[a].append(np.matmul(noise, np.swapaxes(noise, -1, -2)).astype("float64"))
+            along[a].append((noise @ columns32).astype("float64"))
+        for a, b in pairs:
+            cross[a, b].append(np.matmul(drawn[a], np.swapaxes(drawn[b], -1, -2)).astype("float64"))
+    return NoiseParts([np.concatenate(g) for g in gram], [np.concatenate(x) for x in along],
+                      {pair: np.concatenate(c) for pair, c in cross.items()})
+
+
+@dataclass
+class Drawn:
+    """The leading subspaces of draws around one truth: eigenvectors (draws, k, r) and eigenvalues
+    (draws, r) of (T + N)(T + N)', and the truth's coordinates A = T Y and its noise's N Y."""
+
+    vectors: np.ndarray
+    values: np.ndarray
+    truth: np.ndarray
+    noise: np.ndarray
+
+    @property
+    def scaled(self) -> np.ndarray:
+        """V Lambda^(-1/2): the map from (T + N) to the coordinates of the drawn basis U*."""
+        return self.vectors / np.sqrt(self.values)[:, None, :]
+
+    def class_coordinates(self) -> np.ndarray:
+        """(draws, k, r) the rows of T + N in the drawn basis U*: V Lambda^(1/2)."""
+        return self.vectors * np.sqrt(self.values)[:, None, :]
+
+    def along(self, direction: np.ndarray, noise_along: np.ndarray) -> np.ndarray:
+        """(draws, r) U*' v for a vector v with Y-coordinates `direction` and N v = noise_along (draws, k)."""
+        rows = self.truth @ direction + noise_along  # (T + N) v
+        return np.einsum("nkr,nk->nr", self.scaled, rows)
+
+
+def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank: int) -> Drawn:
+    """The leading `rank` subspaces of the draws T + N around a truth with Y-coordinates `truth` (k, q),
+    from the draws' Gram N N' (draws, k, k) and N Y (draws, k, q)."""
+    mixed = truth @ np.swapaxes(noise, -1, -2)
+    total = truth @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + gram
+    values, vectors = np.linalg.eigh(total)
+    values = np.maximum(values[:, ::-1][:, :rank], np.finfo(float).tiny)
+    return Drawn(vectors[..., ::-1][..., :rank], values, truth, noise)
+
+
+def drawn_cosines(first: Drawn, second: Drawn, cross: np.ndarray) -> np.ndarray:
+    """(draws, r_a, r_b) U*_a' U*_b of two factors' draws, from N_a N_b' (draws, k_a, k_b)."""
+    mixed = first.truth @ np.swapaxes(second.noise, -1, -2) + first.noise @ second.truth.T
+    rows = first.truth @ second.truth.T + mixed + cross  # (T_a + N_a)(T_b + N_b)'
+    return np.swapaxes(first.scaled, -1, -2) @ rows @ second.scaled
+
+
+def cosine_angles(cosines: np.ndarray) -> np.ndarray:
+    """Principal angles (degrees, ascending) from matrices of cosines between orthonormal bases."""
+    values = np.clip(np.linalg.svd(cosines, compute_uv=False), 0.0, 1.0)
+    return np.degrees(np.arccos(values))
+
+
+# ---------------------------------------------------------------------------------------------
+# Truths: the fit's effects without the noise that inflates them, and turned.
+
+
+def denoised(weighted: np.ndarray, rank: int, gram: np.ndarray, along: np.ndarray) -> np.ndarray:
+    """The factor's effects (k, d) as a truth to draw around: their `rank` leading directions, each
+    singular value y shrunk to the s whose noisy version would read y. For a direction with left and
+    right singular vectors u, v and the noise's energies a = E|N v|^2 and b = E|N' u|^2 along them,
+    y^2 = (s^2 + a)(s^2 + b) / s^2 (Benaych-Georges & Nadakuditi 2012; with noise of variance s2 in
+    every entry, a = s2 k and b = s2 d), so s^2 = (y^2 - a - b + sqrt((y^2 - a - b)^2 - 4ab)) / 2.
+    gram: the draws' N N' (draws, k, k); along: N V (draws, k, p), V the right singular vectors."""
+    left, singular, right_t = np.linalg.svd(weighted, full_matrices=False)
+    left, singular, right_t = left[:, :rank], singular[:rank], right_t[:rank]
+    right_energy = np.mean(np.sum(along[..., :rank] ** 2, axis=1), axis=0)
+    left_energy = np.einsum("kr,kl,lr->r", left, gram.mean(axis=0), left)
+    excess = singular**2 - right_energy - left_energy
+    shrunk = (excess + np.sqrt(np.maximum(excess**2 - 4 * right_energy * left_energy, 0.0))) / 2
+    return (left * np.sqrt(np.maximum(shrunk, 0.0))) @ right_t
+
+
+def boundary_turns(first: np.ndarray, second: np.ndarray, basis_first: np.ndarray, basis_second: np.ndarray,
+                   target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of two effect matrices (k, d) turned so that the principal angles between the bases'
+    spans become `target` (degrees, one per angle, ascending): each pair of principal vectors p_i, q_i
+    is rotated symmetrically about its bisector, in its own plane (the planes of different pairs are
+    orthogonal), p_i's rotation applied to `first` and the opposite one to `second`."""
+    left, cosines, right_t = np.linalg.svd(basis_first.T @ basis_second)
+    m = len(cosines)
+    p, q = basis_first @ left[:, :m], basis_second @ right_t[:m].T
+    half_now = np.arccos(np.clip(cosines, 0.0, 1.0)) / 2
+    bisector, across = p + q, p - q
+    bisector /= np.linalg.norm(bisector, axis=0)
+    across /= np.maximum(np.linalg.norm(across, axis=0), np.finfo(float).tiny)
+    turn = np.radians(np.asarray(target)) / 2 - half_now
+    return _rotate(first, bisector, across, turn), _rotate(second, bisector, across, -turn)
+
+
+def _rotate(rows: np.ndarray, first_axis: np.ndarray, second_axis: np.ndarray, turn: np.ndarray) -> np.ndarray:
+    """Rows (k, d) rotated by `turn` (radians, one per plane) in the planes of orthonormal axes
+    (d, m), from the first axis towards the second."""
+    along, across = rows @ first_axis, rows @ second_axis
+    cos, sin = np.cos(turn) - 1, np.sin(turn)
+    return rows + (along * cos - across * sin) @ first_axis.T + (along * sin + across * cos) @ second_axis.T
+
+
+def least_favourable(family: str, value: float, m: int) -> np.ndarray:
+    """The m principal angles (ascending) of a family's truth at `value`: "smallest" (value, 90, ...),
+    under which the drawn smallest angle is largest; "equal" (value, ..., value), under which the
+    drawn smallest angle is smallest and the drawn largest largest; "largest" (0, ..., value),
+    under which the drawn largest angle is smallest."""
+    if family == "smallest":
+        return np.array([value] + [90.0] * (m - 1))
+    if family == "largest":
+        return np.array([0.0] * (m - 1) + [value])
+    return np.full(m, float(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inverting draws into estimates and intervals.
+
+
+class FamilySearch:
+    """Draws of a statistic around the truths of one-parameter families (``draw(family, value)`` ->
+    (draws, ...) array), each drawn once, and the truths at which their quantiles cross a measurement:
+    the bounds and medians of Neyman's construction, found by a few secant steps from a guess instead
+    of a whole grid of truths (each truth costs a set of draws)."""
+
+    def __init__(self, draw, low: float, high: float, tolerance: float):
+        self.draw, self.low, self.high, self.tolerance = draw, low, high, tolerance
+        self.cache: dict = {}
+
+    def at(self, family: str, value: float) -> np.ndarray:
+        key = (family, round(float(np.clip(value, self.low, self.high)), 6))
+        if key not in self.cache:
+            self.cache[key] = self.draw(family, key[1])
+        return self.cache[key]
+
+    def curve(self, family: str, column, level: float) -> tuple[np.ndarray, np.ndarray]:
+        """The truths drawn so far in a family (ascending) and the `level` quantiles of their draws
+        (of `column`, or the whole draw when None), made non-decreasing in the truth."""
+        values = np.array(sorted(value for name, value in self.cache if name == family))
+        draws = [self.cache[family, value] for value in values]
+        quantiles = np.array([np.quantile(d if column is None else d[:, column], level) for d in draws])
+        return values, np.maximum.accumulate(quantiles)
+
+    def crossing(self, family: str, column, level: float, measured: float, guess: float) -> float:
+        """The truth whose draws' `level` quantile is `measured`: linear between the two drawn truths that
+        bracket it, the family's end (low or high) when its draws lie beyond (SEARCH_STEPS new truths at most)."""
+        value = guess
+        for _ in range(SEARCH_STEPS):
+            self.at(family, value)
+            values, quantiles = self.curve(family, column, level)
+            value, settled = _next_truth(values, quantiles, measured, self.low, self.high, self.tolerance)
+            if settled:
+                return value
+        return value
+
+
+SEARCH_STEPS = 4
+"""New truths a crossing may draw (``FamilySearch.crossing``)."""
+
+
+def _next_truth(values, quantiles, measured, low, high, tolerance) -> tuple[float, bool]:
+    """The next truth to draw towards the crossing, and whether it is settled (bracketed within
+    `tolerance` of a drawn truth, or at an end of the family that the draws already pass)."""
+    above = quantiles >= measured
+    if above.all() or not above.any():
+        end = 0 if above.all() else -1
+        if values[end] == (low if above.all() else high):
+            return float(values[end]), True
+        slope = 1.0
+        if len(values) > 1:
+            near = slice(0, 2) if above.all() else slice(-2, None)
+            rise, run_ = np.diff(quantiles[near])[0], np.diff(values[near])[0]
+            slope = max(rise / run_, 0.2) if run_ > 0 else 1.0
+        step = (measured - quantiles[end]) / slope
+        return float(np.clip(values[end] + step * 1.25, low, high)), False
+    i = int(np.argmax(above))
+    span = quantiles[i] - quantiles[i - 1]
+    share = (measured - quantiles[i - 1]) / span if span > 0 else 0.5
+    value = float(values[i - 1] + share * (values[i] - values[i - 1]))
+    return value, bool(min(value - values[i - 1], values[i] - value) <= tolerance)
+
+
+def basic_interval(measured: float, draws: np.ndarray, confidence: float) -> np.ndarray:
+    """The basic bootstrap interval [2m - q_high, 2m - q_low] of draws around the fit."""
+    low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return np.array([2 * measured - high, 2 * measured - low])
+
+
+def weighted_cv(radii: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Coefficient of variation of radii (..., k) over classes weighted by `weights` (k,), summing to 1."""
+    mean = radii @ weights
+    spread = np.sqrt(np.maximum((radii - mean[..., None]) ** 2 @ weights, 0.0))
+    return np.divide(spread, mean, out=np.full(mean.shape, np.nan), where=mean > 0)
+
+
+def corrected_radii(points: np.ndarray, noise_variance: np.ndarray) -> np.ndarray:
+    """Radii (..., k) of class points (..., k, r) with each class effect's noise variance (k,) taken
+    from their squares."""
+    return np.sqrt(np.maximum(np.einsum("...kr,...kr->...k", points, points) - noise_variance, 0.0))
+
+
+def span_basis(bases: list[np.ndarray]) -> np.ndarray:
+    """An orthonormal basis Y (d, q) of the span of every factor's basis."""
+    return column_space(np.hstack(bases))

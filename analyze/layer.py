@@ -1,0 +1,368 @@
+"""One layer's fit (a Dask task per layer): every factor's effects, rank and subspace, then what its
+noise draws say of them (``inference``): structure, intervals and claims of each pair, spheres."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .blocks import Packer
+from .design import Counts, FactorEffects, JointSolution, Layout, NoiseTraces, joint_effects, marginal_effects
+from .geometry import principal_angles
+from .inference import (
+    ANGLE_TOLERANCE,
+    CLAIMS,
+    CV_TOLERANCE,
+    Drawn,
+    FamilySearch,
+    add_one_share,
+    basic_interval,
+    boundary_turns,
+    corrected_radii,
+    cosine_angles,
+    denoised,
+    drawn_cosines,
+    drawn_subspaces,
+    least_favourable,
+    noise_parts,
+    noise_rank,
+    span_basis,
+    structure_p,
+    tail_p,
+    weighted_cv,
+)
+
+ESTIMATE_ROUNDS = 3
+"""Rounds of the fixed point of the median-unbiased angles (``_median_unbiased``)."""
+
+
+@dataclass(frozen=True)
+class DrawSettings:
+    """How the draws of every layer are made and read."""
+
+    rank: int | None
+    null: np.ndarray  # (n_null, groups) signs of the structure test
+    draws: np.ndarray  # (n_bootstrap, groups) signs of the ranks, intervals and claims
+    confidence: float
+    significance: float
+    rank_significance: float  # the level of each step of the rank's test
+    orthogonal_deg: float  # the boundary of "orthogonal": every angle above it
+    dependent_deg: float  # the boundary of "dependent": the smallest angle below it
+    radius_cv_tolerance: float
+
+
+@dataclass
+class FactorFit:
+    """One factor at one layer."""
+
+    singular: np.ndarray
+    rank: int
+    basis: np.ndarray  # (d, rank)
+    between_fraction: float
+    structure_p: float = np.nan
+    noise_singular: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    radii: np.ndarray | None = None  # (classes,) of the class points, noise taken out
+    noise_variance: np.ndarray | None = None  # (classes,) of each class effect in the subspace
+    radius_cv: float = np.nan
+    radius_cv_estimate: float = np.nan
+    radius_cv_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
+    sphere_null_p: float = np.nan  # "exactly on a sphere" (cv 0)
+    sphere_p: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))  # claims "on", "off"
+
+
+@dataclass
+class PairFit:
+    """Two factors at one layer (a < b): their principal angles and, from the draws, their median-unbiased
+    estimates, the intervals of the smallest and the largest, the claims' p-values and the cross term."""
+
+    angles: np.ndarray
+    estimate: np.ndarray | None = None  # the angles corrected for the noise's bias
+    extremes_ci: np.ndarray = field(default_factory=lambda: np.full((2, 2), np.nan))  # (smallest/largest, bound)
+    claim_p: np.ndarray = field(default_factory=lambda: np.full(len(CLAIMS), np.nan))
+    cross_term: float = np.nan
+    cross_term_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
+    cross_term_null_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
+    cross_term_p: float = np.nan
+
+
+@dataclass
+class LayerFit:
+    """One layer: factors (by index), pairs ({(a, b): PairFit}, a < b), null angles ({(a, b): (median,
+    interval)} for ordered pairs) and head angles ({(kind, a, head): angles})."""
+
+    factors: list[FactorFit]
+    pairs: dict = field(default_factory=dict)
+    null_angles: dict = field(default_factory=dict)
+    head_angles: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> list[int]:
+        return [factor.rank for factor in self.factors]
+
+    @property
+    def basis(self) -> list[np.ndarray]:
+        return [factor.basis for factor in self.factors]
+
+
+@dataclass
+class FactorView:
+    """What the draws of one factor need: effects, counts, mean, and its place among the draws' columns."""
+
+    effects: FactorEffects
+    counts: np.ndarray
+    mean: np.ndarray
+    directions: np.ndarray  # (d, p) right singular vectors of the weighted effects
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self.counts / self.counts.sum()
+
+
+def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
+              traces: list[NoiseTraces] | None, settings: DrawSettings, heads: dict[str, list[np.ndarray]]) -> LayerFit | None:
+    """Every factor's subspace at one layer and what its draws say (None when the layer holds NaN or
+    Inf: the finite check then names them). traces: ``design.noise_traces`` (None without groups)."""
+    parts = packer.unpack(vector)
+    if parts["nonfinite"]:
+        return None
+    sums = parts["sums"]
+    effects = (joint_effects(sums, counts, layout, solution) if solution is not None
+               else marginal_effects(sums, counts, layout))
+    views = []
+    for a, factor in enumerate(effects):
+        block = layout.block(a)
+        n = counts.factor_counts(layout, a)
+        total = sums[:, block].sum(axis=(0, 1))
+        _, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
+        views.append(FactorView(factor, n, total / n.sum(), right_t.T))
+    fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
+                        None if traces is None else traces[a]) for a, view in enumerate(views)]
+    layer = LayerFit(fits)
+    pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
+    if len(settings.draws):
+        _infer(layer, views, counts, layout, pairs, settings)
+    for a, fit in enumerate(fits):
+        if fit.rank and fit.radii is None:
+            _class_radii(views[a], fit)
+        for kind, spaces in heads.items():
+            for h, space in enumerate(spaces):
+                if fit.rank:
+                    layer.head_angles[kind, a, h] = principal_angles(fit.basis, space)
+    for a, b in pairs:
+        if fits[a].rank and fits[b].rank and (a, b) not in layer.pairs:
+            layer.pairs[a, b] = PairFit(principal_angles(fits[a].basis, fits[b].basis))
+    return layer
+
+
+def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
+                traces: NoiseTraces | None) -> FactorFit:
+    """Singular values, between-class fraction and structure test of one factor; its rank when fixed."""
+    weighted = view.effects.weighted
+    singular = np.linalg.svd(weighted, compute_uv=False)[: min(n_classes - 1, min(weighted.shape))]
+    spread = squares.sum() - view.counts.sum() * view.mean @ view.mean
+    rank = min(settings.rank, len(singular)) if settings.rank is not None else 0
+    fit = FactorFit(singular, rank, view.directions[:, :rank],
+                    float((singular**2).sum() / spread) if spread > 0 else np.nan)
+    if len(settings.null):
+        fit.structure_p = structure_p(view.effects, settings.null, traces)
+    return fit
+
+
+def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings) -> None:
+    """Ranks (unless fixed), then intervals, claims and spheres, from one set of noise draws."""
+    widths = [view.directions.shape[1] for view in views]
+    columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
+    noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
+    starts = np.concatenate([[0], np.cumsum(widths)])
+    for a, (fit, view) in enumerate(zip(layer.factors, views)):
+        own = noise.along[a][..., starts[a]: starts[a + 1]]
+        if settings.rank is None:
+            fit.rank, fit.noise_singular = noise_rank(view.effects.weighted, noise.gram[a], own, settings.rank_significance,
+                                                      len(fit.singular))
+            fit.basis = view.directions[:, :fit.rank]
+    structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
+    if not structured:
+        return
+    for a in structured:
+        _class_radii(views[a], layer.factors[a])
+    span = span_basis([layer.factors[a].basis for a in structured])
+    selected = np.concatenate([np.arange(starts[a], starts[a] + layer.factors[a].rank) for a in structured])
+    to_span = np.linalg.lstsq(columns[:, selected], span, rcond=None)[0]
+    in_span = {a: noise.along[a][..., selected] @ to_span for a in structured}
+    mean_noise = {a: noise.along[a][..., starts[-1] + a] for a in structured}
+    truths = {a: denoised(views[a].effects.weighted, layer.factors[a].rank, noise.gram[a],
+                          noise.along[a][..., starts[a]: starts[a + 1]]) for a in structured}
+    sources = {a: _Source(views[a], layer.factors[a], truths[a], span, noise.gram[a], in_span[a], mean_noise[a])
+               for a in structured}
+    for a in structured:
+        _spheres(sources[a], settings)
+        for b in range(len(views)):
+            if b != a and layer.factors[b].rank:
+                layer.null_angles[a, b] = _null_angles(sources[a], layer.factors[b].basis, span, settings)
+    for a, b in pairs:
+        if a in sources and b in sources:
+            contingency = counts.contingency(layout, a, b)
+            layer.pairs[a, b] = _pair(sources[a], sources[b], noise.cross[a, b], contingency, settings)
+
+
+@dataclass
+class _Source:
+    """One structured factor's fit and draws, in the span Y of the layer's bases."""
+
+    view: FactorView
+    fit: FactorFit
+    truth: np.ndarray  # (k, d) denoised weighted effects
+    span: np.ndarray  # Y (d, q)
+    gram: np.ndarray  # (draws, k, k)
+    noise: np.ndarray  # N Y (draws, k, q)
+    mean_noise: np.ndarray  # N mean (draws, k)
+
+    def drawn(self, truth: np.ndarray) -> Drawn:
+        return drawn_subspaces(truth @ self.span, self.gram, self.noise, self.fit.rank)
+
+    def points(self, effects: np.ndarray, basis: np.ndarray) -> np.ndarray:
+        """Class points U'(mean + E[c]) (k, r) of weighted effects in an orthonormal basis."""
+        return (self.view.mean + effects / np.sqrt(self.view.counts)[:, None]) @ basis
+
+    def drawn_points(self, drawn: Drawn, mean: np.ndarray) -> np.ndarray:
+        """(draws, k, r) class points of draws around a truth whose class points have mean `mean` (d)."""
+        coordinates = drawn.class_coordinates() / np.sqrt(self.view.counts)[None, :, None]
+        shift = mean - self.view.mean
+        offset = drawn.along(self.span.T @ mean, self.mean_noise + self.noise @ (self.span.T @ shift))
+        return coordinates + offset[:, None, :]
+
+
+def _null_angles(source: _Source, other_basis: np.ndarray, span: np.ndarray, settings: DrawSettings):
+    """Median and central 1 - significance interval of the angles between the factor's noise-only
+    subspaces (its rank) and the other factor's fitted one: what chance gives."""
+    drawn = source.drawn(np.zeros_like(source.truth))
+    coordinates = span.T @ other_basis
+    cosines = np.swapaxes(drawn.scaled, -1, -2) @ (source.noise @ coordinates)
+    angles = cosine_angles(cosines)
+    tails = [settings.significance / 2, 1 - settings.significance / 2]
+    return np.median(angles, axis=0), np.moveaxis(np.quantile(angles, tails, axis=0), 0, -1)
+
+
+def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.ndarray, settings: DrawSettings) -> PairFit:
+    """Angles of a pair with their estimates, the intervals of the smallest and largest, the claims'
+    p-values and the cross term, from draws around turned truths (``inference``)."""
+    basis_a, basis_b = first.fit.basis, second.fit.basis
+    pair = PairFit(principal_angles(basis_a, basis_b))
+    m = len(pair.angles)
+    low, high = (1 - settings.confidence) / 2, (1 + settings.confidence) / 2
+
+    def draw(target):
+        truth_a, truth_b = boundary_turns(first.truth, second.truth, basis_a, basis_b, target)
+        drawn_a, drawn_b = first.drawn(truth_a), second.drawn(truth_b)
+        cosines = drawn_cosines(drawn_a, drawn_b, cross)
+        return cosine_angles(cosines), (drawn_a, drawn_b, cosines)
+
+    search = FamilySearch(lambda family, value: draw(least_favourable(family, value, m))[0], 0.0, 90.0, ANGLE_TOLERANCE)
+    fitted = draw(pair.angles)[0]
+    smallest, largest = ("smallest", "largest") if m > 1 else ("equal", "equal")
+    for index, (lower, upper) in enumerate(((smallest, "equal"), ("equal", largest))):
+        column = -index
+        angle = pair.angles[column]
+        guess_low, guess_high = basic_interval(angle, fitted[:, column], settings.confidence)
+        pair.extremes_ci[index] = [search.crossing(lower, column, high, angle, guess_low),
+                                   search.crossing(upper, column, low, angle, guess_high)]
+    pair.estimate = _median_unbiased(pair.angles, fitted, lambda target: draw(target)[0])
+    first_angle = pair.angles[0]
+    edges = {name: (search.at(family, settings.orthogonal_deg)[:, 0], search.at(family, settings.dependent_deg)[:, 0])
+             for name, family in (("smallest", smallest), ("equal", "equal"))}
+    pair.claim_p = np.array([
+        tail_p(edges["smallest"][0], first_angle, upper=True),
+        tail_p(edges["equal"][1], first_angle, upper=False),
+        max(tail_p(edges["equal"][0], first_angle, upper=False), tail_p(edges["smallest"][1], first_angle, upper=True)),
+    ])
+    _pair_cross_terms(pair, first, second, draw, contingency, settings)
+    return pair
+
+
+def _median_unbiased(angles: np.ndarray, fitted: np.ndarray, draw) -> np.ndarray:
+    """The principal angles whose draws' medians are the measured ones: the fixed point of
+    c <- c + (measured - median of the angles drawn at c), from c = measured, whose draws are
+    `fitted` (ESTIMATE_ROUNDS rounds, kept within [0, 90] and ascending)."""
+    estimate, drawn = angles.copy(), fitted
+    for round_ in range(ESTIMATE_ROUNDS):
+        estimate = np.sort(np.clip(estimate + angles - np.median(drawn, axis=0), 0.0, 90.0))
+        if round_ < ESTIMATE_ROUNDS - 1:
+            drawn = draw(estimate)
+    return estimate
+
+
+def _pair_cross_terms(pair: PairFit, first: _Source, second: _Source, draw, contingency: np.ndarray,
+                      settings: DrawSettings) -> None:
+    """The pair's cross term, its basic bootstrap interval (draws around the fit) and its null (draws
+    around the truths turned orthogonal)."""
+    basis_a, basis_b = first.fit.basis, second.fit.basis
+    fitted_points = [source.points(source.view.effects.weighted, source.fit.basis) for source in (first, second)]
+    pair.cross_term = float(_cross_term(fitted_points[0][None], fitted_points[1][None], (basis_a.T @ basis_b)[None],
+                                        contingency)[0])
+    for target in (pair.angles, np.full(len(pair.angles), 90.0)):
+        drawn_a, drawn_b, cosines = draw(target)[1]
+        drawn = _cross_term(first.drawn_points(drawn_a, first.view.mean), second.drawn_points(drawn_b, second.view.mean),
+                            cosines, contingency)
+        if target[0] < 90:
+            pair.cross_term_ci = basic_interval(pair.cross_term, drawn, settings.confidence)
+    pair.cross_term_null_ci = np.quantile(drawn, [settings.significance / 2, 1 - settings.significance / 2])
+    pair.cross_term_p = add_one_share(drawn >= pair.cross_term)
+
+
+def _cross_term(points_a: np.ndarray, points_b: np.ndarray, cosines: np.ndarray, contingency: np.ndarray) -> np.ndarray:
+    """(draws,) root mean square of x_a . x_b over the tokens both factors read (contingency: tokens
+    per pair of classes) over the root of the product of the mean squares of |x_a|^2 and |x_b|^2 (a
+    mean cosine between the two components: 0 for orthogonal subspaces), from class points
+    (draws, k, r) and the cosines between the two bases (draws, r_a, r_b)."""
+    total = contingency.sum()
+    if total == 0:
+        return np.full(len(points_a), np.nan)
+    products = np.einsum("nkr,nrs,nls->nkl", points_a, cosines, points_b)
+    mean = np.sqrt(np.einsum("nkl,kl->n", products**2, contingency) / total)
+    square_a = np.einsum("nkr,nkr->nk", points_a, points_a) @ contingency.sum(axis=1) / total
+    square_b = np.einsum("nkr,nkr->nk", points_b, points_b) @ contingency.sum(axis=0) / total
+    return mean / np.sqrt(np.maximum(square_a * square_b, np.finfo(float).tiny))
+
+
+def _class_radii(view: FactorView, fit: FactorFit) -> None:
+    """The norms of the factor's class points U'(mean + E[c]), each class effect's noise variance in the
+    subspace (from its influences) taken from their squares, and their spread."""
+    along = view.effects.influence @ fit.basis  # (groups, k, r), weighted
+    variance = np.einsum("gkr,gkr->k", along, along) / view.counts
+    points = (view.mean + view.effects.weighted / np.sqrt(view.counts)[:, None]) @ fit.basis
+    fit.radii = corrected_radii(points, variance)
+    fit.radius_cv = float(weighted_cv(fit.radii, view.weights))
+    fit.noise_variance = variance
+
+
+def _spheres(source: _Source, settings: DrawSettings) -> None:
+    """The radius spread of the factor's class points: estimate, interval, claims, null."""
+    fit, view = source.fit, source.view
+    variance = fit.noise_variance
+    points = source.points(source.truth, fit.basis)
+    radii = np.linalg.norm(points, axis=1)
+    spread = float(weighted_cv(radii, view.weights))
+    if not spread > 0:
+        return
+    mean_radius = radii @ view.weights
+    directions = points / np.maximum(radii, np.finfo(float).tiny)[:, None]
+
+    def draw(family, value):
+        """Radius spreads of draws around the truth whose radii are spread to a spread of `value`."""
+        moved = directions * (mean_radius + value / spread * (radii - mean_radius))[:, None]
+        centre = view.weights @ moved
+        mean = view.mean + fit.basis @ (centre - view.mean @ fit.basis)
+        truth = np.sqrt(view.counts)[:, None] * ((moved - centre) @ fit.basis.T)
+        return weighted_cv(corrected_radii(source.drawn_points(source.drawn(truth), mean), variance), view.weights)
+
+    search = FamilySearch(draw, 0.0, max(4 * fit.radius_cv, 4 * spread, 4 * settings.radius_cv_tolerance), CV_TOLERANCE)
+    fitted = search.at("spread", spread)
+    guess_low, guess_high = basic_interval(fit.radius_cv, fitted, settings.confidence)
+    fit.radius_cv_ci = np.array([
+        search.crossing("spread", None, (1 + settings.confidence) / 2, fit.radius_cv, guess_low),
+        search.crossing("spread", None, (1 - settings.confidence) / 2, fit.radius_cv, guess_high)])
+    fit.radius_cv_estimate = search.crossing("spread", None, 0.5, fit.radius_cv,
+                                             2 * fit.radius_cv - float(np.median(fitted)))
+    at_tolerance = search.at("spread", settings.radius_cv_tolerance)
+    fit.sphere_p = np.array([tail_p(at_tolerance, fit.radius_cv, upper=False), tail_p(at_tolerance, fit.radius_cv, upper=True)])
+    fit.sphere_null_p = tail_p(search.at("spread", 0.0), fit.radius_cv, upper=True)

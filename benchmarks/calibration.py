@@ -1,0 +1,123 @@
+"""Calibration of the statistics over planted truth: error rates of every test, rank, interval and
+verdict of /subspaces and /spheres, per cell of a grid (tests/planted_cells.py: each cell one store of
+many replicate layers written through orthosphere.store, analysed with default options).
+
+Groups of cells (``--groups``, default all):
+
+- null: labels that carry nothing (factor a's effects zero; b structured), over d_model 16 / 64 / 256 /
+  576, classes 2 / 8 / 64, uniform and Zipf, crossed and confounded labels: the false-positive rate
+  of "structure" (structure_p <= 0.05; target 3.5-6.5 %) and of any claim about the pair;
+- signal: a planted pair at 60 degrees, weak / moderate / strong signal, over the same sizes: exact
+  ranks (target >= 95 % at moderate), coverage of the 90 % intervals of the smallest and largest
+  principal angle (target within 5 points), and the bias of the raw and corrected angles;
+- truth: moderate signal, d 64, 8 classes, every planted relation: orthogonal (90, 90), 60 degrees,
+  a shared direction (0, 90), and the least favourable boundaries of the claims "orthogonal" (80, 90)
+  and "dependent" (10, 10): how often each verdict is called (orthogonal pairs called dependent and
+  60 degree pairs called orthogonal: target <= 5 %), and each claim's rate of p <= 0.05 at its
+  boundary (its size: nominal 5 %);
+- design: confounded labels and a factor read on a subset of tokens (whose other tokens sit elsewhere);
+- spheres: class points on a sphere, and with radii spread +-40 %: told apart (target >= 95 %).
+
+    python benchmarks/calibration.py                      # every group, 200 layers a cell
+    python benchmarks/calibration.py --groups null --layers 400
+    python benchmarks/calibration.py --quick              # 40 layers a cell, a few cells per group
+
+Prints one line per cell as it finishes, then the table (markdown) for benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' planted stores
+
+from tests.planted_cells import Cell, plant, run, score  # noqa: E402
+
+
+def grid(group: str, n_layers: int, quick: bool) -> list[Cell]:
+    """The cells of one group."""
+    base = Cell(n_layers=n_layers)
+    sizes = [(16, 2), (16, 64), (64, 8), (64, 64), (256, 8), (256, 64), (576, 8), (576, 64)]
+    if quick:
+        sizes = [(16, 64), (64, 8), (256, 8)]
+    if group == "null":
+        return [replace(base, d_model=d, n_classes=k, zipf=zipf, confounded=confounded, signal="none")
+                for d, k in sizes for zipf in (False, True) for confounded in (False, True)
+                if not (zipf and k == 2) and not (quick and confounded)]
+    if group == "signal":
+        return [replace(base, d_model=d, n_classes=k, zipf=zipf, signal=signal)
+                for d, k in sizes for zipf in (False, True) for signal in ("weak", "moderate", "strong")
+                if not (zipf and k == 2) and not (quick and zipf)]
+    if group == "truth":
+        return [replace(base, truth=truth, signal=signal) for truth in
+                ("orthogonal", "oblique", "shared", "orthogonal-edge", "dependent-edge")
+                for signal in ("moderate", "strong")]
+    if group == "design":
+        return [replace(base, confounded=True), replace(base, subset=True), replace(base, zipf=True, confounded=True),
+                replace(base, n_classes=64, zipf=True, confounded=True, subset=True)]
+    if group == "spheres":
+        return [replace(base, sphere=sphere, truth="orthogonal", signal=signal, n_classes=k, zipf=zipf)
+                for sphere in ("on", "off") for signal in ("moderate", "strong") for k, zipf in ((8, False), (64, True))]
+    raise SystemExit(f"unknown group {group!r}: expected any of {GROUPS}")
+
+
+GROUPS = ("null", "signal", "truth", "design", "spheres")
+COLUMNS = {
+    "null": ("structure_fp", "structure_fp_corrected", "rank_zero", "claimed"),
+    "signal": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "min_bias",
+               "max_raw_bias", "max_bias"),
+    "truth": ("rank_exact", "min_coverage", "max_coverage", "called_orthogonal", "called_dependent", "called_independent",
+              "called_undetermined", "claim_orthogonal_p05", "claim_dependent_p05", "claim_independent_p05"),
+    "design": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "called_independent"),
+    "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "radius_cv_coverage"),
+}
+
+
+def binomial_range(share: float, n: int) -> str:
+    """The 95 % range of a share of n trials (normal approximation), for reading the table."""
+    half = 1.96 * math.sqrt(max(share * (1 - share), 1e-12) / n)
+    return f"+-{half * 100:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS)
+    parser.add_argument("--layers", type=int, default=200, help="replicate layers per cell (default 200)")
+    parser.add_argument("--quick", action="store_true", help="40 layers a cell and a few cells per group")
+    args = parser.parse_args()
+    n_layers = 40 if args.quick else args.layers
+    root = Path(tempfile.mkdtemp(prefix="orthosphere-calibration-"))
+    tables = {}
+    try:
+        for group in args.groups:
+            rows = []
+            for cell in grid(group, n_layers, args.quick):
+                started = time.perf_counter()
+                planted = plant(cell, root)
+                subspaces, spheres = run(planted)
+                scores = score(planted, subspaces, spheres)
+                shutil.rmtree(planted.url)
+                seconds = time.perf_counter() - started
+                rows.append((cell, scores))
+                shown = ", ".join(f"{name} {scores.get(name, float('nan')):.3f}" for name in COLUMNS[group])
+                print(f"{group} {cell.name} ({scores['layers']} layers, {seconds:.0f} s): {shown}", flush=True)
+            tables[group] = rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for group, rows in tables.items():
+        print(f"\n### {group} ({n_layers} layers a cell; 95 % range of a 5 % rate: {binomial_range(0.05, n_layers)} points)\n")
+        print("| cell | " + " | ".join(COLUMNS[group]) + " |")
+        print("|---|" + "---|" * len(COLUMNS[group]))
+        for cell, scores in rows:
+            cells = [f"{scores.get(name, float('nan')):.3f}" for name in COLUMNS[group]]
+            print(f"| {cell.name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
