@@ -181,3 +181,27 @@ def test_text_stores_default_to_token_identity_and_position(tmp_path):
     assert result["factor"].values.tolist() == ["token_str", "pos"]  # not `position`, which restates pos
     assert result["n_classes"].values.tolist() == [16, n_pos - 1]
     assert result["pooled_classes"].sel(factor="token_str").item() == len(np.unique(token[:, 1:])) - 15
+
+
+def test_tokens_of_each_kind_get_their_own_intercept_so_the_position_keeps_its_plane(tmp_path):
+    """A position code in a plane; tokens of role y, more frequent late in a sequence, sit elsewhere:
+    with one intercept per role (the default when the store has `role`) the position's subspace is its
+    plane, with one intercept for all the position absorbs the roles' difference."""
+    rng = np.random.default_rng(8)
+    n_samples, n_pos, d_model = 300, 21, 12
+    plane_basis = np.linalg.qr(rng.normal(size=(d_model, 2)))[0]
+    phase = 2 * np.pi * np.arange(n_pos) / n_pos
+    code = np.stack([np.cos(phase), np.sin(phase)], axis=1) @ plane_basis.T
+    late = np.arange(n_pos) / n_pos
+    role_y = rng.random((n_samples, n_pos)) < 0.2 + 0.6 * late
+    offset = 3.0 * rng.normal(size=d_model)
+    x = code[None] + role_y[..., None] * offset + 0.3 * rng.normal(size=(n_samples, n_pos, d_model))
+    roles = np.where(role_y, "y", "x").astype(object)
+    dataset = open_for_analysis(write_store(tmp_path / "s.zarr", {"resid_pre": x[:, None].astype("float32")},
+                                            labels={"role": roles}))
+    for intercepts, expected in ((None, "role"), ("none", "none")):
+        result = factor_subspaces(dataset, factors=["pos"], intercepts=intercepts, rank=2)
+        assert result.attrs["intercepts"] == expected
+        basis = result["basis"].isel(layer=0, factor=0).values[:, :2]
+        tilt = principal_angles(basis, plane_basis).max()
+        assert (tilt < 2.0) if expected == "role" else (tilt > 20.0), (intercepts, tilt)

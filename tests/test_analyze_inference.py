@@ -1,0 +1,172 @@
+"""The statistics' building blocks against brute force: the leverage correction of the residuals, the
+traces of the structure test, the noise-aware rank, the shrinkage of singular values, the turns to
+target angles, the search of a family of truths, Benjamini-Hochberg and the tail p-values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import sparse
+from scipy.stats import false_discovery_control, norm
+
+from orthosphere.analyze.design import Counts, Layout, noise_traces, residual_corrections, solve_joint
+from orthosphere.analyze.geometry import principal_angles
+from orthosphere.analyze.inference import (
+    FamilySearch,
+    benjamini_hochberg,
+    boundary_turns,
+    denoised,
+    least_favourable,
+    noise_rank,
+    tail_p,
+)
+from tests.synthetic import bases_at_angles
+
+
+def small_design(seed: int = 0, n_tokens: int = 300, n_groups: int = 5):
+    """Two correlated factors (4 and 3 classes) on one intercept, tokens in groups: the one-hot design Z
+    (token, column), the group of each token and the Counts and Layout of the fit."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 4, n_tokens)
+    b = np.where(rng.random(n_tokens) < 0.4, a % 3, rng.integers(0, 3, n_tokens))
+    groups = rng.integers(0, n_groups, n_tokens)
+    columns = np.stack([np.zeros(n_tokens, int), 1 + a, 5 + b], axis=1)
+    design = np.zeros((n_tokens, 8))
+    design[np.arange(n_tokens)[:, None], columns] = 1
+    grams = sparse.vstack([sparse.csr_matrix(design[groups == g].T @ design[groups == g]) for g in range(n_groups)])
+    return design, groups, Counts(design.T @ design, grams.tocsr(), n_groups), Layout(("a", "b"), (4, 3), (1,))
+
+
+def test_the_leverage_correction_is_cr2_on_the_groups_tokens():
+    """K_g Z_g' e equals Z_g' (I - H_gg)^(-1/2) e for fitted residuals e, computed on the tokens."""
+    design, groups, counts, layout = small_design()
+    g_inverse = solve_joint(counts, layout, "test").g_inverse
+    hat = design @ g_inverse @ design.T
+    residuals = (np.eye(len(design)) - hat) @ np.random.default_rng(1).normal(size=len(design))
+    for group, correction in enumerate(residual_corrections(counts, g_inverse)):
+        rows = groups == group
+        values, vectors = np.linalg.eigh(np.eye(rows.sum()) - hat[np.ix_(rows, rows)])
+        root = (vectors / np.sqrt(np.maximum(values, 1e-15))) @ vectors.T
+        expected = design[rows].T @ root @ residuals[rows]
+        np.testing.assert_allclose(correction @ (design[rows].T @ residuals[rows]), expected,
+                                   atol=1e-10 * np.abs(expected).max())
+
+
+def test_the_structure_tests_traces_are_those_of_the_influences_on_the_tokens():
+    """tr E[I_g I_h'] per unit of noise from the tokens: I_g = L_g Z_g' (I - H) e, E[e e'] = I."""
+    design, groups, counts, layout = small_design()
+    solution = solve_joint(counts, layout, "test")
+    hat = design @ solution.g_inverse @ design.T
+    residual_map = np.eye(len(design)) - hat
+    found = noise_traces(counts, layout, solution)
+    for a in range(2):
+        block = layout.block(a)
+        n = counts.factor_counts(layout, a)
+        maps = []
+        for g in range(counts.n_groups):
+            rows = groups == g
+            influence = solution.influence_maps[g][block.start - 1: block.stop - 1].astype("float64")
+            influence = np.sqrt(n)[:, None] * (influence - n @ influence / n.sum())
+            maps.append(influence @ design[rows].T @ residual_map[rows])  # (class, token): I_g = maps[g] e
+        expected = np.array([[np.trace(m @ o.T) for o in maps] for m in maps])
+        np.testing.assert_allclose(found[a].traces, expected, atol=1e-5 * np.abs(expected).max())
+        # the centre's variance over |W|^2's: |M|_F^2 / |M_W|_F^2, M the (class, class) blocks of the maps
+        blocks = np.block([[m @ o.T for o in maps] for m in maps])
+        rows_of_a = solution.g_inverse[block]
+        fit_map = np.sqrt(n)[:, None] * (rows_of_a - n @ rows_of_a / n.sum()) @ design.T  # W = fit_map e
+        within = fit_map @ fit_map.T
+        assert found[a].centre_variance == pytest.approx(np.sum(blocks**2) / np.sum(within**2), rel=1e-4)
+        own = sum(np.sum((fit_map[:, groups == g] @ fit_map[:, groups == g].T) ** 2) for g in range(counts.n_groups))
+        assert found[a].diagonal_share == pytest.approx(own / np.sum(within**2), rel=1e-6)
+
+
+def spiked(rank: int, strength: float, rng, shape=(20, 60), n_draws=300):
+    """Effects of `rank` directions of singular value strength x the detection threshold (k d)^(1/4)
+    plus unit noise, with noise draws of the same noise: their Gram matrices and coordinates."""
+    k, d = shape
+    truth = np.zeros(shape)
+    left, right = np.linalg.qr(rng.normal(size=(k, rank)))[0], np.linalg.qr(rng.normal(size=(d, rank)))[0]
+    singular = strength * (k * d) ** 0.25
+    truth = singular * left @ right.T
+    weighted = truth + rng.normal(size=shape)
+    draws = rng.normal(size=(n_draws,) + shape)
+    directions = np.linalg.svd(weighted, full_matrices=False)[2].T
+    return weighted, draws @ np.swapaxes(draws, 1, 2), draws @ directions, truth
+
+
+def test_the_noise_aware_rank_counts_the_directions_above_noise():
+    rng = np.random.default_rng(0)
+    found = []
+    for _ in range(40):
+        weighted, gram, along, _ = spiked(3, 3.0, rng)
+        rank, thresholds = noise_rank(weighted, gram, along, 0.01, 19)
+        found.append(rank)
+        assert len(thresholds) == rank + 1 and np.all(np.diff(thresholds) <= 0)  # deflation lowers the bar
+    assert np.mean(np.array(found) == 3) >= 0.9
+    pure = [noise_rank(*spiked(0, 0.0, rng)[:3], 0.05, 19)[0] for _ in range(60)]
+    assert np.mean(np.array(pure) > 0) <= 0.15  # about 5 % by construction (60 trials)
+    noiseless = np.diag([3.0, 2.0, 0, 0])
+    assert noise_rank(noiseless, np.zeros((10, 4, 4)), np.zeros((10, 4, 4)), 0.05, 3)[0] == 2
+
+
+def test_denoising_shrinks_singular_values_back_to_the_truth():
+    """Noise inflates singular values: y^2 = (s^2 + a)(s^2 + b) / s^2; the shrinkage undoes it on average."""
+    rng = np.random.default_rng(2)
+    errors_raw, errors_shrunk = [], []
+    for _ in range(30):
+        weighted, gram, along, truth = spiked(2, 2.0, rng)
+        s_true = np.linalg.svd(truth, compute_uv=False)[:2]
+        errors_raw.append(np.linalg.svd(weighted, compute_uv=False)[:2] - s_true)
+        errors_shrunk.append(np.linalg.svd(denoised(weighted, 2, gram, along), compute_uv=False)[:2] - s_true)
+    s = 2.0 * (20 * 60) ** 0.25
+    assert np.mean(errors_raw) > 0.15 * s  # the noisy singular values sit well above the truth
+    assert abs(np.mean(errors_shrunk)) < 0.05 * s
+
+
+def test_turns_reach_the_target_angles_and_keep_each_factors_singular_values():
+    rng = np.random.default_rng(3)
+    basis_a, basis_b = bases_at_angles(12, 3, 2, [30.0, 70.0], rng)
+    first, second = rng.normal(size=(5, 3)) @ basis_a.T, rng.normal(size=(4, 2)) @ basis_b.T
+    for target in ([0.0, 45.0], [10.0, 90.0], [80.0, 89.0], [60.0, 60.0]):
+        turned_a, turned_b = boundary_turns(first, second, basis_a, basis_b, np.array(target))
+        spans = [np.linalg.svd(m, full_matrices=False)[2].T for m in (turned_a, turned_b)]
+        np.testing.assert_allclose(principal_angles(spans[0][:, :3], spans[1][:, :2]), target, atol=1e-6)
+        np.testing.assert_allclose(np.linalg.svd(turned_a, compute_uv=False)[:3], np.linalg.svd(first, compute_uv=False)[:3])
+    assert least_favourable("smallest", 80.0, 3).tolist() == [80.0, 90.0, 90.0]
+    assert least_favourable("equal", 10.0, 2).tolist() == [10.0, 10.0]
+    assert least_favourable("largest", 40.0, 3).tolist() == [0.0, 0.0, 40.0]
+
+
+def test_the_family_search_finds_the_crossings_of_a_location_family():
+    """Draws truth + N(0, 2): the truth whose q quantile is m is m - 2 z_q; ends where the data pass them."""
+    noise = 2.0 * np.random.default_rng(4).normal(size=4000)
+    calls = []
+
+    def draw(family, value):
+        calls.append(value)
+        return value + noise
+
+    search = FamilySearch(draw, 0.0, 90.0, 0.05)
+    quantile = np.quantile(noise, 0.95)
+    assert search.crossing("f", None, 0.95, 50.0, 40.0) == pytest.approx(50.0 - quantile, abs=0.05)
+    assert len(calls) <= 4
+    assert search.crossing("f", None, 0.05, 50.0, 60.0) == pytest.approx(50.0 - np.quantile(noise, 0.05), abs=0.05)
+    assert search.crossing("f", None, 0.95, 1.0, 5.0) == 0.0  # the measurement lies below every truth's draws
+    assert search.crossing("f", None, 0.05, 95.0, 80.0) == 90.0
+
+
+def test_benjamini_hochberg_is_scipys_on_the_finite_entries():
+    p = np.random.default_rng(5).random((6, 7)) ** 3
+    p[1, 2] = np.nan
+    finite = np.isfinite(p)
+    q = benjamini_hochberg(p)
+    np.testing.assert_allclose(q[finite], false_discovery_control(p[finite]))
+    assert np.isnan(q[1, 2])
+
+
+def test_tail_p_values_are_shares_of_the_draws_and_normal_tails_beyond_them():
+    draws = np.random.default_rng(6).normal(size=200)
+    assert tail_p(draws, 1.0, upper=True) == pytest.approx((1 + np.sum(draws >= 1.0)) / 201)
+    assert tail_p(draws, -1.0, upper=False) == pytest.approx((1 + np.sum(draws <= -1.0)) / 201)
+    far = tail_p(draws, 6.0, upper=True)
+    assert far == pytest.approx(norm.sf((6.0 - draws.mean()) / draws.std()), rel=1e-9) and far < 1e-6
+    assert tail_p(draws, 2.7, upper=True) <= 5 / 201  # never above the draws' resolution
