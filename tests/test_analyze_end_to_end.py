@@ -117,7 +117,7 @@ def _joint_effects(dataset, counted, layer: int, label: str, role: str):
         columns[name] = np.where(digit, np.array(dataset[name].values[counted].tolist()).astype(str), "")
     columns["pos"] = np.broadcast_to(dataset["pos"].values, counted.shape)[counted].astype(str)
     blocks = []
-    for name, values in columns.items():
+    for values in columns.values():
         classes = np.unique(values[values != ""])
         blocks.append((values[:, None] == classes[None]).astype(float))
     design = np.hstack(blocks)
