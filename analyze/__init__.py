@@ -5,8 +5,8 @@ and streams over it with Dask: per block of samples it reduces the activations t
 partial sums, summed as a tree (a ``distributed.Client`` made the default runs them on its cluster).
 Nothing ever holds a whole variable in memory. ``analyze`` / ``run_analyses`` plan the chosen
 analyses together: one Dask computation per pass runs all of them, so each chunk of the store is read
-once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, replay; pass 2: the spheres,
-which project the tokens onto the subspaces fitted in pass 1). Each pass logs its progress (share
+once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, replay; the spheres then read
+the fit of the subspaces, without a pass of their own). Each pass logs its progress (share
 of tasks done, time, an estimate of the time left) on the ``orthosphere.analyze`` logger. NaN or Inf
 in any activation an analysis reads stops it with ``NonFiniteError`` naming the variable, layers and
 samples.
@@ -23,13 +23,13 @@ samples.
 - ``norms``: ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
   quantiles, ratio_max, ratio_bins)``
 - ``subspaces``: ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
-  rank_threshold, rank, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null, significance,
-  seed, independence_deg, orthogonality_deg)``, the parameters of the estimator ``FactorSubspaces``
-  (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``, and ``design.py`` for the fit)
-- ``spheres``: ``sphere_structure(dataset, *, site, factors, layers, exclude_start, estimator,
-  rank_threshold, rank, max_classes, mass, quantiles, ratio_max, ratio_bins, subspaces)``: with
-  ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its bases,
-  site, factors and layers (fit options given besides must agree); else fitted here
+  intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null,
+  significance, seed, independence_deg, orthogonality_deg, radius_cv_tolerance)``, the parameters of
+  the estimator ``FactorSubspaces`` (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``,
+  ``design.py`` for the fit and ``inference.py`` for the statistics)
+- ``spheres``: ``sphere_structure(dataset, *, subspaces, <the parameters of FactorSubspaces>)``:
+  with ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its fit
+  (fit options given besides must agree); else fitted here
 - ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
 - ``replay``: ``orthosphere.analyze.replay.replay`` (norm-perturbation replay; see its module)
 
@@ -77,9 +77,11 @@ and ``kv_head`` for k, v:
 
 ``/subspaces``; dims ``layer``, ``factor``, ``other`` (the factors again), ``component``,
 ``basis_vector``, ``d_model``, ``angle`` (principal angle index, ascending), ``bound`` ("low", "high"),
-``head``, ``kv_head``; NaN pads ranks and angles that do not exist (and the diagonal factor == other):
+``claim`` ("orthogonal", "dependent", "independent"), ``head``, ``kv_head``; NaN pads ranks and angles
+that do not exist (and the diagonal factor == other). Noise draws: ``n_bootstrap`` sign flips of the
+corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``):
   n_classes, n_tokens (factor)           classes (the pooled one included) and tokens each factor is read on
-  pooled_classes, pooled_tokens (factor) classes pooled into one beyond max_classes, and their tokens
+  pooled_classes, pooled_tokens (factor) classes pooled into one beyond max_classes or held by one group
   label_nmi (factor, other)              normalised mutual information of the two labels on the tokens
                                          both read (0 unrelated, 1 each determines the other)
   shared_tokens (factor, other)          tokens both factors read
@@ -87,54 +89,57 @@ and ``kv_head`` for k, v:
                                          factor alone (1: balanced crossed design; NaN: marginal estimator)
   condition_number ()                    of the unit-diagonal Z'Z beyond its trivial null directions (joint
                                          fit; above 100 a warning is logged)
-  subspace_rank (layer, factor)          chosen rank
+  subspace_rank (layer, factor)          directions standing above noise (deflated parallel analysis, each
+                                         step at rank_significance), or the fixed rank
   singular_value (layer, factor, component)   of the sqrt(n_c)-weighted centred effects (joint or marginal)
+  noise_singular_value (layer, factor, component)   what each step of the rank's test compared it with
   explained (layer, factor, component)   cumulative share of their variance
   between_fraction (layer, factor)       their variance / total variance of the factor's tokens
-  structure_p (layer, factor)            share of null draws (the factor's labels carrying no information)
-                                         whose effects hold as much variance (add-one; NaN without a null)
+  structure_p, structure_q (layer, factor)   p-value of "the labels carry no information" (add-one over
+                                         n_null sign-flip draws) and adjusted over every layer and factor
+                                         (Benjamini-Hochberg); NaN without a null
   basis (layer, factor, d_model, basis_vector)   orthonormal basis of the subspace
-  angles, angles_ci (layer, factor, other, angle[, bound])   principal angles, bootstrap interval
-  min_angle, min_angle_ci (layer, factor, other[, bound])    the smallest angle (independence)
+  angles, angles_estimate (layer, factor, other, angle)   principal angles, and corrected for the noise's
+                                         bias (median-unbiased)
+  min_angle, min_angle_estimate, min_angle_ci (layer, factor, other[, bound])   the smallest angle, its
+                                         estimate and its `confidence` interval (inverted from draws)
+  max_angle, max_angle_estimate, max_angle_ci   the same for the largest angle
   overlap (layer, factor, other)         mean squared cosine of the angles (0 orthogonal, 1 nested)
   null_angles, null_angles_ci (layer, factor, other, angle[, bound])   median and central 1 - significance
-                                         interval of the angles between factor's null subspace (same rank)
-                                         and other's fitted one: what chance gives
+                                         interval of the angles between factor's noise-only subspace (same
+                                         rank) and other's fitted one: what chance gives
   null_min_angle, null_min_angle_ci (layer, factor, other[, bound])   the same for the smallest angle
-  orthogonal_p, dependent_p (layer, factor, other)   p-values of the pair's nulls of orthogonality (every
-                                         angle >= 90 - orthogonality_deg) and dependence (smallest angle
-                                         <= independence_deg), drawn around the effects turned to each
-                                         null's boundary (add-one; NaN without a null)
-  relation (layer, factor, other)        "no structure" (either factor's structure_p > significance) |
-                                         "orthogonal" (only dependence rejected) | "dependent" (only
-                                         orthogonality rejected) | "independent" (both rejected) |
-                                         "undetermined" (neither) | "" without null draws (attrs relation_rule)
+  claim_p, claim_q (layer, factor, other, claim)   p-value of each claim at its null's boundary, and
+                                         adjusted over every claim of the run (Benjamini-Hochberg)
+  relation (layer, factor, other)        "no structure" | "orthogonal" | "dependent" | "independent" |
+                                         "undetermined" | "" without draws (attrs relation_rule)
   q_angles, q_min_angle, q_overlap (layer, factor, head, ...)
   k_angles, ... (layer, factor, kv_head, ...)   the same with each head's read subspace, the column
                                          space of w_q[h] (w_k[g]) in the space of attn_in; present
                                          only when the store holds weights (point estimates)
-  attrs: site, factors, estimator, classes ({factor: [values]}), fit (what fixes the bases),
+  attrs: site, factors, estimator, intercepts, classes ({factor: [values]}), fit (the fit's options),
   head_angles, relation_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
-  independence_deg, orthogonality_deg
+  independence_deg, orthogonality_deg; each variable's ``description``
 
-``/spheres``; dims ``layer``, ``factor``, ``other``, ``part`` (the factors and "rest"),
-``quantile``, ``ratio``, ``d_model``:
-  n_tokens ()                            tokens read by every factor
+``/spheres``; dims ``layer``, ``factor``, ``other``, ``bound``, ``sphere_claim`` ("on", "off"),
+``class_index`` (a factor's classes, in the order of attrs classes):
   subspace_rank (layer, factor)
-  radius_mean, radius_cv (layer, factor) mean and coefficient of variation of |x_a|
-  radius_median, band, ratio_quantile, histogram, beyond, weight_total   spread of |x_a| around its
-                                         median, as in /norms
-  sphere_radius, sphere_centre (.., d_model), centre_offset (|centre| / radius), fit_residual
-                                         algebraic sphere fit of the points x_a
-  cross_term_mean, cross_term_rms (layer, factor, other)   x_a . x_b
-  part_norm_sq_mean, part_norm_sq_variance (layer, part)   of |x_part|^2
-  cross_term_second_moment (layer)       E[c^2], c = 2 sum_{a<b} x_a . x_b
-  norm_sq_mean, norm_sq_variance (layer) of |x|^2
-  deviation (layer)                      sqrt(sum_parts Var |x_part|^2 + E[c^2]) / E|x|^2: 0 for
-                                         perfect orthogonal spheres
-  radius_share (layer, part), cross_term_share (layer)   split of the deviation's square
-  attrs: site, factors, bases ("from the subspaces results" | "fitted here"), estimator, mass,
-  exclude_start
+  radius_mean, radius_cv (layer, factor) token-weighted mean and coefficient of variation of the norms
+                                         of the factor's class points U'(mean + E[c]) (class means on its
+                                         subspace, each class effect's noise taken from its radius squared)
+  radius_cv_estimate, radius_cv_ci (layer, factor[, bound])   corrected for the noise's bias, interval
+  sphere_null_p (layer, factor)          p-value of "exactly on a sphere"
+  sphere_claim_p, sphere_claim_q (layer, factor, sphere_claim)   the claims radius_cv below / above
+                                         radius_cv_tolerance, and adjusted (Benjamini-Hochberg)
+  sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
+  class_radius (layer, factor, class_index)
+  cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   rms of
+                                         x_a . x_b of the two components' class points over their shared
+                                         tokens, over sqrt(mean |x_a|^2 mean |x_b|^2): 0 for orthogonal
+                                         subspaces; its interval, its null (orthogonal subspaces) and p-value
+  min_angle, min_angle_estimate, min_angle_ci, relation   the departure from orthogonality, as in /subspaces
+  attrs: site, factors, estimator, intercepts, classes, sphere_rule, fit, subspaces ("from the subspaces
+  results" | "fitted here"), radius_cv_tolerance, confidence, significance, n_bootstrap
 
 ``/neighbours``; dim ``layer``: rank_collapse, rank_collapse_std (over sequences), angular_step,
 angular_step_std (degrees, over tokens), log_norm_ratio, log_norm_ratio_std (log |post| / |pre|),

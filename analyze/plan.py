@@ -2,8 +2,8 @@
 runs the plans of every chosen analysis together, so that work reading the same chunks shares the
 reads (Dask merges tasks with the same keys: one read of a chunk feeds every kernel that needs it).
 
-An analysis that needs a second pass (the spheres project tokens onto subspaces fitted in the
-first) finishes its first Plan into another Plan. Every pass logs its progress (share of tasks
+An analysis that needs a second pass (the spheres, when they fit their own subspaces, finish that
+fit into their results) finishes its first Plan into another Plan (or its result). Every pass logs its progress (share of tasks
 done, elapsed time, an estimate of the time left) through the ``orthosphere.analyze`` logger, with
 Dask's threads in this process or on a ``distributed`` cluster alike.
 """

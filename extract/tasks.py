@@ -142,11 +142,14 @@ class TaskSpec:
         return {"name": "arithmetic", "split": parse_split(split), "seed": int(seed),
                 "counts": list(self.counts(split)), "digit_lengths": list(self.digit_lengths),
                 "max_length": self.max_length(split), "characters": CHARACTERS,
-                "pad_id": PAD_ID, "spec": self.to_dict(), "factors": self.semantic_factors()}
+                "pad_id": PAD_ID, "spec": self.to_dict(), "factors": self.semantic_factors(), "intercepts": "role"}
 
     def semantic_factors(self) -> list[str]:
         """The factors the analyses read by default: what a digit token carries (its value, its
-        place in its number when numbers have several digits, its operand) and its position."""
+        place in its number when numbers have several digits, its operand), read on digits, where
+        they mean something, and its position, read on every token; the store's ``intercepts``
+        (role) give each kind of token its own mean, so that the position does not take the kinds'
+        differences for its own."""
         places = ["digit_place[role=digit]"] if max(self.digit_lengths) > 1 else []
         return ["digit_value[role=digit]", *places, "operand[role=digit]", "pos"]
 
