@@ -209,3 +209,25 @@ def test_the_report_tabulates_label_association_beside_the_angles_and_their_null
     subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")
     assert f"{subspaces.label_nmi.item():.2f}" in cells and f"{subspaces.min_angle.mean('layer').item():.1f}" in cells
     assert f"{subspaces.null_min_angle.mean('layer').item():.1f}" in cells and "null (°)" in cells
+    per_layer = [f"{e:.0f} [{lo:.0f}, {hi:.0f}] {r}" for e, (lo, hi), r in
+                 zip(subspaces.min_angle_estimate.values, subspaces.min_angle_ci.values, subspaces.relation.values)]
+    assert "; ".join(per_layer) in cells  # each layer's estimate, interval and relation
+
+
+@pytest.mark.slow
+def test_the_report_draws_each_layers_angle_and_sphere_statistics_with_their_intervals(store, tmp_path):
+    from matplotlib.container import ErrorbarContainer
+
+    from orthosphere.workflows.report import figure_angles, figure_spheres, load_runs
+
+    out = tmp_path / "results.zarr"
+    tree = analyze(store, out, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "rank": 2})
+    runs = load_runs([out])
+    angles = figure_angles(runs).axes[0]
+    (bars,) = [c for c in angles.containers if isinstance(c, ErrorbarContainer)]  # one pair: alpha / beta
+    estimate = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta").min_angle_estimate.values
+    np.testing.assert_allclose(bars.lines[0].get_ydata(), estimate)
+    spheres = figure_spheres(runs)
+    radius_panel, cross_panel = spheres.axes[0], spheres.axes[1]
+    assert len([c for c in radius_panel.containers if isinstance(c, ErrorbarContainer)]) == 2  # one per factor
+    assert len([c for c in cross_panel.containers if isinstance(c, ErrorbarContainer)]) == 1  # one per pair

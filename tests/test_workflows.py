@@ -110,7 +110,7 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
     assert "store" in markdown and "pre-test.zarr" in markdown
     assert "online" in tree["replay"].children
     assert "accuracy drop with 1 % noise in all layers" in markdown
-    for figure in ("norm_spread", "angles", "sphere_deviation", "collapse", "max_attention", "accuracy", "accuracy_under_noise"):
+    for figure in ("norm_spread", "angles", "spheres", "collapse", "max_attention", "accuracy", "accuracy_under_noise"):
         assert (out / "report" / "figures" / f"{figure}.png").stat().st_size > 5000, figure
 
 

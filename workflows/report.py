@@ -4,7 +4,8 @@ report.md (figures beside it in figures/) from analysis results.
 Each results tree is one (model, data) pair: the model's identity (its folder's name, or that
 and a hash prefix where two models share a name) and the data's split label it. Models whose
 descriptions differ only in their weights are seeds of one variant. The report draws the norm
-spread, the principal angles, the sphere-structure deviation, the collapse rate against noise
+spread, the smallest principal angles per layer with their intervals and relations, the spheres'
+radius spread and cross terms per layer with their intervals, the collapse rate against noise
 beside Theorem 7's prediction, the max-attention histograms and the accuracy per split, and puts
 the headline figures beside the paper's: each as the mean over seeds with its [min–max], and
 whether the paper's Pre-Norm / QKV-Norm direction holds beyond the seed spread.
@@ -178,66 +179,118 @@ def figure_norm_spread(runs: list[Run]):
     return figure
 
 
+RELATION_MARKERS = {"orthogonal": "o", "independent": "s", "dependent": "v", "undetermined": "x", "no structure": "."}
+SPHERE_MARKERS = {"on sphere": "o", "off sphere": "s", "undetermined": "x", "no structure": "."}
+
+
+def _pairs(names: list[str]) -> list[tuple[str, str]]:
+    return [(first, second) for a, first in enumerate(names) for second in names[a + 1:]]
+
+
+def _with_interval(axis, x, estimate, interval, verdicts, markers, colour, label):
+    """A line of estimates per layer with their intervals as error bars, each point marked by its verdict."""
+    estimate, low, high = np.asarray(estimate, float), *np.asarray(interval, float).T
+    axis.errorbar(x, estimate, yerr=[np.maximum(estimate - low, 0), np.maximum(high - estimate, 0)], color=colour,
+                  capsize=2, lw=1, label=label)
+    for layer, value, verdict in zip(x, estimate, verdicts):
+        if np.isfinite(value):
+            axis.plot(layer, value, markers.get(str(verdict), "."), color=colour, ms=6, mfc="none" if verdict == "undetermined" else colour)
+
+
 def figure_angles(runs: list[Run]):
-    """Smallest principal angle between factor subspaces (mean over layers), per placement."""
-    panels = groups(runs, "subspaces", "min_angle")
+    """Per placement, the smallest principal angle of each pair of factors per layer: its noise-corrected
+    estimate, its interval (error bars) and the pair's relation (marker), the claims' tolerances shaded."""
+    panels = groups(runs, "subspaces", "min_angle_ci")
     if not panels:
         return None
-    figure, axes = _axes_grid(len(panels), width=4.6, height=4.0)
+    figure, axes = _axes_grid(len(panels), width=4.8, height=3.6)
     for axis, (run, subspaces) in zip(axes, panels):
-        angles = subspaces.min_angle.mean("layer")
-        image = axis.imshow(angles.values, vmin=0, vmax=90, cmap="viridis")
-        names = [str(f) for f in angles.factor.values]
-        axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-        axis.set_yticks(range(len(names)), names, fontsize=7)
-        for (i, j), value in np.ndenumerate(angles.values):
-            if np.isfinite(value):
-                axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=6, color="w" if value < 45 else "k")
-        axis.set_title(f"{run.name}: smallest angle (°)")
-        figure.colorbar(image, ax=axis, fraction=0.046)
-    figure.suptitle("Principal angles between factor subspaces (90° = orthogonal, 0° = dependent)")
+        pairs = _pairs([str(f) for f in subspaces.factor.values])
+        for number, (first, second) in enumerate(pairs):
+            pair = subspaces.sel(factor=first, other=second)
+            _with_interval(axis, subspaces.layer.values, pair.min_angle_estimate.values, pair.min_angle_ci.values,
+                           pair.relation.values, RELATION_MARKERS, f"C{number}", f"{first} / {second}")
+        axis.axhspan(90 - subspaces.attrs["orthogonality_deg"], 90, color="0.92", zorder=0)
+        axis.axhspan(0, subspaces.attrs["independence_deg"], color="0.92", zorder=0)
+        axis.set(title=f"{run.name}: smallest angle (°)", xlabel="layer", ylim=(0, 92),
+                 xticks=subspaces.layer.values)
+        axis.legend(fontsize=6)
+    shown = ", ".join(f"{marker} {name}" for name, marker in RELATION_MARKERS.items())
+    figure.suptitle(f"Smallest principal angle between factor subspaces per layer: noise-corrected estimate, "
+                    f"{panels[0][1].attrs['confidence'] * 100:.0f} % interval, relation ({shown}; shaded: the claims' "
+                    "tolerances)", fontsize=9)
     return figure
 
 
 def figure_association(runs: list[Run]):
-    """Per placement and pair of factors: how associated their labels are (NMI), the smallest angle
-    (mean over layers) beside what chance gives (the null's), and the most frequent relation."""
+    """Per placement and pair of factors: how associated their labels are (NMI), the smallest angle per
+    layer (estimate [interval]) beside what chance gives (the null's, mean over layers), and each layer's
+    relation."""
     panels = groups(runs, "subspaces", "label_nmi")
     if not panels:
         return None
     rows = []
     for run, subspaces in panels:
-        names = [str(name) for name in subspaces.factor.values]
-        for a, first in enumerate(names):
-            for second in names[a + 1:]:
-                pair = {"factor": first, "other": second}
-                relations, counts = np.unique([str(value) for value in subspaces.relation.sel(pair).values], return_counts=True)
-                null = subspaces.null_min_angle.sel(pair).mean("layer").item() if "null_min_angle" in subspaces else np.nan
-                rows.append([run.name, first, second, f"{subspaces.label_nmi.sel(pair).item():.2f}",
-                             f"{subspaces.min_angle.sel(pair).mean('layer').item():.1f}", f"{null:.1f}",
-                             str(relations[np.argmax(counts)])])
-    figure, axis = plt.subplots(figsize=(11, 0.3 * len(rows) + 0.9))
+        for first, second in _pairs([str(name) for name in subspaces.factor.values]):
+            pair = subspaces.sel(factor=first, other=second)
+            layers = "; ".join(_angle_cell(estimate, interval, relation) for estimate, interval, relation in
+                               zip(pair.min_angle_estimate.values, pair.min_angle_ci.values, pair.relation.values))
+            null = pair.null_min_angle.mean("layer").item() if "null_min_angle" in pair else np.nan
+            rows.append([run.name, first, second, f"{pair.label_nmi.item():.2f}",
+                         f"{pair.min_angle.mean('layer').item():.1f}", f"{null:.1f}", layers])
+    figure, axis = plt.subplots(figsize=(15, 0.3 * len(rows) + 0.9))
     axis.axis("off")
     table = axis.table(cellText=rows, loc="upper center", cellLoc="left",
                        colLabels=["model", "factor", "other", "label NMI", "smallest angle (°)", "null (°)",
-                                  "relation (most layers)"])
+                                  "per layer: estimate [interval] relation"])
     table.auto_set_font_size(False)
-    table.set_fontsize(7)
-    axis.set_title(f"Label association and angles against chance (estimator: {panels[0][1].attrs.get('estimator')})")
+    table.set_fontsize(6)
+    table.auto_set_column_width(list(range(7)))
+    axis.set_title(f"Label association and angles against chance (estimator: {panels[0][1].attrs.get('estimator')}, "
+                   f"intercepts: {panels[0][1].attrs.get('intercepts', 'none')})")
     return figure
 
 
-def figure_sphere_deviation(runs: list[Run]):
-    lines = groups(runs, "spheres", "deviation")
-    if not lines:
+def _angle_cell(estimate: float, interval, relation) -> str:
+    if not np.isfinite(estimate):
+        return str(relation) or "–"
+    return f"{estimate:.0f} [{interval[0]:.0f}, {interval[1]:.0f}] {relation}"
+
+
+def figure_spheres(runs: list[Run]):
+    """Per placement: each factor's radius spread per layer (estimate, interval, verdict; the tolerance
+    dashed), and each pair's cross term per layer (interval, and the range noise gives with orthogonal
+    subspaces as a band)."""
+    panels = groups(runs, "spheres", "radius_cv_ci")
+    if not panels:
         return None
-    figure, axis = plt.subplots(figsize=(5.5, 3.6))
-    for run, spheres in lines:
-        axis.plot(spheres.layer, spheres.deviation, marker="o", label=run.name)
-    axis.set_xticks(lines[0][1].layer.values)
-    axis.set(xlabel="layer", ylabel="deviation from orthogonal spheres", ylim=(0, None),
-             title="Sphere structure (0 = perfect orthogonal spheres)")
-    axis.legend()
+    columns = len(panels)
+    figure, axes = plt.subplots(2, columns, figsize=(4.6 * columns, 6.4), squeeze=False, layout="constrained")
+    for column, (run, spheres) in enumerate(panels):
+        top, bottom = axes[0, column], axes[1, column]
+        for number, factor in enumerate(str(f) for f in spheres.factor.values):
+            one = spheres.sel(factor=factor)
+            _with_interval(top, spheres.layer.values, one.radius_cv_estimate.values, one.radius_cv_ci.values,
+                           one.sphere.values, SPHERE_MARKERS, f"C{number}", factor)
+        top.axhline(spheres.attrs["radius_cv_tolerance"], color="0.5", ls="--", lw=1)
+        top.set_yscale("symlog", linthresh=0.2)  # spreads near the tolerance stay readable beside large ones
+        top.set(title=f"{run.name}: radius spread (CV over classes)", xlabel="layer", ylim=(0, None),
+                xticks=spheres.layer.values)
+        top.legend(fontsize=6)
+        for number, (first, second) in enumerate(_pairs([str(f) for f in spheres.factor.values])):
+            pair = spheres.sel(factor=first, other=second)
+            low, high = pair.cross_term_ci.values.T
+            bottom.errorbar(spheres.layer.values, pair.cross_term.values, color=f"C{number}", capsize=2, lw=1,
+                            yerr=[np.maximum(pair.cross_term.values - low, 0), np.maximum(high - pair.cross_term.values, 0)],
+                            marker="o", label=f"{first} / {second}")
+            null_low, null_high = pair.cross_term_null_ci.values.T
+            bottom.fill_between(spheres.layer.values, null_low, null_high, color=f"C{number}", alpha=0.15)
+        bottom.set(title="cross term (rms cosine of the components)", xlabel="layer", ylim=(0, None),
+                   xticks=spheres.layer.values)
+        bottom.legend(fontsize=6)
+    shown = ", ".join(f"{marker} {name}" for name, marker in SPHERE_MARKERS.items())
+    figure.suptitle(f"Orthogonal spheres per layer: radius spread with its interval and verdict ({shown}); cross terms "
+                    "with their interval, shaded where noise alone puts them", fontsize=9)
     return figure
 
 
@@ -404,7 +457,7 @@ FIGURES = {
     "norm_spread": ("Norm spread", figure_norm_spread),
     "angles": ("Principal angles", figure_angles),
     "association": ("Label association and chance", figure_association),
-    "sphere_deviation": ("Sphere structure", figure_sphere_deviation),
+    "spheres": ("Sphere structure", figure_spheres),
     "collapse": ("Collapse against noise", figure_collapse),
     "max_attention": ("Max attention", figure_max_attention),
     "accuracy": ("Accuracy per split", figure_accuracy),
