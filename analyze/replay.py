@@ -11,8 +11,14 @@ Definitions (every count below is over these instances and draws):
   of w_ij (``orthosphere.analyze.attention``: the stored scale, soft-cap and ALiBi terms of the
   model description) over the *allowed* keys: valid (not padding), j <= i in a causal model, and
   within the layer's sliding window. The noise perturbs w_ij inside exactly that score.
-- **Instance.** (sample, layer, head, query position) with a valid query and at least two
-  allowed keys (a single allowed key is attended fully and can never switch).
+- **Instance.** (sample, layer, head, query position) with a valid query and at least
+  ``min_keys`` allowed keys (4 by default). A query with few keys is sparse with little effort
+  (a causal model's first positions: one key gets attention 1, and of two or three keys a small
+  score gap puts 0.95 on one), which says little about the model's circuits. Queries with 2 to
+  ``min_keys - 1`` allowed keys are *trivial instances*: counted apart (``n_instances_trivial``,
+  ``n_sparse_trivial``) so that what the minimum removes is seen, and left out of every other
+  result. A single allowed key is attended fully and can never switch: such a query is never
+  an instance, so ``min_keys=2`` (the smallest allowed) counts every query that can switch.
 - **Sparse instance.** An instance whose clean max_j a_ij >= ``sparse_threshold`` (0.95 in
   the paper); t* is its arg-max.
 - **Noise.** q_i -> (1 + kq_i) q_i, k_j -> (1 + kk_j) k_j, m_j -> (1 + km_j) m_j with
@@ -36,13 +42,24 @@ Definitions (every count below is over these instances and draws):
   w_t* / w_t < lambda_w = (1 + kq + kk_t) / (1 + kq + kk_t*), the inequality flipped when
   w_t (1 + kq + kk_t*) < 0; evaluated on each draw, in the equivalent form
   w_t* (1 + kq + kk_t*) < w_t (1 + kq + kk_t) for some allowed t != t* (which also covers
-  w_t = 0). The exact condition is w_t* (1 + kq)(1 + kk_t*) < w_t (1 + kq)(1 + kk_t); the two
-  differ only by the second-order cross term kq (w_t* kk_t* - w_t kk_t) (and, for
-  Gaussian noise, when 1 + kq <= 0 turns the arg-max into an arg-min). The attention scale
-  multiplies both sides and never matters. Where the layer's score soft-caps or adds ALiBi, the
-  first-order products w_t (1 + kq + kk_t) pass through the same score before they are compared
-  (soft-capping keeps their order; the bias shifts them). ``theory_missed`` counts measured collapses the
-  theorem did not predict, ``theory_false_alarm`` predicted ones that did not happen.
+  w_t = 0). The attention scale multiplies both sides and never matters. Where the layer's
+  score soft-caps or adds ALiBi, the products w_t (1 + kq + kk_t) pass through the same score
+  before they are compared (soft-capping keeps their order; the bias shifts them).
+- **Exact condition.** The noisy score's factor is (1 + kq)(1 + kk_t), and 1 + kq > 0 multiplies
+  every score of the query alike: query noise cancels, and the arg-max switches iff
+  max over allowed t != t* of w_t (1 + kk_t) > w_t* (1 + kk_t*) (through the layer's score as
+  above). It is the measured collapse, up to float rounding on near-ties, except where the
+  cancellation breaks: an ALiBi bias, which the query's factor does not scale, and a factor
+  1 + kq <= 0 (uniform noise above s = 1/sqrt(3), Gaussian noise rarely). Theorem 7 differs from
+  it by the second-order cross term kq (w_t* kk_t* - w_t kk_t).
+- **Recall and precision** of each condition (``theory``: Theorem 7's first order; ``exact``)
+  against the measured collapse, over sparse instances and draws: recall is the share of the
+  measured collapses the condition predicted, precision the share of its predicted collapses that
+  happened; per (level, layer, head) and pooled over layers and heads (per level); NaN where
+  nothing collapsed (recall) or nothing was predicted (precision). ``*_missed`` counts the
+  measured collapses the condition did not predict, ``*_false_alarm`` its predictions that did not
+  happen. (Agreement over every sparse instance would be dominated by the instances that neither
+  collapse nor are predicted to.)
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and draws.
 - **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
   change sqrt(sum |o'_i - o_i|^2 / sum |o_i|^2) over instances and draws (pooled, so that
@@ -55,11 +72,27 @@ Definitions (every count below is over these instances and draws):
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
 
+Every result but the trivial counts is over the instances with at least ``min_keys`` allowed
+keys: the collapse rates and levels, the predictions, total variation, output change, entropy
+and the max-attention histogram.
+
 Results (``replay``; dims definition = collapse/strict, level, layer, head, instances =
-sparse/all): n_instances, n_sparse, sparse_fraction, entropy, max_attention_hist (per layer and
-head); collapses and collapse_rate, predicted_collapse_rate, theory_agreement, theory_missed,
-theory_false_alarm, tv_distance, output_change (per level, layer and head); collapse_rate_pooled
-over layers and heads; collapse_level (per layer) and collapse_level_pooled with their *_ci.
+sparse/all, max_attention_bin, bound = low/high):
+  n_instances, n_sparse (layer, head)    instances and sparse instances
+  n_instances_trivial, n_sparse_trivial (layer, head)   the same of the trivial instances
+  sparse_fraction, entropy (layer, head); max_attention_hist (layer, head, max_attention_bin)
+  collapses, collapse_rate (definition, level, layer, head)
+  predicted_collapse_rate, theory_recall, theory_precision, theory_missed, theory_false_alarm
+                                         (level, layer, head): Theorem 7's first-order condition
+  exact_predicted_collapse_rate, exact_recall, exact_precision, exact_missed, exact_false_alarm
+                                         (level, layer, head): the exact condition
+  theory_recall_pooled, theory_precision_pooled, exact_recall_pooled, exact_precision_pooled
+                                         (level): over layers and heads
+  tv_distance, output_change (instances, level, layer, head)
+  collapse_rate_pooled (definition, level) over layers and heads
+  collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
+  attrs: seed, n_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
+  n_bootstrap, confidence, attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
 partial sums (float64), reduced and computed once. This module never imports torch or the
@@ -94,6 +127,17 @@ with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more 
 per-operation costs than cache saves (29.7 s for two layers), 4 MiB is fastest (20.7 s), 16 MiB
 falls out of cache (26.6 s), one block of 64 samples took 35 s."""
 _TARGET_CODE = {"q": 1, "k": 2, "m": 3}
+SWITCHABLE_KEYS = 2
+"""A query with fewer allowed keys attends fully to one and can never switch."""
+DEFAULT_MIN_KEYS = 4
+"""The fewest allowed keys of a query that counts as an instance, by default (``min_keys``)."""
+PREDICTIONS = ("theory", "exact")
+"""The predicted collapses counted beside the measured ones: Theorem 7's first-order condition and
+the exact condition (see the module docstring)."""
+PREDICTION_COUNTS = ("predicted", "missed", "false_alarm")
+PREDICTED_RATE = {"theory": "predicted_collapse_rate", "exact": "exact_predicted_collapse_rate"}
+"""The result holding each condition's share of sparse instances and draws predicted to collapse."""
+_LLH = ("level", "layer", "head")
 
 
 class ReplayError(AnalysisError):
@@ -161,6 +205,7 @@ class ReplaySettings:
     distribution: str = "uniform"
     targets: tuple[str, ...] = TARGETS
     sparse_threshold: float = 0.95
+    min_keys: int = DEFAULT_MIN_KEYS
 
     def __post_init__(self):
         try:
@@ -193,6 +238,14 @@ class ReplaySettings:
                 f"sparse threshold {self.sparse_threshold!r}: expected a maximum attention in (0, 1] "
                 "(the paper uses 0.95)"
             )
+        if isinstance(self.min_keys, bool) or not isinstance(self.min_keys, (int, np.integer)) \
+                or self.min_keys < SWITCHABLE_KEYS:
+            raise ReplayError(
+                f"min_keys = {self.min_keys!r}: expected an integer >= {SWITCHABLE_KEYS}, the fewest allowed keys "
+                f"a query needs to count as an instance: give {DEFAULT_MIN_KEYS} (the default) to leave out the "
+                f"trivially sparse first positions, {SWITCHABLE_KEYS} to count every query that can switch"
+            )
+        object.__setattr__(self, "min_keys", int(self.min_keys))
 
     def kappa(self, target: str, layer: int, samples, draw: int, n_pos: int, n_heads: int) -> np.ndarray:
         """Unit-RMS noise for this target (zeros when the target is not perturbed)."""
@@ -213,19 +266,24 @@ class HeadBlock:
     float32: the noise enters it as the factors of the query and key norms, and the new arg-max
     and its attention come from the row maximum and the softmax denominator. Messages are kept in
     each head's own d_head-dimensional frame (``message_frame``), where their norms and dot
-    products are those of W_O v; their noise multiplies the perturbed attention.
+    products are those of W_O v; their noise multiplies the perturbed attention. ``instance`` and
+    ``sparse`` mask the (sample, head, qpos) instances with at least ``min_keys`` allowed keys,
+    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring).
     """
 
-    def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None):
-        valid = np.asarray(valid, bool)
+    def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
         self.threshold = sparse_threshold
         self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
         self.block_attention = BlockAttention(q, k, valid, terms)
         self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
         n_allowed = self.block_attention.n_allowed
-        self.instance = np.broadcast_to((valid & (n_allowed >= 2))[:, None, :], total.shape)
+        counted = instance_queries(valid, n_allowed, min_keys)
+        self.instance = np.broadcast_to(counted[:, None, :], total.shape)
+        self.trivial = np.broadcast_to((instance_queries(valid, n_allowed, SWITCHABLE_KEYS) & ~counted)[:, None, :],
+                                       total.shape)
         self.max_attention = 1.0 / total
         self.sparse = self.instance & (self.max_attention >= sparse_threshold)
+        self.sparse_trivial = self.trivial & (self.max_attention >= sparse_threshold)
         self.winner = self.attention.argmax(axis=0)
         self.messages = None
         if v is not None and frame is not None:
@@ -249,23 +307,26 @@ class HeadBlock:
     def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
 
-        Returns collapse, strict, predicted (Theorem 7) as bools, and tv, output change
-        squared as floats, all (sample, head, qpos).
+        Returns collapse, strict, theory_predicted (Theorem 7's first order) and exact_predicted
+        (the exact condition: the key noise alone) of the sparse instances as bools, and tv, output
+        change squared as floats, all (sample, head, qpos).
         """
         fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
         fk = _key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
-        winner = self.winner[None]
-        first_order = self.block_attention.scores((fq - 1) + fk)  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is 0
-        beats_first_order = first_order.max(axis=0) > np.take_along_axis(first_order, winner, axis=0)[0]
+        scores = self.block_attention.scores((fq - 1) + fk)  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is 0
+        theory_predicted = self._winner_beaten(scores)
+        np.copyto(scores, fk)  # the exact condition: query noise cancels
+        exact_predicted = self._winner_beaten(self.block_attention.scores(scores))
         logits = self.block_attention.scores(fq * fk)
-        at_winner = np.take_along_axis(logits, winner, axis=0)[0]
+        at_winner = np.take_along_axis(logits, self.winner[None], axis=0)[0]
         attention, peak, total = self.block_attention.softmax(logits)
         collapse = self.sparse & (peak > at_winner)
-        change = np.subtract(attention, self.attention, out=first_order)
+        change = np.subtract(attention, self.attention, out=scores)
         effects = {
             "collapse": collapse,
             "strict": collapse & (1.0 / total >= self.threshold),
-            "predicted": self.sparse & beats_first_order,
+            "theory_predicted": self.sparse & theory_predicted,
+            "exact_predicted": self.sparse & exact_predicted,
             "tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64),
         }
         if self.messages is not None:
@@ -273,6 +334,15 @@ class HeadBlock:
             change += attention  # a'_j (1 + km_j) - a_j
             effects["output_change_sq"] = self._output_sq(change)
         return effects
+
+    def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
+        """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
+        return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
+
+
+def instance_queries(valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> np.ndarray:
+    """(sample, qpos) queries that count as instances: valid, with at least `min_keys` allowed keys."""
+    return np.asarray(valid, bool) & (n_allowed >= min_keys)
 
 
 def _key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
@@ -333,7 +403,7 @@ def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, se
 def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
                       terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
     """``replay_block``'s partial sums for samples whose arrays fit in cache."""
-    block = HeadBlock(q, k, valid, terms, settings.sparse_threshold, v, frame)
+    block = HeadBlock(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels = len(settings.levels)
     instance, sparse = block.instance, block.sparse
@@ -342,12 +412,12 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
     sums = {
         "n_instances": once * instance.sum(axis=(0, 2)),
         "n_sparse": once * sparse.sum(axis=(0, 2)),
+        "n_instances_trivial": once * block.trivial.sum(axis=(0, 2)),
+        "n_sparse_trivial": once * block.sparse_trivial.sum(axis=(0, 2)),
         "entropy": once * np.where(instance, block.entropy(), 0.0).sum(axis=(0, 2)),
         "max_attention_hist": once * _histogram(block.max_attention, instance, n_bins),
         "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
-        "predicted": np.zeros((n_levels, n_heads)),
-        "theory_missed": np.zeros((n_levels, n_heads)),
-        "theory_false_alarm": np.zeros((n_levels, n_heads)),
+        **{f"{rule}_{count}": np.zeros((n_levels, n_heads)) for rule in PREDICTIONS for count in PREDICTION_COUNTS},
         "tv": np.zeros((len(INSTANCE_SETS), n_levels, n_heads)),
         "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
@@ -363,14 +433,20 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
             for d, name in enumerate(DEFINITIONS):
                 sums["collapses"][d, index] += effects[name].sum(axis=(0, 2))
                 sums["sample_collapses"][:, d, index] += effects[name].sum(axis=(1, 2))
-            measured, predicted = effects["collapse"], effects["predicted"]
-            sums["predicted"][index] += predicted.sum(axis=(0, 2))
-            sums["theory_missed"][index] += (measured & ~predicted).sum(axis=(0, 2))
-            sums["theory_false_alarm"][index] += (predicted & ~measured).sum(axis=(0, 2))
+            _count_predictions(sums, index, effects)
             sums["tv"][:, index] += (sets * effects["tv"]).sum(axis=(1, 3))
             if block.messages is not None:
                 sums["output_change_sq"][:, index] += (sets * effects["output_change_sq"]).sum(axis=(1, 3))
     return sums
+
+
+def _count_predictions(sums: dict, index: int, effects: dict) -> None:
+    """Add one draw's predicted, missed and falsely alarmed collapses of each condition at level `index`."""
+    measured = effects["collapse"]
+    for rule in PREDICTIONS:
+        predicted = effects[f"{rule}_predicted"]
+        for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
+            sums[f"{rule}_{count}"][index] += indicator.sum(axis=(0, 2))
 
 
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
@@ -388,8 +464,8 @@ def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> 
 
 def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
                 distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
-                collapse_target: float = 0.01, n_bootstrap: int = 1000, confidence: float = 0.95,
-                layers=None, n_bins: int = 20) -> Plan:
+                min_keys: int = DEFAULT_MIN_KEYS, collapse_target: float = 0.01, n_bootstrap: int = 1000,
+                confidence: float = 0.95, layers=None, n_bins: int = 20) -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
@@ -397,7 +473,7 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
     """
     _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers)
     settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
-                              targets=targets, sparse_threshold=sparse_threshold)
+                              targets=targets, sparse_threshold=sparse_threshold, min_keys=min_keys)
     model = store_model(ds)
     with_messages = check_variables(ds, settings)
     layers = check_layers(ds, layers)
@@ -415,7 +491,8 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
         result.attrs.update({
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
-            "collapse_target": collapse_target, "n_bootstrap": n_bootstrap, "confidence": confidence,
+            "min_keys": settings.min_keys, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
+            "confidence": confidence,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
@@ -526,26 +603,22 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     sparse_draws = n_sparse * draws
     totals = np.stack([n_sparse, n_instances]) * draws  # (set, layer, head)
     collapses = stack("collapses")
-    missed, false_alarm = stack("theory_missed"), stack("theory_false_alarm")
-    lh, llh = ("layer", "head"), ("level", "layer", "head")
+    lh = ("layer", "head")
     edges = np.linspace(0.0, 1.0, n_bins + 1)
     variables = {
-        "n_instances": (lh, n_instances.astype(np.int64)),
-        "n_sparse": (lh, n_sparse.astype(np.int64)),
+        **{name: (lh, stack(name).astype(np.int64))
+           for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial")},
         "sparse_fraction": (lh, _rate(n_sparse, n_instances)),
-        "collapses": (("definition",) + llh, collapses.astype(np.int64)),
-        "collapse_rate": (("definition",) + llh, _rate(collapses, sparse_draws)),
-        "predicted_collapse_rate": (llh, _rate(stack("predicted"), sparse_draws)),
-        "theory_agreement": (llh, _rate(sparse_draws - missed - false_alarm, sparse_draws)),
-        "theory_missed": (llh, missed.astype(np.int64)),
-        "theory_false_alarm": (llh, false_alarm.astype(np.int64)),
-        "tv_distance": (("instances",) + llh, _rate(stack("tv"), totals[:, None])),
+        "collapses": (("definition",) + _LLH, collapses.astype(np.int64)),
+        "collapse_rate": (("definition",) + _LLH, _rate(collapses, sparse_draws)),
+        **_prediction_variables(stack, collapses[DEFINITIONS.index("collapse")], sparse_draws),
+        "tv_distance": (("instances",) + _LLH, _rate(stack("tv"), totals[:, None])),
         "entropy": (lh, _rate(stack("entropy"), n_instances)),
         "max_attention_hist": (("layer", "head", "max_attention_bin"),
                                np.stack([part["max_attention_hist"] for part in per_layer]).astype(np.int64)),
     }
     if "output_change_sq" in per_layer[0]:
-        variables["output_change"] = (("instances",) + llh,
+        variables["output_change"] = (("instances",) + _LLH,
                                       np.sqrt(_rate(stack("output_change_sq"), stack("output_sq")[:, None])))
     result = xr.Dataset(variables, coords={
         "definition": _names(DEFINITIONS), "level": list(settings.levels), "layer": layers,
@@ -554,6 +627,26 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     })
     result["max_attention_bin"].attrs["edges"] = edges.tolist()
     return result
+
+
+def _prediction_variables(stack, measured: np.ndarray, sparse_draws: np.ndarray) -> dict:
+    """Each condition's predicted collapse rate, recall, precision, missed and false alarms per
+    (level, layer, head), and its recall and precision pooled over layers and heads (per level),
+    from the partial sums and the measured collapses (level, layer, head)."""
+    variables = {}
+    for rule in PREDICTIONS:
+        predicted, missed, false_alarm = (stack(f"{rule}_{count}") for count in PREDICTION_COUNTS)
+        hits = predicted - false_alarm
+        variables |= {
+            PREDICTED_RATE[rule]: (_LLH, _rate(predicted, sparse_draws)),
+            f"{rule}_recall": (_LLH, _rate(hits, measured)),
+            f"{rule}_precision": (_LLH, _rate(hits, predicted)),
+            f"{rule}_missed": (_LLH, missed.astype(np.int64)),
+            f"{rule}_false_alarm": (_LLH, false_alarm.astype(np.int64)),
+            f"{rule}_recall_pooled": (("level",), _rate(hits.sum(axis=(1, 2)), measured.sum(axis=(1, 2)))),
+            f"{rule}_precision_pooled": (("level",), _rate(hits.sum(axis=(1, 2)), predicted.sum(axis=(1, 2)))),
+        }
+    return variables
 
 
 def level_at_rate(levels, rates: np.ndarray, target: float) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Offline norm-perturbation replay: hand-built heads with known answers, theory, draws, bad input."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -112,7 +113,7 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
                      valid=valid, attn_scale=model.config.attn_scale)
     for layer in range(2):
         recomputed = HeadBlock(ds.q.sel(layer=layer).values, ds.k.sel(layer=layer).values, ds.valid.values,
-                               ScoreTerms(ds.attrs["model"]["attn_scale"], True), 0.95).pattern
+                               ScoreTerms(ds.attrs["model"]["attn_scale"], True), 0.95, min_keys=2).pattern
         stored = ds.pattern.sel(layer=layer).values
         query_valid = np.broadcast_to(valid[:, None, :, None], stored.shape)
         for pattern in (recomputed, stored):  # both float32 patterns against the float64 one
@@ -127,7 +128,7 @@ def test_recomputed_attention_matches_the_models_own_pattern_with_padding(tmp_pa
 def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     ratios = np.linspace(1.1, 2.0, 10)
     q, k = margin_head(ratios)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((10, 2), bool), ScoreTerms(1.0, False), 0.95)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((10, 2), bool), ScoreTerms(1.0, False), 0.95, min_keys=2)
     assert block.sparse.all() and np.all(block.winner == 0)
     # Worst case for uniform noise of bound a: k0 -> 1 - a, k1 -> 1 + a; collapse iff (1+a)/(1-a) > ratio.
     critical = (ratios - 1) / (ratios + 1)
@@ -135,9 +136,10 @@ def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     for factor, expected in ((0.99, False), (1.01, True)):
         kk = np.stack([-factor * critical, factor * critical], axis=1)[:, :, None]
         effects = block.perturb(zeros, kk, zeros)
-        assert np.all(effects["collapse"] == expected) and np.all(effects["predicted"] == expected)
+        for name in ("collapse", "theory_predicted", "exact_predicted"):
+            assert np.all(effects[name] == expected), name
     # The study: uniform noise whose bound sqrt(3) * level stays below the smallest margin never collapses.
-    settings = ReplaySettings(levels=(0.9 * critical.min() / math.sqrt(3),), n_draws=200, targets=("k",))
+    settings = ReplaySettings(levels=(0.9 * critical.min() / math.sqrt(3),), n_draws=200, targets=("k",), min_keys=2)
     below = _study(block, settings)
     assert below["collapse"] == 0
 
@@ -164,16 +166,19 @@ def test_measured_collapse_rate_matches_the_analytic_rate_for_a_known_margin_dis
     q, k = margin_head(ratios)
     ds = write_store(tmp_path / "s", q=q, k=k, causal=False, samples_per_chunk=16)
     levels = (0.03, 0.08, 0.15)
-    result = replay(ds, levels=levels, n_draws=150, targets=("k",), n_bootstrap=50, distribution=distribution)
+    result = replay(ds, levels=levels, n_draws=150, targets=("k",), n_bootstrap=50, distribution=distribution,
+                    min_keys=2)
     measured = result.collapse_rate.sel(definition="collapse", layer=0, head=0).values
     for level, rate in zip(levels, measured):
         expected = np.mean([analytic_two_key_rate(r, level, distribution) for r in ratios])
         error = math.sqrt(max(expected * (1 - expected), 1e-4) / (len(ratios) * 150))
         assert abs(rate - expected) < 4 * error, (level, rate, expected)
     assert measured[0] < measured[1] < measured[2] and measured[2] > 0.2
-    # Keys only: the first-order theorem is exact, so prediction and measurement agree everywhere.
-    assert np.all(result.theory_agreement.values == 1.0)
-    np.testing.assert_allclose(result.predicted_collapse_rate.sel(layer=0, head=0), measured)
+    # Keys only: the first-order theorem is the exact condition, so both predict every collapse and no other.
+    for name in ("theory_recall", "theory_precision", "exact_recall", "exact_precision"):
+        assert np.all(result[name].values == 1.0), name
+    for name in ("predicted_collapse_rate", "exact_predicted_collapse_rate"):
+        np.testing.assert_allclose(result[name].sel(layer=0, head=0), measured)
 
 
 def test_query_noise_never_collapses_a_head(tmp_path):
@@ -182,6 +187,9 @@ def test_query_noise_never_collapses_a_head(tmp_path):
     result = replay(ds, levels=(0.1, 0.3, 0.55), n_draws=10, targets=("q",), n_bootstrap=10)
     assert result.n_sparse.sum() > 50
     assert result.collapses.sum() == 0 and result.predicted_collapse_rate.max() == 0
+    assert result.exact_predicted_collapse_rate.max() == 0
+    for name in ("theory_recall", "theory_precision", "exact_recall_pooled", "exact_precision_pooled"):
+        assert np.isnan(result[name]).all(), name  # nothing collapsed, nothing predicted: undefined
     assert result.tv_distance.sel(instances="all").min() > 0  # the temperature changes, the winner does not
     assert np.all(np.isinf(result.collapse_level.values))
 
@@ -203,7 +211,7 @@ def test_value_noise_changes_the_output_linearly_and_never_the_pattern(tmp_path)
 def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     q, k, v, w_o = random_heads(n_samples=3)
     block = HeadBlock(q[:, 0], k[:, 0], np.ones((3, 8), bool), ScoreTerms(0.5, True), 0.95, v[:, 0],
-                      message_frame(w_o[0]))
+                      message_frame(w_o[0]), min_keys=2)
     rng = np.random.default_rng(3)
     kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
     effects = block.perturb(kq, kk, km)
@@ -239,7 +247,7 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     valid[0, :3] = False  # left padding: a causal query there may see no key
     reference = dict(attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
                      softcap=terms.softcap, alibi_slopes=terms.alibi_slopes)
-    block = HeadBlock(q, k, valid, terms, 0.0)
+    block = HeadBlock(q, k, valid, terms, 0.0, min_keys=2)
     assert_attention_close(block.pattern, q, k, valid, **reference)
     empty = ~valid[:, None, :, None] if terms.causal else np.zeros((3, 1, 8, 1), bool)
     assert np.all(np.where(empty, block.pattern, 0) == 0) and np.isfinite(block.pattern).all()
@@ -263,22 +271,58 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     assert clear[block.instance].mean() > 0.9 and moved[clear].any()
 
 
-def test_entropy_and_max_attention_histogram_of_known_heads(tmp_path):
-    # Head 0 attends uniformly (all scores equal), head 1 one-hot on key 0 (huge score).
-    n_pos = 5
-    q = np.zeros((2, 1, n_pos, 2, 1), np.float32)
+def test_entropy_histogram_and_counts_of_known_heads_leave_out_the_trivial_first_positions(tmp_path):
+    # Head 0 attends uniformly (all scores equal), head 1 one-hot on key 0 (huge score). Causal:
+    # query i sees i + 1 keys, so position 0 is never an instance, and positions 1 and 2 (2 and 3
+    # keys) are trivial instances by default (min_keys=4).
+    n_samples, n_pos = 2, 6
+    q = np.zeros((n_samples, 1, n_pos, 2, 1), np.float32)
     q[..., 1, 0] = 1.0
-    k = np.zeros((2, 1, n_pos, 2, 1), np.float32)
+    k = np.zeros((n_samples, 1, n_pos, 2, 1), np.float32)
     k[:, 0, 0, 1, 0] = 1000.0
     ds = write_store(tmp_path / "s", q=q, k=k, causal=True)
-    result = replay(ds, levels=(0.1,), n_draws=2, targets=("k",), n_bootstrap=5)
-    entropy = result.entropy.sel(layer=0).values
-    assert entropy[0] == pytest.approx(np.mean(np.log(np.arange(2, n_pos + 1))))  # query i sees i+1 keys
-    assert entropy[1] == pytest.approx(0.0, abs=1e-9)
-    hist = result.max_attention_hist.sel(layer=0).values
-    assert hist.sum(axis=1).tolist() == [2 * (n_pos - 1)] * 2  # position 0 has one key: no instance
-    assert hist[1, -1] == 2 * (n_pos - 1)
-    assert result.n_sparse.sel(layer=0).values.tolist() == [0, 2 * (n_pos - 1)]
+    for min_keys, first in ((4, 3), (2, 1)):  # 2: every query that can switch (the behaviour before the minimum)
+        options = {} if min_keys == 4 else {"min_keys": min_keys}
+        result = replay(ds, levels=(0.1,), n_draws=2, targets=("k",), n_bootstrap=5, **options).sel(layer=0)
+        assert result.attrs["min_keys"] == min_keys
+        counted, trivial = n_samples * (n_pos - first), n_samples * (first - 1)
+        entropy = result.entropy.values
+        assert entropy[0] == pytest.approx(np.mean(np.log(np.arange(first + 1, n_pos + 1))))
+        assert entropy[1] == pytest.approx(0.0, abs=1e-9)
+        hist = result.max_attention_hist.values
+        assert hist.sum(axis=1).tolist() == [counted] * 2 and hist[1, -1] == counted
+        assert result.n_instances.values.tolist() == [counted] * 2
+        assert result.n_sparse.values.tolist() == [0, counted]
+        assert result.n_instances_trivial.values.tolist() == [trivial] * 2
+        assert result.n_sparse_trivial.values.tolist() == [0, trivial]  # uniform over 2 or 3 keys is not sparse
+
+
+def test_the_collapse_rate_and_level_count_only_instances_with_min_keys(tmp_path):
+    """Queries 1 and 2 (2 and 3 keys) are sparse on a near-tie (scores 100 and 97) that key noise
+    breaks; later queries are one-hot on a score of 1000. With the default minimum nothing
+    collapses; with min_keys=2 the collapses are exactly the draws where 97 (1 + kk_1) > 100 (1 + kk_0)."""
+    n_samples, n_pos, level, n_draws = 4, 6, 0.1, 20
+    q = np.zeros((n_samples, 1, n_pos, 1, 2), np.float32)
+    q[:, 0, :3, 0, 0] = 1.0
+    q[:, 0, 3:, 0, 1] = 1.0
+    k = np.zeros((n_samples, 1, n_pos, 1, 2), np.float32)
+    k[:, 0, :, 0, 0] = -1000.0
+    k[:, 0, 0, 0] = (100.0, 1000.0)
+    k[:, 0, 1, 0, 0] = 97.0
+    ds = write_store(tmp_path / "s", q=q, k=k, causal=True)
+    options = dict(levels=(level,), n_draws=n_draws, targets=("k",), n_bootstrap=20, seed=2)
+    default = replay(ds, **options).sel(layer=0, head=0)
+    assert int(default.n_sparse) == n_samples * 3 and int(default.n_sparse_trivial) == n_samples * 2
+    assert int(default.collapses.sum()) == 0 and np.isinf(default.collapse_level.sel(definition="collapse"))
+    every = replay(ds, min_keys=2, **options).sel(layer=0, head=0)
+    assert int(every.n_sparse) == n_samples * 5 and int(every.n_sparse_trivial) == 0
+    kk = np.stack([level * unit_noise(2, "k", 0, np.arange(n_samples), draw, n_pos, 1)[:, :2, 0]
+                   for draw in range(n_draws)])  # (draw, sample, key 0 / 1)
+    switched = 97.0 * (1 + kk[..., 1]) > 100.0 * (1 + kk[..., 0])
+    expected = 2 * int(switched.sum())  # queries 1 and 2 see the same two keys
+    assert 0 < expected and int(every.collapses.sel(definition="collapse", level=level)) == expected
+    assert float(every.collapse_rate.sel(definition="collapse", level=level)) == expected / (n_samples * 5 * n_draws)
+    assert np.isfinite(every.collapse_level.sel(definition="collapse"))
 
 
 # --- Theorem 7, draws, chunking ----------------------------------------------------------------
@@ -287,29 +331,135 @@ def test_entropy_and_max_attention_histogram_of_known_heads(tmp_path):
 def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_term():
     # w* = 1.0, w_1 = 0.9: exact collapse iff 1.0 (1 + k*) < 0.9 (1 + k1); q noise cancels.
     q, k = margin_head([1.0 / 0.9], second_score=0.9)
-    block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), ScoreTerms(40.0, False), 0.95)
+    block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), ScoreTerms(40.0, False), 0.95, min_keys=2)
     kk = np.array([[[-0.05], [0.05]]])  # exact: 0.95 < 0.945 is false -> no collapse
     kq = np.full((1, 2, 1), -0.5)  # first order: 1.0 (0.45) < 0.9 (0.55) = 0.495 -> predicted
     effects = block.perturb(kq, kk, np.zeros_like(kk))
-    assert not effects["collapse"].any() and effects["predicted"].all()
-    assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["predicted"].any()
+    assert not effects["collapse"].any() and effects["theory_predicted"].all() and not effects["exact_predicted"].any()
+    assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["theory_predicted"].any()
+
+
+@pytest.mark.parametrize("terms, kq, collapses", [
+    (ScoreTerms(1.0, True), -0.6, False),  # query noise scales both scores: 4 > 0
+    (ScoreTerms(1.0, True, alibi_slopes=(5.0,)), -0.6, True),  # but not the bias: 4 - 5 < 0
+    (ScoreTerms(1.0, True), -1.5, True),  # a factor 1 + kq < 0 reverses the order: -5 < 0
+], ids=["cancels", "alibi", "reversed"])
+def test_the_exact_condition_holds_unless_alibi_or_a_reversed_query_breaks_the_cancellation(terms, kq, collapses):
+    """Query 1 sees key 0 (w = 10) and key 1 (w = 0): sparse on key 0 (scores 10 and 0, or 5 and 0
+    with ALiBi's bias -5 on key 0). No key noise, so the exact condition never predicts a collapse."""
+    q = np.ones((1, 2, 1, 1), np.float32)
+    k = np.array([10.0, 0.0], np.float32).reshape(1, 2, 1, 1)
+    block = HeadBlock(q, k, np.ones((1, 2), bool), terms, 0.95, min_keys=2)
+    assert block.sparse[0, 0, 1] and block.winner[0, 0, 1] == 0
+    noise = np.zeros((1, 2, 1))
+    effects = block.perturb(noise + kq, noise, noise)
+    assert effects["collapse"][0, 0, 1] == collapses and not effects["exact_predicted"].any()
+    assert effects["theory_predicted"][0, 0, 1] == collapses  # the first order keeps kq, and follows here
 
 
 @pytest.mark.slow
-def test_theory_agrees_to_first_order_and_collapse_grows_monotonically(tmp_path):
+def test_collapse_grows_monotonically_and_theorem_7_misses_and_false_alarms_where_the_exact_condition_does_not(tmp_path):
     q, k, v, w_o = random_heads(n_samples=16)
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5)
     result = replay(ds, levels=(0.005, 0.05, 0.3), n_draws=20, n_bootstrap=100)
     collapses = result.collapses.values
     assert np.all(np.diff(collapses, axis=1) >= 0) and collapses[0, -1].sum() > 0
     assert np.all(collapses[1] <= collapses[0])  # strict collapses are collapses
-    disagreement = 1 - result.theory_agreement.mean(("layer", "head")).values
-    assert disagreement[0] == 0 and disagreement[-1] < 0.05
+    assert collapses[0, :2].sum() == 0  # nothing collapses below 5 %: recall and precision are undefined there
+    for name in ("theory_recall_pooled", "theory_precision_pooled", "exact_recall_pooled", "exact_precision_pooled"):
+        assert np.isnan(result[name].values[:2]).all(), name
+    # At 30 % the first order's cross term kq (w_t* kk_t* - w_t kk_t) matters; query noise cancels in the exact condition.
+    assert 0.5 < result.theory_recall_pooled.values[-1] < 0.95 and 0.5 < result.theory_precision_pooled.values[-1] < 0.95
+    assert result.theory_missed.sum() > 0 and result.theory_false_alarm.sum() > 0
+    assert result.exact_recall_pooled.values[-1] == 1 and result.exact_precision_pooled.values[-1] == 1
     pooled = result.collapse_level_pooled.sel(definition="collapse").item()
     low, high = result.collapse_level_pooled_ci.sel(definition="collapse").values
     assert 0.05 < pooled < 0.3 and low <= pooled <= high
     rates = result.collapse_rate_pooled.sel(definition="collapse").values
     assert rates[1] < 0.01 <= rates[2]
+
+
+def brute_force_conditions(q, k, valid, *, scale, levels, n_draws, seed, min_keys, threshold=0.95):
+    """Float64 counts of a causal store's replay with noise on q and k (no soft-cap, no ALiBi): the
+    (trivial) instances and sparse instances per (layer, head); per (level, layer, head) the
+    measured collapses and, for each condition (theory: w_t (1 + kq + kk_t), exact: w_t (1 + kk_t)
+    against the winner's), the predicted collapses and the hits (predicted and measured). Every
+    decision is checked to stand beyond float32 rounding (else the fixture needs another seed)."""
+    n_samples, n_layers, n_pos, n_heads, _ = q.shape
+    group = n_heads // k.shape[3]
+    counts = {name: np.zeros((len(levels), n_layers, n_heads), np.int64)
+              for name in ("collapses", "theory_predicted", "theory_hits", "exact_predicted", "exact_hits")}
+    counts |= {name: np.zeros((n_layers, n_heads), np.int64)
+               for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial")}
+    samples = np.arange(n_samples)
+    unit = {(target, layer, draw): unit_noise(seed, target, layer, samples, draw, n_pos, n)
+            for target, n in (("q", n_heads), ("k", k.shape[3])) for layer in range(n_layers) for draw in range(n_draws)}
+
+    def beaten(scores, winner) -> bool:
+        margin = np.delete(scores, winner).max() - scores[winner]
+        assert abs(margin) > 1e-4 * np.abs(scores).max(), "a near-tie float32 could split either way"
+        return margin > 0
+
+    for layer, sample, head, i in np.ndindex(n_layers, n_samples, n_heads, n_pos):
+        keys = np.flatnonzero(valid[sample, :i + 1])
+        if not valid[sample, i] or len(keys) < 2:
+            continue
+        w = k[sample, layer, keys, head // group].astype(np.float64) @ q[sample, layer, i, head].astype(np.float64)
+        max_attention = 1 / np.exp(scale * (w - w.max())).sum()
+        assert abs(max_attention - threshold) > 1e-4
+        trivial = "_trivial" if len(keys) < min_keys else ""
+        counts[f"n_instances{trivial}"][layer, head] += 1
+        counts[f"n_sparse{trivial}"][layer, head] += max_attention >= threshold
+        if trivial or max_attention < threshold:
+            continue
+        winner = int(np.argmax(w))
+        for (index, level), draw in itertools.product(enumerate(levels), range(n_draws)):
+            kq = level * unit["q", layer, draw][sample, i, head]
+            kk = level * unit["k", layer, draw][sample, keys, head // group]
+            measured = beaten(w * (1 + kq) * (1 + kk), winner)
+            counts["collapses"][index, layer, head] += measured
+            for rule, scores in (("theory", w * (1 + kq + kk)), ("exact", w * (1 + kk))):
+                predicted = beaten(scores, winner)
+                counts[f"{rule}_predicted"][index, layer, head] += predicted
+                counts[f"{rule}_hits"][index, layer, head] += predicted and measured
+    return counts
+
+
+def test_recall_and_precision_of_both_conditions_equal_float64_brute_force_counts(tmp_path):
+    q, k, _, _ = random_heads(n_samples=6)
+    valid = np.ones((6, 8), bool)
+    valid[:2, 6:] = False  # right padding
+    levels, n_draws, seed = (0.1, 0.3, 0.8), 4, 1
+    ds = write_store(tmp_path / "s", q=q, k=k, valid=valid, attn_scale=0.5)
+    result = replay(ds, levels=levels, n_draws=n_draws, seed=seed, targets=("q", "k"), n_bootstrap=5)
+    counts = brute_force_conditions(q, k, valid, scale=0.5, levels=levels, n_draws=n_draws, seed=seed, min_keys=4)
+    for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial"):
+        np.testing.assert_array_equal(result[name], counts[name], err_msg=name)
+    assert counts["n_sparse_trivial"].sum() > 0
+    measured = counts["collapses"]
+    np.testing.assert_array_equal(result.collapses.sel(definition="collapse"), measured)
+    sparse_draws = counts["n_sparse"] * n_draws
+    with np.errstate(invalid="ignore", divide="ignore"):  # NaN where nothing collapsed or nothing was predicted
+        for rule, rate in (("theory", "predicted_collapse_rate"), ("exact", "exact_predicted_collapse_rate")):
+            predicted, hits = counts[f"{rule}_predicted"], counts[f"{rule}_hits"]
+            np.testing.assert_array_equal(result[f"{rule}_missed"], measured - hits)
+            np.testing.assert_array_equal(result[f"{rule}_false_alarm"], predicted - hits)
+            expected = {rate: predicted / sparse_draws, f"{rule}_recall": hits / measured,
+                        f"{rule}_precision": hits / predicted,
+                        f"{rule}_recall_pooled": hits.sum(axis=(1, 2)) / measured.sum(axis=(1, 2)),
+                        f"{rule}_precision_pooled": hits.sum(axis=(1, 2)) / predicted.sum(axis=(1, 2))}
+            for name, value in expected.items():
+                np.testing.assert_allclose(result[name], value, rtol=1e-12, err_msg=name)
+    # At 10 % nothing collapses and the first order alarms falsely; at 30 % it misses and alarms falsely. The
+    # exact condition is exact while every 1 + kq > 0 (uniform noise below 1/sqrt(3)), not at 80 %, where a
+    # factor 1 + kq < 0 turns an arg-max into an arg-min.
+    pooled = {f"{rule}_{what}_pooled": result[f"{rule}_{what}_pooled"].values
+              for rule in ("theory", "exact") for what in ("recall", "precision")}
+    assert np.isnan(pooled["theory_recall_pooled"][0])
+    assert pooled["theory_precision_pooled"][0] == 0 and np.isnan(pooled["exact_precision_pooled"][0])
+    assert 0 < pooled["theory_recall_pooled"][1] < 1 and 0 < pooled["theory_precision_pooled"][1] < 1
+    assert pooled["exact_recall_pooled"][1] == 1 and pooled["exact_precision_pooled"][1] == 1
+    assert pooled["exact_recall_pooled"][2] < 1
 
 
 @pytest.mark.slow
@@ -321,7 +471,8 @@ def test_same_seed_same_results_for_any_chunking_of_samples_and_draws(tmp_path, 
     monkeypatch.setattr(replay_module, "DRAWS_PER_TASK", 2)
     results.append(replay(open_store(tmp_path / "s3"), levels=(0.1, 0.3), n_draws=5, seed=3, n_bootstrap=20))
     for other in results[1:]:
-        for name in ("n_sparse", "collapses", "theory_missed", "collapse_level_ci", "max_attention_hist"):
+        for name in ("n_sparse", "n_sparse_trivial", "collapses", "theory_missed", "exact_false_alarm",
+                     "collapse_level_ci", "max_attention_hist"):
             np.testing.assert_array_equal(results[0][name].values, other[name].values)
         for name in ("tv_distance", "output_change", "entropy"):
             np.testing.assert_allclose(results[0][name], other[name], rtol=1e-12)
@@ -336,7 +487,8 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
     monkeypatch.setattr(replay_module, "KERNEL_BYTES", 1)  # one sample a sub-block
     split = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
     assert whole.n_sparse.sum() > 0 and whole.collapses.sum() > 0
-    for name in ("n_instances", "n_sparse", "collapses", "theory_missed", "collapse_level_ci", "max_attention_hist"):
+    for name in ("n_instances", "n_sparse", "n_instances_trivial", "collapses", "theory_missed", "exact_false_alarm",
+                 "collapse_level_ci", "max_attention_hist"):
         np.testing.assert_array_equal(whole[name].values, split[name].values)
     for name in ("tv_distance", "output_change", "entropy"):
         np.testing.assert_allclose(whole[name], split[name], rtol=1e-12)
@@ -385,6 +537,10 @@ def small_store(tmp_path_factory):
     ({"n_bootstrap": -1}, "n_bootstrap=-1: expected an integer >= 0"),
     ({"confidence": 1.5}, "confidence=1.5"),
     ({"layers": [5]}, "holds layers \\[0, 1\\]"),
+    ({"min_keys": 1}, "min_keys = 1: expected an integer >= 2, the fewest allowed keys"),
+    ({"min_keys": 2.5}, "min_keys = 2.5: expected an integer >= 2"),
+    ({"min_keys": True}, "min_keys = True: expected an integer >= 2"),
+    ({"min_keys": "4"}, "min_keys = '4': expected an integer >= 2"),
 ])
 def test_bad_settings_are_clear_errors(small_store, options, message):
     with pytest.raises(AnalysisError, match=message):

@@ -67,7 +67,8 @@ def assert_agrees_with_offline(online, offline):
 
 
 def offline_replay(ds, settings):
-    return replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed, n_bootstrap=10)
+    return replay(ds, levels=settings.levels, n_draws=settings.n_draws, seed=settings.seed,
+                  min_keys=settings.min_keys, n_bootstrap=10)
 
 
 @pytest.mark.slow
@@ -75,9 +76,11 @@ def test_arithmetic_model_online_equals_offline_and_accuracy_falls(tmp_path):
     model = arithmetic_model()
     adapter = adapter_for(model)
     ds = extract(tmp_path / "s", adapter, *arithmetic_tokens())
-    offline = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=5, distribution="gaussian", targets=("q", "k"), n_bootstrap=10)
+    offline = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=5, distribution="gaussian", targets=("q", "k"), min_keys=6,
+                     n_bootstrap=10)
     online = online_check_like(offline, ds, model, all_layers=True, batch_size=10)
     assert online.attrs["distribution"] == "gaussian" and online.attrs["targets"] == ["q", "k"]
+    assert online.attrs["min_keys"] == 6
     assert_agrees_with_offline(online, offline)
     assert online.clean_accuracy == 1.0 and online.clean_pred_agreement == 1.0  # targets: clean predictions
     accuracy = online.accuracy.values
@@ -111,13 +114,16 @@ def test_analyze_verb_with_online_check(tmp_path):
     extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(8))
     save_model(model, tmp_path / "model")
     arguments = ["analyze", str(tmp_path / "s"), "--out", str(tmp_path / "results"), "--only", "replay", "--bootstrap", "10",
-                 "--option", "replay.levels=[0.1,0.3]", "--option", "replay.n_draws=2", "--online", str(tmp_path / "model"),
+                 "--option", "replay.levels=[0.1,0.3]", "--option", "replay.n_draws=2", "--option", "replay.min_keys=3",
+                 "--online", str(tmp_path / "model"),
                  "--online-samples", "6"]
     outcome = CliRunner().invoke(main, arguments)
     assert outcome.exit_code == 0, outcome.output
-    online = open_results(tmp_path / "results")["replay/online"].to_dataset()
+    results = open_results(tmp_path / "results")
+    online = results["replay/online"].to_dataset()
     assert online.attrs["n_samples"] == 6 and "all layers" in online.perturbation.values
-    assert online.offline_mismatches.sum() == 0
+    assert online.offline_mismatches.sum() == 0 and online.sparse_mismatches.sum() == 0
+    assert results["replay"].attrs["min_keys"] == online.attrs["min_keys"] == 3
     other = save_model(arithmetic_model(n_layers=3), tmp_path / "other")
     outcome = CliRunner().invoke(main, arguments[:-3] + [str(other)])
     assert outcome.exit_code != 0 and "does not match the store" in outcome.output
@@ -138,6 +144,22 @@ def test_the_injected_noise_is_the_replays_draw(tmp_path):
         kappa = 0.3 * unit_noise(5, target, 1, samples, 2, n_pos, 4)
         np.testing.assert_allclose(noisy[site][:, 1], ds[site].sel(layer=1).values * (1 + kappa[..., None]), rtol=1e-6)
         np.testing.assert_array_equal(noisy[site][:, 0], ds[site].sel(layer=0).values)
+
+
+@pytest.mark.slow
+def test_the_online_check_counts_the_instances_the_replay_counts(tmp_path):
+    """Sparse instances need min_keys allowed keys online as offline: a causal model's first
+    positions, sparse with two or three keys, count with min_keys=2 only."""
+    model = arithmetic_model()
+    ds = extract(tmp_path / "s", adapter_for(model), *arithmetic_tokens(4))
+    n_sparse = {}
+    for min_keys in (2, 4):
+        settings = ReplaySettings(levels=(0.3,), n_draws=1, seed=5, min_keys=min_keys)
+        online = online_check(ds, model, settings=settings)
+        assert online.attrs["min_keys"] == min_keys and online.sparse_mismatches.sum() == 0
+        np.testing.assert_array_equal(online.n_sparse, offline_replay(ds, settings).n_sparse)
+        n_sparse[min_keys] = int(online.n_sparse.sum())
+    assert n_sparse[2] > n_sparse[4] > 0
 
 
 def hugging_face_model(kind):

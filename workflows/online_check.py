@@ -15,7 +15,8 @@ same (seed, target, layer, sample, draw). It measures:
   (they agree exactly up to float rounding on near-ties; a layer's noise cannot reach its own
   q and k through the forward pass).
 
-Instances, sparse heads and collapse are defined as in ``orthosphere.analyze.replay``.
+Instances (queries with at least the replay's ``min_keys`` allowed keys), sparse heads and collapse
+are defined as in ``orthosphere.analyze.replay``.
 """
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ from orthosphere.analyze.attention import ScoreTerms, allowed_keys
 from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import (
     DEFINITIONS,
+    SWITCHABLE_KEYS,
     HeadBlock,
     ReplayError,
     ReplaySettings,
     check_variables,
     collapse_indicators,
+    instance_queries,
     store_model,
 )
 from orthosphere.extract.capture import Adapter, adapter_for
@@ -90,11 +93,12 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
 
 def online_check_like(replay_result: xr.Dataset, store, model, **options) -> xr.Dataset:
     """The online check with exactly the noise of an offline replay result (its levels, layers,
-    seed, draws, distribution, targets and sparse threshold, read from the result itself)."""
+    seed, draws, distribution, targets, sparse threshold and minimum of allowed keys, read from the
+    result itself; results written before the minimum counted every query that can switch)."""
     attrs = replay_result.attrs
     settings = ReplaySettings(levels=tuple(replay_result["level"].values), n_draws=attrs["n_draws"], seed=attrs["seed"],
                               distribution=attrs["distribution"], targets=tuple(attrs["targets"]),
-                              sparse_threshold=attrs["sparse_threshold"])
+                              sparse_threshold=attrs["sparse_threshold"], min_keys=attrs.get("min_keys", SWITCHABLE_KEYS))
     return online_check(store, model, settings=settings, layers=[int(x) for x in replay_result["layer"].values], **options)
 
 
@@ -158,10 +162,10 @@ def _adapter(model, device, model_dtype) -> tuple[Adapter, dict]:
 class _Clean:
     """The clean pass of one batch: predictions and each measured layer's sparse instances."""
 
-    def __init__(self, pattern: np.ndarray, valid: np.ndarray, terms: list[ScoreTerms], threshold: float):
-        instance = np.stack([valid & (allowed_keys(valid, layer_terms).sum(axis=-1) >= 2) for layer_terms in terms],
-                            axis=1)[:, :, None, :]  # (sample, layer, 1, qpos)
-        self.sparse = instance & (pattern.max(axis=-1) >= threshold)  # (sample, layer, head, qpos)
+    def __init__(self, pattern: np.ndarray, valid: np.ndarray, terms: list[ScoreTerms], settings: ReplaySettings):
+        instance = np.stack([instance_queries(valid, allowed_keys(valid, layer_terms).sum(axis=-1), settings.min_keys)
+                             for layer_terms in terms], axis=1)[:, :, None, :]  # (sample, layer, 1, qpos)
+        self.sparse = instance & (pattern.max(axis=-1) >= settings.sparse_threshold)  # (sample, layer, head, qpos)
         self.winner = pattern.argmax(axis=-1)
 
 
@@ -181,11 +185,11 @@ def _check_batch(adapter, batch, runs, layers, settings, terms, tally, compare_o
     samples = batch["sample"].values
     target, scored = batch["target"].values, batch["scored"].values.astype(bool)
     pred, pattern = _forward(adapter, tokens, valid_tensor, tuple(layers))
-    clean = _Clean(pattern, valid, [terms[layer] for layer in layers], settings.sparse_threshold)
+    clean = _Clean(pattern, valid, [terms[layer] for layer in layers], settings)
     tally.add_clean(pred, target, scored, clean, batch["pred"].values if "pred" in batch else None)
     offline_blocks = {
         layer: HeadBlock(batch["q"].sel(layer=layer).values, batch["k"].sel(layer=layer).values, valid,
-                         terms[layer], settings.sparse_threshold)
+                         terms[layer], settings.sparse_threshold, min_keys=settings.min_keys)
         for layer in layers
     } if compare_offline else {}
     for name, perturbed, measured in runs:
@@ -272,5 +276,6 @@ class _Tally:
             "definition": np.array(DEFINITIONS, dtype=object)})
         result.attrs.update({"seed": self.settings.seed, "n_draws": draws, "distribution": self.settings.distribution,
                              "targets": list(self.settings.targets), "sparse_threshold": self.settings.sparse_threshold,
+                             "min_keys": self.settings.min_keys,
                              "family": adapter.family, "n_samples": self.n_samples})
         return result
