@@ -11,7 +11,7 @@ SPEC = {"train_counts": [3, 4, 6], "digit_lengths": [1, 2]}
 
 
 def results_tree(source: str, sha: str, placement: str, split: str, accuracy: float, band: float = 0.2,
-                 sparse: int = 50, d_model: int = 64) -> xr.DataTree:
+                 sparse: int = 50, d_model: int = 64, recall: float = 0.9, precision: float = 0.8) -> xr.DataTree:
     """A results tree holding what the headline reads, for one (model, data) pair."""
     per_head = placement == "qkv"  # what a store's description says of the placement, beyond its name
     norms = [{"site": site, "type": "layer", "scope": "head" if per_head else "d_model"}
@@ -25,7 +25,9 @@ def results_tree(source: str, sha: str, placement: str, split: str, accuracy: fl
         "collapse_level_pooled": ("definition", [0.1, 0.2]),
         "n_sparse": (("layer", "head"), np.full((2, 4), sparse)),
         "n_instances": (("layer", "head"), np.full((2, 4), 100)),
-    }, coords={"definition": ["collapse", "strict"], **layer_head})
+        "theory_recall_pooled": ("level", [np.nan, recall]),  # nothing collapses at 5 %
+        "theory_precision_pooled": ("level", [0.0, precision]),
+    }, coords={"definition": ["collapse", "strict"], "level": [0.05, 0.1], **layer_head})
     tree = xr.DataTree.from_dict({
         "/accuracy": xr.Dataset({"token_accuracy": accuracy}),
         "/norms/resid_pre": norms_group(band, layer_head),
@@ -137,8 +139,22 @@ def test_headline_gives_mean_and_spread_over_seeds_and_judges_the_direction():
                 "(each head's ratios to its own median, attention-weighted, pooled over layers and heads)"]
     assert band[0] == "20.0 % [20.0–20.0] / 20.0 % [20.0–20.0]"
     assert band[2].startswith("within the seed spread")
-    assert rows["Pre-Norm / QKV-Norm: share of queries and heads with max attention ≥ 0.95 (sparse)"][0].startswith("50.0 %")
+    sparse = "share of queries and heads with max attention ≥ 0.95 (sparse), among queries with at least the replay's min_keys"
+    assert rows[f"Pre-Norm / QKV-Norm: {sparse} allowed keys"][0].startswith("50.0 %")
     assert rows["Seeds (models) per placement, Pre-Norm / QKV-Norm"][0] == "3 / 3"
+
+
+def test_headline_gives_theorem_7s_recall_and_precision_at_10_percent_noise_where_swept():
+    runs = runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}, recall=0.9, precision=0.75)
+    rows = {row[0]: row[1:] for row in report.headline_rows(runs)}
+    theorem = "Pre-Norm / QKV-Norm: Theorem 7's first-order condition at 10 % noise, layers and heads pooled: "
+    assert rows[theorem + "recall (share of the measured collapses it predicted)"][0] == (
+        "90.0 % [90.0–90.0] / 90.0 % [90.0–90.0]")
+    assert rows[theorem + "precision (share of its predicted collapses that happened)"] == (
+        "75.0 % [75.0–75.0] / 75.0 % [75.0–75.0]", "—", "—")
+    for run in runs:  # a replay that did not sweep 10 %: no row
+        run.tree["replay"] = xr.DataTree(run.tree["replay"].to_dataset().isel(level=[0]))
+    assert not [row for row in report.headline_rows(runs) if "Theorem 7" in row[0]]
 
 
 def test_the_norm_spread_figure_gives_each_layers_band_and_the_pooled_one():

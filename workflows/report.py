@@ -7,8 +7,9 @@ descriptions differ only in their weights are seeds of one variant. The report d
 spread, the smallest principal angles per layer with their intervals and relations, the spheres'
 radius spread and cross terms per layer with their intervals, the collapse rate against noise
 beside Theorem 7's prediction, the max-attention histograms and the accuracy per split, and puts
-the headline figures beside the paper's: each as the mean over seeds with its [min–max], and
-whether the paper's Pre-Norm / QKV-Norm direction holds beyond the seed spread.
+the headline figures beside the paper's (Theorem 7's recall and precision among them): each as the
+mean over seeds with its [min–max], and whether the paper's Pre-Norm / QKV-Norm direction holds
+beyond the seed spread.
 """
 from __future__ import annotations
 
@@ -548,6 +549,23 @@ def _sparse_share(run: Run) -> float | None:
     return float(replay.n_sparse.sum() / replay.n_instances.sum())
 
 
+THEORY_LEVEL = 0.1
+"""The noise level of the headline's recall and precision of Theorem 7 (about the paper's collapse level)."""
+
+
+def _theory(measure: str):
+    """The recall or precision of Theorem 7's first-order condition against the measured collapses at
+    THEORY_LEVEL, pooled over layers and heads; None where the replay did not sweep that level or
+    its results predate recall and precision."""
+    def value(run: Run) -> float | None:
+        replay = run.group("replay")
+        name = f"theory_{measure}_pooled"
+        if replay is None or name not in replay or THEORY_LEVEL not in replay.level.values:
+            return None
+        return float(replay[name].sel(level=THEORY_LEVEL))
+    return value
+
+
 def _online_drop(run: Run) -> float | None:
     """The online check's accuracy drop at 1 % noise in all layers, on the model's test data."""
     online = run.group("replay/online")
@@ -563,7 +581,12 @@ HEADLINE = (
     ("noise RMS at which 1 % of sparse heads collapse", _collapse_level("collapse"), "11 % (Pre-Norm)", 0),
     ("noise RMS at which 1 % of sparse heads strictly collapse", _collapse_level("strict"), "17 % (Pre-Norm)", 0),
     ("per-token accuracy drop with 1 % noise in all layers (online check)", _online_drop, "≳10 % (Pre-Norm)", 0),
-    ("share of queries and heads with max attention ≥ 0.95 (sparse)", _sparse_share, "peaks at 1 / does not", 1),
+    ("share of queries and heads with max attention ≥ 0.95 (sparse), among queries with at least the replay's "
+     "min_keys allowed keys", _sparse_share, "peaks at 1 / does not", 1),
+    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, layers and heads pooled: recall "
+     "(share of the measured collapses it predicted)", _theory("recall"), "—", 0),
+    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, layers and heads pooled: precision "
+     "(share of its predicted collapses that happened)", _theory("precision"), "—", 0),
 )
 """(quantity, measure of one model's in-distribution run, the paper's figure, the paper's
 direction: +1 Pre-Norm above QKV-Norm, -1 below, 0 no comparison)."""
