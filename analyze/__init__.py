@@ -31,7 +31,9 @@ samples.
   with ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its fit
   (fit options given besides must agree); else fitted here
 - ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
-- ``replay``: ``orthosphere.analyze.replay.replay`` (norm-perturbation replay; see its module)
+- ``replay``: ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
+  sparse_threshold, min_keys, collapse_target, n_bootstrap, confidence, layers, n_bins)`` (norm-perturbation
+  replay; see its module)
 
 Conventions: the analysed tokens are the valid ones, without each sequence's start token (its first
 valid position) unless ``exclude_start=False``. A factor is ``LABEL`` or ``LABEL[KEY=V1|V2,...]``
