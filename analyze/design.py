@@ -274,7 +274,8 @@ def noise_traces(counts: Counts, layout: Layout, solution: JointSolution | None)
             covariance = centre(centre(g_inverse, n).T, n)
             fit_map = weight * centre(g_inverse, n)
         along = np.stack([m @ q for m, q in zip(maps, grams)])  # L_g Q_g
-        blocks = -np.einsum("gkc,hlc->gkhl", along @ g_inverse, along)  # -L_g Q_g G Q_h L_h'
+        flat = along.reshape(-1, along.shape[-1])
+        blocks = -((flat @ g_inverse) @ flat.T).reshape(along.shape[0], along.shape[1], along.shape[0], along.shape[1])
         for g, (m, a_g) in enumerate(zip(maps, along)):
             blocks[g, :, g, :] += a_g @ m.T
         traces = np.einsum("gkhk->gh", blocks)
@@ -298,7 +299,7 @@ def joint_effects(sums: np.ndarray, counts: Counts, layout: Layout, solution: Jo
         influence = np.zeros((1, theta.shape[0] - start, theta.shape[1]))
     else:
         residuals = np.stack([sums[g] - counts.group_gram(g) @ theta for g in range(sums.shape[0])])
-        influence = np.einsum("gkc,gcd->gkd", solution.influence_maps, residuals.astype("float32"), dtype="float64")
+        influence = np.matmul(solution.influence_maps, residuals.astype("float32")).astype("float64")
     found = []
     for a in range(len(layout.names)):
         block = layout.block(a)

@@ -2,6 +2,7 @@
 noise draws say of them (``inference``): structure, intervals and claims of each pair, spheres."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,7 @@ from .inference import (
     weighted_cv,
 )
 
-ESTIMATE_ROUNDS = 3
+ESTIMATE_ROUNDS = 2
 """Rounds of the fixed point of the median-unbiased angles (``_median_unbiased``)."""
 
 
@@ -218,7 +219,16 @@ class _Source:
     mean_noise: np.ndarray  # N mean (draws, k)
 
     def drawn(self, truth: np.ndarray) -> Drawn:
-        return drawn_subspaces(truth @ self.span, self.gram, self.noise, self.fit.rank)
+        return drawn_subspaces(truth @ self.span, self.gram, self.noise, self.fit.rank, self.complement)
+
+    @functools.cached_property
+    def complement(self) -> np.ndarray | None:
+        """An orthonormal basis (k, k - 1) of the centred effects' rows (orthogonal to sqrt(counts)), when
+        the factor keeps all k - 1 of their directions (``drawn_subspaces`` then needs no eigen-decomposition)."""
+        if self.fit.rank != len(self.view.counts) - 1:
+            return None
+        root = np.sqrt(self.view.counts)[:, None]
+        return np.linalg.svd(np.eye(len(root)) - (root @ root.T) / self.view.counts.sum())[0][:, : self.fit.rank]
 
     def points(self, effects: np.ndarray, basis: np.ndarray) -> np.ndarray:
         """Class points U'(mean + E[c]) (k, r) of weighted effects in an orthonormal basis."""
@@ -226,7 +236,7 @@ class _Source:
 
     def drawn_points(self, drawn: Drawn, mean: np.ndarray) -> np.ndarray:
         """(draws, k, r) class points of draws around a truth whose class points have mean `mean` (d)."""
-        coordinates = drawn.class_coordinates() / np.sqrt(self.view.counts)[None, :, None]
+        coordinates = drawn.coordinates / np.sqrt(self.view.counts)[None, :, None]
         shift = mean - self.view.mean
         offset = drawn.along(self.span.T @ mean, self.mean_noise + self.noise @ (self.span.T @ shift))
         return coordinates + offset[:, None, :]
@@ -258,24 +268,24 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
         return cosine_angles(cosines), (drawn_a, drawn_b, cosines)
 
     search = FamilySearch(lambda family, value: draw(least_favourable(family, value, m))[0], 0.0, 90.0, ANGLE_TOLERANCE)
-    fitted = draw(pair.angles)[0]
+    fitted_angles, fitted = draw(pair.angles)
     smallest, largest = ("smallest", "largest") if m > 1 else ("equal", "equal")
+    edges = {name: (search.at(family, settings.orthogonal_deg)[:, 0], search.at(family, settings.dependent_deg)[:, 0])
+             for name, family in (("smallest", smallest), ("equal", "equal"))}  # the claims' boundaries, drawn first
     for index, (lower, upper) in enumerate(((smallest, "equal"), ("equal", largest))):
         column = -index
         angle = pair.angles[column]
-        guess_low, guess_high = basic_interval(angle, fitted[:, column], settings.confidence)
+        guess_low, guess_high = basic_interval(angle, fitted_angles[:, column], settings.confidence)
         pair.extremes_ci[index] = [search.crossing(lower, column, high, angle, guess_low),
                                    search.crossing(upper, column, low, angle, guess_high)]
-    pair.estimate = _median_unbiased(pair.angles, fitted, lambda target: draw(target)[0])
+    pair.estimate = _median_unbiased(pair.angles, fitted_angles, lambda target: draw(target)[0])
     first_angle = pair.angles[0]
-    edges = {name: (search.at(family, settings.orthogonal_deg)[:, 0], search.at(family, settings.dependent_deg)[:, 0])
-             for name, family in (("smallest", smallest), ("equal", "equal"))}
     pair.claim_p = np.array([
         tail_p(edges["smallest"][0], first_angle, upper=True),
         tail_p(edges["equal"][1], first_angle, upper=False),
         max(tail_p(edges["equal"][0], first_angle, upper=False), tail_p(edges["smallest"][1], first_angle, upper=True)),
     ])
-    _pair_cross_terms(pair, first, second, draw, contingency, settings)
+    _pair_cross_terms(pair, first, second, fitted, draw(np.full(m, 90.0))[1], contingency, settings)
     return pair
 
 
@@ -291,22 +301,21 @@ def _median_unbiased(angles: np.ndarray, fitted: np.ndarray, draw) -> np.ndarray
     return estimate
 
 
-def _pair_cross_terms(pair: PairFit, first: _Source, second: _Source, draw, contingency: np.ndarray,
-                      settings: DrawSettings) -> None:
-    """The pair's cross term, its basic bootstrap interval (draws around the fit) and its null (draws
-    around the truths turned orthogonal)."""
+def _pair_cross_terms(pair: PairFit, first: _Source, second: _Source, fitted: tuple, orthogonal: tuple,
+                      contingency: np.ndarray, settings: DrawSettings) -> None:
+    """The pair's cross term, its basic bootstrap interval (the draws around the fit, `fitted`) and its
+    null (the draws around the truths turned orthogonal); each draws' (Drawn a, Drawn b, cosines)."""
     basis_a, basis_b = first.fit.basis, second.fit.basis
     fitted_points = [source.points(source.view.effects.weighted, source.fit.basis) for source in (first, second)]
     pair.cross_term = float(_cross_term(fitted_points[0][None], fitted_points[1][None], (basis_a.T @ basis_b)[None],
                                         contingency)[0])
-    for target in (pair.angles, np.full(len(pair.angles), 90.0)):
-        drawn_a, drawn_b, cosines = draw(target)[1]
-        drawn = _cross_term(first.drawn_points(drawn_a, first.view.mean), second.drawn_points(drawn_b, second.view.mean),
-                            cosines, contingency)
-        if target[0] < 90:
-            pair.cross_term_ci = basic_interval(pair.cross_term, drawn, settings.confidence)
-    pair.cross_term_null_ci = np.quantile(drawn, [settings.significance / 2, 1 - settings.significance / 2])
-    pair.cross_term_p = add_one_share(drawn >= pair.cross_term)
+    drawn = {}
+    for name, (drawn_a, drawn_b, cosines) in (("fitted", fitted), ("orthogonal", orthogonal)):
+        drawn[name] = _cross_term(first.drawn_points(drawn_a, first.view.mean),
+                                  second.drawn_points(drawn_b, second.view.mean), cosines, contingency)
+    pair.cross_term_ci = basic_interval(pair.cross_term, drawn["fitted"], settings.confidence)
+    pair.cross_term_null_ci = np.quantile(drawn["orthogonal"], [settings.significance / 2, 1 - settings.significance / 2])
+    pair.cross_term_p = add_one_share(drawn["orthogonal"] >= pair.cross_term)
 
 
 def _cross_term(points_a: np.ndarray, points_b: np.ndarray, cosines: np.ndarray, contingency: np.ndarray) -> np.ndarray:
@@ -317,7 +326,7 @@ def _cross_term(points_a: np.ndarray, points_b: np.ndarray, cosines: np.ndarray,
     total = contingency.sum()
     if total == 0:
         return np.full(len(points_a), np.nan)
-    products = np.einsum("nkr,nrs,nls->nkl", points_a, cosines, points_b)
+    products = (points_a @ cosines) @ np.swapaxes(points_b, -1, -2)
     mean = np.sqrt(np.einsum("nkl,kl->n", products**2, contingency) / total)
     square_a = np.einsum("nkr,nkr->nk", points_a, points_a) @ contingency.sum(axis=1) / total
     square_b = np.einsum("nkr,nkr->nk", points_b, points_b) @ contingency.sum(axis=0) / total
@@ -361,8 +370,7 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     fit.radius_cv_ci = np.array([
         search.crossing("spread", None, (1 + settings.confidence) / 2, fit.radius_cv, guess_low),
         search.crossing("spread", None, (1 - settings.confidence) / 2, fit.radius_cv, guess_high)])
-    fit.radius_cv_estimate = search.crossing("spread", None, 0.5, fit.radius_cv,
-                                             2 * fit.radius_cv - float(np.median(fitted)))
+    fit.radius_cv_estimate = max(2 * fit.radius_cv - float(np.median(fitted)), 0.0)  # less the draws' median bias
     at_tolerance = search.at("spread", settings.radius_cv_tolerance)
     fit.sphere_p = np.array([tail_p(at_tolerance, fit.radius_cv, upper=False), tail_p(at_tolerance, fit.radius_cv, upper=True)])
     fit.sphere_null_p = tail_p(search.at("spread", 0.0), fit.radius_cv, upper=True)

@@ -157,7 +157,7 @@ DESCRIPTIONS = {
     "radius_mean": "token-weighted mean norm of the factor's class points (projections of its class means onto its "
                    "subspace), each class effect's noise taken from its radius squared",
     "radius_cv": "coefficient of variation of those norms over classes (token-weighted): 0 on a sphere",
-    "radius_cv_estimate": "radius_cv corrected for the noise's bias (median-unbiased over truths of scaled radius spread)",
+    "radius_cv_estimate": "radius_cv less the median bias of the draws around the fit (at least 0)",
     "radius_cv_ci": "confidence interval of the radius spread, inverted from draws around truths of scaled spread",
     "sphere_null_p": "p-value of 'exactly on a sphere' (draws around the class points moved onto a sphere)",
     "sphere_claim_p": "p-values of the claims 'on sphere' (radius spread below radius_cv_tolerance) and 'off sphere'",

@@ -3,7 +3,7 @@
 (a) out-of-core: norms + subspaces + spheres over a synthetic store several times larger than a
     Dask worker's memory limit, on a LocalCluster: each analysis run on its own (each reading the
     store itself) and all three in one `analyze` call (planned together: one pass for norms and
-    subspaces, and the spheres' pass over resid_pre, which needs the fitted bases). Prints the
+    subspaces; the spheres read the subspaces' fit, not the store). Prints the
     throughput (bytes of activations read per second, each pass counted) as a ratio to the raw
     pass (target >= 0.7 for the one call), the wall time as a multiple of one raw pass, and the
     workers' peak memory, spill and restarts.
@@ -12,11 +12,12 @@
     token-identity label has over 2,000 classes. The default analyses of `orthosphere analyze`
     (default factors for text: token identity, its rarest classes pooled, and position) in one
     call, with Dask's threads as the CLI uses them; their time as a multiple of one raw pass over
-    every site (target <= 3x), with and without the replay.
+    every site (target <= 3x), with and without the replay; and what each part of the subspaces'
+    statistics costs there (the fit alone, with the structure test, with every draw, with spheres).
 
     python benchmarks/analyze_scale.py --case out-of-core        # 2 GB store, 2 workers of 512 MB
     python benchmarks/analyze_scale.py --case out-of-core --size-gb 4 --memory-limit 1GB
-    python benchmarks/analyze_scale.py --case language-model
+    python benchmarks/analyze_scale.py --case language-model [--skip-replay]
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ from orthosphere.store import DEFAULT_SITES, create_store
 N_LAYERS, N_POS, D_MODEL, N_HEADS, D_HEAD = 4, 32, 128, 4, 32
 SITES = ("resid_pre", "q", "k")
 FACTORS = ["alpha", "beta", "pos"]
-OPTIONS = {"sites": ["resid_pre", "k"], "factors": FACTORS, "n_bootstrap": 50}
+OPTIONS = {"sites": ["resid_pre", "k"], "factors": FACTORS}
 """(a): norms of resid_pre and k weighted by the attention recomputed from q and k; subspaces of alpha,
-beta and pos with 50 bootstrap replicates (and the default null); spheres on those bases."""
-READS = {"norms": ("resid_pre", "q", "k"), "subspaces": ("resid_pre",), "spheres": ("resid_pre",)}
+beta and pos with their default noise draws; spheres from that fit."""
+READS = {"norms": ("resid_pre", "q", "k"), "subspaces": ("resid_pre",), "spheres": ()}
 """The site arrays each analysis reads once (norms reads q and k to recompute the attention)."""
 
 LM = {"n_layers": 30, "d_model": 576, "n_heads": 9, "n_kv_heads": 3, "d_head": 64, "n_pos": 128, "n_samples": 64,
@@ -137,13 +138,13 @@ def raw_pass(dataset, sites) -> float:
 
 
 def separately(dataset) -> dict[str, float]:
-    """Seconds of each analysis run on its own (spheres taking the subspaces' bases, as before)."""
+    """Seconds of each analysis run on its own (spheres taking the subspaces' fit, as in one call)."""
     seconds = {}
     started = time.perf_counter()
     norm_spread(dataset, sites=OPTIONS["sites"])
     seconds["norms"] = time.perf_counter() - started
     started = time.perf_counter()
-    subspaces = FactorSubspaces(factors=FACTORS, n_bootstrap=OPTIONS["n_bootstrap"]).fit(dataset)
+    subspaces = FactorSubspaces(factors=FACTORS).fit(dataset)
     subspaces.to_dataset()
     seconds["subspaces"] = time.perf_counter() - started
     started = time.perf_counter()
@@ -185,11 +186,9 @@ def out_of_core(args) -> None:
                 started = time.perf_counter()
                 run_analyses(dataset, only=list(READS), options=OPTIONS)
                 together = time.perf_counter() - started
-            read = total + site_bytes(dataset, "resid_pre")  # pass 1 reads every site once; the spheres resid_pre again
-            print(f"  one analyze call: {together:6.1f} s, reads {read / 2**30:.2f} GiB (every site once, resid_pre "
-                  f"once more for the spheres): ratio to the raw pass {read / together / raw_rate:.2f} "
-                  f"(counting each byte once: {total / together / raw_rate:.2f}); wall time "
-                  f"{together / raw_seconds:.1f} x one raw pass, {alone / together:.2f} x faster than alone")
+            print(f"  one analyze call: {together:6.1f} s, reads {total / 2**30:.2f} GiB (every site once): ratio to "
+                  f"the raw pass {total / together / raw_rate:.2f}; wall time {together / raw_seconds:.1f} x one raw "
+                  f"pass, {alone / together:.2f} x faster than alone")
             peaks = ", ".join(f"{peak / 2**20:.0f}" for peak in watch.peaks.values())
             restarted = set(client.scheduler_info()["workers"]) != workers_before
             print(f"peak worker memory (MiB): {peaks} (limit {limit / 2**20:.0f}); spilled to disk: "
@@ -264,12 +263,17 @@ def language_model(args) -> None:
         raw_pass(dataset, DEFAULT_SITES)
         raw_seconds = raw_pass(dataset, DEFAULT_SITES)
         print(f"raw pass (read + sum every site): {raw_seconds:.1f} s, {total / raw_seconds / 2**20:.0f} MiB/s")
-        runs = {"default analyses but the replay": [name for name in ("accuracy", "norms", "subspaces", "spheres",
-                                                                      "neighbours")],
-                "default analyses": None}
-        for label, only in runs.items():
+        fit_only = {"rank": 8, "n_bootstrap": 0, "n_null": 0}
+        runs = {"subspaces, the fit alone (rank 8, no noise draws)": (["subspaces"], fit_only),
+                "subspaces with the structure test (no rank, interval or claim draws)": (["subspaces"], {"rank": 8, "n_bootstrap": 0}),
+                "subspaces, every default statistic": (["subspaces"], {}),
+                "subspaces and spheres, every default statistic": (["subspaces", "spheres"], {}),
+                "default analyses but the replay": (["accuracy", "norms", "subspaces", "spheres", "neighbours"], {})}
+        if not args.skip_replay:
+            runs["default analyses"] = (None, {})
+        for label, (only, options) in runs.items():
             started = time.perf_counter()
-            results = run_analyses(dataset, only=only)
+            results = run_analyses(dataset, only=only, options=options)
             elapsed = time.perf_counter() - started
             print(f"{label}: {elapsed:.1f} s = {elapsed / raw_seconds:.1f} x one raw pass")
         subspaces = results["subspaces"].to_dataset()
@@ -289,6 +293,7 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="(a) workers of the LocalCluster")
     parser.add_argument("--dir", default=None, help="where to write the stores (default: a temporary directory)")
     parser.add_argument("--log", action="store_true", help="show the analyses' progress log")
+    parser.add_argument("--skip-replay", action="store_true", help="(b) leave out the run of every default analysis")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.log else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.case in ("out-of-core", "both"):

@@ -48,7 +48,6 @@ online_samples = 16
 [analyze.options]
 "replay.n_draws" = 4
 "replay.n_bootstrap" = 40
-"subspaces.n_bootstrap" = 20
 
 [report]
 title = "tiny pipeline"
