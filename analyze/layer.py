@@ -107,7 +107,7 @@ class LayerFit:
 
 @dataclass
 class FactorView:
-    """What the draws of one factor need: effects, counts, mean, and its place among the draws' columns."""
+    """What the draws of one factor need: its effects, class counts, the mean of its tokens and its directions."""
 
     effects: FactorEffects
     counts: np.ndarray
