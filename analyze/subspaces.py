@@ -559,7 +559,7 @@ DESCRIPTIONS = {
     "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
-                       "measured ones as their medians",
+                       "measured ones as their medians (the smallest and largest kept inside their intervals)",
     "min_angle_ci": "confidence interval of the smallest principal angle, inverted from draws around truths at its least "
                     "favourable configurations (inference.least_favourable)",
     "max_angle_ci": "confidence interval of the largest principal angle (as min_angle_ci)",

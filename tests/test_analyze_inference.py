@@ -174,3 +174,14 @@ def test_tail_p_values_are_shares_of_the_draws_and_normal_tails_beyond_them():
     far = tail_p(draws, 6.0, upper=True)
     assert far == pytest.approx(norm.sf((6.0 - draws.mean()) / draws.std()), rel=1e-9) and far < 1e-6
     assert tail_p(draws, 2.7, upper=True) <= 5 / 201  # never above the draws' resolution
+
+
+def test_an_estimate_the_fixed_point_left_outside_its_interval_is_brought_inside():
+    """The case of a weak high-rank pair (a shipped model's layer 2): the two rounds of the median-
+    unbiased fixed point stop at 57.9 degrees, the inverted interval of the smallest angle is [85.8, 90]."""
+    from orthosphere.analyze.layer import _within
+
+    estimate = _within(np.array([57.9, 70.0, 81.98]), np.array([[85.8, 90.0], [59.6, 90.0]]))
+    np.testing.assert_allclose(estimate, [85.8, 85.8, 85.8])
+    inside = np.array([40.0, 50.0, 60.0])
+    np.testing.assert_array_equal(_within(inside, np.array([[30.0, 45.0], [55.0, 70.0]])), inside)

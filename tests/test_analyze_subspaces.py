@@ -62,6 +62,9 @@ def test_intervals_bracket_the_planted_angles_and_the_relation_is_named(planted)
         assert np.all(low <= planted_angles + 0.5) and np.all(high >= planted_angles - 0.5), name
         assert np.all(high - low < 2.0), name
     np.testing.assert_allclose(pair["min_angle_estimate"].values, planted_angles, atol=1.0)
+    for name in ("min_angle", "max_angle"):  # every estimate inside its own interval
+        low, high = pair[f"{name}_ci"].values.T
+        assert np.all((low <= pair[f"{name}_estimate"].values) & (pair[f"{name}_estimate"].values <= high)), name
     assert pair["relation"].values.tolist() == ["dependent", "independent", "independent", "orthogonal"]
     claims = dict(zip(pair["claim"].values, pair["claim_q"].values.T))
     assert claims["dependent"][0] <= 0.05 and claims["orthogonal"][3] <= 0.05 and np.all(claims["independent"][1:3] <= 0.05)
