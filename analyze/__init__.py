@@ -102,7 +102,7 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
                                          (Benjamini-Hochberg); NaN without a null
   basis (layer, factor, d_model, basis_vector)   orthonormal basis of the subspace
   angles, angles_estimate (layer, factor, other, angle)   principal angles, and corrected for the noise's
-                                         bias (median-unbiased)
+                                         bias (median-unbiased; the extremes kept inside their intervals)
   min_angle, min_angle_estimate, min_angle_ci (layer, factor, other[, bound])   the smallest angle, its
                                          estimate and its `confidence` interval (inverted from draws)
   max_angle, max_angle_estimate, max_angle_ci   the same for the largest angle
