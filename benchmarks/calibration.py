@@ -15,6 +15,9 @@ Groups of cells (``--groups``, default all):
   and "dependent" (10, 10): how often each verdict is called (orthogonal pairs called dependent and
   60 degree pairs called orthogonal: target <= 5 %), and each claim's rate of p <= 0.05 at its
   boundary (its size: nominal 5 %);
+- ranks: a factor of rank 6 (16 and 64 classes) beside one of rank 2, moderate and strong signal,
+  60 degrees and orthogonal: ranks, coverage and verdicts where many noisy directions pull the
+  smallest angle down;
 - design: confounded labels and a factor read on a subset of tokens (whose other tokens sit elsewhere);
 - spheres: class points on a sphere, and with radii spread +-40 %: told apart (target >= 95 %).
 
@@ -66,6 +69,10 @@ def grid(group: str, n_layers: int, quick: bool) -> list[Cell]:
         return [replace(base, truth=truth, signal=signal) for truth in
                 ("orthogonal", "oblique", "shared", "orthogonal-edge", "dependent-edge")
                 for signal in ("moderate", "strong")]
+    if group == "ranks":
+        return [replace(base, d_model=d, n_classes=k, rank=6, signal=signal, truth=truth)
+                for d, k in ((64, 16), (256, 64)) for signal in ("moderate", "strong") for truth in ("oblique", "orthogonal")
+                if not (quick and d == 256)]
     if group == "design":
         return [replace(base, confounded=True), replace(base, subset=True), replace(base, zipf=True, confounded=True),
                 replace(base, n_classes=64, zipf=True, confounded=True, subset=True)]
@@ -75,13 +82,15 @@ def grid(group: str, n_layers: int, quick: bool) -> list[Cell]:
     raise SystemExit(f"unknown group {group!r}: expected any of {GROUPS}")
 
 
-GROUPS = ("null", "signal", "truth", "design", "spheres")
+GROUPS = ("null", "signal", "truth", "ranks", "design", "spheres")
 COLUMNS = {
     "null": ("structure_fp", "structure_fp_corrected", "structure_uniform_p", "rank_zero", "claimed"),
     "signal": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "min_bias",
                "max_raw_bias", "max_bias"),
     "truth": ("rank_exact", "min_coverage", "max_coverage", "called_orthogonal", "called_dependent", "called_independent",
               "called_undetermined", "claim_orthogonal_p05", "claim_dependent_p05", "claim_independent_p05"),
+    "ranks": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_bias", "max_bias", "called_orthogonal",
+              "called_dependent", "called_independent", "called_undetermined"),
     "design": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "called_independent"),
     "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "radius_cv_coverage"),
 }

@@ -6,7 +6,8 @@ tests/test_calibration.py a small fixed-seed subset.
 
 The planted model of a layer: x = E_a[c_a] + E_b[c_b] + (role offset) + noise, noise N(0, 1) in every
 dimension; factor a has `n_classes` classes (uniform or Zipf), b has 4 (uniform; with `confounded`,
-b = a mod 4 on half the tokens); a's subspace has rank min(2, n_classes - 1), b's rank 2. Signal
+b = a mod 4 on half the tokens); a's subspace has rank min(`rank`, n_classes - 1) (2 by default), b's
+rank 2, so that the pair has min(rank_a, 2) principal angles whatever a's rank. Signal
 strength is set against the noise: each planted direction's singular value (of the
 sqrt(count)-weighted effects) is `SIGNALS[signal]` times the detection threshold (k d)^(1/4) of
 noise alone (Benaych-Georges & Nadakuditi 2012): below it no method can see the direction.
@@ -48,6 +49,7 @@ class Cell:
     subset: bool = False
     truth: str = "oblique"
     sphere: str | None = None
+    rank: int = 2
     n_layers: int = 200
     n_samples: int = 256
     n_pos: int = 17
@@ -56,11 +58,12 @@ class Cell:
     def name(self) -> str:
         parts = [f"d{self.d_model}", f"K{self.n_classes}", "zipf" if self.zipf else "uniform", self.signal,
                  "confounded" if self.confounded else "crossed", "subset" if self.subset else "all", self.truth]
-        return "-".join(parts + ([f"sphere-{self.sphere}"] if self.sphere else []))
+        extra = ([f"rank{self.rank}"] if self.rank != 2 else []) + ([f"sphere-{self.sphere}"] if self.sphere else [])
+        return "-".join(parts + extra)
 
     @property
     def rank_a(self) -> int:
-        return min(2, self.n_classes - 1)
+        return min(self.rank, self.n_classes - 1)
 
 
 @dataclass
@@ -138,7 +141,10 @@ def plant(cell: Cell, root: Path, seed: int = 0) -> Planted:
     layers, planted_angles, cv = [], [], 0.0
     for _ in range(cell.n_layers):
         angles = np.array(TRUTHS[cell.truth][: cell.rank_a])
-        basis_b, basis_a = bases_at_angles(d, 2, cell.rank_a, angles, rng)
+        if cell.rank_a > 2:  # b's two directions meet a's span at the planted angles
+            basis_a, basis_b = bases_at_angles(d, cell.rank_a, 2, angles, rng)
+        else:
+            basis_b, basis_a = bases_at_angles(d, 2, cell.rank_a, angles, rng)
         if cell.sphere:
             effect_a, radius_factor = _sphere_points(a[role_x], cell.n_classes, basis_a, strength * threshold_a,
                                                      OFF_SPHERE_SPREAD if cell.sphere == "off" else 0.0, rng)
