@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--null-layers", type=int, default=None,
                         help="replicate layers per cell of the null group (default: --layers)")
     parser.add_argument("--quick", action="store_true", help="40 layers a cell and a few cells per group")
+    parser.add_argument("--after", metavar="CELL", help="resume a long run: skip the cells up to this one (its name "
+                        "as printed) in the first group given")
     args = parser.parse_args()
     n_layers = 40 if args.quick else args.layers
     root = Path(tempfile.mkdtemp(prefix="orthosphere-calibration-"))
@@ -145,7 +147,13 @@ def main() -> None:
         for group in args.groups:
             rows = []
             layers = args.null_layers if group == "null" and args.null_layers and not args.quick else n_layers
-            for cell in grid(group, layers, args.quick):
+            cells = grid(group, layers, args.quick)
+            if args.after and group == args.groups[0]:
+                names = [cell.name for cell in cells]
+                if args.after not in names:
+                    raise SystemExit(f"--after {args.after!r}: not a cell of group {group!r}; its cells: {names}")
+                cells = cells[names.index(args.after) + 1:]
+            for cell in cells:
                 started = time.perf_counter()
                 scores = measure(cell, root)
                 seconds = time.perf_counter() - started
