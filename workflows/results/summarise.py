@@ -54,8 +54,11 @@ def intercept_rows(root: Path, store: Path) -> dict[str, str]:
     for name, arguments in variants.items():
         out = root / "intercepts" / f"{store.stem}-{name.split()[0].replace('[', '-').strip(']')}.zarr"
         if not out.exists():
-            subprocess.run([sys.executable, "-m", "orthosphere", "analyze", str(store), "--out", str(out),
-                            "--only", "subspaces", *arguments], check=True)
+            done = subprocess.run([sys.executable, "-m", "orthosphere", "analyze", str(store), "--out", str(out),
+                                   "--only", "subspaces", *arguments], capture_output=True, text=True)
+            if done.returncode != 0:  # e.g. factors this store's labels cannot separate
+                rows[name] = "refused: " + done.stderr.strip().splitlines()[-1].removeprefix("Error: ").split(":")[0]
+                continue
         subspaces = open_results(out)["subspaces"].to_dataset()
         position = next(f for f in subspaces.factor.values if str(f).startswith("pos"))
         pair = subspaces.sel(factor="operand[role=digit]", other=position)
