@@ -72,3 +72,13 @@ def test_class_points_on_spheres_and_off_them_are_told_apart(sphere, tmp_path):
     found = scored(Cell(d_model=64, n_classes=8, truth="orthogonal", signal="strong", sphere=sphere, n_layers=60), tmp_path)
     assert found["sphere_right"] >= 0.9 and found["sphere_wrong"] == 0.0
     assert found["radius_cv_coverage"] >= lowest(0.9, 60)
+
+
+@pytest.mark.slow
+def test_a_factor_of_many_directions_keeps_its_rank_and_its_intervals_cover(tmp_path):
+    """Rank 6 beside rank 2: many noisy directions pull the smallest angle down; the intervals still cover."""
+    found = scored(Cell(d_model=64, n_classes=16, rank=6, truth="oblique", n_layers=60), tmp_path)
+    assert found["rank_exact"] >= 0.9 and found["rank_exact_b"] >= 0.9
+    for name in ("min_coverage", "max_coverage"):
+        assert lowest(0.9, 60) <= found[name], name
+    assert found["called_orthogonal"] == 0.0 and found["called_dependent"] == 0.0
