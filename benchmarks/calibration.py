@@ -6,7 +6,8 @@ Groups of cells (``--groups``, default all):
 
 - null: labels that carry nothing (factor a's effects zero; b structured), over d_model 16 / 64 / 256 /
   576, classes 2 / 8 / 64, uniform and Zipf, crossed and confounded labels: the false-positive rate
-  of "structure" (structure_p <= 0.05; target 3.5-6.5 %) and of any claim about the pair;
+  of "structure" (structure_p <= 0.05; target 3.5-6.5 %), the uniformity of its p-values as a whole
+  (Kolmogorov-Smirnov) and the rate of any claim about the pair;
 - signal: a planted pair at 60 degrees, weak / moderate / strong signal, over the same sizes: exact
   ranks (target >= 95 % at moderate), coverage of the 90 % intervals of the smallest and largest
   principal angle (target within 5 points), and the bias of the raw and corrected angles;
@@ -15,7 +16,7 @@ Groups of cells (``--groups``, default all):
   and "dependent" (10, 10): how often each verdict is called (orthogonal pairs called dependent and
   60 degree pairs called orthogonal: target <= 5 %), and each claim's rate of p <= 0.05 at its
   boundary (its size: nominal 5 %);
-- ranks: a factor of rank 6 (16 and 64 classes) beside one of rank 2, moderate and strong signal,
+- ranks: a factor of rank 6 (16 classes, d_model 64 and 256) beside one of rank 2, moderate and strong signal,
   60 degrees and orthogonal: ranks, coverage and verdicts where many noisy directions pull the
   smallest angle down;
 - design: confounded labels and a factor read on a subset of tokens (whose other tokens sit elsewhere);
@@ -108,9 +109,10 @@ def measure(cell: Cell, root: Path) -> dict:
         spheres.append(found[1].assign_coords(layer=found[1]["layer"].values + start))
     together = Planted(cell, "", np.concatenate([chunk.angles for chunk in planted]),
                        np.concatenate([np.full(len(chunk.angles), chunk.radius_cv) for chunk in planted]))
-    scores = score(together, _stacked(subspaces), _stacked(spheres))
+    subspaces = _stacked(subspaces)
+    scores = score(together, subspaces, _stacked(spheres))
     if cell.signal == "none":  # the whole null distribution, beyond its 5 % tail: uniform p-values
-        scores["structure_uniform_p"] = float(kstest(_stacked(subspaces)["structure_p"].sel(factor="a").values, "uniform").pvalue)
+        scores["structure_uniform_p"] = float(kstest(subspaces["structure_p"].sel(factor="a").values, "uniform").pvalue)
     return scores
 
 
