@@ -278,8 +278,7 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
         guess_low, guess_high = basic_interval(angle, fitted_angles[:, column], settings.confidence)
         pair.extremes_ci[index] = [search.crossing(lower, column, high, angle, guess_low),
                                    search.crossing(upper, column, low, angle, guess_high)]
-    pair.estimate = _within(_median_unbiased(pair.angles, fitted_angles, lambda target: draw(target)[0]),
-                            pair.extremes_ci)
+    pair.estimate = _median_unbiased(pair.angles, fitted_angles, lambda target: draw(target)[0], pair.extremes_ci)
     first_angle = pair.angles[0]
     pair.claim_p = np.array([
         tail_p(edges["smallest"][0], first_angle, upper=True),
@@ -290,22 +289,23 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
     return pair
 
 
-def _median_unbiased(angles: np.ndarray, fitted: np.ndarray, draw) -> np.ndarray:
+def _median_unbiased(angles: np.ndarray, fitted: np.ndarray, draw, extremes_ci: np.ndarray) -> np.ndarray:
     """The principal angles whose draws' medians are the measured ones: the fixed point of
     c <- c + (measured - median of the angles drawn at c), from c = measured, whose draws are
-    `fitted` (ESTIMATE_ROUNDS rounds, kept within [0, 90] and ascending)."""
+    `fitted` (ESTIMATE_ROUNDS rounds, each kept ascending, within [0, 90] and its extremes inside
+    their intervals ``extremes_ci``, so that the next round draws around a truth the data allow)."""
     estimate, drawn = angles.copy(), fitted
     for round_ in range(ESTIMATE_ROUNDS):
-        estimate = np.sort(np.clip(estimate + angles - np.median(drawn, axis=0), 0.0, 90.0))
+        estimate = _within(np.sort(np.clip(estimate + angles - np.median(drawn, axis=0), 0.0, 90.0)), extremes_ci)
         if round_ < ESTIMATE_ROUNDS - 1:
             drawn = draw(estimate)
     return estimate
 
 
 def _within(estimate: np.ndarray, extremes_ci: np.ndarray) -> np.ndarray:
-    """The estimate with its smallest and largest angles kept inside their intervals (and the others
-    between them): where the noise's pull is large (high ranks, weak directions) the fixed point's
-    few rounds fall short of the truth that Neyman's construction brackets."""
+    """The ascending estimate with its smallest and largest angles kept inside their intervals (and
+    the others between them): where the noise's pull is large (high ranks, weak directions) an
+    uncorrected round would overshoot or fall short of what Neyman's construction brackets."""
     estimate = estimate.copy()
     estimate[0] = np.clip(estimate[0], *extremes_ci[0])
     estimate[-1] = max(np.clip(estimate[-1], *extremes_ci[1]), estimate[0])

@@ -73,7 +73,7 @@ class Planted:
     cell: Cell
     url: str
     angles: np.ndarray  # (layer, 2) smallest, largest
-    radius_cv: float
+    radius_cv: float | np.ndarray  # one per cell, or per layer when cells of several stores are scored together
 
 
 def class_probabilities(cell: Cell) -> np.ndarray:
