@@ -109,6 +109,7 @@ import numpy as np
 import xarray as xr
 
 from .attention import BlockAttention, ScoreTerms, per_head
+from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
@@ -119,8 +120,15 @@ DISTRIBUTIONS = ("uniform", "gaussian")
 DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 DEFINITIONS = ("collapse", "strict")
 INSTANCE_SETS = ("sparse", "all")
+DEFAULT_SMOOTH_DRAWS = 4
+"""Draws of the smooth summaries (total variation, output change) by default: means over every
+instance, whose Monte Carlo error (reported) is small after a few draws."""
+CURVE_STEPS_PER_OCTAVE = 64
+"""Points of the collapse-rate curve per factor 2 of the level (1.1 % apart)."""
 DRAWS_PER_TASK = 8
 """Draws per Dask task: tasks are (layer, sample chunk, range of draws)."""
+STRICT_ROWS = 4096
+"""Collapsed (row, level) pairs whose softmax the strict definition evaluates at once."""
 KERNEL_BYTES = 2**22
 """The most bytes of one float32 (kpos, sample, head, qpos) array of a replay sub-block. Measured
 with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
@@ -206,6 +214,7 @@ class ReplaySettings:
     targets: tuple[str, ...] = TARGETS
     sparse_threshold: float = 0.95
     min_keys: int = DEFAULT_MIN_KEYS
+    smooth_draws: int | None = None
 
     def __post_init__(self):
         try:
@@ -217,9 +226,12 @@ class ReplaySettings:
                 f"noise levels {list(levels)}: expected RMS values strictly between 0 and 1 "
                 "(0.01 is 1 % noise), at least one"
             )
-        object.__setattr__(self, "levels", tuple(float(x) for x in np.unique(levels)))
+        if np.any(np.diff(levels) <= 0):
+            raise ReplayError(f"noise levels {list(levels)}: expected strictly increasing levels, e.g. [0.01, 0.1]")
+        object.__setattr__(self, "levels", tuple(float(x) for x in levels))
         if isinstance(self.n_draws, bool) or not isinstance(self.n_draws, (int, np.integer)) or self.n_draws < 1:
             raise ReplayError(f"n_draws = {self.n_draws!r}: expected a positive number of noise draws per level")
+        self._check_smooth_draws()
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ReplayError(f"seed = {self.seed!r}: expected a non-negative integer")
         if self.distribution not in DISTRIBUTIONS:
@@ -246,6 +258,26 @@ class ReplaySettings:
                 f"trivially sparse first positions, {SWITCHABLE_KEYS} to count every query that can switch"
             )
         object.__setattr__(self, "min_keys", int(self.min_keys))
+
+    def _check_smooth_draws(self) -> None:
+        if self.smooth_draws is None:
+            object.__setattr__(self, "smooth_draws", min(DEFAULT_SMOOTH_DRAWS, int(self.n_draws)))
+            return
+        value = self.smooth_draws
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 2 <= value <= self.n_draws:
+            raise ReplayError(
+                f"smooth_draws = {value!r}: expected an integer from 2 (the fewest that state a Monte Carlo error of "
+                f"the total variation and output change) to n_draws = {self.n_draws}"
+            )
+        object.__setattr__(self, "smooth_draws", int(value))
+
+    @property
+    def curve_levels(self) -> np.ndarray:
+        """The levels of the collapse-rate curve: the swept levels and CURVE_STEPS_PER_OCTAVE log-spaced
+        levels an octave in, from a quarter of the lowest level to the highest."""
+        low, high = self.levels[0] / 4, self.levels[-1]
+        steps = int(math.ceil(CURVE_STEPS_PER_OCTAVE * math.log2(high / low))) + 1
+        return np.unique(np.concatenate([np.geomspace(low, high, steps), self.levels]))
 
     def kappa(self, target: str, layer: int, samples, draw: int, n_pos: int, n_heads: int) -> np.ndarray:
         """Unit-RMS noise for this target (zeros when the target is not perturbed)."""
@@ -321,14 +353,25 @@ class HeadBlock:
         at_winner = np.take_along_axis(logits, self.winner[None], axis=0)[0]
         attention, peak, total = self.block_attention.softmax(logits)
         collapse = self.sparse & (peak > at_winner)
-        change = np.subtract(attention, self.attention, out=scores)
-        effects = {
+        return {
             "collapse": collapse,
             "strict": collapse & (1.0 / total >= self.threshold),
             "theory_predicted": self.sparse & theory_predicted,
             "exact_predicted": self.sparse & exact_predicted,
-            "tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64),
+            **self._changes(attention, km),
         }
+
+    def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Total variation and output change squared (sample, head, qpos) of one draw (kappa arrays as
+        in ``perturb``): the perturbed softmax without the collapse conditions."""
+        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]
+        attention, _, _ = self.block_attention.softmax(self.block_attention.scores(fq * _key_major(1.0 + kk, self.n_heads)))
+        return self._changes(attention, km)
+
+    def _changes(self, attention: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Total variation and output change squared of a perturbed attention, which becomes scratch space."""
+        change = attention - self.attention
+        effects = {"tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64)}
         if self.messages is not None:
             attention *= _key_major(km, self.n_heads)
             change += attention  # a'_j (1 + km_j) - a_j
@@ -402,10 +445,12 @@ def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, se
 
 def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
                       terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
-    """``replay_block``'s partial sums for samples whose arrays fit in cache."""
+    """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
+    draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
+    ``smooth_draws`` draws."""
     block = HeadBlock(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys)
     n_samples, n_heads, n_pos = block.instance.shape
-    n_levels = len(settings.levels)
+    n_levels, n_smooth = len(settings.levels), settings.smooth_draws
     instance, sparse = block.instance, block.sparse
     sets = np.stack([sparse, instance])  # INSTANCE_SETS order
     once = float(draws.start == 0)
@@ -418,35 +463,94 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
         "max_attention_hist": once * _histogram(block.max_attention, instance, n_bins),
         "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
         **{f"{rule}_{count}": np.zeros((n_levels, n_heads)) for rule in PREDICTIONS for count in PREDICTION_COUNTS},
-        "tv": np.zeros((len(INSTANCE_SETS), n_levels, n_heads)),
+        "tv": np.zeros((n_smooth, len(INSTANCE_SETS), n_levels, n_heads)),
         "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
+        "sample_curve": np.zeros((n_samples, len(settings.curve_levels))),
     }
     if block.messages is not None:
-        sums["output_sq"] = len(draws) * (sets * block.output_sq).sum(axis=(1, 3))
-        sums["output_change_sq"] = np.zeros((len(INSTANCE_SETS), n_levels, n_heads))
+        sums["output_sq"] = once * (sets * block.output_sq).sum(axis=(1, 3))
+        sums["output_change_sq"] = np.zeros((n_smooth, len(INSTANCE_SETS), n_levels, n_heads))
+    rows = SparseRows(block, settings)
     for draw in draws:
         unit = {t: settings.kappa(t, layer, samples, draw, n_pos, n)
                 for t, n in (("q", n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
+        rows.count_draw(sums, unit["q"], unit["k"])
+        if draw >= n_smooth:
+            continue
         for index, level in enumerate(settings.levels):
-            effects = block.perturb(level * unit["q"], level * unit["k"], level * unit["m"])
-            for d, name in enumerate(DEFINITIONS):
-                sums["collapses"][d, index] += effects[name].sum(axis=(0, 2))
-                sums["sample_collapses"][:, d, index] += effects[name].sum(axis=(1, 2))
-            _count_predictions(sums, index, effects)
-            sums["tv"][:, index] += (sets * effects["tv"]).sum(axis=(1, 3))
+            changes = block.attention_change(level * unit["q"], level * unit["k"], level * unit["m"])
+            sums["tv"][draw, :, index] += (sets * changes["tv"]).sum(axis=(1, 3))
             if block.messages is not None:
-                sums["output_change_sq"][:, index] += (sets * effects["output_change_sq"]).sum(axis=(1, 3))
+                sums["output_change_sq"][draw, :, index] += (sets * changes["output_change_sq"]).sum(axis=(1, 3))
     return sums
 
 
-def _count_predictions(sums: dict, index: int, effects: dict) -> None:
-    """Add one draw's predicted, missed and falsely alarmed collapses of each condition at level `index`."""
-    measured = effects["collapse"]
-    for rule in PREDICTIONS:
-        predicted = effects[f"{rule}_predicted"]
-        for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
-            sums[f"{rule}_{count}"][index] += indicator.sum(axis=(0, 2))
+class SparseRows:
+    """The sparse instances of a block as rows (key, row) in float64: the scaled clean dot
+    products, what the score adds after the soft-cap, the winner; per draw their critical levels
+    (``orthosphere.analyze.critical``) and from them the counts at every level."""
+
+    def __init__(self, block: HeadBlock, settings: ReplaySettings):
+        attention = block.block_attention
+        self.sample, self.head, self.query = np.nonzero(block.sparse)
+        self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
+        self.settings, self.softcap = settings, attention.terms.softcap
+        self.dots = attention.scaled_dots[:, self.sample, self.head, self.query].astype(np.float64)
+        offset_head = self.head if attention.offset.shape[2] > 1 else np.zeros_like(self.head)
+        self.bias = attention.offset[:, self.sample, offset_head, self.query].astype(np.float64)
+        self.winner = block.winner[self.sample, self.head, self.query]
+        self.levels = np.asarray(settings.levels)
+        self.curve_levels = settings.curve_levels
+
+    def count_draw(self, sums: dict, unit_q: np.ndarray, unit_k: np.ndarray) -> None:
+        """Add one draw's collapses, strict collapses, predictions and curve counts to ``sums``."""
+        if not len(self.winner):
+            return
+        u_query = unit_q[self.sample, self.query, self.head]
+        u_key = per_head(unit_k, self.n_heads)[self.sample, :, self.head].T
+        a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
+        critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
+        measured = self.levels > critical[:, None]  # (row, level)
+        beyond = self.curve_levels > critical[:, None]
+        if flagged.any():
+            measured[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
+            beyond[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+        strict = self._strict(measured, u_query, u_key)
+        for d, indicator in enumerate((measured, strict)):
+            sums["collapses"][d] += self._per_head(indicator)
+            sums["sample_collapses"][:, d] += self._per_sample(indicator)
+        sums["sample_curve"] += self._per_sample(beyond)
+        for rule, slope in (("theory", b), ("exact", beta)):
+            predicted = self.levels > linear_critical(c, slope)[:, None]
+            for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
+                sums[f"{rule}_{count}"] += self._per_head(indicator)
+
+    def _strict(self, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
+        """(row, level) collapses whose new arg-max holds >= the sparse threshold: the perturbed
+        softmax of the collapsed rows only."""
+        strict = np.zeros_like(measured)
+        row, level = np.nonzero(measured)
+        for start in range(0, len(row), STRICT_ROWS):
+            r, at = row[start:start + STRICT_ROWS], level[start:start + STRICT_ROWS]
+            s = self.levels[at]
+            scaled = self.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
+            if self.softcap is not None:
+                scaled = self.softcap * np.tanh(scaled / self.softcap)
+            logits = scaled + self.bias[:, r]
+            peak_share = 1.0 / np.exp(logits - logits.max(axis=0)).sum(axis=0)
+            strict[r, at] = peak_share >= self.settings.sparse_threshold
+        return strict
+
+    def _per_head(self, indicator: np.ndarray) -> np.ndarray:
+        """(level, head) counts of a (row, level) indicator."""
+        return np.stack([np.bincount(self.head, weights=column, minlength=self.n_heads) for column in indicator.T])
+
+    def _per_sample(self, indicator: np.ndarray) -> np.ndarray:
+        """(sample, level) counts of a (row, level) indicator."""
+        out = np.zeros((self.n_samples, indicator.shape[1]))
+        np.add.at(out, self.sample, indicator)
+        return out
 
 
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
@@ -464,7 +568,8 @@ def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> 
 
 def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
                 distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
-                min_keys: int = DEFAULT_MIN_KEYS, collapse_target: float = 0.01, n_bootstrap: int = 1000,
+                min_keys: int = DEFAULT_MIN_KEYS, smooth_draws: int | None = None, collapse_target: float = 0.01,
+                n_bootstrap: int = 1000,
                 confidence: float = 0.95, layers=None, n_bins: int = 20) -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
@@ -473,8 +578,10 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
     """
     _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers)
     settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
-                              targets=targets, sparse_threshold=sparse_threshold, min_keys=min_keys)
+                              targets=targets, sparse_threshold=sparse_threshold, min_keys=min_keys,
+                              smooth_draws=smooth_draws)
     model = store_model(ds)
+    _check_score_terms(model, check_layers(ds, layers))
     with_messages = check_variables(ds, settings)
     layers = check_layers(ds, layers)
     finite = FiniteCheck(ds)
@@ -491,7 +598,7 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
         result.attrs.update({
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
-            "min_keys": settings.min_keys, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
+            "min_keys": settings.min_keys, "smooth_draws": settings.smooth_draws, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
             "confidence": confidence,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
@@ -524,6 +631,14 @@ def _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers) -> No
         raise ReplayError(f"collapse target {collapse_target!r}: expected a rate in (0, 1), e.g. 0.01 for 1 %")
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
         raise ReplayError(f"n_bins = {n_bins!r}: expected a positive number of histogram bins")
+
+
+def _check_score_terms(model: dict, layers) -> None:
+    """The critical levels compare capped scores or biased ones, not both (no model family does both)."""
+    for layer in layers:
+        terms = ScoreTerms.of_layer(model, layer)
+        if terms.softcap is not None and terms.alibi_slopes is not None:
+            raise ReplayError(f"layer {layer} soft-caps its scores and adds ALiBi: the replay supports one or the other")
 
 
 def check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:
@@ -601,10 +716,11 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     draws = settings.n_draws
     n_sparse, n_instances = stack("n_sparse"), stack("n_instances")
     sparse_draws = n_sparse * draws
-    totals = np.stack([n_sparse, n_instances]) * draws  # (set, layer, head)
+    totals = np.stack([n_sparse, n_instances])  # (set, layer, head)
     collapses = stack("collapses")
     lh = ("layer", "head")
     edges = np.linspace(0.0, 1.0, n_bins + 1)
+    tv, tv_error = _smooth_mean(stack("tv"), totals[:, None])
     variables = {
         **{name: (lh, stack(name).astype(np.int64))
            for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial")},
@@ -612,21 +728,34 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
         "collapses": (("definition",) + _LLH, collapses.astype(np.int64)),
         "collapse_rate": (("definition",) + _LLH, _rate(collapses, sparse_draws)),
         **_prediction_variables(stack, collapses[DEFINITIONS.index("collapse")], sparse_draws),
-        "tv_distance": (("instances",) + _LLH, _rate(stack("tv"), totals[:, None])),
+        "tv_distance": (("instances",) + _LLH, tv),
+        "tv_distance_mc_error": (("instances",) + _LLH, tv_error),
         "entropy": (lh, _rate(stack("entropy"), n_instances)),
         "max_attention_hist": (("layer", "head", "max_attention_bin"),
                                np.stack([part["max_attention_hist"] for part in per_layer]).astype(np.int64)),
     }
     if "output_change_sq" in per_layer[0]:
-        variables["output_change"] = (("instances",) + _LLH,
-                                      np.sqrt(_rate(stack("output_change_sq"), stack("output_sq")[:, None])))
+        square, square_error = _smooth_mean(stack("output_change_sq"), stack("output_sq")[:, None])
+        change = np.sqrt(square)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            variables["output_change"] = (("instances",) + _LLH, change)
+            variables["output_change_mc_error"] = (("instances",) + _LLH, square_error / (2 * change))
     result = xr.Dataset(variables, coords={
         "definition": _names(DEFINITIONS), "level": list(settings.levels), "layer": layers,
         "head": np.arange(n_sparse.shape[-1]), "instances": _names(INSTANCE_SETS),
-        "max_attention_bin": 0.5 * (edges[:-1] + edges[1:]),
+        "max_attention_bin": 0.5 * (edges[:-1] + edges[1:]), "curve_level": settings.curve_levels,
     })
     result["max_attention_bin"].attrs["edges"] = edges.tolist()
     return result
+
+
+def _smooth_mean(per_draw: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mean over draws of per_draw[d] / total (draws on the first axis) and its Monte Carlo
+    standard error, the spread of the per-draw means over sqrt(draws)."""
+    means = _rate(per_draw, total[None])
+    if len(means) < 2:
+        return means.mean(axis=0), np.full(means.shape[1:], np.nan)
+    return means.mean(axis=0), means.std(axis=0, ddof=1) / math.sqrt(len(means))
 
 
 def _prediction_variables(stack, measured: np.ndarray, sparse_draws: np.ndarray) -> dict:
@@ -650,37 +779,32 @@ def _prediction_variables(stack, measured: np.ndarray, sparse_draws: np.ndarray)
 
 
 def level_at_rate(levels, rates: np.ndarray, target: float) -> np.ndarray:
-    """Noise level where the rate curve (last axis over ``levels``) first reaches ``target``.
-
-    Linear interpolation through (0, 0) and the swept points; inf when the curve stays below
-    the target, NaN where the rates are NaN (no sparse instances).
-    """
-    grid = np.concatenate([[0.0], np.asarray(levels, float)])
+    """The first of ``levels`` where the rate curve (last axis over ``levels``) reaches ``target``:
+    no interpolation; inf when the curve stays below the target, NaN where the rates are NaN (no
+    sparse instances)."""
     rates = np.asarray(rates, float)
-    curve = np.concatenate([np.zeros(rates.shape[:-1] + (1,)), rates], axis=-1)
-    reached = curve >= target
-    above = np.argmax(reached, axis=-1)
-    below = np.maximum(above - 1, 0)
-    r_low = np.take_along_axis(curve, below[..., None], axis=-1)[..., 0]
-    r_high = np.take_along_axis(curve, above[..., None], axis=-1)[..., 0]
-    step = np.where(r_high > r_low, r_high - r_low, 1.0)
-    level = grid[below] + (target - r_low) / step * (grid[above] - grid[below])
-    level = np.where(reached.any(axis=-1), level, np.inf)
+    reached = rates >= target
+    level = np.where(reached.any(axis=-1), np.asarray(levels, float)[np.argmax(reached, axis=-1)], np.inf)
     return np.where(np.isnan(rates).any(axis=-1), np.nan, level)
 
 
 def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confidence) -> None:
-    """Per layer and pooled over layers: the level of ``target`` collapse rate and its bootstrap CI."""
+    """Per layer and pooled over layers: the level of ``target`` collapse rate and its bootstrap CI;
+    collapse on the fine curve of its critical levels, strict collapse on the swept levels."""
     sparse = np.stack([part["sample_sparse"] for part in per_layer], axis=1) * settings.n_draws  # (sample, layer)
-    collapses = np.stack([part["sample_collapses"] for part in per_layer], axis=1)  # (sample, layer, def, level)
+    curves = (np.stack([part["sample_curve"] for part in per_layer], axis=1),  # (sample, layer, curve level)
+              np.stack([part["sample_collapses"][:, DEFINITIONS.index("strict")] for part in per_layer], axis=1))
+    grids = (settings.curve_levels, settings.levels)
 
     def levels_for(weights):
         """(replicate, def, layer) and (replicate, def) levels for sample weights (replicate, sample)."""
-        num = np.einsum("bs,sldv->bdlv", weights, collapses)
         den = weights @ sparse  # (replicate, layer)
-        by_layer = level_at_rate(settings.levels, _rate(num, den[:, None, :, None]), target)
-        pooled = level_at_rate(settings.levels, _rate(num.sum(axis=2), den.sum(axis=1)[:, None, None]), target)
-        return by_layer, pooled
+        by_layer, pooled = [], []
+        for grid, counts in zip(grids, curves):
+            num = np.einsum("bs,slv->blv", weights, counts)
+            by_layer.append(level_at_rate(grid, _rate(num, den[..., None]), target))
+            pooled.append(level_at_rate(grid, _rate(num.sum(axis=1), den.sum(axis=1)[:, None]), target))
+        return np.stack(by_layer, axis=1), np.stack(pooled, axis=1)
 
     by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
     ci_layer, ci_pooled = _bootstrap_intervals(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed,
@@ -690,8 +814,10 @@ def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confi
     result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
     result["collapse_level_pooled"] = (("definition",), pooled[0])
     result["collapse_level_pooled_ci"] = (("definition", "bound"), ci_pooled)
-    result["collapse_rate_pooled"] = (("definition", "level"),
-                                      _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
+    collapses = np.stack([part["sample_collapses"] for part in per_layer], axis=1)  # (sample, layer, def, level)
+    result["collapse_rate_pooled"] = (("definition", "level"), _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
+    result["collapse_rate_curve"] = (("layer", "curve_level"), _rate(curves[0].sum(axis=0), sparse.sum(axis=0)[:, None]))
+    result["collapse_rate_curve_pooled"] = (("curve_level",), _rate(curves[0].sum(axis=(0, 1)), sparse.sum()))
 
 
 def _bootstrap_intervals(levels_for, n_samples, n_bootstrap, confidence, seed, points) -> list[np.ndarray]:

@@ -503,12 +503,73 @@ def test_without_resamples_the_interval_is_unknown_and_nan_activations_are_refus
         replay(write_store(tmp_path / "b", q=q, k=k, v=v, w_o=w_o), n_draws=1)
 
 
-def test_level_at_rate_interpolates_through_zero_and_flags_what_the_sweep_misses():
+def test_level_at_rate_is_the_first_level_reaching_the_target_and_flags_what_the_sweep_misses():
     levels = (0.1, 0.2, 0.4)
     rates = np.array([[0.005, 0.02, 0.5], [0.02, 0.5, 0.9], [0.0, 0.001, 0.002], [np.nan] * 3])
     found = level_at_rate(levels, rates, 0.01)
-    np.testing.assert_allclose(found[:2], [0.1 + 0.1 * (0.005 / 0.015), 0.05])
+    np.testing.assert_array_equal(found[:2], [0.2, 0.1])
     assert np.isinf(found[2]) and np.isnan(found[3])
+
+
+# --- critical levels against the grid evaluation ------------------------------------------------
+
+
+def grid_counts(block, settings, samples, layer=0):
+    """The grid evaluation (the replay before critical levels): HeadBlock.perturb, the float32 softmax
+    of every draw at every level; per (level, head) collapses, strict collapses and each condition's
+    predictions, misses and false alarms."""
+    counts = {}
+    for draw, (index, level) in itertools.product(range(settings.n_draws), enumerate(settings.levels)):
+        kappa = {t: level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+        measured = effects["collapse"]
+        indicators = {"collapse": measured, "strict": effects["strict"]}
+        for rule in ("theory", "exact"):
+            predicted = effects[f"{rule}_predicted"]
+            indicators |= {f"{rule}_predicted": predicted, f"{rule}_missed": measured & ~predicted,
+                           f"{rule}_false_alarm": predicted & ~measured}
+        for name, indicator in indicators.items():
+            counts.setdefault(name, np.zeros((len(settings.levels), block.n_heads)))[index] += indicator.sum(axis=(0, 2))
+    return counts
+
+
+@pytest.mark.parametrize("terms, n_kv_heads", [
+    (ScoreTerms(0.5, True), 4),
+    (ScoreTerms(0.5, True, softcap=6.0), 4),
+    (ScoreTerms(0.5, True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)), 4),
+    (ScoreTerms(0.5, True, sliding_window=4), 4),
+    (ScoreTerms(0.5, True), 2),
+    (ScoreTerms(0.5, False), 1),
+], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa"])
+@pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
+def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, n_kv_heads, distribution):
+    """Ties (two equal keys) and keys of zero score included; levels up to 0.9, where uniform noise
+    reverses queries (1 + kq < 0) and a collapse need not persist."""
+    q, k, _, _ = random_heads(n_samples=16, n_pos=10, n_heads=4, n_kv_heads=n_kv_heads, scale=2.0, seed=5)
+    q, k = q[:, 0], k[:, 0]
+    k[:, 3] = k[:, 2]  # a tie
+    k[:, 5] = 0.0  # a key of zero score
+    valid = np.ones((16, 10), bool)
+    valid[:3, 8:] = False
+    settings = ReplaySettings(levels=(0.02, 0.05, 0.1, 0.2, 0.3, 0.6, 0.9), n_draws=6, seed=3, min_keys=2,
+                              distribution=distribution, targets=("q", "k"))
+    block = HeadBlock(q, k, valid, terms, 0.8, min_keys=2)
+    samples = np.arange(16)
+    expected = grid_counts(block, settings, samples)
+    found = replay_module.replay_block(q, k, None, valid, None, samples=samples, layer=0, draws=range(6),
+                                       settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}),
+                                       terms=terms, n_bins=4)
+    assert block.sparse.sum() > 20 and expected["collapse"].sum() > 20
+    np.testing.assert_array_equal(found["collapses"][0], expected["collapse"])
+    np.testing.assert_array_equal(found["collapses"][1], expected["strict"])
+    for rule in ("theory", "exact"):
+        for count in ("predicted", "missed", "false_alarm"):
+            np.testing.assert_array_equal(found[f"{rule}_{count}"], expected[f"{rule}_{count}"], err_msg=f"{rule}_{count}")
+    # the curve at the swept levels is the count there
+    curve_levels = settings.curve_levels
+    at_levels = np.searchsorted(curve_levels, settings.levels)
+    np.testing.assert_array_equal(found["sample_curve"].sum(axis=0)[at_levels], expected["collapse"].sum(axis=1))
 
 
 # --- bad input --------------------------------------------------------------------------------
