@@ -37,6 +37,8 @@ def _noise_levels(name, value):
     if not levels or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1 for v in levels):
         raise AnalysisError(f"option {name}={value!r}: expected a number or a list of numbers strictly between "
                             "0 and 1 (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]")
+    if any(later <= earlier for earlier, later in zip(levels, levels[1:])):
+        raise AnalysisError(f"option {name}={value!r}: expected strictly increasing levels, e.g. replay.levels=[0.01,0.1]")
 
 
 def _count(minimum):
@@ -113,6 +115,7 @@ RULES = {
     "max_classes": _max_classes,
     "bootstrap_groups": _count(2),
     "seed": _count(0),
+    "smooth_draws": _count(2),
     "independence_deg": _tolerance_deg,
     "orthogonality_deg": _tolerance_deg,
 }

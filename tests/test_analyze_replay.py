@@ -511,6 +511,31 @@ def test_level_at_rate_is_the_first_level_reaching_the_target_and_flags_what_the
     assert np.isinf(found[2]) and np.isnan(found[3])
 
 
+def test_the_smooth_summaries_monte_carlo_error_covers_their_value_over_every_draw(tmp_path):
+    """Per (instances, level, layer, head) the mean over 8 draws is within 3 of its stated standard
+    errors of the mean over all 48 (fixed seed: the largest deviation is 2.8)."""
+    q, k, v, w_o = random_heads(n_samples=32, n_pos=12)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=32)
+    options = dict(levels=(0.05, 0.2), n_draws=48, seed=2, n_bootstrap=5)
+    few, every = replay(ds, smooth_draws=8, **options), replay(ds, smooth_draws=48, **options)
+    assert few.attrs["smooth_draws"] == 8 and every.attrs["smooth_draws"] == 48
+    for name in ("tv_distance", "output_change"):
+        error = few[f"{name}_mc_error"].values
+        assert np.all(error > 0)
+        np.testing.assert_array_less(np.abs(few[name].values - every[name].values), 3 * error)
+        assert np.median(every[f"{name}_mc_error"].values / error) < 0.5  # the error shrinks as 1/sqrt(draws)
+    np.testing.assert_array_equal(few.collapses, every.collapses)  # collapses use every draw either way
+
+
+def test_option_assignments_refuse_levels_that_do_not_increase_and_too_few_smooth_draws():
+    from orthosphere.analyze.options import parse_assignment
+
+    with pytest.raises(AnalysisError, match="expected strictly increasing levels"):
+        parse_assignment("replay.levels=[0.1,0.05]")
+    with pytest.raises(AnalysisError, match="replay.smooth_draws=1: expected an integer >= 2"):
+        parse_assignment("replay.smooth_draws=1")
+
+
 # --- critical levels against the grid evaluation ------------------------------------------------
 
 
@@ -586,6 +611,11 @@ def small_store(tmp_path_factory):
     ({"levels": (0.1, 1.0)}, "strictly between 0 and 1"),
     ({"levels": ()}, "at least one"),
     ({"levels": ("a",)}, "strictly between 0 and 1"),
+    ({"levels": (0.2, 0.1)}, "strictly increasing"),
+    ({"levels": (0.1, 0.1)}, "strictly increasing"),
+    ({"levels": (-0.1, 0.1)}, "strictly between 0 and 1"),
+    ({"smooth_draws": 1, "n_draws": 8}, "smooth_draws = 1: expected an integer from 2 .* Monte Carlo error"),
+    ({"smooth_draws": 9, "n_draws": 8}, "to n_draws = 8"),
     ({"seed": -1}, "non-negative integer"),
     ({"sparse_threshold": "high"}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 0.0}, "in \\(0, 1\\]"),
