@@ -32,7 +32,7 @@ samples.
   (fit options given besides must agree); else fitted here
 - ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
 - ``replay``: ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
-  sparse_threshold, min_keys, collapse_target, n_bootstrap, confidence, layers, n_bins)`` (norm-perturbation
+  sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins)`` (norm-perturbation
   replay; see its module)
 
 Conventions: the analysed tokens are the valid ones, without each sequence's start token (its first

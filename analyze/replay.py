@@ -30,8 +30,8 @@ Definitions (every count below is over these instances and draws):
   chunking and any number of workers, the online check injects exactly these values, and
   every level reuses the draw's direction (common random numbers), so an instance that
   collapses at one level collapses at every larger one (each pairwise score comparison is
-  linear in s; soft-capping keeps the order of scores; an ALiBi bias, added to them, can break
-  this) and the collapse-rate curve is monotone.
+  linear in s; soft-capping keeps the order of scores; an ALiBi bias, added to them, or a factor
+  1 + kq <= 0 can break this).
 - **Collapse.** A sparse instance whose arg-max over allowed keys moves to another token
   under the noise. **Strict collapse**: the new arg-max also holds >= ``sparse_threshold``.
   Query noise multiplies a query's scores by one positive factor, so it never moves the
@@ -60,14 +60,28 @@ Definitions (every count below is over these instances and draws):
   measured collapses the condition did not predict, ``*_false_alarm`` its predictions that did not
   happen. (Agreement over every sparse instance would be dominated by the instances that neither
   collapse nor are predicted to.)
-- **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and draws.
+- **Critical levels.** With common random numbers, key t beats t* at level s iff a quadratic in s
+  is positive (``orthosphere.analyze.critical``): the collapse, Theorem 7's condition and the exact
+  condition of a (sparse instance, draw) are computed once, as the level beyond which they hold, not
+  level by level; the counts at every swept level and on the collapse-rate curve follow from it
+  (rows where a collapse does not persist, a reversed query or a bias, are evaluated at each level
+  directly). The comparisons run in float64 from the float32 dot products, so they equal the float32
+  softmax's arg-max except on near-ties within float32 rounding. Strict collapse evaluates the
+  softmax of the collapsed (instance, draw, level) only. A score that soft-caps and adds ALiBi is
+  refused (no family does both).
+- **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
+  ``smooth_draws`` draws (4 by default, 2 at least), with its Monte Carlo standard error
+  (``*_mc_error``: the spread of the per-draw means over sqrt(smooth_draws)).
 - **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
   change sqrt(sum |o'_i - o_i|^2 / sum |o_i|^2) over instances and draws (pooled, so that
-  outputs of near-zero norm do not dominate). Computed in each head's d_head-dimensional frame
+  outputs of near-zero norm do not dominate), over the same draws as the total variation, with its
+  Monte Carlo error (delta method). Computed in each head's d_head-dimensional frame
   (``message_frame``), never with the d_model-sized messages.
 - **Collapse level.** The noise level at which ``collapse_target`` (1 %) of sparse instances
-  collapse: linear interpolation of the rate curve through (0, 0) and the swept levels; inf
-  when the sweep never reaches it, NaN without sparse instances. Its confidence interval
+  collapse, without interpolation: for collapse, the first level of the collapse-rate curve
+  (``curve_level``: the swept levels and 64 levels an octave from a quarter of the lowest to the
+  highest, 1.1 % apart) where its rate reaches the target; for strict collapse, the first swept
+  level. inf when the sweep never reaches it, NaN without sparse instances. Its confidence interval
   comes from a seeded bootstrap over samples (per-sample counts resampled with replacement).
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
@@ -88,10 +102,11 @@ sparse/all, max_attention_bin, bound = low/high):
                                          (level, layer, head): the exact condition
   theory_recall_pooled, theory_precision_pooled, exact_recall_pooled, exact_precision_pooled
                                          (level): over layers and heads
-  tv_distance, output_change (instances, level, layer, head)
+  tv_distance, output_change and their *_mc_error (instances, level, layer, head)
   collapse_rate_pooled (definition, level) over layers and heads
+  collapse_rate_curve (layer, curve_level), collapse_rate_curve_pooled (curve_level): collapse only
   collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
-  attrs: seed, n_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
+  attrs: seed, n_draws, smooth_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
   n_bootstrap, confidence, attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
