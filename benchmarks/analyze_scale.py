@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -285,6 +287,47 @@ def language_model(args) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def timed_command(arguments: list[str]) -> float:
+    """Seconds of one whole CLI command (a fresh process: imports and model load included)."""
+    started = time.perf_counter()
+    subprocess.run([str(Path(sys.executable).parent / "orthosphere"), *arguments], check=True,
+                   stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def extracted_language_model(args) -> None:
+    """(c) `orthosphere extract` of a SmolLM2-135M-shaped model (random weights) over packed prose, then
+    every default analysis in one `orthosphere analyze`; the ratio of the whole commands, at --windows
+    and at 4x as many windows, and each analysis's time alone."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from extract_overhead import build
+
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-extracted-"))
+    try:
+        model_dir, corpus = build(str(directory), layers=30, n_paragraphs=40 * args.windows)
+        for windows in (args.windows, 4 * args.windows):
+            store, results = directory / f"store-{windows}.zarr", directory / f"results-{windows}.zarr"
+            extract_seconds = timed_command(["extract", model_dir, "--task", f"text:path={corpus},context=128",
+                                             "--samples", str(windows), "--dtype", "float16", "--out", str(store)])
+            analyze_seconds = timed_command(["analyze", str(store), "--out", str(results)])
+            print(f"(c) {windows} windows of 128 tokens: orthosphere extract {extract_seconds:.1f} s, orthosphere analyze "
+                  f"(every default analysis) {analyze_seconds:.1f} s: analysis / extraction {analyze_seconds / extract_seconds:.2f}")
+            if windows == args.windows:
+                dataset = open_for_analysis(str(store))
+                for name in ("accuracy", "norms", "subspaces", "neighbours", "replay"):
+                    started = time.perf_counter()
+                    run_analyses(dataset, only=[name] if name != "subspaces" else ["subspaces", "spheres"])
+                    label = "subspaces and spheres" if name == "subspaces" else name
+                    print(f"    {label} alone: {time.perf_counter() - started:.1f} s")
+                replay_result = run_analyses(dataset, only=["replay"])["replay"].to_dataset()
+                print(f"    replay: {int(replay_result.n_sparse.sum())} sparse instances of "
+                      f"{int(replay_result.n_instances.sum())}; pooled collapse rate at the swept levels "
+                      f"{np.round(replay_result.collapse_rate_pooled.sel(definition='collapse').values, 5).tolist()}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=("out-of-core", "language-model", "both"), default="both")
@@ -294,12 +337,16 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write the stores (default: a temporary directory)")
     parser.add_argument("--log", action="store_true", help="show the analyses' progress log")
     parser.add_argument("--skip-replay", action="store_true", help="(b) leave out the run of every default analysis")
+    parser.add_argument("--windows", type=int, default=64, help="(c) windows of the extracted store (and 4x as many)")
+    parser.add_argument("--skip-synthetic", action="store_true", help="language-model: only (c), the extracted store")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.log else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.case in ("out-of-core", "both"):
         out_of_core(args)
     if args.case in ("language-model", "both"):
-        language_model(args)
+        if not args.skip_synthetic:
+            language_model(args)
+        extracted_language_model(args)
 
 
 if __name__ == "__main__":
