@@ -6,6 +6,11 @@ without it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orthosphere.store.loader import TokenLoader
+
 __all__ = ["TokenLoader"]
 
 

@@ -137,3 +137,19 @@ def test_state_dict_of_another_filter_or_store_is_refused(store, tmp_path):
     other = loader(token_store(tmp_path / "other.zarr"))
     with pytest.raises(ValueError, match="the state dict is of another store"):
         other.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_readme_example_trains_a_probe_on_a_shipped_models_store(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from orthosphere.extract.job import ExtractJob, extract
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    example = re.search(r"## Training on a store.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    extract(ExtractJob(model=str(repo / "workflows" / "models" / "pre"), task="arithmetic:split=test,seed=2001",
+                       out="runs/quickstart/stores/pre-test.zarr", n_samples=64, device="cpu"), progress=False)
+    exec(compile(example, "README.md", "exec"), {})
