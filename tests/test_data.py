@@ -1,0 +1,155 @@
+"""TokenLoader: every selected token once per epoch, resume, seeds, filters, bfloat16, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orthosphere.data import TokenLoader  # noqa: E402
+from orthosphere.store import IncompleteStoreError  # noqa: E402
+from tests.synthetic import write_store  # noqa: E402
+
+N_SAMPLES, N_LAYERS, N_POS, D_MODEL = 24, 2, 6, 8
+
+
+def token_store(path, dtype="float32"):
+    """Each vector's first entry is its token's id (sample * N_POS + pos), so batches name their tokens."""
+    x = np.random.default_rng(0).normal(size=(N_SAMPLES, N_LAYERS, N_POS, D_MODEL))
+    x[..., 0] = (np.arange(N_SAMPLES)[:, None] * N_POS + np.arange(N_POS))[:, None, :] / 8
+    role = np.where(np.arange(N_POS) % 2, "answer", "digit")[None].repeat(N_SAMPLES, 0)
+    valid = np.ones((N_SAMPLES, N_POS), bool)
+    valid[::3, -1] = False
+    return write_store(path, {"resid_pre": x}, labels={"role": role}, valid=valid, samples_per_chunk=4, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return token_store(tmp_path_factory.mktemp("data") / "store.zarr")
+
+
+def ids(batches):
+    return [int(round(v * 8)) for batch in batches for v in batch[:, 0, 0].tolist()]
+
+
+def loader(store, **options):
+    return TokenLoader(store, [("resid_pre", 1)], **{"batch_size": 5, "buffer_tokens": 48, "seed": 1, **options})
+
+
+def expected(where=lambda sample, pos: True):
+    valid = np.ones((N_SAMPLES, N_POS), bool)
+    valid[::3, -1] = False
+    return sorted(s * N_POS + p for s in range(N_SAMPLES) for p in range(1, N_POS) if valid[s, p] and where(s, p))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_every_token_once_per_epoch(store, workers):
+    tokens = loader(store)
+    batches = list(tokens.dataloader(num_workers=workers))
+    assert len(batches) == len(tokens) and sorted(ids(batches)) == expected()
+
+
+def test_two_ranks_share_the_tokens_once(store):
+    seen = [ids(loader(store, rank=r, world_size=2)) for r in range(2)]
+    assert sorted(seen[0] + seen[1]) == expected() and abs(len(seen[0]) - len(seen[1])) <= 5
+
+
+def test_seeds_and_epochs_give_different_orders(store):
+    first = loader(store)
+    assert ids(first) != ids(first) and ids(loader(store)) != ids(loader(store, seed=2))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_gives_the_remaining_batches_bitwise(store, workers):
+    whole = [b.clone() for b in loader(store).dataloader(num_workers=workers)]
+    interrupted = loader(store)
+    for count, _ in enumerate(interrupted.dataloader(num_workers=workers), 1):
+        if count == 4:
+            break
+    state = interrupted.state_dict()
+    resumed = loader(store)
+    resumed.load_state_dict(state)
+    rest = list(resumed.dataloader(num_workers=workers))
+    assert len(rest) == len(whole) - 4
+    assert all(torch.equal(a, b) for a, b in zip(rest, whole[4:]))
+
+
+def test_filters_select_what_they_name(store):
+    answers = loader(store, where='role == "answer" and 2 <= pos < 5', with_labels=True)
+    batches = list(answers)
+    assert sorted(ids(b["activations"] for b in batches)) == expected(lambda s, p: p % 2 == 1 and 2 <= p < 5)
+    assert all(set(b["role"]) == {"answer"} for b in batches)
+    with_start = loader(store, exclude_start=False)
+    assert len(ids(with_start)) == len(expected()) + N_SAMPLES
+
+
+def test_norm_filter_and_scaling_are_counted(store):
+    tokens = loader(store, max_norm_ratio=1.5, scale_norms=True)
+    dropped = tokens.summary["dropped_by_norm"]["resid_pre/1"]
+    assert dropped > 0 and tokens.summary["tokens"] == len(expected()) - dropped
+    vectors = torch.cat(list(tokens))[:, 0]
+    assert float((vectors.double() ** 2).sum(1).mean()) == pytest.approx(D_MODEL, rel=1e-5)
+
+
+def test_bfloat16_round_trips_bit_exactly(tmp_path):
+    import zarr
+
+    url = token_store(tmp_path / "bf16.zarr", dtype="bfloat16")
+    tokens = loader(url, dtype="stored", exclude_start=False, buffer_tokens=10**6, batch_size=10**6)
+    batch = next(iter(tokens))
+    assert batch.dtype == torch.bfloat16
+    stored = np.asarray(zarr.open_group(url, mode="r")["resid_pre"][:, 1]).reshape(-1, D_MODEL).view(np.uint16)
+    got = np.sort(batch[:, 0].view(torch.int16).numpy().view(np.uint16), axis=0)
+    valid = np.ones((N_SAMPLES, N_POS), bool)
+    valid[::3, -1] = False
+    assert np.array_equal(got, np.sort(stored[valid.ravel()], axis=0))
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"sites": [("q", 0)]}, ValueError, "site 'q' is not a token-vector site of this store"),
+    ({"sites": [("resid_pre", 7)]}, ValueError, "layer 7 of site 'resid_pre' is not stored"),
+    ({"where": 'colour == "red"'}, ValueError, "names 'colour', which the store does not hold"),
+    ({"where": "__import__('os')"}, ValueError, "is not allowed"),
+    ({"buffer_tokens": 2**50}, MemoryError, "more than the .* GiB of memory available"),
+])
+def test_bad_input_is_refused(store, options, error, message):
+    sites = options.pop("sites", [("resid_pre", 1)])
+    with pytest.raises(error, match=message):
+        TokenLoader(store, sites, **{"batch_size": 5, "buffer_tokens": 48, "seed": 1, **options})
+
+
+def test_incomplete_store_is_refused(tmp_path):
+    from orthosphere.store import create_store
+
+    url = str(tmp_path / "part.zarr")
+    create_store(url, model={"family": "synthetic", "source": "planted", "norm_placement": "none", "norm_type": "layer",
+                             "attn_scale": 0.5, "causal": True, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                             "d_head": 4, "d_model": 8},
+                 task={"name": "planted"}, n_samples=4, n_pos=3, sites=("resid_pre",), labels={}, with_weights=False).close()
+    with pytest.raises(IncompleteStoreError, match="is incomplete"):
+        loader(url)
+
+
+def test_state_dict_of_another_filter_or_store_is_refused(store, tmp_path):
+    state = loader(store).state_dict()
+    with pytest.raises(ValueError, match="the state dict is of where="):
+        loader(store, where='role == "answer"').load_state_dict(state)
+    other = loader(token_store(tmp_path / "other.zarr"))
+    with pytest.raises(ValueError, match="the state dict is of another store"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_readme_example_trains_a_probe_on_a_shipped_models_store(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from orthosphere.extract.job import ExtractJob, extract
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    example = re.search(r"## Training on a store.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    extract(ExtractJob(model=str(repo / "workflows" / "models" / "pre"), task="arithmetic:split=test,seed=2001",
+                       out="runs/quickstart/stores/pre-test.zarr", n_samples=64, device="cpu"), progress=False)
+    exec(compile(example, "README.md", "exec"), {})
