@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import subprocess
@@ -46,6 +47,17 @@ OPTIONS = {"sites": ["resid_pre", "k"], "factors": FACTORS}
 beta and pos with their default noise draws; spheres from that fit."""
 READS = {"norms": ("resid_pre", "q", "k"), "subspaces": ("resid_pre",), "spheres": ()}
 """The site arrays each analysis reads once (norms reads q and k to recompute the attention)."""
+
+
+@contextlib.contextmanager
+def work_directory(given: str | None, prefix: str):
+    """The directory the stores are written to: `given` (kept), or a temporary one removed afterwards."""
+    directory = Path(given or tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield directory
+    finally:
+        if given is None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 LM = {"n_layers": 30, "d_model": 576, "n_heads": 9, "n_kv_heads": 3, "d_head": 64, "n_pos": 128, "n_samples": 64,
       "vocabulary": 49152}
@@ -156,8 +168,7 @@ def separately(dataset) -> dict[str, float]:
 
 
 def out_of_core(args) -> None:
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-scale-"))
-    try:
+    with work_directory(args.dir, "analyze-scale-") as directory:
         started = time.perf_counter()
         url = build_store(directory / "store.zarr", args.size_gb)
         dataset = open_for_analysis(url)
@@ -195,9 +206,6 @@ def out_of_core(args) -> None:
             restarted = set(client.scheduler_info()["workers"]) != workers_before
             print(f"peak worker memory (MiB): {peaks} (limit {limit / 2**20:.0f}); spilled to disk: "
                   f"{spilled_bytes(client) / 2**20:.0f} MiB; worker restarted: {'yes' if restarted else 'no'}")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 # (b) ------------------------------------------------------------------------------------------
@@ -251,8 +259,7 @@ def build_language_model_store(path: Path, seed: int = 0) -> str:
 
 
 def language_model(args) -> None:
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-lm-"))
-    try:
+    with work_directory(args.dir, "analyze-lm-") as directory:
         started = time.perf_counter()
         url = build_language_model_store(directory / "store.zarr")
         dataset = open_for_analysis(url)
@@ -282,9 +289,6 @@ def language_model(args) -> None:
         print(f"  subspaces: factors {subspaces.attrs['factors']}, classes {subspaces['n_classes'].values.tolist()} "
               f"({subspaces['pooled_classes'].values.tolist()} pooled), ranks at layer 0 "
               f"{subspaces['subspace_rank'].isel(layer=0).values.tolist()}")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def timed_command(arguments: list[str]) -> float:
@@ -302,8 +306,7 @@ def extracted_language_model(args) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from extract_overhead import build
 
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="analyze-extracted-"))
-    try:
+    with work_directory(args.dir, "analyze-extracted-") as directory:
         model_dir, corpus = build(str(directory), layers=30, n_paragraphs=40 * args.windows)
         for windows in (args.windows, 4 * args.windows):
             store, results = directory / f"store-{windows}.zarr", directory / f"results-{windows}.zarr"
@@ -316,16 +319,13 @@ def extracted_language_model(args) -> None:
                 dataset = open_for_analysis(str(store))
                 for name in ("accuracy", "norms", "subspaces", "neighbours", "replay"):
                     started = time.perf_counter()
-                    run_analyses(dataset, only=[name] if name != "subspaces" else ["subspaces", "spheres"])
+                    alone = run_analyses(dataset, only=[name] if name != "subspaces" else ["subspaces", "spheres"])
                     label = "subspaces and spheres" if name == "subspaces" else name
                     print(f"    {label} alone: {time.perf_counter() - started:.1f} s")
-                replay_result = run_analyses(dataset, only=["replay"])["replay"].to_dataset()
+                replay_result = alone["replay"].to_dataset()
                 print(f"    replay: {int(replay_result.n_sparse.sum())} sparse instances of "
                       f"{int(replay_result.n_instances.sum())}; pooled collapse rate at the swept levels "
                       f"{np.round(replay_result.collapse_rate_pooled.sel(definition='collapse').values, 5).tolist()}")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def main():
