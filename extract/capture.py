@@ -172,7 +172,7 @@ class Adapter:
             raise UnsupportedModelError(
                 f"layer {layer} of this {self.family} model attends with {differing}, but its description says "
                 f"{ {name: self._score[name][layer] for name in differing} }: the family's description in "
-                "orthosphere/extract/families.py does not match this model"
+                "extract/families.py (module orthosphere.extract.families) does not match this model"
             )
 
     def _record_hook(self, site: str, layer: int, *, read):

@@ -355,7 +355,7 @@ def family_for(model_type) -> Family:
 def unsupported(what: str) -> str:
     """The message for a model outside every family."""
     return (f"{what} is not supported: expected one of the families {supported_families()}; "
-            "a new transformers family is a few lines in orthosphere/extract/families.py")
+            "a new transformers family is a few lines in extract/families.py (module orthosphere.extract.families)")
 
 
 def supported_families() -> list[str]:

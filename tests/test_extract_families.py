@@ -17,6 +17,9 @@ own eager attention, from the store alone:
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +27,7 @@ import torch
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys, store_attention
 from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.families import FAMILIES as DESCRIBED
-from orthosphere.extract.families import OUTSIDE_BLOCKS
+from orthosphere.extract.families import OUTSIDE_BLOCKS, unsupported
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
@@ -374,3 +377,12 @@ def test_grouped_layout_splits_a_fused_projection_as_falcon_does(variant):
     for name, value in (("k", k), ("v", v)):  # Falcon's own split repeats them for the new architecture
         expected = value if value.shape[2] == n_kv else value[:, :, ::group]
         torch.testing.assert_close(fused[..., torch.as_tensor(rows[name])], expected, rtol=0, atol=0)
+
+
+def test_error_messages_name_files_that_exist():
+    """The messages that point at the family descriptions name the file by its path in the repository."""
+    root = Path(__file__).resolve().parents[1]
+    named = re.findall(r"[\w/]+\.py", unsupported("model 'x'"))
+    capture_source = (root / "extract" / "capture.py").read_text()
+    named += re.findall(r'"([\w/]+\.py) \(module', capture_source)
+    assert named and all((root / path).is_file() for path in named), named
