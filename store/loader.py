@@ -65,7 +65,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.samples_per_chunk = int(self.attrs["samples_per_chunk"])
         self.n_samples, self.n_pos = int(self.attrs["n_samples"]), int(self.attrs["n_pos"])
         self.n_chunks = -(-self.n_samples // self.samples_per_chunk)
-        self._group = None
+        self._group, self._arrays = None, {}
         self._check_memory()
         self.medians, self.scales, self.summary = self._measure()
         self._epoch, self._pending, self._delivered, self._parts = 0, None, 0, 1
@@ -112,8 +112,21 @@ class TokenLoader(torch.utils.data.IterableDataset):
             self._group = guarded_group(self.location, _promises(open_group_checked(self.location)))
         return self._group
 
+    @property
+    def _output_dtype(self) -> np.dtype:
+        """float32, or with dtype="stored" the dtype the sites' vectors are read as."""
+        if self.dtype == "float32":
+            return np.dtype(np.float32)
+        return np.asarray(self._array(self.sites[0][0])[:0]).dtype
+
+    def _array(self, name: str):
+        """One of the store's arrays, opened once per process (each opening reads its metadata)."""
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
     def __getstate__(self):
-        return {**self.__dict__, "_group": None}
+        return {**self.__dict__, "_group": None, "_arrays": {}}
 
     # --- reading chunks ---------------------------------------------------------------------
     def _chunk_labels(self, chunk: int) -> dict[str, np.ndarray]:
@@ -122,7 +135,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         sample, pos = np.meshgrid(np.arange(start, stop), np.arange(self.n_pos), indexing="ij")
         labels = {"sample": sample.ravel(), "pos": pos.ravel()}
         for name in names - {"sample", "pos"}:
-            labels[name] = np.asarray(self.group["tokens" if name == "token" else name][start:stop]).ravel()
+            labels[name] = np.asarray(self._array("tokens" if name == "token" else name)[start:stop]).ravel()
         return labels
 
     def _chunk_bounds(self, chunk: int) -> tuple[int, int]:
@@ -131,7 +144,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     def _label_mask(self, chunk: int, labels: dict) -> np.ndarray:
         start, stop = self._chunk_bounds(chunk)
-        valid = np.asarray(self.group["valid"][start:stop])
+        valid = np.asarray(self._array("valid")[start:stop])
         mask = valid.copy()
         if self.exclude_start:
             first = np.argmax(valid, axis=1)
@@ -145,23 +158,24 @@ class TokenLoader(torch.utils.data.IterableDataset):
         """Each site's vectors of every position of the chunk, (positions, width), as stored."""
         start, stop = self._chunk_bounds(chunk)
         layers = list(self.attrs["layers"])
-        return [np.asarray(self.group[site][start:stop, layers.index(layer)]).reshape(-1, self.width)
+        return [np.asarray(self._array(site)[start:stop, layers.index(layer)]).reshape(-1, self.width)
                 for site, layer in self.sites]
 
-    def _read_chunk(self, chunk: int):
-        """The chunk's selected tokens: vectors (tokens, sites, width) in the output dtype, and labels."""
+    def _read_chunk(self, chunk: int, rows: np.ndarray):
+        """The chunk's selected tokens: their vectors written into `rows` (tokens, sites, width: the
+        chunk's slice of its window, in the output dtype) and their labels returned."""
         labels = self._chunk_labels(chunk)
         mask = self._label_mask(chunk, labels)
         vectors = self._chunk_vectors(chunk)
         if self.max_norm_ratio is not None:
             for vector, median in zip(vectors, self.medians):
                 mask &= _norms(vector) <= self.max_norm_ratio * median
-        rows = np.stack([vector[mask] for vector in vectors], axis=1)
-        if self.dtype == "float32":
-            rows = rows.astype(np.float32)
-            if self.scale_norms:
-                rows *= np.asarray(self.scales, np.float32)[None, :, None]
-        return rows, {name: value[mask] for name, value in labels.items()}
+        everything = bool(mask.all())
+        for index, vector in enumerate(vectors):  # one copy per selected token and site, cast on the way
+            rows[:, index] = vector if everything else vector[mask]
+        if self.dtype == "float32" and self.scale_norms:
+            rows *= np.asarray(self.scales, np.float32)[None, :, None]
+        return {name: value if everything else value[mask] for name, value in labels.items()}
 
     def _measure(self):
         """Tokens selected per chunk, the sites' median norms and scales, and a summary."""
@@ -227,9 +241,11 @@ class TokenLoader(torch.utils.data.IterableDataset):
         return windows, starts
 
     def _window(self, epoch: int, index: int, chunks: list[int]):
-        parts = [self._read_chunk(chunk) for chunk in chunks]
-        rows = np.concatenate([p[0] for p in parts])
-        labels = {name: np.concatenate([p[1][name] for p in parts]) for name in parts[0][1]}
+        sizes = self.chunk_tokens[chunks]
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        rows = np.empty((int(offsets[-1]), len(self.sites), self.width), self._output_dtype)
+        parts = [self._read_chunk(chunk, rows[offsets[i]:offsets[i + 1]]) for i, chunk in enumerate(chunks)]
+        labels = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
         order = np.random.default_rng([self.seed, epoch, index]).permutation(len(rows))
         return rows, labels, order
 
@@ -252,7 +268,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
                 yield self._as_batch(pieces)
 
     def _as_batch(self, pieces):
-        rows = np.concatenate([rows[take] for rows, _, take in pieces])
+        rows = pieces[0][0][pieces[0][2]] if len(pieces) == 1 else np.concatenate([rows[take] for rows, _, take in pieces])
         activations = _tensor(rows)
         if not self.with_labels:
             return activations
