@@ -10,6 +10,7 @@ Memory: one window (`buffer_bytes`) and one chunk being read, per process.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -112,9 +113,9 @@ class TokenLoader(torch.utils.data.IterableDataset):
             self._group = guarded_group(self.location, _promises(open_group_checked(self.location)))
         return self._group
 
-    @property
+    @functools.cached_property
     def _output_dtype(self) -> np.dtype:
-        """float32, or with dtype="stored" the dtype the sites' vectors are read as."""
+        """float32, or with dtype="stored" the dtype the sites' vectors are read as (read once)."""
         if self.dtype == "float32":
             return np.dtype(np.float32)
         return np.asarray(self._array(self.sites[0][0])[:0]).dtype
