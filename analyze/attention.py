@@ -7,13 +7,16 @@ and these terms into the model's attention: ``attention_from_qk`` (the analyses)
 pattern, and the replay perturbs exactly its score, passing the norm factors of q and k to it
 (``BlockAttention.scores``). For query position i and key position j of head h:
 
-    score = softcap(scale * q_i . k_j) + alibi_h(i, j),   attention = softmax_j over allowed j
+    score = softcap(scale * q_i . k_j) + alibi_h(i, j) + relative_h(j - i),
+    attention = softmax_j over allowed j
 
 - ``scale``: the layer's multiplier of q . k (1/sqrt(d_head), Granite's attention_multiplier,
   Gemma's query_pre_attn_scalar^-1/2, GPT-2's per-layer scale_attn_by_inverse_layer_idx ...);
 - ``softcap``: c * tanh(x / c) when the layer soft-caps its logits (Gemma 2), else x;
 - ``alibi``: -slope_h * (p_i - p_j), p counting the valid tokens before a position (Bloom);
   softmax cannot tell it from the model's slope_h * p_j;
+- ``relative``: T5's learned relative position bias, a table of head h's bias by key offset
+  j - i (positions in the padded sequence) from -D to D, whose ends hold for every farther key;
 - allowed keys: valid (not padding), j <= i when causal, and i - j < window when the layer has a
   sliding window (transformers' convention, positions counted in the padded sequence).
 
@@ -43,6 +46,13 @@ class ScoreTerms:
     sliding_window: int | None = None
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None
+    relative_bias: tuple[tuple[float, ...], ...] | None = None
+    """(head, 2D + 1) bias by key offset j - i from -D to D (T5), or None."""
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the score adds a position bias (ALiBi or relative) after the soft-cap."""
+        return self.alibi_slopes is not None or self.relative_bias is not None
 
     @classmethod
     def of_layer(cls, model: dict, layer: int) -> ScoreTerms:
@@ -62,7 +72,15 @@ class ScoreTerms:
             scale=float(score["scale"][layer]), causal=bool(model["causal"]),
             sliding_window=None if window is None else int(window), softcap=None if softcap is None else float(softcap),
             alibi_slopes=None if slopes is None else tuple(float(s) for s in slopes[layer]),
+            relative_bias=_relative_table(score.get("relative_bias"), layer),
         )
+
+
+def _relative_table(relative: dict | None, layer: int) -> tuple[tuple[float, ...], ...] | None:
+    """Layer `layer`'s relative-bias table from the description's score.relative_bias, or None."""
+    if relative is None:
+        return None
+    return tuple(tuple(float(b) for b in row) for row in relative["tables"][relative["table_of_layer"][layer]])
 
 
 def allowed_keys(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
@@ -81,7 +99,14 @@ def allowed_keys(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
 
 
 def score_bias(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray | None:
-    """The ALiBi bias (sample, head, qpos, kpos), float32, or None when the score has none."""
+    """The position bias, float32: ALiBi's (sample, head, qpos, kpos), the relative bias's (1, head,
+    qpos, kpos); None when the score has none."""
+    if terms.relative_bias is not None:
+        table = np.asarray(terms.relative_bias, np.float32)
+        reach = table.shape[1] // 2
+        positions = np.arange(np.shape(valid)[-1])
+        offsets = np.clip(positions[None, :] - positions[:, None], -reach, reach) + reach  # j - i
+        return table[:, offsets][None]
     if terms.alibi_slopes is None:
         return None
     counted = np.cumsum(np.asarray(valid, bool), axis=-1) - 1  # p: valid tokens before each position
@@ -137,8 +162,8 @@ class BlockAttention:
         np.copyto(self.scaled_dots, np.float32(0), where=refused)
         mask = np.where(refused, np.float32(-np.inf), np.float32(0))  # (kpos, sample, 1, qpos)
         bias = score_bias(valid, terms)
-        # what every score adds after the soft-cap: the ALiBi bias and the mask, computed once
-        self.offset = mask if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2)) + mask
+        # what every score adds after the soft-cap: the position bias and the mask, computed once
+        self.offset = mask if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2) + mask)
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
         """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:

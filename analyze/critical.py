@@ -2,7 +2,7 @@
 
 With common random numbers a draw fixes unit noise u_q (the query) and u_t (each key); at level s
 the factors are 1 + s u_q and 1 + s u_t. With x_t the scaled clean dot product of key t and b_t
-what the score adds after the soft-cap (ALiBi bias, mask), key t beats the clean winner t* iff
+what the score adds after the soft-cap (position bias, mask), key t beats the clean winner t* iff
 
     D_t(s) = (1 + s u_q) [(x_t - x*) + s (x_t u_t - x* u*)] + (b_t - b*) > 0,
 

@@ -8,7 +8,7 @@ Definitions (every count below is over these instances and draws):
 
 - **Scores and attention.** w_ij = q_i . k_j for query position i and key position j of one
   head (head h reads kv_head h // (n_heads / n_kv_heads)); a_i = softmax_j of the layer's score
-  of w_ij (``orthosphere.analyze.attention``: the stored scale, soft-cap and ALiBi terms of the
+  of w_ij (``orthosphere.analyze.attention``: the stored scale, soft-cap and position-bias terms of the
   model description) over the *allowed* keys: valid (not padding), j <= i in a causal model, and
   within the layer's sliding window. The noise perturbs w_ij inside exactly that score.
 - **Instance.** (sample, layer, head, query position) with a valid query and at least
@@ -30,8 +30,8 @@ Definitions (every count below is over these instances and draws):
   chunking and any number of workers, the online check injects exactly these values, and
   every level reuses the draw's direction (common random numbers), so an instance that
   collapses at one level collapses at every larger one (each pairwise score comparison is
-  linear in s; soft-capping keeps the order of scores; an ALiBi bias, added to them, or a factor
-  1 + kq <= 0 can break this).
+  linear in s; soft-capping keeps the order of scores; a position bias (ALiBi, T5's relative
+  bias), added to them, or a factor 1 + kq <= 0 can break this).
 - **Collapse.** A sparse instance whose arg-max over allowed keys moves to another token
   under the noise. **Strict collapse**: the new arg-max also holds >= ``sparse_threshold``.
   Query noise multiplies a query's scores by one positive factor, so it never moves the
@@ -43,13 +43,13 @@ Definitions (every count below is over these instances and draws):
   w_t (1 + kq + kk_t*) < 0; evaluated on each draw, in the equivalent form
   w_t* (1 + kq + kk_t*) < w_t (1 + kq + kk_t) for some allowed t != t* (which also covers
   w_t = 0). The attention scale multiplies both sides and never matters. Where the layer's
-  score soft-caps or adds ALiBi, the products w_t (1 + kq + kk_t) pass through the same score
+  score soft-caps or adds a position bias, the products w_t (1 + kq + kk_t) pass through the same score
   before they are compared (soft-capping keeps their order; the bias shifts them).
 - **Exact condition.** The noisy score's factor is (1 + kq)(1 + kk_t), and 1 + kq > 0 multiplies
   every score of the query alike: query noise cancels, and the arg-max switches iff
   max over allowed t != t* of w_t (1 + kk_t) > w_t* (1 + kk_t*) (through the layer's score as
   above). It is the measured collapse, up to float rounding on near-ties, except where the
-  cancellation breaks: an ALiBi bias, which the query's factor does not scale, and a factor
+  cancellation breaks: a position bias, which the query's factor does not scale, and a factor
   1 + kq <= 0 (uniform noise above s = 1/sqrt(3), Gaussian noise rarely). Theorem 7 differs from
   it by the second-order cross term kq (w_t* kk_t* - w_t kk_t).
 - **Recall and precision** of each condition (``theory``: Theorem 7's first order; ``exact``)
@@ -67,8 +67,8 @@ Definitions (every count below is over these instances and draws):
   (rows where a collapse does not persist, a reversed query or a bias, are evaluated at each level
   directly). The comparisons run in float64 from the float32 dot products, so they equal the float32
   softmax's arg-max except on near-ties within float32 rounding. Strict collapse evaluates the
-  softmax of the collapsed (instance, draw, level) only. A score that soft-caps and adds ALiBi is
-  refused (no family does both).
+  softmax of the collapsed (instance, draw, level) only. A score that soft-caps and adds a position
+  bias is refused (no family does both).
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
   ``smooth_draws`` draws (4 by default, 2 at least), with its Monte Carlo standard error
   (``*_mc_error``: the spread of the per-draw means over sqrt(smooth_draws)).
@@ -654,8 +654,9 @@ def _check_score_terms(model: dict, layers) -> None:
     """The critical levels compare capped scores or biased ones, not both (no model family does both)."""
     for layer in layers:
         terms = ScoreTerms.of_layer(model, layer)
-        if terms.softcap is not None and terms.alibi_slopes is not None:
-            raise ReplayError(f"layer {layer} soft-caps its scores and adds ALiBi: the replay supports one or the other")
+        if terms.softcap is not None and terms.has_bias:
+            raise ReplayError(f"layer {layer} soft-caps its scores and adds a position bias: the replay supports "
+                              "one or the other")
 
 
 def check_variables(ds: xr.Dataset, settings: ReplaySettings) -> bool:

@@ -6,7 +6,7 @@ One interface over the project's arithmetic transformers and the transformers fa
     adapter = adapter_for(model)
     adapter.describe()                  # the store's `model` attribute (sizes, score terms, norms)
     adapter.head_weights(layer)         # w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o (float32, store layout)
-    logits = adapter.forward(tokens, valid)   # (batch, pos, vocab); valid marks real tokens
+    logits = adapter.forward(tokens, valid)   # (batch, pos, vocab), None without a head; valid marks real tokens
     with adapter.capture(sites, layers, dtype=torch.float16) as recording:
         logits = adapter.forward(tokens, valid)
         activations = recording.take()  # site -> CPU tensor (batch, layer, pos, ...) as in the store
@@ -26,8 +26,8 @@ Sites of block (layer) l, each (batch, pos, ...):
 - ``q`` (head, d_head), ``k`` and ``v`` (kv_head, d_head): as they enter the score and the
   weighted sum -- after rotary embedding, any QK-norm and OLMo's ``clip_qkv`` clamp (recorded in
   the description), before grouped-query heads are repeated -- so softmax of the score
-  (``orthosphere.analyze.attention``: q . k times the layer's scale, soft-capped, plus ALiBi,
-  over the keys the causal, padding and sliding-window masks allow) is the model's own
+  (``orthosphere.analyze.attention``: q . k times the layer's scale, soft-capped, plus ALiBi or
+  T5's relative position bias, over the keys the causal, padding and sliding-window masks allow) is the model's own
   attention; head h reads kv_head h // (n_heads // n_kv_heads).
 - ``pattern`` (head, qpos, kpos): that softmax, as the model computed it.
 
@@ -75,6 +75,7 @@ class Adapter:
     def __init__(self, model: nn.Module):
         self.model = model
         self.layer_of: dict[nn.Module, int] = {self.attention(layer): layer for layer in range(self.n_layers)}
+        self._position_bias: dict = {}
         self._score = self.score_terms()
         self._install_hooks()
 
@@ -103,7 +104,8 @@ class Adapter:
         once, into its stack): copy before changing them."""
         raise NotImplementedError
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits (batch, pos, vocab); None for a model without a language-model head."""
         raise NotImplementedError
 
     def _install_hooks(self) -> None:
@@ -164,16 +166,32 @@ class Adapter:
         per_layer = [self.head_weights(layer) for layer in layers]
         return {name: torch.stack([w[name] for w in per_layer]).cpu().numpy() for name in per_layer[0]}
 
-    def check_score_call(self, layer: int, scaling, sliding_window, softcap) -> None:
+    def check_score_call(self, layer: int, scaling, sliding_window, softcap, position_bias=None) -> None:
         """Refuse a forward pass whose attention call uses other score terms than those described."""
         called = {"scale": scaling, "sliding_window": sliding_window, "softcap": softcap}
         differing = {name: value for name, value in called.items() if not same_term(self._score[name][layer], value)}
+        if not self._same_position_bias(layer, position_bias):
+            differing["relative_bias"] = "a position bias other than the described one"
         if differing:
             raise UnsupportedModelError(
                 f"layer {layer} of this {self.family} model attends with {differing}, but its description says "
                 f"{ {name: self._score[name][layer] for name in differing} }: the family's description in "
                 "extract/families.py (module orthosphere.extract.families) does not match this model"
             )
+
+    def _same_position_bias(self, layer: int, called) -> bool:
+        """Whether the position bias a layer's attention is called with (T5: (1, head, q, k)) is the
+        described relative bias (None when the description has none)."""
+        relative = self._score.get("relative_bias")
+        if relative is None or called is None:
+            return relative is None and (called is None or not bool(called.any()))
+        n_pos = called.shape[-1]
+        key = (relative["table_of_layer"][layer], n_pos, called.device)
+        if key not in self._position_bias:
+            self._position_bias[key] = relative_bias_matrix(relative, layer, n_pos).to(called.device)
+        described = self._position_bias[key]
+        return called.shape[-3:] == described.shape and bool(torch.equal(called[0].float(), described)) \
+            and all(torch.equal(row.float(), described) for row in called[1:])
 
     def _record_hook(self, site: str, layer: int, *, read):
         """A hook recording `site` of `layer` from what read returns: read(args, kwargs) for a
@@ -184,6 +202,15 @@ class Adapter:
                 trace.recording.record(site, layer, read(args, *rest))
 
         return hook
+
+
+def relative_bias_matrix(relative: dict, layer: int, n_pos: int) -> torch.Tensor:
+    """(head, query, key) float32 relative position bias of `layer` over n_pos positions, from the
+    description's table by key offset (clipped to its ends)."""
+    table = torch.tensor(relative["tables"][relative["table_of_layer"][layer]], dtype=torch.float32)
+    positions = torch.arange(n_pos)
+    offsets = (positions[None, :] - positions[:, None]).clamp(-relative["max_offset"], relative["max_offset"])
+    return table[:, offsets + relative["max_offset"]]
 
 
 def _first_input(args, kwargs):
@@ -294,6 +321,11 @@ class HuggingFaceAdapter(Adapter):
     def __init__(self, model: nn.Module, family: Family):
         check_supported(family, model.config)
         self.model, self.spec = model, family.resolved(model.config)
+        self.lm_head = type(model).__name__ == family.lm_class
+        if not self.lm_head and family.lm_class is not None:
+            import transformers
+
+            self.spec = self.spec.without_head(getattr(transformers, family.lm_class).base_model_prefix)
         self.family, self.causal = family.model_type, family.causal
         if family.route == "interface":
             register_attention()
@@ -324,7 +356,8 @@ class HuggingFaceAdapter(Adapter):
     def forward(self, tokens, valid=None):
         mask = None if valid is None else valid.to(torch.long)
         options = {"use_cache": False} if self.causal else {}
-        return self.model(input_ids=tokens, attention_mask=mask, **options).logits
+        output = self.model(input_ids=tokens, attention_mask=mask, **options)
+        return output.logits if self.lm_head else None
 
     # --- description ---
     def describe(self) -> dict:
@@ -332,6 +365,7 @@ class HuggingFaceAdapter(Adapter):
         description = {
             "family": self.family,
             "architecture": type(self.model).__name__,
+            "lm_head": self.lm_head,
             "n_layers": self.n_layers,
             "d_model": self.config.hidden_size,
             "n_heads": self.n_heads,
@@ -344,7 +378,7 @@ class HuggingFaceAdapter(Adapter):
             "score": self._score,
             "positions": self.spec.positions,
             **norm_summary(norms, parallel=self.spec.parallel),
-            **described_norms(self.model, self.blocks[0], norms, self.spec.norm_gain),
+            **described_norms(self.model, self.blocks[0], norms, self.spec.norm_gain, self.spec.norm_kind),
             "activation": self._config_value(self.spec.activation_keys, None),
             "dtype": dtype_name(self.model),
             "n_parameters": sum(p.numel() for p in self.model.parameters()),
@@ -370,8 +404,11 @@ class HuggingFaceAdapter(Adapter):
         alibi = None
         if self.spec.alibi_slopes is not None:
             alibi = [self.spec.alibi_slopes(self.config, self.config.num_attention_heads)] * self.n_layers
-        return {"scale": scales, "sliding_window": [None if w is None else int(w) for w in windows],
-                "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
+        terms = {"scale": scales, "sliding_window": [None if w is None else int(w) for w in windows],
+                 "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
+        if self.spec.relative_bias is not None:
+            terms["relative_bias"] = self.spec.relative_bias(attentions)
+        return terms
 
     def _config_value(self, keys, default):
         for key in keys:
@@ -391,7 +428,8 @@ class HuggingFaceAdapter(Adapter):
         """(n_heads, d_head, n_kv_heads), checked against the projections' sizes."""
         attention, config = self.attention(0), self.config
         n_heads = config.num_attention_heads
-        d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size")
+        d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size",
+                                                              "key_value_proj_dim")
                        if isinstance(getattr(attention, name, None), int)), config.hidden_size // n_heads)
         n_kv = getattr(attention, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or n_heads
         q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
@@ -571,9 +609,10 @@ def _new_adapter(model: nn.Module) -> Adapter:
         return ArithmeticAdapter(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = family_for(model_type)
-    if type(model).__name__ != family.lm_class:
+    accepted = [name for name in (family.lm_class, family.base_class) if name is not None]
+    if type(model).__name__ not in accepted:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not supported for {model_type}: expected {family.lm_class}, whose "
-            "language-model head gives the predictions"
+            f"{type(model).__name__} is not supported for {model_type}: expected {' or '.join(accepted)} (the "
+            "language-model head gives the predictions; a class without a head stores none)"
         )
     return HuggingFaceAdapter(model, family)

@@ -1,10 +1,12 @@
 """Model families as data: where a transformers family keeps what extraction reads.
 
-One ``Family`` per transformers ``model_type``: the language-model class to load, where the
-blocks, the attention module, the q/k/v and output projections and the norms are (paths of
-submodules, relative to a block unless said otherwise), where ``resid_mid`` is read, and what
-the score adds beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi). The
-generic machinery in ``capture.py`` reads nothing else, so a new family is a few lines here.
+One ``Family`` per transformers ``model_type``: the language-model class to load (and, for
+encoders, the class without a task head, loaded when a checkpoint has none), where the blocks,
+the attention module, the q/k/v and output projections and the norms are (paths of submodules,
+relative to a block unless said otherwise), where ``resid_mid`` is read, and what the score adds
+beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi, T5's learned relative
+position bias). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
+few lines here.
 
 A field may be a function of the model's transformers config where a family's layout depends
 on it (OPT's ``do_layer_norm_before``, GPT-NeoX's ``use_parallel_residual``).
@@ -76,7 +78,8 @@ class Family:
     """What extraction needs to know about a transformers family (see the module docstring)."""
 
     model_type: str
-    lm_class: str
+    lm_class: str | None
+    """The class with the language-model head, whose arg-max is ``pred`` (None: read without a head)."""
     blocks: str
     attention: str
     projections: Projections
@@ -105,6 +108,14 @@ class Family:
     activation_keys: tuple[str, ...] = ("hidden_act",)
     extra_config: tuple[str, ...] = ()
     """Config attributes copied into the model description when present."""
+    base_class: str | None = None
+    """The class without a task head (encoders), loaded when a checkpoint lacks the head's tensors
+    (its stores hold no ``pred``); paths then lose the head class's base-model prefix."""
+    relative_bias: Callable | None = None
+    """(attention modules) -> the learned relative position bias of each layer's score (T5), in the
+    form of ``relative_position_bias``."""
+    norm_kind: str | None = None
+    """The norms' type where their class does not say it ("rms": T5's LayerNorm without centring)."""
 
     def __post_init__(self):
         if self.route not in ROUTES or self.projections.layout not in LAYOUTS:
@@ -116,6 +127,14 @@ class Family:
         mid = self.mid(config) if callable(self.mid) else self.mid
         norms = self.norms(config) if callable(self.norms) else self.norms
         return replace(self, mid=mid, norms=tuple(norms))
+
+    def without_head(self, prefix: str) -> Family:
+        """This family read from its base model: every path outside the blocks without `prefix`."""
+        def strip(path: str) -> str:
+            return path.removeprefix(f"{prefix}.")
+
+        norms = tuple(replace(n, module=strip(n.module)) if n.site in OUTSIDE_BLOCKS else n for n in self.norms)
+        return replace(self, blocks=strip(self.blocks), norms=norms)
 
     @property
     def parallel(self) -> bool:
@@ -153,8 +172,9 @@ SANDWICH_NORMS = (Norm("attn_input", "input_layernorm"), Norm("attn_output", "po
                   Norm("final", "model.norm"))
 BERT_PROJECTIONS = Projections("attention.self.query", "attention.self.key", "attention.self.value",
                                "attention.output.dense")
-BERT_NORMS = (Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "attention.output.LayerNorm"),
-              Norm("resid_post", "output.LayerNorm"))
+def _bert_norms(prefix: str) -> tuple[Norm, ...]:
+    return (Norm("embedding", f"{prefix}.embeddings.LayerNorm"), Norm("resid_mid", "attention.output.LayerNorm"),
+            Norm("resid_post", "output.LayerNorm"))
 
 
 def _llama_like(model_type: str, lm_class: str, **options) -> Family:
@@ -213,6 +233,56 @@ def _refuse_falcon(config):
     if config.new_decoder_architecture and not config.parallel_attn:
         return "Falcon with new_decoder_architecture=True and parallel_attn=False: transformers cannot run it either"
     return None
+
+
+def _t5_relative_bias(attentions) -> dict:
+    """Each layer's learned relative position bias as a table by key offset j - i from -D to D (D
+    past the last distance bucket, so the table's ends hold for every farther key): computed with
+    the module's own ``compute_bias``; a layer without its own bias reuses the last one (T5 passes
+    layer 0's on). Refused when the bias is not constant beyond D."""
+    max_offset = int(attentions[0].relative_attention_max_distance) + 1
+    tables, table_of_layer = [], []
+    for attention in attentions:
+        if attention.has_relative_attention_bias:
+            tables.append(_bias_by_offset(attention, max_offset))
+        if not tables:
+            raise UnsupportedModelError("T5-style model whose first layer has no relative position bias")
+        table_of_layer.append(len(tables) - 1)
+    return {"max_offset": max_offset, "tables": [table.tolist() for table in tables], "table_of_layer": table_of_layer}
+
+
+def _bias_by_offset(attention, max_offset: int) -> np.ndarray:
+    """(head, 2 * max_offset + 1) float32 bias of key offsets -max_offset..max_offset, checked to
+    stay at its ends for offsets up to twice as far."""
+    import torch
+
+    far = 2 * max_offset
+    with torch.no_grad():
+        row = attention.compute_bias(2 * far + 1, 2 * far + 1)[0, :, far, :].float().cpu().numpy()
+    inner = row[:, far - max_offset: far + max_offset + 1]
+    if not (np.all(row[:, : far - max_offset] == inner[:, :1]) and np.all(row[:, far + max_offset:] == inner[:, -1:])):
+        raise UnsupportedModelError(f"relative position bias of {type(attention).__name__} changes beyond key offset "
+                                    f"{max_offset}: expected T5's buckets, constant past relative_attention_max_distance")
+    return inner
+
+
+def _refuse_t5_decoder(config):
+    if getattr(config, "is_decoder", False):
+        return "T5-style model configured as a decoder (is_decoder=True): only the bidirectional encoder is read"
+    return None
+
+
+def _t5_encoder(model_type: str, encoder_class: str) -> Family:
+    """T5, mT5 and UMT5 read as their encoder (``*EncoderModel``, no language-model head: the
+    decoder is not read): RMS norms before attention and MLP, scale 1, relative position bias."""
+    return Family(model_type, None, "encoder.block", "layer.0.SelfAttention",
+                  Projections("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                              "layer.0.SelfAttention.o"),
+                  mid="output:layer.0", causal=False, positions="relative", base_class=encoder_class,
+                  norms=(Norm("attn_input", "layer.0.layer_norm"), Norm("mlp_input", "layer.1.layer_norm"),
+                         Norm("final", "encoder.final_layer_norm")),
+                  norm_kind="rms", relative_bias=_t5_relative_bias, refuse=_refuse_t5_decoder,
+                  d_ff_keys=("d_ff",), activation_keys=("dense_act_fn", "feed_forward_proj"))
 
 
 def _falcon_mid(config):
@@ -309,17 +379,17 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",),
            activation_keys=("activation_function",)),
     Family("bert", "BertForMaskedLM", "bert.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=BERT_NORMS, causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("BERT")),
+           mid="output:attention", norms=_bert_norms("bert"), causal=False, positions="learned",
+           refuse=_refuse_decoder_encoder("BERT"), base_class="BertModel"),
     Family("roberta", "RobertaForMaskedLM", "roberta.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=BERT_NORMS, causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("RoBERTa")),
+           mid="output:attention", norms=_bert_norms("roberta"), causal=False, positions="learned",
+           refuse=_refuse_decoder_encoder("RoBERTa"), base_class="RobertaModel"),
     Family("distilbert", "DistilBertForMaskedLM", "distilbert.transformer.layer", "attention",
            Projections("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
            mid="output:sa_layer_norm", causal=False, positions="learned",
-           norms=(Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "sa_layer_norm"),
+           norms=(Norm("embedding", "distilbert.embeddings.LayerNorm"), Norm("resid_mid", "sa_layer_norm"),
                   Norm("resid_post", "output_layer_norm")),
-           d_ff_keys=("hidden_dim",), activation_keys=("activation",)),
+           d_ff_keys=("hidden_dim",), activation_keys=("activation",), base_class="DistilBertModel"),
     Family("falcon", "FalconForCausalLM", "transformer.h", "self_attention",
            Projections("self_attention.query_key_value", "self_attention.query_key_value",
                        "self_attention.query_key_value", "self_attention.dense", layout="grouped"),
@@ -333,23 +403,18 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            refuse=_refuse_bloom, d_ff_keys=(),
            norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
                   Norm("mlp_input", "post_attention_layernorm"), Norm("final", "transformer.ln_f"))),
+    _t5_encoder("t5", "T5EncoderModel"),
+    _t5_encoder("mt5", "MT5EncoderModel"),
+    _t5_encoder("umt5", "UMT5EncoderModel"),
 )}
 """transformers model_type -> its family. (The project's own arithmetic transformers have their
 own hook points and adapter, in capture.py.)"""
 
-REFUSED = {
-    "t5": "T5 is an encoder-decoder model whose relative position bias is learned per bucket; only "
-          "decoder-only and encoder-only families are supported",
-}
-"""model_types refused on purpose, with the reason."""
-
-
 def family_for(model_type) -> Family:
-    """The family of a transformers model_type; an unknown or refused one is an UnsupportedModelError."""
+    """The family of a transformers model_type; an unknown one is an UnsupportedModelError."""
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    reason = f" ({REFUSED[model_type]})" if model_type in REFUSED else ""
-    raise UnsupportedModelError(f"{unsupported(f'model_type {model_type!r}')}{reason}")
+    raise UnsupportedModelError(unsupported(f"model_type {model_type!r}"))
 
 
 def unsupported(what: str) -> str:

@@ -2,10 +2,10 @@
 
 Families on the ``interface`` route call it with q (batch, head, pos, d_head), k and v (batch,
 kv_head, pos, d_head) after projection, rotary embedding and any QK-norm, the model's mask (which
-carries causality, padding and sliding windows), the scale and, for Gemma 2/3, the soft-cap. In a
-forward pass traced by an adapter (``trace.py``) it edits and records q, k, v of the layer and
-checks that the scale, window and soft-cap it is called with are the ones the adapter stored in
-the model description; then it attends with SDPA, or explicitly (transformers' eager attention)
+carries causality, padding and sliding windows), the scale, for Gemma 2/3 the soft-cap and, for
+T5, the relative position bias. In a forward pass traced by an adapter (``trace.py``) it edits
+and records q, k, v of the layer and checks that the scale, window, soft-cap and position bias it
+is called with are the ones the adapter stored in the model description; then it attends with SDPA, or explicitly (transformers' eager attention)
 when the pattern is recorded or the score is soft-capped, which SDPA cannot do.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def routed_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = trace.owner.layer_of.get(module) if trace is not None else None
     if layer is None:
         return attend(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
-    trace.owner.check_score_call(layer, scaling, kwargs.get("sliding_window"), softcap)
+    trace.owner.check_score_call(layer, scaling, kwargs.get("sliding_window"), softcap, kwargs.get("position_bias"))
     if trace.edit is not None:
         q, k, v = trace.edit(layer, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         query, key, value = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -37,7 +37,8 @@ def routed_attention(module, query, key, value, attention_mask, scaling=None, dr
         for site, tensor in zip(QKV_SITES, (query, key, value)):
             recording.record(site, layer, tensor.transpose(1, 2))
     if recording is not None and recording.wants("pattern", layer):
-        output, pattern = explicit_attention(module, query, key, value, attention_mask, scaling, dropout, softcap)
+        output, pattern = explicit_attention(module, query, key, value, attention_mask, scaling, dropout, softcap,
+                                             kwargs.get("position_bias"))
         recording.record("pattern", layer, pattern)
         return output, pattern
     return attend(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
@@ -52,15 +53,18 @@ def attend(module, query, key, value, attention_mask, scaling, dropout, softcap,
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def explicit_attention(module, query, key, value, attention_mask, scaling, dropout, softcap=None):
-    """transformers' eager attention for every family: grouped-query heads, soft-capping, and a
-    boolean (True = attend), additive or absent mask (absent: causal if the module is)."""
+def explicit_attention(module, query, key, value, attention_mask, scaling, dropout, softcap=None, position_bias=None):
+    """transformers' eager attention for every family: grouped-query heads, soft-capping, a position
+    bias added to the score (T5), and a boolean (True = attend), additive or absent mask (absent:
+    causal if the module is)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
     if attention_mask is None and getattr(module, "is_causal", True) and query.shape[2] > 1:
         attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     if attention_mask is not None and attention_mask.dtype == torch.bool:

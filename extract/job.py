@@ -315,7 +315,7 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
     chunks), and aligned with the batch (a multiple or a divisor of the batch size) so that
     batches fill whole chunks without being copied together."""
     sizes = dim_sizes(model, n_samples, n_pos, n_layers)
-    variables = variables_for(sites, with_weights=False)
+    variables = variables_for(sites, with_weights=False, lm_head=model.get("lm_head", True))
     row = bytes_per_sample(variables, sizes, dtype)
     samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
                          math.ceil(n_samples / n_shards)))
@@ -448,7 +448,8 @@ def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, sink
             valid = torch.from_numpy(inputs["valid"]).to(device)
             logits = adapter.forward(tokens, valid)
             arrays = {name: values for name, values in inputs.items() if name not in dataset.prewritten}
-            arrays["pred"] = logits.max(dim=-1).indices.to(torch.int32).cpu().numpy()  # argmax, twice as fast
+            if logits is not None:  # argmax, twice as fast
+                arrays["pred"] = logits.max(dim=-1).indices.to(torch.int32).cpu().numpy()
             buffers = recording.take()
             if dtype == torch.float16:
                 check_float16_range(buffers, plan.layers, first)

@@ -12,8 +12,10 @@ description records it.
   arithmetic transformer (``config.json`` + ``model.safetensors``); its tokenizer maps the
   task's characters to ids.
 - Any other directory: a Hugging Face checkpoint of a supported ``model_type`` (the families
-  of ``families.py``) with safetensors weights, loaded with its language-model head; a
-  checkpoint that lacks tensors the model needs is refused (never silently random-initialised).
+  of ``families.py``) with safetensors weights, loaded with its language-model head; an encoder
+  checkpoint without its head (and T5, read as its encoder) is loaded without one, and its store
+  holds no ``pred``. A checkpoint that lacks any other tensor the model needs is refused (never
+  silently random-initialised).
 - A ``.gguf`` file of the llama or gpt2 architecture: loaded by transformers (``gguf_file=``),
   dequantised to float32 (``model_dtype`` does not apply); it must carry its tokenizer.
   (transformers reads a GPT-2 GGUF with GPT-2's own 1024 positions and 4 * d_model
@@ -24,6 +26,7 @@ Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -367,21 +370,54 @@ def _model_class(model_type):
 
 
 def _load_hugging_face(directory: Path, config: dict, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    model_class = _model_class(config.get("model_type"))
+    family = family_for(config.get("model_type"))
     weight_files = _safetensors_files(directory)
     check_safetensors(weight_files)
-    model, info = model_class.from_pretrained(
-        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
-        output_loading_info=True,
-    )
-    missing = sorted(info["missing_keys"])
-    if missing:
-        raise ConfigError(
-            f"checkpoint {directory} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
-            f"{missing[:3]}: the model would run with random weights there; give a complete checkpoint"
-        )
+    model = _complete_model(directory, family, dtype)
     adapter = adapter_for(model.to(device))
     return LoadedModel(adapter, _directory_tokenizer(directory, config), directory, "safetensors", weight_files, config)
+
+
+def _complete_model(directory: Path, family, dtype: torch.dtype):
+    """The family's language-model class loaded from the checkpoint; for an encoder whose checkpoint
+    lacks only its head's tensors (a sentence-embedding checkpoint), and for a family read without a
+    head (T5's encoder), the class without the head, whose store holds no `pred`. A checkpoint that
+    lacks any other tensor is refused: the model would run with random weights there."""
+    import transformers
+
+    if family.lm_class is not None:
+        lm_class = getattr(transformers, family.lm_class)
+        model, missing = _from_pretrained(lm_class, directory, dtype)
+        body = [key for key in missing if key.startswith(f"{lm_class.base_model_prefix}.")]
+        if not missing:
+            return model
+        if body or family.base_class is None:
+            raise _incomplete(directory, lm_class, body or missing)
+    base_class = getattr(transformers, family.base_class)
+    model, missing = _from_pretrained(base_class, directory, dtype)
+    if missing:
+        raise _incomplete(directory, base_class, missing)
+    return model
+
+
+def _from_pretrained(model_class, directory: Path, dtype: torch.dtype):
+    """The model and the sorted names of the tensors the checkpoint lacks; an encoder without its
+    head is built without a pooler, which no stored activation depends on."""
+    options = {}
+    if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters:
+        options["add_pooling_layer"] = False
+    model, info = model_class.from_pretrained(
+        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
+        output_loading_info=True, **options,
+    )
+    return model, sorted(info["missing_keys"])
+
+
+def _incomplete(directory: Path, model_class, missing: list[str]) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {directory} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
+        f"{missing[:3]}: the model would run with random weights there; give a complete checkpoint"
+    )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")

@@ -142,7 +142,7 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     except StoreError as error:
         return [str(error)]
     sizes = schema.dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
-    for name, var in schema.variables_for(sites, attrs.get("with_weights", True)).items():
+    for name, var in schema.variables_for(sites, attrs.get("with_weights", True), model.get("lm_head", True)).items():
         problems += _variable_problems(group, name, var.dims, schema.resolved_dtype(var, attrs["dtype"]), sizes)
     for name in attrs["labels"]:
         problems += _variable_problems(group, name, schema.PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")

@@ -22,10 +22,13 @@ MODEL_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_head")
 MODEL_KEYS = MODEL_SIZE_KEYS + (
     "family", "architecture", "source", "format", "weights_sha256", "dtype", "d_ff", "vocab_size", "activation",
     "n_parameters", "positions", "attn_scale", "causal", "score", "norm_placement", "norm_type", "norm_eps",
-    "qk_norm", "v_norm", "parallel", "norms", "rope_parameters", "output_multiplier", "max_len",
+    "qk_norm", "v_norm", "parallel", "norms", "rope_parameters", "output_multiplier", "max_len", "lm_head",
 )
 # model["score"]: per layer, what turns q . k into the model's score (lists of n_layers entries).
 SCORE_KEYS = ("scale", "sliding_window", "softcap", "alibi_slopes")
+OPTIONAL_SCORE_KEYS = ("relative_bias",)
+"""Score terms only some families have: T5's learned relative position bias (RELATIVE_BIAS_KEYS)."""
+RELATIVE_BIAS_KEYS = ("max_offset", "tables", "table_of_layer")
 # model["norms"]: one entry per norm of the model.
 NORM_KEYS = ("site", "module", "type", "scope", "eps", "gain", "bias")
 NORM_SITES = ("embedding", "attn_input", "q", "k", "v", "attn_output", "resid_mid", "mlp_input", "mlp_output",
@@ -132,9 +135,10 @@ def check_model(model: dict) -> dict:
 
 def check_score(score, n_layers: int, n_heads: int) -> None:
     """The score terms: a dict of SCORE_KEYS, each a list of one entry per layer (alibi_slopes may be
-    None, else per layer a list of one slope per head)."""
-    if not isinstance(score, dict) or sorted(score) != sorted(SCORE_KEYS):
-        raise StoreError(f"model description score={score!r}: expected a dict with keys {list(SCORE_KEYS)}")
+    None, else per layer a list of one slope per head) and, optionally, relative_bias."""
+    if not isinstance(score, dict) or not set(SCORE_KEYS) <= set(score) <= set(SCORE_KEYS + OPTIONAL_SCORE_KEYS):
+        raise StoreError(f"model description score={score!r}: expected a dict with keys {list(SCORE_KEYS)} "
+                         f"(and optionally {list(OPTIONAL_SCORE_KEYS)})")
     for key in SCORE_KEYS:
         terms = score[key]
         if key == "alibi_slopes" and terms is None:
@@ -144,6 +148,25 @@ def check_score(score, n_layers: int, n_heads: int) -> None:
                              f"({n_layers})")
     if score["alibi_slopes"] is not None and any(len(slopes) != n_heads for slopes in score["alibi_slopes"]):
         raise StoreError(f"model description score.alibi_slopes: expected {n_heads} slopes (one per head) per layer")
+    if score.get("relative_bias") is not None:
+        check_relative_bias(score["relative_bias"], n_layers, n_heads)
+
+
+def check_relative_bias(relative, n_layers: int, n_heads: int) -> None:
+    """score.relative_bias: tables (head x 2 * max_offset + 1 biases, by key offset -max_offset..
+    max_offset) and, per layer, the index of its table."""
+    expected = (f"expected a dict of {list(RELATIVE_BIAS_KEYS)}: max_offset D >= 1, tables of {n_heads} rows "
+                f"of 2D+1 biases, table_of_layer with one table index per layer ({n_layers})")
+    try:
+        width = 2 * relative["max_offset"] + 1
+        tables, of_layer = np.asarray(relative["tables"], dtype=float), list(relative["table_of_layer"])
+        fits = (sorted(relative) == sorted(RELATIVE_BIAS_KEYS) and relative["max_offset"] >= 1
+                and tables.ndim == 3 and tables.shape[1:] == (n_heads, width) and np.isfinite(tables).all()
+                and len(of_layer) == n_layers and all(isinstance(i, int) and 0 <= i < len(tables) for i in of_layer))
+    except (TypeError, KeyError, ValueError):
+        fits = False
+    if not fits:
+        raise StoreError(f"model description score.relative_bias is malformed: {expected}")
 
 
 def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> dict[str, int]:
@@ -161,9 +184,10 @@ def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> 
     }
 
 
-def variables_for(sites, with_weights: bool) -> dict[str, Variable]:
-    """Every array that a store with these sites holds (labels aside)."""
-    variables = dict(TOKEN_VARIABLES)
+def variables_for(sites, with_weights: bool, lm_head: bool = True) -> dict[str, Variable]:
+    """Every array that a store with these sites holds (labels aside): no ``pred`` without a
+    language-model head (model description ``lm_head`` false)."""
+    variables = {name: var for name, var in TOKEN_VARIABLES.items() if lm_head or name != "pred"}
     variables.update({site: SITE_VARIABLES[site] for site in sites})
     if with_weights:
         variables.update(WEIGHT_VARIABLES)

@@ -93,7 +93,7 @@ def create_store(
     if codec not in CODECS:
         raise StoreError(f"codec {codec!r}: expected one of {list(CODECS)}")
     sizes = schema.dim_sizes(model, n_samples, n_pos, len(layers))
-    variables = schema.variables_for(sites, with_weights)
+    variables = schema.variables_for(sites, with_weights, model.get("lm_head", True))
     if samples_per_chunk is None:
         samples_per_chunk = samples_per_chunk_for(variables, sizes, dtype)
     _check_count("samples_per_chunk", samples_per_chunk)
