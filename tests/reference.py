@@ -10,11 +10,12 @@ LOGIT_SCALE = 32.0
 
 
 def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_window: int | None = None,
-                      softcap: float | None = None, alibi_slopes=None) -> tuple[np.ndarray, float]:
+                      softcap: float | None = None, alibi_slopes=None, relative_bias=None) -> tuple[np.ndarray, float]:
     """The attention pattern (..., head, qpos, kpos) in float64 from q (..., pos, head, d_head) and
     k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores. The optional
     terms follow transformers: softcap * tanh(score / softcap); key j allowed for query i when
-    i - j < sliding_window; ALiBi adds slope_h * (number of valid tokens before j)."""
+    i - j < sliding_window; ALiBi adds slope_h * (number of valid tokens before j); relative_bias
+    (head, 2D + 1), T5's, adds row h's entry D + (j - i), its end entries for farther keys."""
     q = np.swapaxes(np.asarray(q, np.float64), -2, -3)
     k = np.swapaxes(np.asarray(k, np.float64), -2, -3)
     k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
@@ -25,6 +26,13 @@ def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_w
     if alibi_slopes is not None:
         key_position = np.cumsum(valid, axis=-1) - 1
         scores = scores + np.asarray(alibi_slopes, np.float64)[:, None, None] * key_position[..., None, None, :]
+    if relative_bias is not None:
+        table = np.asarray(relative_bias, np.float64)
+        reach = table.shape[1] // 2
+        n_pos = scores.shape[-1]
+        for i in range(n_pos):
+            for j in range(n_pos):
+                scores[..., i, j] += table[:, reach + min(max(j - i, -reach), reach)]
     allowed = valid[..., None, None, :]
     i, j = np.indices(scores.shape[-2:])
     if causal:

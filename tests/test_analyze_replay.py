@@ -15,6 +15,8 @@ from orthosphere.store import create_store, open_store
 from tests.reference import assert_attention_close, attention_atol, attention_float64
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+RELATIVE_BIAS = tuple(tuple(float(b) for b in row) for row in np.random.default_rng(7).normal(0.0, 2.0, (4, 7)))
+"""A T5-style relative position bias of 4 heads by key offset -3..3: 8 positions reach past its ends."""
 
 
 def write_store(path, *, q, k, v=None, w_o=None, valid=None, pattern=None, attn_scale=1.0, causal=True,
@@ -236,7 +238,8 @@ def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     ScoreTerms(0.5, True, sliding_window=3, softcap=2.0),
     ScoreTerms(0.5, True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
     ScoreTerms(0.5, False),
-], ids=["window-softcap", "alibi", "bidirectional"])
+    ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS),
+], ids=["window-softcap", "alibi", "bidirectional", "relative-bias"])
 def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queries_and_keys(terms):
     """The replay's clean pattern is the model's attention of q, k with the score terms, and its
     perturbed one that of the noised q, k: total variation and collapses (every instance with two
@@ -246,7 +249,7 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     valid = np.ones((3, 8), bool)
     valid[0, :3] = False  # left padding: a causal query there may see no key
     reference = dict(attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
-                     softcap=terms.softcap, alibi_slopes=terms.alibi_slopes)
+                     softcap=terms.softcap, alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias)
     block = HeadBlock(q, k, valid, terms, 0.0, min_keys=2)
     assert_attention_close(block.pattern, q, k, valid, **reference)
     empty = ~valid[:, None, :, None] if terms.causal else np.zeros((3, 1, 8, 1), bool)
@@ -566,7 +569,8 @@ def grid_counts(block, settings, samples, layer=0):
     (ScoreTerms(0.5, True, sliding_window=4), 4),
     (ScoreTerms(0.5, True), 2),
     (ScoreTerms(0.5, False), 1),
-], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa"])
+    (ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS), 4),
+], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa", "relative-bias"])
 @pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
 def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, n_kv_heads, distribution):
     """Ties (two equal keys) and keys of zero score included; levels up to 0.9, where uniform noise

@@ -36,7 +36,8 @@ from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
-ENCODERS = ("bert", "roberta", "distilbert")
+ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5")
+T5_FAMILIES = ("t5", "mt5", "umt5")
 SHARP = 0.9
 """In every layer, the median over (query, head) of the largest attention weight, for valid queries
 that may see at least SHARP_KEYS keys (fewer make any attention sharp): attention is sharp."""
@@ -56,12 +57,14 @@ PLACEMENTS = {
     "opt": ("pre", "layer", None, False), "bert": ("post", "layer", None, False),
     "roberta": ("post", "layer", None, False), "distilbert": ("post", "layer", None, False),
     "bloom": ("pre", "layer", None, False), "falcon": ("pre", "layer", None, True),
+    "t5": ("pre", "rms", None, False), "mt5": ("pre", "rms", None, False), "umt5": ("pre", "rms", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
            "gemma3_text": [WINDOW, None]}
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25]}
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
+          **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
 
@@ -106,13 +109,14 @@ def eager_run(model, store):
     valid = torch.from_numpy(store["valid"].values).long()
     with torch.no_grad():
         output = model(input_ids=tokens, attention_mask=valid, output_attentions=True)
-    return torch.stack(output.attentions, dim=1).double().numpy(), output.logits.numpy()
+    logits = output.logits.numpy() if hasattr(output, "logits") else None  # T5's encoder has no head
+    return torch.stack(output.attentions, dim=1).double().numpy(), logits
 
 
 def terms_of(store, layer) -> dict:
     terms = ScoreTerms.of_layer(store.attrs["model"], layer)
     return {"attn_scale": terms.scale, "causal": terms.causal, "sliding_window": terms.sliding_window,
-            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes}
+            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias}
 
 
 def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
@@ -171,6 +175,10 @@ def test_residual_stream_is_one_stream_and_predictions_are_the_models(family):
     np.testing.assert_array_equal(resid_post[:, :-1], resid_pre[:, 1:])
     _, logits = eager_run(eager, store)
     valid = store["valid"].values
+    if logits is None:
+        assert "pred" not in store and store.attrs["model"]["lm_head"] is False
+        return
+    assert store.attrs["model"]["lm_head"] is True
     np.testing.assert_array_equal(store["pred"].values[valid], logits.argmax(-1)[valid])
 
 
@@ -353,7 +361,8 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
     terms = ScoreTerms.of_layer(adapter.describe(), 1)
     expected, largest = attention_float64(edited["q"][:, 1].numpy(), plain["k"][:, 1].numpy(), valid.numpy(),
                                           attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
-                                          softcap=terms.softcap, alibi_slopes=terms.alibi_slopes)
+                                          softcap=terms.softcap, alibi_slopes=terms.alibi_slopes,
+                                          relative_bias=terms.relative_bias)
     np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
 
 

@@ -3,7 +3,8 @@
 2 layers, d_model 32, 4 query heads (2 key/value heads where the family has grouped-query
 attention), a sliding window of 4 positions where the family has one (so that the test
 sequences, up to 12 tokens, are longer than the window), soft-capping at 20 for Gemma 2 (logits
-reach it, so it matters, without flattening them), and attention sharp in every layer (most queries
+reach it, so it matters, without flattening them), T5's relative distances bucketed up to 6 (so
+that the sequences reach past the last bucket), and attention sharp in every layer (most queries
 put nearly all their attention on one key), which is where a wrong score term shows. No downloads.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from tests.test_extract_models import VOCAB
 
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
+T5_DISTANCE = 6
 SHARPEN = 5.0
 """q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
 logits of order 10 and more."""
@@ -27,8 +29,16 @@ def _llama_sizes(**extra):
                 num_key_value_heads=N_KV_HEADS, max_position_embeddings=64, **extra)
 
 
+def _t5_sizes():
+    """T5's encoder with relative distances bucketed up to T5_DISTANCE, beyond which (the test
+    sequences reach 11) every key shares its side's last bucket."""
+    return dict(d_model=D_MODEL, d_kv=D_MODEL // N_HEADS, num_heads=N_HEADS, num_layers=N_LAYERS, d_ff=D_FF,
+                relative_attention_num_buckets=8, relative_attention_max_distance=T5_DISTANCE)
+
+
 def family_configs() -> dict:
-    """model_type -> (config class name, config keywords, language-model class name)."""
+    """model_type -> (config class name, config keywords, the class to build: the language-model one, or
+    the encoder without a head for T5)."""
     return {
         "gpt2": ("GPT2Config", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_inner=D_FF, n_positions=64,
                                     scale_attn_by_inverse_layer_idx=True), "GPT2LMHeadModel"),
@@ -73,6 +83,9 @@ def family_configs() -> dict:
         "falcon": ("FalconConfig", dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
                                         num_kv_heads=N_KV_HEADS, new_decoder_architecture=True, bias=True,
                                         max_position_embeddings=64), "FalconForCausalLM"),
+        "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
+        "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
+        "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
     }
 
 
@@ -89,7 +102,7 @@ def tiny_config(model_type: str, **overrides):
 
 
 SHARPENED = ("q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
-             "q_norm", "k_norm", "q_layernorm", "k_layernorm")
+             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.")
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
