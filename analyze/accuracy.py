@@ -11,10 +11,15 @@ import numpy as np
 import xarray as xr
 
 from .errors import AnalysisError
+from .inputs import store_url
 
 
 def accuracy(dataset: xr.Dataset) -> xr.Dataset:
     """Per-token and whole-answer accuracy of the model's predictions over the scored tokens."""
+    if "pred" not in dataset.variables:
+        architecture = dataset.attrs.get("model", {}).get("architecture", "its model")
+        raise AnalysisError(f"store {store_url(dataset)} holds no predictions (pred): {architecture} has no "
+                            "language-model head; leave accuracy out of the analyses (the default does)")
     scored = dataset.scored & dataset.valid
     right = (dataset.pred == dataset.target) & scored
     answered = scored.any("pos")
@@ -33,3 +38,6 @@ def accuracy(dataset: xr.Dataset) -> xr.Dataset:
         },
         attrs={"definition": "arg-max prediction == target over scored valid tokens; answers: every scored token right"},
     )
+
+
+accuracy.needs = ("pred",)

@@ -31,7 +31,9 @@ ANALYSES = {
 """The registry, in the order the analyses run: name -> "module:function". An analysis is a function
 f(dataset, *, option=default, ...) -> xr.Dataset or xr.DataTree (or an object with ``to_dataset()``,
 such as a fitted FactorSubspaces); its keyword parameters are its options, except one named after
-an analysis that runs before it, which receives that analysis's result. A function with a ``plan``
+an analysis that runs before it, which receives that analysis's result. A function's ``needs``
+attribute names the store variables without which the default set leaves it out (accuracy: pred).
+A function with a ``plan``
 attribute (see ``plan.planned``) has its work planned with the others' (see ``run_analyses``)."""
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
     if not names:
         raise AnalysisError(f"no analysis chosen: expected any of {list(ANALYSES)}")
     chosen = {name: get_analysis(name) for name in names}
+    if only is None:  # the default leaves out what the store cannot feed (accuracy without pred)
+        chosen = {name: analysis for name, analysis in chosen.items()
+                  if all(variable in dataset.variables for variable in getattr(analysis.function, "needs", ()))}
     analyses = [chosen[name] for name in ANALYSES if name in chosen]
     given = split_options(analyses, options)
     waiting = list(analyses)

@@ -241,6 +241,15 @@ def _per_token(summary: dict) -> str:
             f"({per_token / sites:.3f}x the sites' {sites / 1e3:,.2f} kB a position)")
 
 
+def _shown_model(model: dict) -> dict:
+    """The model description with T5's relative-bias tables summarised (they run to thousands of numbers)."""
+    relative = (model.get("score") or {}).get("relative_bias")
+    if relative is None:
+        return model
+    summary = f"<{len(relative['tables'])} table(s) of key offsets -{relative['max_offset']}..{relative['max_offset']}>"
+    return {**model, "score": {**model["score"], "relative_bias": summary}}
+
+
 def format_info(summary: dict) -> str:
     """The info summary as text for a terminal."""
     model = summary["model"] or {}
@@ -248,7 +257,7 @@ def format_info(summary: dict) -> str:
     lines = [
         f"store     {summary['url']}  (schema {summary['schema']}, {state}: "
         f"{summary['shards_done']}/{summary['shards_total']} shards)",
-        "model     " + ", ".join(f"{k}={v}" for k, v in model.items()),
+        "model     " + ", ".join(f"{k}={v}" for k, v in _shown_model(model).items()),
         "task      " + ", ".join(f"{k}={v}" for k, v in (summary["task"] or {}).items()),
         f"sites     {', '.join(summary['sites'] or [])}",
         f"layers    {summary['layers']}",
@@ -256,6 +265,8 @@ def format_info(summary: dict) -> str:
         f"{summary['samples_per_chunk']} samples per chunk",
         f"dtype     {summary['dtype']} (codec {summary['codec']})",
         f"labels    {', '.join(summary['labels'] or {}) or '-'}",
+        *([] if model.get("lm_head", True) else
+          [f"pred      none: the model ({model.get('architecture')}) has no language-model head"]),
         f"size      {summary['size_bytes'] / 2**20:.2f} MiB on disk, of which {summary['weight_bytes'] / 2**20:.2f} MiB "
         "weight maps",
         f"tokens    {summary['real_tokens']:,} real of {summary['positions']:,} positions "

@@ -153,20 +153,34 @@ def check_score(score, n_layers: int, n_heads: int) -> None:
 
 
 def check_relative_bias(relative, n_layers: int, n_heads: int) -> None:
-    """score.relative_bias: tables (head x 2 * max_offset + 1 biases, by key offset -max_offset..
-    max_offset) and, per layer, the index of its table."""
-    expected = (f"expected a dict of {list(RELATIVE_BIAS_KEYS)}: max_offset D >= 1, tables of {n_heads} rows "
-                f"of 2D+1 biases, table_of_layer with one table index per layer ({n_layers})")
+    """score.relative_bias: max_offset D, tables (each n_heads rows of 2D + 1 biases, by key offset
+    -D..D) and, per layer, the index of its table."""
+    problem = _relative_bias_problem(relative, n_layers, n_heads)
+    if problem:
+        raise StoreError(f"model description score.relative_bias: {problem}; expected a dict of "
+                         f"{list(RELATIVE_BIAS_KEYS)} as store/SCHEMA.md describes (re-extract the store)")
+
+
+def _relative_bias_problem(relative, n_layers: int, n_heads: int) -> str | None:
+    if not isinstance(relative, dict) or sorted(relative) != sorted(RELATIVE_BIAS_KEYS):
+        return f"{str(relative)[:80]} has other keys"
+    reach = relative["max_offset"]
+    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 1:
+        return f"max_offset={reach!r} is not a positive integer"
     try:
-        width = 2 * relative["max_offset"] + 1
-        tables, of_layer = np.asarray(relative["tables"], dtype=float), list(relative["table_of_layer"])
-        fits = (sorted(relative) == sorted(RELATIVE_BIAS_KEYS) and relative["max_offset"] >= 1
-                and tables.ndim == 3 and tables.shape[1:] == (n_heads, width) and np.isfinite(tables).all()
-                and len(of_layer) == n_layers and all(isinstance(i, int) and 0 <= i < len(tables) for i in of_layer))
-    except (TypeError, KeyError, ValueError):
-        fits = False
-    if not fits:
-        raise StoreError(f"model description score.relative_bias is malformed: {expected}")
+        tables = np.asarray(relative["tables"], dtype=float)
+    except (TypeError, ValueError):
+        return "tables is not an array of numbers"
+    if tables.ndim != 3 or tables.shape[1:] != (n_heads, 2 * reach + 1):
+        return (f"tables have shape {tables.shape}, expected (tables, {n_heads} heads, {2 * reach + 1} offsets "
+                "= 2 max_offset + 1)")
+    if not np.isfinite(tables).all():
+        return "tables hold biases that are not finite"
+    of_layer = relative["table_of_layer"]
+    if (not isinstance(of_layer, list) or len(of_layer) != n_layers
+            or not all(isinstance(i, int) and 0 <= i < len(tables) for i in of_layer)):
+        return f"table_of_layer={of_layer!r} is not one index of the {len(tables)} table(s) per layer ({n_layers})"
+    return None
 
 
 def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> dict[str, int]:

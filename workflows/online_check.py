@@ -74,6 +74,9 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     model_attrs = store_model(ds)
     adapter, description = _adapter(model, device, model_attrs.get("dtype"))
     check_model_matches(model_attrs, description)
+    if not description.get("lm_head", True):
+        raise ReplayError(f"the model {description.get('architecture')} has no language-model head, and the online "
+                          "check scores its predictions under noise: replay the store offline only")
     check_variables(ds, settings)
     missing = [name for name in TOKEN_VARIABLES if name not in ds.variables]
     if missing:
