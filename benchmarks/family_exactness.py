@@ -51,7 +51,7 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
         q, k = captured["q"][:, layer].numpy(), captured["k"][:, layer].numpy()
         reference, logit = attention_float64(q, k, valid_np, attn_scale=terms.scale, causal=terms.causal,
                                              sliding_window=terms.sliding_window, softcap=terms.softcap,
-                                             alibi_slopes=terms.alibi_slopes)
+                                             alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias)
         eager_layer = pattern[:, layer].double().numpy()
         worst64 = max(worst64, float(np.abs(np.where(queries, eager_layer - reference, 0)).max()))
         ours = attention_from_qk(q, k, valid_np, terms)
@@ -60,7 +60,8 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
         sharpness.append(float(np.median(reference.max(axis=-1).transpose(0, 2, 1)[valid_np])))
     score = description["score"]
     terms = [name for name, values in (("window", score["sliding_window"]), ("softcap", score["softcap"]))
-             if any(v is not None for v in values)] + (["alibi"] if score["alibi_slopes"] else [])
+             if any(v is not None for v in values)] + (["alibi"] if score["alibi_slopes"] else []) \
+        + (["relative"] if score.get("relative_bias") else [])
     return {"family": model_type, "float64": worst64, "float32": worst32, "logit": largest,
             "sharp": min(sharpness), "terms": ",".join(terms) or "-", "placement": description["norm_placement"]}
 

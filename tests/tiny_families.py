@@ -127,4 +127,6 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                     parameter.mul_(SHARPEN)
                 else:
                     parameter.normal_(0.0, SHARPEN / D_MODEL**0.5)
+            if "SelfAttention.q." in name:  # T5 scores with 1 and folds 1/sqrt(d_head) into W_Q, as its init does
+                parameter.mul_(model.config.d_kv**-0.5)
     return model
