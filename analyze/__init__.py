@@ -16,6 +16,10 @@ samples.
                    options={"layers": [0, 1], "factors": ["digit_value[role=digit]", "pos"]})
     tree = open_results("runs/results.zarr")          # xr.open_datatree(url, engine="zarr")
 
+Called as a function, ``orthosphere.analyze(store, out=None, *, analyses=None, **options)`` is the
+keyword form of ``analyze`` (``orthosphere.analyze.api``): ``analyses`` is ``only``, keywords are
+``options``, and a keyword named after an analysis takes a dict of that analysis's options.
+
 ``options`` is one dict: a key goes to every chosen analysis that takes that keyword (``layers``,
 ``exclude_start``, ``seed``, ...), a key ``"analysis.option"`` only to that analysis. The analyses
 (``ANALYSES``, run in this order) and their options, the keyword parameters of their functions:
@@ -178,3 +182,7 @@ __all__ = [
     "store_attention",
     "write_results",
 ]
+
+from orthosphere._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "orthosphere.analyze.api:analyze")

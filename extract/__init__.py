@@ -1,1 +1,8 @@
-"""orthosphere.extract: models -> activations (model family, tasks, capture, batch jobs)."""
+"""orthosphere.extract: models -> activations (model family, tasks, capture, batch jobs).
+
+Called as a function, ``orthosphere.extract(model, data, out, ...)`` runs an extraction and returns
+the store (``orthosphere.extract.api.extract``).
+"""
+from orthosphere._callable import make_callable
+
+make_callable(__name__, "orthosphere.extract.api:extract")

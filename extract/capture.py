@@ -607,7 +607,11 @@ def adapter_for(model: nn.Module) -> Adapter:
 def _new_adapter(model: nn.Module) -> Adapter:
     if isinstance(model, ArithmeticTransformer):
         return ArithmeticAdapter(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) is None:
+        raise UnsupportedModelError(unsupported(f"a {type(model).__name__} (neither a transformers model nor an "
+                                                "orthosphere arithmetic model)"))
+    model_type = config.model_type
     family = family_for(model_type)
     accepted = [name for name in (family.lm_class, family.base_class) if name is not None]
     if type(model).__name__ not in accepted:

@@ -43,6 +43,7 @@ operand, digit_place, digit_value, carry; corpora: token_str, document, offset).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -114,6 +115,52 @@ def parse_task(spec: str) -> ArithmeticData | CorpusData:
     except (TypeError, ValueError) as error:
         raise ConfigError(f"task spec {spec!r} does not parse ({error}): expected {SPEC_FORMS}") from None
     raise ConfigError(f"task spec {spec!r} does not parse: unknown task {name!r}; expected {SPEC_FORMS}")
+
+
+def task_data(task) -> ArithmeticData | CorpusData:
+    """The data of a job's `task`: a spec string parsed, or the data object as given."""
+    if isinstance(task, (ArithmeticData, CorpusData)):
+        return task
+    if isinstance(task, str):
+        return parse_task(task)
+    raise ConfigError(f"data {task!r} ({type(task).__name__}): expected a task spec ({SPEC_FORMS}) or the object of "
+                      "orthosphere.corpus.text/jsonl/parquet/hf(...) or orthosphere.tasks.arithmetic(...)")
+
+
+def corpus(source: str, path, **options) -> CorpusData:
+    """A corpus as a data object, from the keywords of its task spec: ``corpus("jsonl", "c.jsonl",
+    field="text", context=128)`` is ``jsonl:path=c.jsonl,field=text,context=128``, checked alike."""
+    if source not in CORPUS_OPTIONS:
+        raise ConfigError(f"corpus source {source!r}: expected one of {list(CORPUS_OPTIONS)}")
+    values = {"path": os.fspath(path), **_spec_values(options)}
+    return _built(f"{source} corpus {values['path']}", lambda: _corpus(source, values))
+
+
+def arithmetic(split: str = "test", seed: int = 0, **counts) -> ArithmeticData:
+    """The arithmetic task as a data object: a split, a seed and TaskSpec fields as lists
+    (``arithmetic("extrapolation", 3, train_counts=[2, 3, 5])``), checked as the spec is."""
+    values = _spec_values({"split": split, "seed": seed, **counts})
+    return _built("arithmetic task", lambda: _arithmetic(values))
+
+
+def _built(what: str, build):
+    try:
+        return build()
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{what}: {error}") from None
+
+
+def _spec_values(options: dict) -> dict[str, str]:
+    """Keyword values as the task spec writes them: True/False as true/false (bos: true/none,
+    separator: eos/none), lists joined with /; None leaves the option out."""
+    def text(key, value) -> str:
+        if isinstance(value, bool):
+            return {"bos": ("none", "true"), "separator": ("none", "eos")}.get(key, ("false", "true"))[value]
+        if isinstance(value, (list, tuple)):
+            return "/".join(text(key, item) for item in value)
+        return str(value)
+
+    return {key: text(key, value) for key, value in options.items() if value is not None}
 
 
 def _options(spec: str, text: str) -> dict[str, str]:
@@ -202,7 +249,7 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
         _check_samples(n_samples)
     if isinstance(data, ArithmeticData):
         if n_samples is None:
-            raise ConfigError("the arithmetic task needs a sample count: pass --samples N")
+            raise ConfigError("the arithmetic task needs a sample count: pass n_samples=N (CLI: --samples N)")
         return ArithmeticDataset(data, n_samples)
     if tokenizer is None:
         raise ConfigError(
@@ -250,13 +297,13 @@ def _check_rows(data: CorpusData, n_samples: int | None) -> None:
     """Refuse, before tokenising, more padded samples than a Parquet corpus has rows (its metadata says)."""
     rows = parquet_rows(data)
     if n_samples is not None and rows is not None and n_samples > rows:
-        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than --samples {n_samples} (one padded sample a "
+        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than n_samples={n_samples} (CLI: --samples; one padded sample a "
                           "document): ask for fewer samples or give a longer corpus")
 
 
 def _check_samples(n_samples) -> None:
     if not isinstance(n_samples, (int, np.integer)) or isinstance(n_samples, bool) or n_samples < 1:
-        raise ConfigError(f"--samples {n_samples!r}: expected a positive number of samples")
+        raise ConfigError(f"n_samples={n_samples!r} (CLI: --samples): expected a positive number of samples")
 
 
 class ArithmeticDataset:

@@ -1,4 +1,5 @@
-"""SHA-256 of a model's weights or a corpus's files, computed once and remembered.
+"""SHA-256 of a model's weights or a corpus's files, computed once and remembered (a model handed
+over in memory: from its tensors, each time).
 
 A store records the SHA-256 of the model and the corpus it was made from, so that a resumed job
 can tell them apart from others. Hashing a large checkpoint costs about as long as loading it, so
@@ -44,6 +45,18 @@ def files_sha256(paths) -> str:
     cache[key] = digest.hexdigest()
     _write_cache(cache)
     return cache[key]
+
+
+def tensors_sha256(model) -> str:
+    """SHA-256 over a module's state (each tensor's name, dtype, shape and bytes, in name order)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _identity(path) -> list:

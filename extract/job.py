@@ -61,10 +61,10 @@ from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
 from orthosphere.store.stream import ChunkStream
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
-from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, parse_task
+from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, task_data
 from .model import ConfigError
 from .recording import new_buffer
-from .sources import LoadedModel, check_device, load_source, model_dtype_of
+from .sources import LoadedModel, check_device, from_model, load_source, model_dtype_of
 
 log = logging.getLogger("orthosphere.extract")
 
@@ -86,8 +86,10 @@ class JobMismatchError(StoreError):
 class ExtractJob:
     """Everything `orthosphere extract` is asked to do."""
 
-    model: str
-    task: str
+    model: str | os.PathLike | object
+    """A path (model directory, .gguf file), or a model loaded in this process (see ``sources.from_model``)."""
+    task: str | ArithmeticData | CorpusData
+    """A task spec (the CLI's ``--task``) or the data object it parses to (``data.corpus``, ``data.arithmetic``)."""
     out: str
     n_samples: int | None = None
     sites: tuple[str, ...] | None = None
@@ -103,6 +105,12 @@ class ExtractJob:
     model_dtype: str | None = None
     storage_options: dict | None = None
     command: str | None = None
+    tokenizer: object | None = None
+    """With a loaded transformers model: its tokenizer (None: the model reads token-id corpora only)."""
+
+    @property
+    def in_memory(self) -> bool:
+        return not isinstance(self.model, (str, os.PathLike))
 
 
 @dataclass(frozen=True)
@@ -145,10 +153,13 @@ class ExtractResult:
 
 def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResult:
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
-    data = parse_task(job.task)
-    _check_job(job)
+    data = task_data(job.task)
+    _check_job(job, client)
     found = _existing_store(job)
-    loaded = load_source(job.model, job.device if client is None else "cpu", job.model_dtype)
+    if job.in_memory:
+        loaded = from_model(job.model, job.tokenizer, job.device)
+    else:
+        loaded = load_source(job.model, job.device if client is None else "cpu", job.model_dtype)
     sites, layers = loaded.adapter.check_sites(job.sites), loaded.adapter.check_layers(job.layers)
     description = loaded.describe()
     dataset = _open_data(data, job, loaded, description)
@@ -178,7 +189,7 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
         log.info("writing the store at %s", writer.url)
     crash_point("store-created")
     plan = ShardPlan(
-        os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, sites, layers,
+        "" if job.in_memory else os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, sites, layers,
         job.dtype, job.batch_size, _absolute_url(writer.url), job.storage_options,
     )
     with writer:
@@ -292,7 +303,7 @@ def _run_pending(job, loaded, plan: ShardPlan, writer, client, progress: bool) -
     n_pending = sum(writer.shards[i][1] - writer.shards[i][0] for i in pending)
     log.info(
         "extracting %d samples (%d of %d shards) of %s with %s: sites %s, layers %s, %s",
-        n_pending, len(pending), len(writer.shards), job.task, job.model, ",".join(plan.sites),
+        n_pending, len(pending), len(writer.shards), job.task, loaded.describe()["source"], ",".join(plan.sites),
         _layer_text(plan.layers), plan.dtype,
     )
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -326,17 +337,27 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
     return max(d for d in range(1, samples + 1) if batch_size % d == 0)
 
 
-def _check_job(job: ExtractJob) -> None:
+def _check_job(job: ExtractJob, client) -> None:
+    if job.in_memory and client is not None:
+        raise ConfigError("a model object runs in this process: Dask workers load the model themselves, so give "
+                          "its path (a model directory or .gguf file) to run on a Dask client")
+    if job.in_memory and job.model_dtype is not None:
+        raise ConfigError(f"model_dtype={job.model_dtype!r} with a model object: it runs in the dtype it has; "
+                          "convert it (model.to(dtype)) or leave model_dtype out")
+    if not job.in_memory and job.tokenizer is not None:
+        raise ConfigError("tokenizer= goes with a model object; a model path brings its own tokenizer files")
     check_dtype(job.dtype)
     check_device(job.device)
     model_dtype_of(job.model_dtype)
-    for name, value in (("--batch-size", job.batch_size), ("--shards", job.n_shards),
-                        ("--samples-per-chunk", job.samples_per_chunk), ("--samples", job.n_samples)):
+    for name, flag in (("batch_size", "--batch-size"), ("n_shards", "--shards"),
+                       ("samples_per_chunk", "--samples-per-chunk"), ("n_samples", "--samples")):
+        value = getattr(job, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} {value!r}: expected a positive integer")
+            raise ConfigError(f"{name}={value!r} (CLI: {flag} {value!r}): expected a positive integer")
     if job.resume and job.overwrite:
         raise ConfigError(
-            "--resume and --overwrite contradict each other: resume keeps the store, overwrite replaces it; pick one"
+            "resume=True and overwrite=True (CLI: --resume, --overwrite) contradict each other: resume keeps the "
+            "store, overwrite replaces it; pick one"
         )
 
 
@@ -355,12 +376,12 @@ def _existing_store(job: ExtractJob) -> Found:
     if found.kind == REMNANT:
         raise StoreExistsError(
             f"{job.out} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
-            "pass --resume to create it afresh, or --overwrite"
+            "pass resume=True (CLI: --resume) to create it afresh, or overwrite=True (CLI: --overwrite)"
         )
     state = "complete" if found.attrs.get("complete") else "incomplete"
     raise StoreExistsError(
-        f"a store already exists at {job.out} ({state}): pass --resume to continue the job that made it, "
-        "or --overwrite to replace it"
+        f"a store already exists at {job.out} ({state}): pass resume=True (CLI: --resume) to continue the job "
+        "that made it, or overwrite=True (CLI: --overwrite) to replace it"
     )
 
 
@@ -391,8 +412,8 @@ def _check_same_job(url: str, attrs: dict, identity: dict) -> None:
             name, old, new = difference
             raise JobMismatchError(
                 f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is "
-                f"{_short(new)}; resume with the original model, task, sites, layers, dtype and --samples, "
-                "or pass --overwrite to replace the store"
+                f"{_short(new)}; resume with the original model, task, sites, layers, dtype and n_samples, "
+                "or pass overwrite=True (CLI: --overwrite) to replace the store"
             )
 
 
@@ -475,8 +496,8 @@ def check_float16_range(buffers: dict, layers, first: int) -> None:
             samples, slots = (index.tolist() for index in torch.nonzero(infinite, as_tuple=True))
             raise Float16OverflowError(
                 f"site {site} of layer {layers[slots[0]]} (sample {first + samples[0]}) holds values beyond float16's "
-                "range (|x| > 65504), which float16 would store as inf: extract with --dtype bfloat16 (same range as "
-                "float32, 16 bits) or --dtype float32"
+                "range (|x| > 65504), which float16 would store as inf: extract with dtype='bfloat16' (CLI: --dtype "
+                "bfloat16; same range as float32, 16 bits) or float32"
             )
 
 

@@ -38,8 +38,8 @@ import torch
 from . import tasks
 from .capture import Adapter, adapter_for
 from .families import UnsupportedModelError, family_for, unsupported
-from .hashing import files_sha256
-from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
+from .hashing import files_sha256, tensors_sha256
+from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -202,7 +202,8 @@ class LoadedModel:
 
     adapter: Adapter
     tokenizer: Tokenizer | None
-    path: Path
+    path: Path | None
+    """None for a model handed over in memory (``from_model``)."""
     source_format: str
     weight_files: list[Path]
     config: dict = field(default_factory=dict)
@@ -219,11 +220,12 @@ class LoadedModel:
     def describe(self) -> dict:
         """The store's `model` attribute: the adapter's description, the source and its weights' SHA-256."""
         if self._description is None:
+            in_memory = self.path is None
             self._description = {
                 **self.adapter.describe(),
-                "source": os.path.abspath(self.path),
+                "source": f"in memory ({type(self.adapter.model).__name__})" if in_memory else os.path.abspath(self.path),
                 "format": self.source_format,
-                "weights_sha256": files_sha256(self.weight_files),
+                "weights_sha256": tensors_sha256(self.adapter.model) if in_memory else files_sha256(self.weight_files),
             }
         return dict(self._description)
 
@@ -295,6 +297,33 @@ def load_source(path, device: str = "auto", model_dtype: str | None = None) -> L
             loaded = _load_hugging_face(path, config, device, dtype)
     loaded.adapter.model.eval()
     return loaded
+
+
+def from_model(model, tokenizer=None, device: str = "auto") -> LoadedModel:
+    """A model loaded in this process, ready for extraction: a transformers model of a supported
+    family (with its transformers `tokenizer`; without one it reads token-id corpora only), an
+    orthosphere arithmetic model, or the adapter of either. It runs where it is (device "auto") or
+    is moved to `device`, in its own dtype; its weights' hash is taken from its tensors."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, Adapter):
+        model = model.model
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model of type {type(model).__name__}: expected a path (a model directory or .gguf file), "
+                          "a loaded transformers model or an orthosphere arithmetic model")
+    if device != "auto":
+        model = model.to(resolve_device(device))
+    adapter = adapter_for(model.eval())
+    if isinstance(model, ArithmeticTransformer):
+        if tokenizer is not None:
+            raise ConfigError("tokenizer= with an arithmetic model: it reads the task's characters; leave tokenizer out")
+        return LoadedModel(adapter, CharacterTokenizer(), None, "in-memory", [])
+    config = model.config.to_dict()
+    if tokenizer is not None and not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ConfigError(f"tokenizer of type {type(tokenizer).__name__}: expected a transformers tokenizer "
+                          "(AutoTokenizer.from_pretrained(...)) or None")
+    wrapped = None if tokenizer is None else HuggingFaceTokenizer(tokenizer, config)
+    return LoadedModel(adapter, wrapped, None, "in-memory", [], config)
 
 
 def is_gguf(path: Path) -> bool:

@@ -1,9 +1,42 @@
 """orthosphere: store what trained transformers compute inside their attention layers, and analyse it offline.
 
+The Python API (each name imported on first use, so ``import orthosphere`` stays light and needs no
+torch)::
+
+    import orthosphere
+    store = orthosphere.extract(model, orthosphere.corpus.jsonl("c.jsonl", context=128), "runs/store.zarr")
+    tree = orthosphere.analyze("runs/store.zarr", "runs/results.zarr", analyses=["norms", "subspaces"])
+    orthosphere.report(["runs/results.zarr"], "runs/report")
+
+- ``extract(model, data, out, ...)``: ``orthosphere.extract.api``; ``analyze(store, out, ...)``:
+  ``orthosphere.analyze.api``; ``corpus`` and ``tasks``: the data objects ``extract`` reads;
+- ``open_store``, ``validate``, ``info`` (``orthosphere.store``), ``open_results``
+  (``orthosphere.analyze``), ``report`` (``orthosphere.workflows.report.write_report``),
+  ``TokenLoader`` (``orthosphere.data``, training on a store).
+
 The stages are the subpackages ``orthosphere.extract``, ``orthosphere.store``,
-``orthosphere.analyze`` and ``orthosphere.workflows``, each in its own folder of the repository;
-this module only holds what belongs to the whole package: its version and ``python -m orthosphere``.
+``orthosphere.analyze`` and ``orthosphere.workflows``, each in its own folder of the repository.
 """
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import version
 
 __version__ = version("orthosphere")
+
+_SUBMODULES = ("extract", "analyze", "store", "workflows", "corpus", "tasks", "data")
+_FUNCTIONS = {
+    "open_store": "orthosphere.store", "validate": "orthosphere.store", "info": "orthosphere.store",
+    "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data",
+    "report": "orthosphere.workflows.report:write_report",
+}
+__all__ = [*_SUBMODULES, *_FUNCTIONS]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"orthosphere.{name}")
+    if name in _FUNCTIONS:
+        module, _, attribute = _FUNCTIONS[name].partition(":")
+        return getattr(importlib.import_module(module), attribute or name)
+    raise AttributeError(f"module 'orthosphere' has no attribute {name!r}")

@@ -120,7 +120,7 @@ def test_empty_text_file_and_too_few_lines(tmp_path):
     with pytest.raises(ConfigError, match="holds no documents"):
         extract(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
     short = write_text(tmp_path / "short.txt", ["the cat", "a dog"])
-    with pytest.raises(ConfigError, match="has 2 documents, fewer than --samples 5"):
+    with pytest.raises(ConfigError, match=r"has 2 documents, fewer than n_samples=5 \(CLI: --samples\)"):
         extract(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
     with pytest.raises(ConfigError, match="not found"):
         extract(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
