@@ -123,9 +123,10 @@ import dask
 import numpy as np
 import xarray as xr
 
+from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
+
 from .attention import BlockAttention, ScoreTerms, per_head
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
-from .errors import AnalysisError
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
 from .plan import Plan, planned
@@ -163,10 +164,6 @@ PREDICTION_COUNTS = ("predicted", "missed", "false_alarm")
 PREDICTED_RATE = {"theory": "predicted_collapse_rate", "exact": "exact_predicted_collapse_rate"}
 """The result holding each condition's share of sparse instances and draws predicted to collapse."""
 _LLH = ("level", "layer", "head")
-
-
-class ReplayError(AnalysisError):
-    """Bad input to the replay: the message names the input, what was expected and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------

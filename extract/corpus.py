@@ -28,16 +28,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import ConfigError
+from orthosphere.errors import ConfigError, CorpusError  # noqa: F401
 
 PIECE_BYTES = 2**20
 """A whole text file is read in pieces of this many bytes."""
 ROW_BATCH = 1024
 """Rows read at a time from Parquet and Arrow files."""
-
-
-class CorpusError(ConfigError):
-    """A corpus that cannot be read as asked: a missing file or column, bad bytes or values."""
 
 
 @dataclass(frozen=True)

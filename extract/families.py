@@ -28,18 +28,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from orthosphere.errors import ConfigError, UnsupportedModelError  # noqa: F401
 from orthosphere.store.schema import NORM_SCOPES, NORM_SITES
-
-from .model import ConfigError
 
 ROUTES = ("interface", "projection")
 LAYOUTS = ("separate", "concat", "grouped")
 OUTSIDE_BLOCKS = ("embedding", "final")
 """Norm sites whose module path is relative to the model, not to a block."""
-
-
-class UnsupportedModelError(ConfigError):
-    """A model of an architecture, or a configuration of one, that extraction cannot make exact."""
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from orthosphere.store import StoreError, StoreExistsError, StoreWriter, create_store, open_writer
+from orthosphere.errors import ConfigError, Float16OverflowError, JobMismatchError
+from orthosphere.store import StoreExistsError, StoreWriter, create_store, open_writer
 from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
 from orthosphere.store.location import as_location
@@ -62,7 +63,6 @@ from orthosphere.store.stream import ChunkStream
 from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, task_data
-from .model import ConfigError
 from .recording import new_buffer
 from .sources import LoadedModel, check_device, from_model, load_source, model_dtype_of
 
@@ -76,10 +76,6 @@ IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_sampl
 """Store attributes that must match for a job to resume a store."""
 IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
 """Where a model or file lives may change between runs; its SHA-256 may not."""
-
-
-class JobMismatchError(StoreError):
-    """A store made by a different job than the one asked to resume it."""
 
 
 @dataclass(frozen=True)
@@ -481,10 +477,6 @@ def compute_range(adapter, dataset, plan: ShardPlan, start: int, stop: int, sink
             if meter is not None:
                 meter.update(len(inputs["valid"]), n_tokens)
     return tokens_seen
-
-
-class Float16OverflowError(ConfigError):
-    """Activations beyond float16's range: stored as float16 they would be inf."""
 
 
 def check_float16_range(buffers: dict, layers, first: int) -> None:

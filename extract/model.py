@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from orthosphere.errors import ConfigError  # noqa: F401  (the configuration error, imported from here by the stage)
+
 NORM_PLACEMENTS = ("none", "pre", "post", "qkv")
 NORM_TYPES = ("layer", "rms")
 POSITIONS = ("sinusoidal", "learned")
@@ -55,11 +57,6 @@ def check_keys(config_class, values: dict, table: str) -> None:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown {table} keys {unknown}; expected some of {sorted(known)}")
-
-
-class ConfigError(ValueError):
-    """Bad input from a user: a config, a file or an argument. The message says which
-    input, what was expected and what to do."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ torch)::
   ``orthosphere.analyze.api``; ``corpus`` and ``tasks``: the data objects ``extract`` reads;
 - ``open_store``, ``validate``, ``info`` (``orthosphere.store``), ``open_results``
   (``orthosphere.analyze``), ``report`` (``orthosphere.workflows.report.write_report``),
-  ``TokenLoader`` (``orthosphere.data``, training on a store).
+  ``TokenLoader`` (``orthosphere.data``, training on a store); ``errors``: every error, in one hierarchy.
 
 The stages are the subpackages ``orthosphere.extract``, ``orthosphere.store``,
 ``orthosphere.analyze`` and ``orthosphere.workflows``, each in its own folder of the repository.
@@ -24,7 +24,7 @@ from importlib.metadata import version
 
 __version__ = version("orthosphere")
 
-_SUBMODULES = ("extract", "analyze", "store", "workflows", "corpus", "tasks", "data")
+_SUBMODULES = ("extract", "analyze", "store", "workflows", "corpus", "tasks", "data", "errors")
 _FUNCTIONS = {
     "open_store": "orthosphere.store", "validate": "orthosphere.store", "info": "orthosphere.store",
     "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data",

@@ -156,3 +156,21 @@ def test_import_orthosphere_stays_light():
     assert result.returncode == 0, result.stderr
     with pytest.raises(AttributeError, match="no attribute 'extractt'"):
         orthosphere.extractt  # noqa: B018
+
+
+def test_every_error_is_in_one_hierarchy():
+    import importlib
+    import inspect
+    import pkgutil
+
+    from orthosphere import errors
+
+    found = set()
+    for package in ("orthosphere.extract", "orthosphere.store", "orthosphere.analyze", "orthosphere.workflows"):
+        for module_info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):
+            module = importlib.import_module(module_info.name)
+            found |= {value for value in vars(module).values()
+                      if inspect.isclass(value) and issubclass(value, Exception) and value.__module__.startswith("orthosphere")}
+    assert {error.__name__ for error in found} >= {"ConfigError", "StoreError", "AnalysisError", "ReplayError"}
+    for error in found:
+        assert error.__module__ == "orthosphere.errors" and issubclass(error, errors.OrthosphereError), error

@@ -41,6 +41,7 @@ from orthosphere.analyze.replay import (
     instance_queries,
     store_model,
 )
+from orthosphere.errors import ModelMismatchError
 from orthosphere.extract.capture import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
 from orthosphere.store import open_store
@@ -50,10 +51,6 @@ log = logging.getLogger("orthosphere.online_check")
 ALL_LAYERS = "all layers"
 DESCRIPTION_KEYS_IGNORED = ("source", "format")
 TOKEN_VARIABLES = ("tokens", "valid", "target", "scored")
-
-
-class ModelMismatchError(ReplayError):
-    """The model given to the online check is not the one the store was extracted from."""
 
 
 def online_check(store, model, *, settings: ReplaySettings | None = None, layers=None, all_layers: bool = False,

@@ -1,0 +1,106 @@
+"""Every error orthosphere raises for input a user can act on, in one hierarchy: each message
+names the input (the parameter, with its CLI flag or TOML key where the caller used one), what
+was expected and what to do.
+
+    OrthosphereError (a ValueError)
+    ├── ConfigError: a configuration, a file or an argument
+    │   ├── UnsupportedModelError: an architecture or configuration extraction cannot make exact
+    │   ├── CorpusError: a corpus that cannot be read as asked
+    │   └── Float16OverflowError: activations beyond float16's range
+    ├── StoreError: a store that cannot be created, written or read as asked
+    │   ├── StoreNotFoundError, StoreExistsError, IncompleteStoreError, StoreLockedError,
+    │   │   DamagedStoreError
+    │   └── JobMismatchError: a store made by another job than the one resuming it
+    └── AnalysisError: an analysis that cannot run as asked
+        ├── NonFiniteError: NaN or Inf in the activations read
+        └── ReplayError: bad input to the replay
+            └── ModelMismatchError: the online check's model is not the store's
+
+The subpackages re-export the errors of their stage (``orthosphere.store.StoreError``, ...).
+"""
+from __future__ import annotations
+
+
+class OrthosphereError(ValueError):
+    """Input orthosphere cannot use as given; the message says which input and what to do."""
+
+
+class ConfigError(OrthosphereError):
+    """Bad input from a user: a config, a file or an argument."""
+
+
+class UnsupportedModelError(ConfigError):
+    """A model of an architecture, or a configuration of one, that extraction cannot make exact."""
+
+
+class CorpusError(ConfigError):
+    """A corpus that cannot be read as asked: a missing file or column, bad bytes or values."""
+
+
+class Float16OverflowError(ConfigError):
+    """Activations beyond float16's range: stored as float16 they would be inf."""
+
+
+class StoreError(OrthosphereError):
+    """A store that cannot be created, written or read as asked."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """The URL holds no store."""
+
+
+class StoreExistsError(StoreError, FileExistsError):
+    """A store already exists where a new one was to be created."""
+
+
+class IncompleteStoreError(StoreError):
+    """Some shards of the store were never finished."""
+
+
+class StoreLockedError(StoreError):
+    """Another writer holds the store's lock."""
+
+
+class DamagedStoreError(StoreError):
+    """Chunks the store promises are missing or damaged."""
+
+    def __init__(self, message: str, damage: list | None = None):
+        super().__init__(message)
+        self.damage = list(damage or [])
+
+    def __reduce__(self):
+        return type(self), (str(self), self.damage)
+
+    @classmethod
+    def of(cls, url: str, damage) -> DamagedStoreError:
+        """The error for damaged chunks of the store at `url` (one Damage or a list), with what to do."""
+        damage = damage if isinstance(damage, list) else [damage]
+        shown = "; ".join(str(item) for item in damage[:3]) + ("; ..." if len(damage) > 3 else "")
+        count = f"{len(damage)} chunk{'s' if len(damage) != 1 else ''}"
+        if all(item.listed for item in damage):
+            advice = (f"resume the job that wrote it (its command, with --resume) to rewrite them; "
+                      f"`orthosphere validate {url}` lists every damaged chunk")
+        else:
+            advice = (f"`orthosphere validate {url} --full --reopen` lists every damaged chunk and reopens their "
+                      "shards; then resume the job that wrote the store (its command, with --resume) to rewrite them")
+        return cls(f"store {url} is damaged ({count}): {shown}. To repair it, {advice}", damage)
+
+
+class JobMismatchError(StoreError):
+    """A store made by a different job than the one asked to resume it."""
+
+
+class AnalysisError(OrthosphereError):
+    """An analysis that cannot run as asked: bad options, or a store that lacks what it needs."""
+
+
+class NonFiniteError(AnalysisError):
+    """Activations hold NaN or Inf; the message says which variable, layers and samples."""
+
+
+class ReplayError(AnalysisError):
+    """Bad input to the replay: the message names the input, what was expected and what to do."""
+
+
+class ModelMismatchError(ReplayError):
+    """The model given to the online check is not the one the store was extracted from."""
