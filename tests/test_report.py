@@ -228,3 +228,21 @@ def test_models_that_differ_only_in_placement_pair_up_from_the_extractors_own_de
     (family,) = report.families(report.name_runs(runs))
     assert {placement: [run.name for run in members] for placement, members in family.items()} == {
         "pre": ["pre-s0", "pre-s1"], "qkv": ["qkv-s0", "qkv-s1"]}
+
+
+def test_a_run_is_named_by_the_options_that_differ_from_the_defaults_and_configuration_json_holds_all(tmp_path):
+    from orthosphere.analyze.options import as_attrs
+    from orthosphere.analyze.results import get_analysis
+
+    runs = runs_of({"pre": [0.9]})
+    defaults = as_attrs(get_analysis("norms").defaults)
+    for run in runs:
+        run.tree["norms"].attrs["options"] = {**defaults, "mass": 0.5}
+        run.tree["accuracy"].attrs["options"] = {}
+    line = report._provenance(runs)[0]
+    assert "options beside the defaults {'norms': {'mass': 0.5}}" in line and "quantiles" not in line
+    configuration = report._configuration(runs)
+    assert configuration[runs[0].label]["options"]["norms"] == {**defaults, "mass": 0.5}
+    for run in runs:
+        run.tree["norms"].attrs["options"] = defaults
+    assert "every option at its default" in report._provenance(runs)[0]

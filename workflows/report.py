@@ -32,6 +32,9 @@ import xarray as xr  # noqa: E402
 
 from orthosphere.analyze import open_results  # noqa: E402
 from orthosphere.analyze.description import describe_norms  # noqa: E402
+from orthosphere.analyze.options import as_attrs  # noqa: E402
+from orthosphere.analyze.results import get_analysis  # noqa: E402
+from orthosphere.errors import AnalysisError  # noqa: E402
 
 PAPER = {
     "accuracy": {"pre": {"test": 91.38, "interpolation": 87.46, "extrapolation": 66.65},
@@ -633,20 +636,45 @@ def _png(figure) -> bytes:
 
 
 def _provenance(runs: list[Run]) -> list[str]:
-    """One line a run: its results, store, model, data, analysis options and package version."""
+    """One line a run: its results, store, model, data, the analysis options that differ from their
+    defaults (every option is in configuration.json) and package version."""
     lines = []
     for run in runs:
         made = run.tree.attrs.get("provenance", {})
         task = run.tree.attrs.get("task", {})
         data = " ".join(f"{key}={task[key]}" for key in ("name", "split", "seed", "counts", "path") if key in task)
-        options = {name: run.tree[name].attrs.get("options", {}) for name in run.tree.children}
+        changed = {name: options for name, options in non_default_options(run).items() if options}
         lines.append(
             f"{run.label}: results {_shown(run.url)} of store {_shown(run.tree.attrs.get('store', '?'))}; model "
             f"{_shown(run.model.get('source', '?'))} ({_size(run.model)}; {describe_norms(run.model)}); "
-            f"data {data}; analyses {list(options)} with options {options}; "
-            f"orthosphere {made.get('package_version')} (commit {made.get('git_commit')}), {made.get('created')}"
+            f"data {data}; analyses {list(run.tree.children)}, "
+            + (f"options beside the defaults {changed}" if changed else "every option at its default")
+            + f"; orthosphere {made.get('package_version')} (commit {made.get('git_commit')}), {made.get('created')}"
         )
     return lines
+
+
+def run_options(run: Run) -> dict[str, dict]:
+    """Each analysis of a run with every option it ran with."""
+    return {name: dict(run.tree[name].attrs.get("options", {})) for name in run.tree.children}
+
+
+def non_default_options(run: Run) -> dict[str, dict]:
+    """Each analysis of a run with the options whose value is not the analysis's default."""
+    changed = {}
+    for name, options in run_options(run).items():
+        try:
+            defaults = as_attrs(get_analysis(name).defaults)
+        except AnalysisError:  # an analysis this installation lacks: every option shown
+            defaults = {}
+        changed[name] = {key: value for key, value in options.items() if key not in defaults or defaults[key] != value}
+    return changed
+
+
+def _configuration(runs: list[Run]) -> dict:
+    """configuration.json: per run, its results, store and every option of every analysis."""
+    return {run.label: {"results": str(run.url), "store": run.tree.attrs.get("store"), "options": run_options(run)}
+            for run in runs}
 
 
 def _shown(location: str) -> str:
@@ -673,6 +701,7 @@ def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
     provenance = _provenance(runs)
     (out_dir / "report.md").write_text(_markdown(title, rows, figures, provenance, made))
     (out_dir / "report.html").write_text(_html(title, rows, figures, provenance, made))
+    (out_dir / "configuration.json").write_text(json.dumps(_configuration(runs), indent=2, default=str) + "\n")
     return out_dir
 
 
@@ -685,7 +714,8 @@ def _markdown(title, rows, figures, provenance, made) -> str:
     lines += [f"| {' | '.join(_cell(text) for text in row)} |" for row in rows]
     for name, (caption, _) in figures.items():
         lines += ["", f"## {caption}", "", f"![{caption}](figures/{name}.png)"]
-    lines += ["", "## What produced this report", ""] + [f"- {line}" for line in provenance]
+    lines += ["", "## What produced this report", "", "Every option of every run: configuration.json.", ""]
+    lines += [f"- {line}" for line in provenance]
     return "\n".join(lines) + "\n"
 
 
@@ -712,6 +742,6 @@ li{{font-size:0.85em;margin-bottom:0.4em}}</style></head><body>
 <h2>Headline: this project beside the paper</h2>
 <table><tr>{header}</tr>{table}</table>
 {sections}
-<h2>What produced this report</h2><ul>{sources}</ul>
+<h2>What produced this report</h2><p>Every option of every run: configuration.json.</p><ul>{sources}</ul>
 </body></html>
 """
