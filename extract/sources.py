@@ -37,7 +37,7 @@ import torch
 
 from . import tasks
 from .capture import Adapter, adapter_for
-from .families import UnsupportedModelError, family_for, unsupported
+from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
@@ -437,14 +437,34 @@ def _auto_tokenizer(directory: Path, config: dict | None = None, **options) -> H
     return HuggingFaceTokenizer(tokenizer, config)
 
 
-def _gguf_metadata(path: Path) -> dict:
-    """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
+GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+"""GGUF architectures that transformers reads as another model_type: the text model of a multimodal
+one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
+
+
+def gguf_architectures() -> dict[str, str]:
+    """GGUF architecture -> model_type, for each architecture that transformers reads from GGUF
+    (transformers.modeling_gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES, whose tensor names the
+    gguf package knows) and whose model_type is a family of extract/families.py."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    named = set(gguf.MODEL_ARCH_NAMES.values())
+    model_types = {name: GGUF_READ_AS.get(name, name) for name in GGUF_SUPPORTED_ARCHITECTURES if name in named}
+    return {name: model_type for name, model_type in model_types.items() if model_type in FAMILIES}
+
+
+def _gguf_reader(path: Path):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (ValueError, OSError) as error:
         raise ConfigError(f"{path} is not a readable GGUF file: {error}") from None
+
+
+def _gguf_metadata(reader) -> dict:
+    """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
     wanted = ("general.architecture", "tokenizer.ggml.model")
     metadata = {}
     for key in wanted:
@@ -455,20 +475,90 @@ def _gguf_metadata(path: Path) -> dict:
     return metadata
 
 
+def _check_gguf_architecture(path: Path, architecture) -> str:
+    """The model_type of a GGUF file's architecture; an UnsupportedModelError for one that gives no
+    model of a family (transformers does not read it, cannot map its tensors, or no family has its model_type)."""
+    accepted = gguf_architectures()
+    if architecture in accepted:
+        return accepted[architecture]
+    raise UnsupportedModelError(
+        f"GGUF file {path} has the architecture {architecture!r}: {_why_gguf_refused(path, architecture)}; GGUF files "
+        f"load for the architectures {sorted(accepted)}: give one of them, or the model as a Hugging Face directory "
+        "of a supported family"
+    )
+
+
+def _why_gguf_refused(path: Path, architecture) -> str:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    except ValueError:
+        return "transformers does not read that architecture from GGUF"
+    if config.model_type in FAMILIES:
+        return (f"transformers reads its configuration as model_type {config.model_type!r} but cannot map its tensors "
+                f"(the gguf package names no architecture {architecture!r})")
+    return (f"transformers reads it as model_type {config.model_type!r}, which has no family in extract/families.py "
+            "(module orthosphere.extract.families)")
+
+
+def _check_gguf_tensor_types(path: Path, reader) -> None:
+    """Refuse a tensor type the gguf package cannot dequantise, naming it (the smallest tensor of each
+    type is dequantised as the test)."""
+    from gguf import dequantize
+
+    smallest = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in smallest or tensor.n_elements < smallest[tensor.tensor_type].n_elements:
+            smallest[tensor.tensor_type] = tensor
+    for tensor_type, tensor in smallest.items():
+        try:
+            dequantize(tensor.data, tensor_type)
+        except NotImplementedError:
+            raise ConfigError(
+                f"GGUF file {path} stores tensor {tensor.name} as {tensor_type.name}, which the gguf package cannot "
+                f"dequantise: re-convert the model to a type it dequantises, such as F32, F16 or Q8_0"
+            ) from None
+
+
+def _gguf_config(path: Path, model_type: str):
+    """The transformers config of a GGUF file, which must be of the model_type its architecture names."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    if config.model_type != model_type:
+        raise UnsupportedModelError(
+            f"GGUF file {path}: transformers reads it as model_type {config.model_type!r} (from its general.name "
+            f"{config.name_or_path!r}), not as {model_type!r}, the model_type of its architecture; write the file with "
+            "another general.name"
+        )
+    return config
+
+
 def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
-    metadata = _gguf_metadata(path)
-    architecture = metadata.get("general.architecture")
-    if architecture not in ("llama", "gpt2"):
-        raise UnsupportedModelError(unsupported(f"GGUF architecture {architecture!r}") + "; GGUF files load for llama and gpt2")
+    reader = _gguf_reader(path)
+    metadata = _gguf_metadata(reader)
+    model_type = _check_gguf_architecture(path, metadata.get("general.architecture"))
     if "tokenizer.ggml.model" not in metadata or not metadata["has_tokens"]:
         raise ConfigError(
             f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens metadata): "
             "transformers needs it to build the model's vocabulary; use a GGUF file converted with its tokenizer"
         )
-    model_class = _model_class(architecture)
-    model = model_class.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False, dtype=torch.float32
-    ).to(device)
-    adapter = adapter_for(model)
+    _check_gguf_tensor_types(path, reader)
+    del reader
+    config = _gguf_config(path, model_type)
+    model_class = _model_class(model_type)
+    model, info = model_class.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, local_files_only=True, trust_remote_code=False,
+        dtype=torch.float32, output_loading_info=True,
+    )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ConfigError(
+            f"GGUF file {path}: transformers maps none of its tensors to {len(missing)} tensor(s) that "
+            f"{model_class.__name__} needs, e.g. {missing[:3]}: the model would run with random weights there; "
+            "give a GGUF file converted by llama.cpp's convert_hf_to_gguf.py with every tensor"
+        )
+    adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])

@@ -107,62 +107,135 @@ def _permute_for_gguf(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _bloom_qkv_for_gguf(tensor: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's reordering of Bloom's fused qkv rows from [q_h | k_h | v_h] per head to [all q | all k | all v]."""
+    return tensor.reshape(n_heads, 3, -1, *tensor.shape[1:]).swapaxes(0, 1).reshape(tensor.shape)
+
+
 GGUF_TOKENS_EXTRA = ["Ġt", "he", "Ġthe", "Ġc", "at", "<|endoftext|>"]
 GGUF_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ c", "a t"]
+GGUF_VOCAB = 256 + len(GGUF_TOKENS_EXTRA)
+GGUF_SPECIAL_ID = GGUF_VOCAB - 1
+"""<|endoftext|>: the GGUF tokenizer's BOS, EOS and padding token."""
 GPT2_TRANSPOSED = ("attn_qkv.weight", "ffn_down.weight", "ffn_up.weight", "attn_output.weight")
+GGUF_ARCHITECTURE = {"gemma3_text": "gemma3"}
+"""model_type -> the GGUF architecture llama.cpp writes it as, where they differ."""
+GGUF_EPS = 2.0 ** -17
+"""A norm epsilon that the file's float32 metadata holds exactly."""
+GGUF_SIZES = dict(hidden_size=SIZES["d_model"], num_hidden_layers=SIZES["layers"], num_attention_heads=SIZES["heads"])
+GGUF_LLAMA_SIZES = dict(GGUF_SIZES, num_key_value_heads=SIZES["kv_heads"], intermediate_size=SIZES["d_ff"],
+                        max_position_embeddings=64)
+GGUF_CONFIGS = {
+    "llama": ("LlamaConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "qwen2": ("Qwen2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "qwen3": ("Qwen3Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "phi3": ("Phi3Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "stablelm": ("StableLmConfig", dict(GGUF_LLAMA_SIZES, layer_norm_eps=GGUF_EPS, use_qkv_bias=True)),
+    "starcoder2": ("Starcoder2Config", dict(GGUF_LLAMA_SIZES, norm_epsilon=GGUF_EPS)),
+    "gemma2": ("Gemma2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
+    "gemma3_text": ("Gemma3TextConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
+    "falcon": ("FalconConfig", dict(GGUF_SIZES, max_position_embeddings=64)),
+    "bloom": ("BloomConfig", dict(hidden_size=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
+                                  layer_norm_epsilon=GGUF_EPS)),
+    "gpt2": ("GPT2Config", dict(n_embd=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
+                                layer_norm_epsilon=GGUF_EPS)),
+}
+"""model_type -> (config class, keywords): tiny configs that state only what a GGUF file of the
+architecture states (the rest keeps the class defaults, which is how transformers reads the file: a
+GPT-2 keeps its 1024 positions and 4 * d_model feed-forward width, a Falcon is multi-query, a Qwen3
+keeps head_dim 128)."""
 
 
-def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config, family: str) -> np.ndarray:
-    """A weight as llama.cpp's converter stores it."""
-    if family == "llama" and gguf_name.endswith("attn_q.weight"):
+def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config) -> np.ndarray:
+    """A weight as llama.cpp's converter stores it (transformers reverses each of these on reading)."""
+    model_type = config.model_type
+    if model_type == "llama" and gguf_name.endswith("attn_q.weight"):
         return _permute_for_gguf(tensor, config.num_attention_heads)
-    if family == "llama" and gguf_name.endswith("attn_k.weight"):
+    if model_type == "llama" and gguf_name.endswith("attn_k.weight"):
         return _permute_for_gguf(tensor, config.num_key_value_heads)
-    if family == "gpt2" and gguf_name.endswith(GPT2_TRANSPOSED):
+    if model_type == "gpt2" and gguf_name.endswith(GPT2_TRANSPOSED):
         return tensor.T
+    if model_type == "bloom" and ".attn_qkv." in gguf_name:
+        return _bloom_qkv_for_gguf(tensor, config.n_head)
+    if model_type.startswith("gemma") and gguf_name.endswith("norm.weight"):  # Gemma's gain 1 + weight, stored whole
+        return tensor + 1
     return tensor
 
 
-def write_gguf(path, model, with_tokenizer: bool = True):
-    """A float32 GGUF of `model` (a tiny LlamaForCausalLM or GPT2LMHeadModel from gguf_model),
-    with a byte-level BPE tokenizer, written the way llama.cpp's converter does."""
-    import gguf
+def _gguf_metadata_value(config, key: str):
+    """The config's value for a transformers config key of the GGUF mapping (None: the config has none)."""
+    if key == "rope_theta":
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type
+        return rope.get("rope_theta")
+    if key == "feed_forward_length":  # GPT-2's n_inner, which transformers does not read back
+        return None
+    return getattr(config, key, None)
+
+
+def _write_gguf_metadata(writer, architecture: str, config) -> None:
+    """The architecture's keys that transformers reads (GGUF_CONFIG_MAPPING), from the config."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    mapping = GGUF_CONFIG_MAPPING[GGUF_ARCHITECTURE.get(config.model_type, config.model_type)]
+    for gguf_key, config_key in mapping.items():
+        value = _gguf_metadata_value(config, config_key) if config_key else None
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(f"{architecture}.{gguf_key}", value)
+        else:
+            writer.add_float32(f"{architecture}.{gguf_key}", value)
+
+
+def _write_gguf_tokenizer(writer) -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    family, config = model.config.model_type, model.config
     tokens = list(bytes_to_unicode().values()) + GGUF_TOKENS_EXTRA
-    assert len(tokens) == config.vocab_size, "the GGUF test model needs vocab_size = len(tokens)"
-    writer = gguf.GGUFWriter(str(path), family)
-    writer.add_name("orthosphere-tiny")
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_vocab_size(config.vocab_size)
-    if family == "llama":
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    else:
-        writer.add_context_length(config.n_positions)
-        writer.add_feed_forward_length(4 * config.hidden_size)
-        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(GGUF_MERGES)
+    writer.add_eos_token_id(GGUF_SPECIAL_ID)
+    writer.add_bos_token_id(GGUF_SPECIAL_ID)
+    writer.add_pad_token_id(GGUF_SPECIAL_ID)
+
+
+def _gguf_name(names, name: str) -> str | None:
+    """The GGUF name of a parameter: its own or that of its name within the base model (llama.cpp names
+    Bloom's "transformer.h.0..." as "h.0...")."""
+    for candidate in (name, name.split(".", 1)[-1]):
+        gguf_name = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            return gguf_name
+    return None
+
+
+def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | None = None, name: str = "orthosphere-tiny",
+               tensor_dtype=np.float32):
+    """A GGUF of `model` (from gguf_model) with a byte-level BPE tokenizer, written the way llama.cpp's
+    converter does; `architecture` and `name` replace the general.architecture and general.name written,
+    `tensor_dtype` the weights' storage type (for refusals)."""
+    import gguf
+
+    config = model.config
+    assert config.vocab_size == GGUF_VOCAB, "the GGUF test model needs the vocabulary of the GGUF tokenizer"
+    true_architecture = GGUF_ARCHITECTURE.get(config.model_type, config.model_type)
+    architecture = architecture or true_architecture
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(name)
+    _write_gguf_metadata(writer, architecture, config)
     if with_tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types([1] * (len(tokens) - 1) + [3])
-        writer.add_token_merges(GGUF_MERGES)
-        writer.add_eos_token_id(len(tokens) - 1)
-        writer.add_bos_token_id(len(tokens) - 1)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if family == "llama" else gguf.MODEL_ARCH.GPT2,
-                                     config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None or (family == "gpt2" and name == "lm_head.weight"):  # GPT-2 ties it to wte
+        _write_gguf_tokenizer(writer)
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[true_architecture]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for parameter, tensor in model.state_dict().items():
+        gguf_name = _gguf_name(names, parameter)
+        if gguf_name is None or (config.tie_word_embeddings and parameter == "lm_head.weight"):
             continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(_gguf_tensor(gguf_name, tensor.float().numpy(), config, family)))
+        stored = _gguf_tensor(gguf_name, tensor.double().numpy(), config)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(stored, dtype=tensor_dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,22 +243,30 @@ def write_gguf(path, model, with_tokenizer: bool = True):
     return path
 
 
-def gguf_model(family: str = "llama", seed: int = 0):
-    """A tiny model whose vocabulary fits write_gguf's tokenizer. transformers reads a GPT-2
-    GGUF with GPT-2's fixed 1024 positions and 4 * d_model feed-forward width, so those stay."""
+GGUF_MODEL_TYPES = tuple(GGUF_CONFIGS)
+GEMMA_GAIN_GRID = 2.0 ** -12
+"""Gemma's norm weights are drawn on this grid, so that the file's float32 1 + weight gives weight back exactly."""
+
+
+def gguf_model(model_type: str = "llama", seed: int = 0):
+    """A tiny random model of GGUF_CONFIGS' model_type, whose vocabulary is write_gguf's tokenizer's,
+    with a spread of biases and norm gains (so that no map is trivially zero or one)."""
+    import transformers
+
+    from orthosphere.extract.families import family_for
+
     torch.manual_seed(seed)
-    vocab = 256 + len(GGUF_TOKENS_EXTRA)
-    if family == "llama":
-        from transformers import LlamaForCausalLM
-
-        config = hf_config("llama")
-        config.vocab_size, config.bos_token_id, config.eos_token_id = vocab, vocab - 1, vocab - 1
-        return LlamaForCausalLM(config).eval()
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_embd=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"], vocab_size=vocab,
-                        bos_token_id=vocab - 1, eos_token_id=vocab - 1)
-    return GPT2LMHeadModel(config).eval()
+    config_class, options = GGUF_CONFIGS[model_type]
+    config = getattr(transformers, config_class)(**options, vocab_size=GGUF_VOCAB, bos_token_id=GGUF_SPECIAL_ID,
+                                                 eos_token_id=GGUF_SPECIAL_ID, pad_token_id=GGUF_SPECIAL_ID)
+    model = getattr(transformers, family_for(model_type).lm_class)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            if "norm" in name and model_type.startswith("gemma"):
+                parameter.copy_(torch.round(parameter / GEMMA_GAIN_GRID) * GEMMA_GAIN_GRID)
+    return model
 
 
 # --- tests -------------------------------------------------------------------------------------
