@@ -37,7 +37,7 @@ import torch
 
 from . import tasks
 from .capture import Adapter, adapter_for
-from .families import FAMILIES, UnsupportedModelError, family_for
+from .families import FAMILIES, REFUSED, UnsupportedModelError, family_for
 from .hashing import files_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
@@ -465,7 +465,7 @@ def _gguf_reader(path: Path):
 
 def _gguf_metadata(reader) -> dict:
     """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
-    wanted = ("general.architecture", "tokenizer.ggml.model")
+    wanted = ("general.architecture", "general.name", "tokenizer.ggml.model")
     metadata = {}
     for key in wanted:
         field = reader.get_field(key)
@@ -493,13 +493,14 @@ def _why_gguf_refused(path: Path, architecture) -> str:
 
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
-    except ValueError:
+    except (ValueError, KeyError, IndexError):
         return "transformers does not read that architecture from GGUF"
     if config.model_type in FAMILIES:
         return (f"transformers reads its configuration as model_type {config.model_type!r} but cannot map its tensors "
                 f"(the gguf package names no architecture {architecture!r})")
+    reason = f" ({REFUSED[config.model_type]})" if config.model_type in REFUSED else ""
     return (f"transformers reads it as model_type {config.model_type!r}, which has no family in extract/families.py "
-            "(module orthosphere.extract.families)")
+            f"(module orthosphere.extract.families){reason}")
 
 
 def _check_gguf_tensor_types(path: Path, reader) -> None:
@@ -521,16 +522,18 @@ def _check_gguf_tensor_types(path: Path, reader) -> None:
             ) from None
 
 
-def _gguf_config(path: Path, model_type: str):
-    """The transformers config of a GGUF file, which must be of the model_type its architecture names."""
+def _gguf_config(path: Path, metadata: dict, model_type: str):
+    """The transformers config of a GGUF file, which must be of the model_type its architecture names
+    (transformers reads a llama file whose general.name is "mistral" as a Mistral model)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
     if config.model_type != model_type:
         raise UnsupportedModelError(
             f"GGUF file {path}: transformers reads it as model_type {config.model_type!r} (from its general.name "
-            f"{config.name_or_path!r}), not as {model_type!r}, the model_type of its architecture; write the file with "
-            "another general.name"
+            f"{metadata.get('general.name')!r}), not as {model_type!r}, the model_type of its architecture "
+            f"{metadata['general.architecture']!r}, and cannot map its tensors then; give the file another name "
+            "(the gguf package's gguf-new-metadata --general-name)"
         )
     return config
 
@@ -545,8 +548,7 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
             "transformers needs it to build the model's vocabulary; use a GGUF file converted with its tokenizer"
         )
     _check_gguf_tensor_types(path, reader)
-    del reader
-    config = _gguf_config(path, model_type)
+    config = _gguf_config(path, metadata, model_type)
     model_class = _model_class(model_type)
     model, info = model_class.from_pretrained(
         path.parent, gguf_file=path.name, config=config, local_files_only=True, trust_remote_code=False,

@@ -497,7 +497,49 @@ def test_missing_path_and_non_gguf_file(tmp_path):
 
 def test_gguf_without_tokenizer_is_refused(tmp_path):
     path = write_gguf(tmp_path / "bare.gguf", gguf_model(), with_tokenizer=False)
-    with pytest.raises(ConfigError, match="holds no tokenizer"):
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} holds no tokenizer.*converted with its tokenizer"):
+        load_source(path, device="cpu")
+
+
+ACCEPTED = r"GGUF files load for the architectures \['bloom', 'falcon', .*'llama', .*\]: give one of them"
+
+
+@pytest.mark.parametrize("architecture,why", [
+    ("nonesuch", "transformers does not read that architecture from GGUF"),
+    ("mamba", "transformers reads it as model_type 'mamba', which has no family in extract/families.py"),
+    ("qwen2moe", "transformers reads it as model_type 'qwen2_moe', which has no family"),
+    ("t5", "transformers reads it as model_type 't5', which has no family .*encoder-decoder"),
+    ("mistral", "transformers reads its configuration as model_type 'mistral' but cannot map its tensors .*no architecture 'mistral'"),
+])
+def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architecture, why):
+    path = write_gguf(tmp_path / f"{architecture}.gguf", gguf_model(), architecture=architecture)
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture '{architecture}': {why}.*{ACCEPTED}"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_that_transformers_reads_as_another_model_type_is_refused(tmp_path):
+    """transformers reads a llama file named "mistral" as a Mistral model, whose tensors it cannot map."""
+    path = write_gguf(tmp_path / "named.gguf", gguf_model(), name="mistral")
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path}: transformers reads it as model_type 'mistral' "
+                       r"\(from its general.name 'mistral'\), not as 'llama'.*gguf-new-metadata --general-name"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_tensor_type_the_gguf_package_cannot_dequantise_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "f64.gguf", gguf_model(), tensor_dtype=np.float64)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} stores tensor blk.0.attn_norm.weight as F64, which the "
+                       "gguf package cannot dequantise: re-convert the model to a type it dequantises, such as F32, F16"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_lacking_a_tensor_is_refused(tmp_path, monkeypatch):
+    reference = gguf_model()
+    parameters = reference.state_dict()
+    del parameters["model.layers.1.self_attn.k_proj.weight"]
+    monkeypatch.setattr(reference, "state_dict", lambda: parameters)
+    path = write_gguf(tmp_path / "lacking.gguf", reference)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}: transformers maps none of its tensors to 1 tensor\(s\) "
+                       r"that LlamaForCausalLM needs, e.g. \['model.layers.1.self_attn.k_proj.weight'\]: the model would run"):
         load_source(path, device="cpu")
 
 
