@@ -16,10 +16,16 @@ description records it.
   checkpoint without its head (and T5, read as its encoder) is loaded without one, and its store
   holds no ``pred``. A checkpoint that lacks any other tensor the model needs is refused (never
   silently random-initialised).
-- A ``.gguf`` file of the llama or gpt2 architecture: loaded by transformers (``gguf_file=``),
-  dequantised to float32 (``model_dtype`` does not apply); it must carry its tokenizer.
-  (transformers reads a GPT-2 GGUF with GPT-2's own 1024 positions and 4 * d_model
-  feed-forward width.)
+- A ``.gguf`` file of an architecture that transformers reads from GGUF and whose model_type is a
+  family (``gguf_architectures()``, derived from transformers and the gguf package at run time):
+  loaded by transformers (``gguf_file=``) as that family's language-model class, dequantised to
+  float32 (``model_dtype`` does not apply); it must carry its tokenizer. It is described exactly as
+  the same model loaded from a directory but for its source, format and weights' hash. What the
+  file does not state keeps transformers' config defaults (a GPT-2 GGUF has GPT-2's 1024 positions
+  and 4 * d_model feed-forward width, a Falcon one is multi-query). Refused, naming the file: an
+  architecture transformers does not read, reads as a model_type without a family, or whose tensors
+  it cannot map (e.g. "mistral"), a tensor type the gguf package cannot dequantise, a tensor the
+  model needs that the file lacks.
 
 Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
 """
