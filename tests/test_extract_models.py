@@ -172,8 +172,6 @@ def _gguf_metadata_value(config, key: str):
         rope = getattr(config, "rope_parameters", None) or {}
         rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type
         return rope.get("rope_theta")
-    if key == "feed_forward_length":  # GPT-2's n_inner, which transformers does not read back
-        return None
     return getattr(config, key, None)
 
 
@@ -232,7 +230,7 @@ def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | Non
     _write_gguf_metadata(writer, architecture, config)
     if with_tokenizer:
         _write_gguf_tokenizer(writer)
-    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[true_architecture]
+    arch = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}[true_architecture]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for parameter, tensor in model.state_dict().items():
         gguf_name = _gguf_name(names, parameter)
