@@ -23,9 +23,9 @@ description records it.
   the same model loaded from a directory but for its source, format and weights' hash. What the
   file does not state keeps transformers' config defaults (a GPT-2 GGUF has GPT-2's 1024 positions
   and 4 * d_model feed-forward width, a Falcon one is multi-query). Refused, naming the file: an
-  architecture transformers does not read, reads as a model_type without a family, or whose tensors
-  it cannot map (e.g. "mistral"), a tensor type the gguf package cannot dequantise, a tensor the
-  model needs that the file lacks.
+  architecture transformers does not read, reads as a model_type without a family, cannot map the
+  tensors of (e.g. "mistral") or reads as another model than the file's (T5: ``GGUF_MISREAD``), a
+  tensor type the gguf package cannot dequantise, a tensor the model needs that the file lacks.
 
 Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
 """
@@ -43,7 +43,7 @@ import torch
 
 from . import tasks
 from .capture import Adapter, adapter_for
-from .families import FAMILIES, REFUSED, UnsupportedModelError, family_for
+from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ConfigError, load_model
 
@@ -448,16 +448,25 @@ GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
 
 
+GGUF_MISREAD = {
+    "t5": "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
+          "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
+          "mT5, UMT5: gated GELU), so its activations would not be the model's",
+}
+"""model_types whose GGUF files transformers reads as another model than the file's, and why."""
+
+
 def gguf_architectures() -> dict[str, str]:
     """GGUF architecture -> model_type, for each architecture that transformers reads from GGUF
     (transformers.modeling_gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES, whose tensor names the
-    gguf package knows) and whose model_type is a family of extract/families.py."""
+    gguf package knows) and whose model_type is a family of extract/families.py, but for GGUF_MISREAD."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     named = set(gguf.MODEL_ARCH_NAMES.values())
     model_types = {name: GGUF_READ_AS.get(name, name) for name in GGUF_SUPPORTED_ARCHITECTURES if name in named}
-    return {name: model_type for name, model_type in model_types.items() if model_type in FAMILIES}
+    return {name: model_type for name, model_type in model_types.items()
+            if model_type in FAMILIES and model_type not in GGUF_MISREAD}
 
 
 def _gguf_reader(path: Path):
@@ -501,12 +510,13 @@ def _why_gguf_refused(path: Path, architecture) -> str:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, IndexError):
         return "transformers does not read that architecture from GGUF"
+    if config.model_type in GGUF_MISREAD:
+        return GGUF_MISREAD[config.model_type]
     if config.model_type in FAMILIES:
         return (f"transformers reads its configuration as model_type {config.model_type!r} but cannot map its tensors "
                 f"(the gguf package names no architecture {architecture!r})")
-    reason = f" ({REFUSED[config.model_type]})" if config.model_type in REFUSED else ""
     return (f"transformers reads it as model_type {config.model_type!r}, which has no family in extract/families.py "
-            f"(module orthosphere.extract.families){reason}")
+            "(module orthosphere.extract.families)")
 
 
 def _check_gguf_tensor_types(path: Path, reader) -> None:

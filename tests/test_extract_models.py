@@ -232,12 +232,14 @@ def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | Non
         _write_gguf_tokenizer(writer)
     arch = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}[true_architecture]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    written = set()  # a tensor that two parameters share (T5's embeddings) is written once
     for parameter, tensor in model.state_dict().items():
         gguf_name = _gguf_name(names, parameter)
-        if gguf_name is None or (config.tie_word_embeddings and parameter == "lm_head.weight"):
+        if gguf_name in written or gguf_name is None or (config.tie_word_embeddings and parameter == "lm_head.weight"):
             continue
         stored = _gguf_tensor(gguf_name, tensor.double().numpy(), config)
         writer.add_tensor(gguf_name, np.ascontiguousarray(stored, dtype=tensor_dtype))
+        written.add(gguf_name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -506,12 +508,23 @@ ACCEPTED = r"GGUF files load for the architectures \['bloom', 'falcon', .*'llama
     ("nonesuch", "transformers does not read that architecture from GGUF"),
     ("mamba", "transformers reads it as model_type 'mamba', which has no family in extract/families.py"),
     ("qwen2moe", "transformers reads it as model_type 'qwen2_moe', which has no family"),
-    ("t5", "transformers reads it as model_type 't5', which has no family .*encoder-decoder"),
     ("mistral", "transformers reads its configuration as model_type 'mistral' but cannot map its tensors .*no architecture 'mistral'"),
 ])
 def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architecture, why):
     path = write_gguf(tmp_path / f"{architecture}.gguf", gguf_model(), architecture=architecture)
     with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture '{architecture}': {why}.*{ACCEPTED}"):
+        load_source(path, device="cpu")
+
+
+def test_t5_gguf_is_refused_for_transformers_reads_another_feed_forward(tmp_path):
+    """transformers reads a T5 GGUF's gated feed-forward as gated ReLU, whatever the model's activation."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                      vocab_size=GGUF_VOCAB)
+    path = write_gguf(tmp_path / "t5.gguf", T5EncoderModel(config).eval())
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture 't5': transformers reads "
+                       rf"every T5 GGUF file as a T5 with a gated ReLU feed-forward .*{ACCEPTED}"):
         load_source(path, device="cpu")
 
 
