@@ -448,11 +448,10 @@ GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
 
 
-GGUF_MISREAD = {
-    "t5": "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
-          "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
-          "mT5, UMT5: gated GELU), so its activations would not be the model's",
-}
+GGUF_MISREAD = dict.fromkeys(("t5", "umt5"), (
+    "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
+    "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
+    "mT5, UMT5: gated GELU), so its activations would not be the model's"))
 """model_types whose GGUF files transformers reads as another model than the file's, and why."""
 
 

@@ -516,13 +516,15 @@ def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architect
         load_source(path, device="cpu")
 
 
-def test_t5_gguf_is_refused_for_transformers_reads_another_feed_forward(tmp_path):
-    """transformers reads a T5 GGUF's gated feed-forward as gated ReLU, whatever the model's activation."""
+@pytest.mark.parametrize("name", ["flan-t5-tiny", "umt5-tiny"])
+def test_t5_gguf_is_refused_for_transformers_reads_another_feed_forward(tmp_path, name):
+    """transformers reads a T5 GGUF's gated feed-forward as gated ReLU, whatever the model's activation
+    (a file named "umt5..." as a UMT5)."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
                       vocab_size=GGUF_VOCAB)
-    path = write_gguf(tmp_path / "t5.gguf", T5EncoderModel(config).eval())
+    path = write_gguf(tmp_path / "t5.gguf", T5EncoderModel(config).eval(), name=name)
     with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture 't5': transformers reads "
                        rf"every T5 GGUF file as a T5 with a gated ReLU feed-forward .*{ACCEPTED}"):
         load_source(path, device="cpu")
