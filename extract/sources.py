@@ -16,10 +16,16 @@ description records it.
   checkpoint without its head (and T5, read as its encoder) is loaded without one, and its store
   holds no ``pred``. A checkpoint that lacks any other tensor the model needs is refused (never
   silently random-initialised).
-- A ``.gguf`` file of the llama or gpt2 architecture: loaded by transformers (``gguf_file=``),
-  dequantised to float32 (``model_dtype`` does not apply); it must carry its tokenizer.
-  (transformers reads a GPT-2 GGUF with GPT-2's own 1024 positions and 4 * d_model
-  feed-forward width.)
+- A ``.gguf`` file of an architecture that transformers reads from GGUF and whose model_type is a
+  family (``gguf_architectures()``, derived from transformers and the gguf package at run time):
+  loaded by transformers (``gguf_file=``) as that family's language-model class, dequantised to
+  float32 (``model_dtype`` does not apply); it must carry its tokenizer. It is described exactly as
+  the same model loaded from a directory but for its source, format and weights' hash. What the
+  file does not state keeps transformers' config defaults (a GPT-2 GGUF has GPT-2's 1024 positions
+  and 4 * d_model feed-forward width, a Falcon one is multi-query). Refused, naming the file: an
+  architecture transformers does not read, reads as a model_type without a family, cannot map the
+  tensors of (e.g. "mistral") or reads as another model than the file's (T5: ``GGUF_MISREAD``), a
+  tensor type the gguf package cannot dequantise, a tensor the model needs that the file lacks.
 
 Nothing runs remote code and nothing is unpickled (``.bin``/``.pt`` weights are refused).
 """
@@ -37,7 +43,7 @@ import torch
 
 from . import tasks
 from .capture import Adapter, adapter_for
-from .families import UnsupportedModelError, family_for, unsupported
+from .families import FAMILIES, UnsupportedModelError, family_for, unsupported
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
 
@@ -466,15 +472,43 @@ def _auto_tokenizer(directory: Path, config: dict | None = None, **options) -> H
     return HuggingFaceTokenizer(tokenizer, config)
 
 
-def _gguf_metadata(path: Path) -> dict:
-    """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
+GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+"""GGUF architectures that transformers reads as another model_type: the text model of a multimodal
+one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
+
+
+GGUF_MISREAD = dict.fromkeys(("t5", "umt5"), (
+    "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
+    "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
+    "mT5, UMT5: gated GELU), so its activations would not be the model's"))
+"""model_types whose GGUF files transformers reads as another model than the file's, and why."""
+
+
+def gguf_architectures() -> dict[str, str]:
+    """GGUF architecture -> model_type, for each architecture that transformers reads from GGUF
+    (transformers.modeling_gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES, whose tensor names the
+    gguf package knows) and whose model_type is a family of extract/families.py, but for GGUF_MISREAD."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    named = set(gguf.MODEL_ARCH_NAMES.values())
+    model_types = {name: GGUF_READ_AS.get(name, name) for name in GGUF_SUPPORTED_ARCHITECTURES if name in named}
+    return {name: model_type for name, model_type in model_types.items()
+            if model_type in FAMILIES and model_type not in GGUF_MISREAD}
+
+
+def _gguf_reader(path: Path):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except (ValueError, OSError) as error:
         raise ConfigError(f"{path} is not a readable GGUF file: {error}") from None
-    wanted = ("general.architecture", "tokenizer.ggml.model")
+
+
+def _gguf_metadata(reader) -> dict:
+    """The GGUF file's scalar metadata (architecture, tokenizer model...)."""
+    wanted = ("general.architecture", "general.name", "tokenizer.ggml.model")
     metadata = {}
     for key in wanted:
         field = reader.get_field(key)
@@ -484,20 +518,93 @@ def _gguf_metadata(path: Path) -> dict:
     return metadata
 
 
+def _check_gguf_architecture(path: Path, architecture) -> str:
+    """The model_type of a GGUF file's architecture; an UnsupportedModelError for one that gives no
+    model of a family (transformers does not read it, cannot map its tensors, or no family has its model_type)."""
+    accepted = gguf_architectures()
+    if architecture in accepted:
+        return accepted[architecture]
+    raise UnsupportedModelError(
+        f"GGUF file {path} has the architecture {architecture!r}: {_why_gguf_refused(path, architecture)}; GGUF files "
+        f"load for the architectures {sorted(accepted)}: give one of them, or the model as a Hugging Face directory "
+        "of a supported family"
+    )
+
+
+def _why_gguf_refused(path: Path, architecture) -> str:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, IndexError):
+        return "transformers does not read that architecture from GGUF"
+    if config.model_type in GGUF_MISREAD:
+        return GGUF_MISREAD[config.model_type]
+    if config.model_type in FAMILIES:
+        return (f"transformers reads its configuration as model_type {config.model_type!r} but cannot map its tensors "
+                f"(the gguf package names no architecture {architecture!r})")
+    return (f"transformers reads it as model_type {config.model_type!r}, which has no family in extract/families.py "
+            "(module orthosphere.extract.families)")
+
+
+def _check_gguf_tensor_types(path: Path, reader) -> None:
+    """Refuse a tensor type the gguf package cannot dequantise, naming it (the smallest tensor of each
+    type is dequantised as the test)."""
+    from gguf import dequantize
+
+    smallest = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in smallest or tensor.n_elements < smallest[tensor.tensor_type].n_elements:
+            smallest[tensor.tensor_type] = tensor
+    for tensor_type, tensor in smallest.items():
+        try:
+            dequantize(tensor.data, tensor_type)
+        except NotImplementedError:
+            raise ConfigError(
+                f"GGUF file {path} stores tensor {tensor.name} as {tensor_type.name}, which the gguf package cannot "
+                f"dequantise: re-convert the model to a type it dequantises, such as F32, F16 or Q8_0"
+            ) from None
+
+
+def _gguf_config(path: Path, metadata: dict, model_type: str):
+    """The transformers config of a GGUF file, which must be of the model_type its architecture names
+    (transformers reads a llama file whose general.name is "mistral" as a Mistral model)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False)
+    if config.model_type != model_type:
+        raise UnsupportedModelError(
+            f"GGUF file {path}: transformers reads it as model_type {config.model_type!r} (from its general.name "
+            f"{metadata.get('general.name')!r}), not as {model_type!r}, the model_type of its architecture "
+            f"{metadata['general.architecture']!r}, and cannot map its tensors then; give the file another name "
+            "(the gguf package's gguf-new-metadata --general-name)"
+        )
+    return config
+
+
 def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
-    metadata = _gguf_metadata(path)
-    architecture = metadata.get("general.architecture")
-    if architecture not in ("llama", "gpt2"):
-        raise UnsupportedModelError(unsupported(f"GGUF architecture {architecture!r}") + "; GGUF files load for llama and gpt2")
+    reader = _gguf_reader(path)
+    metadata = _gguf_metadata(reader)
+    model_type = _check_gguf_architecture(path, metadata.get("general.architecture"))
     if "tokenizer.ggml.model" not in metadata or not metadata["has_tokens"]:
         raise ConfigError(
             f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.model / tokenizer.ggml.tokens metadata): "
             "transformers needs it to build the model's vocabulary; use a GGUF file converted with its tokenizer"
         )
-    model_class = _model_class(architecture)
-    model = model_class.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True, trust_remote_code=False, dtype=torch.float32
-    ).to(device)
-    adapter = adapter_for(model)
+    _check_gguf_tensor_types(path, reader)
+    config = _gguf_config(path, metadata, model_type)
+    model_class = _model_class(model_type)
+    model, info = model_class.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, local_files_only=True, trust_remote_code=False,
+        dtype=torch.float32, output_loading_info=True,
+    )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ConfigError(
+            f"GGUF file {path}: transformers maps none of its tensors to {len(missing)} tensor(s) that "
+            f"{model_class.__name__} needs, e.g. {missing[:3]}: the model would run with random weights there; "
+            "give a GGUF file converted by llama.cpp's convert_hf_to_gguf.py with every tensor"
+        )
+    adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])

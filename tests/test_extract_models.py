@@ -6,14 +6,18 @@ written with gguf.GGUFWriter) are shared by the other extraction tests.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
 from orthosphere.extract.families import UnsupportedModelError
+from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ArithmeticTransformer, ConfigError, ModelConfig, save_model
-from orthosphere.extract.sources import load_source
+from orthosphere.extract.sources import gguf_architectures, load_source
+from orthosphere.store import open_store
 
 WORDS = "the a cat dog sat ran on under mat rug big small red blue and then".split()
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "<s>"]
@@ -107,62 +111,135 @@ def _permute_for_gguf(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _bloom_qkv_for_gguf(tensor: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's reordering of Bloom's fused qkv rows from [q_h | k_h | v_h] per head to [all q | all k | all v]."""
+    return tensor.reshape(n_heads, 3, -1, *tensor.shape[1:]).swapaxes(0, 1).reshape(tensor.shape)
+
+
 GGUF_TOKENS_EXTRA = ["Ġt", "he", "Ġthe", "Ġc", "at", "<|endoftext|>"]
 GGUF_MERGES = ["Ġ t", "h e", "Ġt he", "Ġ c", "a t"]
+GGUF_VOCAB = 256 + len(GGUF_TOKENS_EXTRA)
+GGUF_SPECIAL_ID = GGUF_VOCAB - 1
+"""<|endoftext|>: the GGUF tokenizer's BOS, EOS and padding token."""
 GPT2_TRANSPOSED = ("attn_qkv.weight", "ffn_down.weight", "ffn_up.weight", "attn_output.weight")
+GGUF_ARCHITECTURE = {"gemma3_text": "gemma3"}
+"""model_type -> the GGUF architecture llama.cpp writes it as, where they differ."""
+GGUF_EPS = 2.0 ** -17
+"""A norm epsilon that the file's float32 metadata holds exactly."""
+GGUF_SIZES = dict(hidden_size=SIZES["d_model"], num_hidden_layers=SIZES["layers"], num_attention_heads=SIZES["heads"])
+GGUF_LLAMA_SIZES = dict(GGUF_SIZES, num_key_value_heads=SIZES["kv_heads"], intermediate_size=SIZES["d_ff"],
+                        max_position_embeddings=64)
+GGUF_CONFIGS = {
+    "llama": ("LlamaConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "qwen2": ("Qwen2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "qwen3": ("Qwen3Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "phi3": ("Phi3Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS)),
+    "stablelm": ("StableLmConfig", dict(GGUF_LLAMA_SIZES, layer_norm_eps=GGUF_EPS, use_qkv_bias=True)),
+    "starcoder2": ("Starcoder2Config", dict(GGUF_LLAMA_SIZES, norm_epsilon=GGUF_EPS)),
+    "gemma2": ("Gemma2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
+    "gemma3_text": ("Gemma3TextConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
+    "falcon": ("FalconConfig", dict(GGUF_SIZES, max_position_embeddings=64)),
+    "bloom": ("BloomConfig", dict(hidden_size=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
+                                  layer_norm_epsilon=GGUF_EPS)),
+    "gpt2": ("GPT2Config", dict(n_embd=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
+                                layer_norm_epsilon=GGUF_EPS)),
+}
+"""model_type -> (config class, keywords): tiny configs that state only what a GGUF file of the
+architecture states (the rest keeps the class defaults, which is how transformers reads the file: a
+GPT-2 keeps its 1024 positions and 4 * d_model feed-forward width, a Falcon is multi-query, a Qwen3
+keeps head_dim 128)."""
 
 
-def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config, family: str) -> np.ndarray:
-    """A weight as llama.cpp's converter stores it."""
-    if family == "llama" and gguf_name.endswith("attn_q.weight"):
+def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config) -> np.ndarray:
+    """A weight as llama.cpp's converter stores it (transformers reverses each of these on reading)."""
+    model_type = config.model_type
+    if model_type == "llama" and gguf_name.endswith("attn_q.weight"):
         return _permute_for_gguf(tensor, config.num_attention_heads)
-    if family == "llama" and gguf_name.endswith("attn_k.weight"):
+    if model_type == "llama" and gguf_name.endswith("attn_k.weight"):
         return _permute_for_gguf(tensor, config.num_key_value_heads)
-    if family == "gpt2" and gguf_name.endswith(GPT2_TRANSPOSED):
+    if model_type == "gpt2" and gguf_name.endswith(GPT2_TRANSPOSED):
         return tensor.T
+    if model_type == "bloom" and ".attn_qkv." in gguf_name:
+        return _bloom_qkv_for_gguf(tensor, config.n_head)
+    if model_type.startswith("gemma") and gguf_name.endswith("norm.weight"):  # Gemma's gain 1 + weight, stored whole
+        return tensor + 1
     return tensor
 
 
-def write_gguf(path, model, with_tokenizer: bool = True):
-    """A float32 GGUF of `model` (a tiny LlamaForCausalLM or GPT2LMHeadModel from gguf_model),
-    with a byte-level BPE tokenizer, written the way llama.cpp's converter does."""
-    import gguf
+def _gguf_metadata_value(config, key: str):
+    """The config's value for a transformers config key of the GGUF mapping (None: the config has none)."""
+    if key == "rope_theta":
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer type
+        return rope.get("rope_theta")
+    return getattr(config, key, None)
+
+
+def _write_gguf_metadata(writer, architecture: str, config) -> None:
+    """The architecture's keys that transformers reads (GGUF_CONFIG_MAPPING), from the config."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    mapping = GGUF_CONFIG_MAPPING[GGUF_ARCHITECTURE.get(config.model_type, config.model_type)]
+    for gguf_key, config_key in mapping.items():
+        value = _gguf_metadata_value(config, config_key) if config_key else None
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(f"{architecture}.{gguf_key}", value)
+        else:
+            writer.add_float32(f"{architecture}.{gguf_key}", value)
+
+
+def _write_gguf_tokenizer(writer) -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    family, config = model.config.model_type, model.config
     tokens = list(bytes_to_unicode().values()) + GGUF_TOKENS_EXTRA
-    assert len(tokens) == config.vocab_size, "the GGUF test model needs vocab_size = len(tokens)"
-    writer = gguf.GGUFWriter(str(path), family)
-    writer.add_name("orthosphere-tiny")
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_vocab_size(config.vocab_size)
-    if family == "llama":
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    else:
-        writer.add_context_length(config.n_positions)
-        writer.add_feed_forward_length(4 * config.hidden_size)
-        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(GGUF_MERGES)
+    writer.add_eos_token_id(GGUF_SPECIAL_ID)
+    writer.add_bos_token_id(GGUF_SPECIAL_ID)
+    writer.add_pad_token_id(GGUF_SPECIAL_ID)
+
+
+def _gguf_name(names, name: str) -> str | None:
+    """The GGUF name of a parameter: its own or that of its name within the base model (llama.cpp names
+    Bloom's "transformer.h.0..." as "h.0...")."""
+    for candidate in (name, name.split(".", 1)[-1]):
+        gguf_name = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            return gguf_name
+    return None
+
+
+def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | None = None, name: str = "orthosphere-tiny",
+               tensor_dtype=np.float32):
+    """A GGUF of `model` (from gguf_model) with a byte-level BPE tokenizer, written the way llama.cpp's
+    converter does; `architecture` and `name` replace the general.architecture and general.name written,
+    `tensor_dtype` the weights' storage type (for refusals)."""
+    import gguf
+
+    config = model.config
+    assert config.vocab_size == GGUF_VOCAB, "the GGUF test model needs the vocabulary of the GGUF tokenizer"
+    true_architecture = GGUF_ARCHITECTURE.get(config.model_type, config.model_type)
+    architecture = architecture or true_architecture
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(name)
+    _write_gguf_metadata(writer, architecture, config)
     if with_tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types([1] * (len(tokens) - 1) + [3])
-        writer.add_token_merges(GGUF_MERGES)
-        writer.add_eos_token_id(len(tokens) - 1)
-        writer.add_bos_token_id(len(tokens) - 1)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if family == "llama" else gguf.MODEL_ARCH.GPT2,
-                                     config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None or (family == "gpt2" and name == "lm_head.weight"):  # GPT-2 ties it to wte
+        _write_gguf_tokenizer(writer)
+    arch = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}[true_architecture]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    written = set()  # a tensor that two parameters share (T5's embeddings) is written once
+    for parameter, tensor in model.state_dict().items():
+        gguf_name = _gguf_name(names, parameter)
+        if gguf_name in written or gguf_name is None or (config.tie_word_embeddings and parameter == "lm_head.weight"):
             continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(_gguf_tensor(gguf_name, tensor.float().numpy(), config, family)))
+        stored = _gguf_tensor(gguf_name, tensor.double().numpy(), config)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(stored, dtype=tensor_dtype))
+        written.add(gguf_name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,22 +247,30 @@ def write_gguf(path, model, with_tokenizer: bool = True):
     return path
 
 
-def gguf_model(family: str = "llama", seed: int = 0):
-    """A tiny model whose vocabulary fits write_gguf's tokenizer. transformers reads a GPT-2
-    GGUF with GPT-2's fixed 1024 positions and 4 * d_model feed-forward width, so those stay."""
+GGUF_MODEL_TYPES = tuple(GGUF_CONFIGS)
+GEMMA_GAIN_GRID = 2.0 ** -12
+"""Gemma's norm weights are drawn on this grid, so that the file's float32 1 + weight gives weight back exactly."""
+
+
+def gguf_model(model_type: str = "llama", seed: int = 0):
+    """A tiny random model of GGUF_CONFIGS' model_type, whose vocabulary is write_gguf's tokenizer's,
+    with a spread of biases and norm gains (so that no map is trivially zero or one)."""
+    import transformers
+
+    from orthosphere.extract.families import family_for
+
     torch.manual_seed(seed)
-    vocab = 256 + len(GGUF_TOKENS_EXTRA)
-    if family == "llama":
-        from transformers import LlamaForCausalLM
-
-        config = hf_config("llama")
-        config.vocab_size, config.bos_token_id, config.eos_token_id = vocab, vocab - 1, vocab - 1
-        return LlamaForCausalLM(config).eval()
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_embd=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"], vocab_size=vocab,
-                        bos_token_id=vocab - 1, eos_token_id=vocab - 1)
-    return GPT2LMHeadModel(config).eval()
+    config_class, options = GGUF_CONFIGS[model_type]
+    config = getattr(transformers, config_class)(**options, vocab_size=GGUF_VOCAB, bos_token_id=GGUF_SPECIAL_ID,
+                                                 eos_token_id=GGUF_SPECIAL_ID, pad_token_id=GGUF_SPECIAL_ID)
+    model = getattr(transformers, family_for(model_type).lm_class)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            if "norm" in name and model_type.startswith("gemma"):
+                parameter.copy_(torch.round(parameter / GEMMA_GAIN_GRID) * GEMMA_GAIN_GRID)
+    return model
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -223,19 +308,74 @@ def test_arithmetic_checkpoint_loads_with_the_character_tokenizer(tmp_path):
     assert loaded.tokenizer.token_strings([13, 1, 16]) == ["[", "1", ""]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_gguf_file_loads_with_its_tokenizer_and_the_same_weights(tmp_path, family):
-    reference = gguf_model(family)
-    path = write_gguf(tmp_path / "tiny.gguf", reference)
+def test_every_gguf_architecture_orthosphere_accepts_is_tested():
+    """GGUF_CONFIGS holds one model of each architecture gguf_architectures() derives from transformers."""
+    tested = {GGUF_ARCHITECTURE.get(model_type, model_type): model_type for model_type in GGUF_MODEL_TYPES}
+    assert gguf_architectures() == tested
+
+
+GGUF_TEXTS = [" the cat sat on the mat", " a cat the the", " the cat"]
+STORE_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
+DESCRIBED_APART = ("source", "format", "weights_sha256")
+"""What tells a GGUF-loaded model's description from the same model's loaded from a directory."""
+TOKENIZER_CLASS_KEYS = ("tokenizer", "tokenizer_sha256")
+"""The task attributes that name (or hash) the tokenizer's class, which the directory's copy does not keep."""
+
+
+def _save_generic_tokenizer(tokenizer, directory) -> None:
+    """Save a tokenizer to be loaded back as transformers' generic fast tokenizer, not as the class the
+    GGUF file's was built as (GemmaTokenizer cannot load a BPE tokenizer without an unknown token). Any
+    Qwen2 directory's tokenizer is loaded as Qwen2Tokenizer all the same, whose pre-tokeniser is not the
+    file's byte-level one: the test compares what the tokenizers make of its texts (the stores' tokens)."""
+    tokenizer.save_pretrained(directory)
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"tokenizer_class": "TokenizersBackend"}))
+
+
+def _extract_store(tmp_path, model, text) -> xr.Dataset:
+    out = tmp_path / f"{Path(model).name}.zarr"
+    job = ExtractJob(model=str(model), task=f"text:path={text}", out=str(out), device="cpu", sites=STORE_SITES,
+                     dtype="float32", batch_size=2)
+    extract(job, progress=False)
+    return open_store(str(out)).load()
+
+
+@pytest.mark.parametrize("model_type", GGUF_MODEL_TYPES)
+def test_gguf_file_is_the_same_model_as_its_directory(tmp_path, model_type):
+    """A GGUF file loads with its tokenizer, the reference's parameters and its description, and extracts
+    the same store as the model saved as a safetensors directory with that tokenizer."""
+    reference = gguf_model(model_type)
+    path = write_gguf(tmp_path / f"{model_type}.gguf", reference)
     loaded = load_source(path, device="cpu")
-    description = loaded.describe()
-    assert description["format"] == "gguf" and description["family"] == family
-    assert description["n_kv_heads"] == (2 if family == "llama" else 4)
-    ids = loaded.tokenizer.encode(" the cat")
-    assert loaded.tokenizer.token_strings(ids) == ["Ġthe", "Ġc", "at"]
-    tokens = torch.tensor([ids + [3, 70, 200]])
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.adapter.forward(tokens), reference(input_ids=tokens).logits, atol=1e-6, rtol=0)
+    assert type(loaded.adapter.model) is type(reference)
+    parameters = loaded.adapter.model.state_dict()
+    assert parameters.keys() == reference.state_dict().keys()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(parameters[name], tensor), name
+    assert loaded.tokenizer.token_strings(loaded.tokenizer.encode_batch([" the cat"], special_tokens=False)[0]) == ["Ġthe", "Ġc", "at"]
+
+    directory = tmp_path / model_type
+    reference.save_pretrained(directory, safe_serialization=True)
+    _save_generic_tokenizer(loaded.tokenizer.tokenizer, directory)
+    from_directory = load_source(directory, device="cpu")
+    tokenizers = loaded.tokenizer, from_directory.tokenizer
+    assert len({(t.bos_id, t.eos_id, t.pad_id, tuple(t.special_affixes()[0])) for t in tokenizers}) == 1
+    gguf_description, directory_description = loaded.describe(), from_directory.describe()
+    assert gguf_description["format"] == "gguf" and directory_description["format"] == "safetensors"
+    assert gguf_description["family"] == model_type
+    for key in DESCRIBED_APART:
+        del gguf_description[key], directory_description[key]
+    assert gguf_description == directory_description
+
+    text = write_text(tmp_path / "text.txt", GGUF_TEXTS)
+    gguf_store, directory_store = _extract_store(tmp_path, path, text), _extract_store(tmp_path, directory, text)
+    tasks = [{key: value for key, value in store.attrs["task"].items() if key not in TOKENIZER_CLASS_KEYS}
+             for store in (gguf_store, directory_store)]
+    assert tasks[0] == tasks[1]
+    assert set(gguf_store.variables) == set(directory_store.variables) >= set(STORE_SITES)
+    for name in gguf_store.variables:
+        np.testing.assert_array_equal(gguf_store[name].values, directory_store[name].values, err_msg=name)
 
 
 def test_weights_hash_tells_models_apart(tmp_path):
@@ -357,7 +497,62 @@ def test_missing_path_and_non_gguf_file(tmp_path):
 
 def test_gguf_without_tokenizer_is_refused(tmp_path):
     path = write_gguf(tmp_path / "bare.gguf", gguf_model(), with_tokenizer=False)
-    with pytest.raises(ConfigError, match="holds no tokenizer"):
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} holds no tokenizer.*converted with its tokenizer"):
+        load_source(path, device="cpu")
+
+
+ACCEPTED = r"GGUF files load for the architectures \['bloom', 'falcon', .*'llama', .*\]: give one of them"
+
+
+@pytest.mark.parametrize("architecture,why", [
+    ("nonesuch", "transformers does not read that architecture from GGUF"),
+    ("mamba", "transformers reads it as model_type 'mamba', which has no family in extract/families.py"),
+    ("qwen2moe", "transformers reads it as model_type 'qwen2_moe', which has no family"),
+    ("mistral", "transformers reads its configuration as model_type 'mistral' but cannot map its tensors .*no architecture 'mistral'"),
+])
+def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architecture, why):
+    path = write_gguf(tmp_path / f"{architecture}.gguf", gguf_model(), architecture=architecture)
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture '{architecture}': {why}.*{ACCEPTED}"):
+        load_source(path, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["flan-t5-tiny", "umt5-tiny"])
+def test_t5_gguf_is_refused_for_transformers_reads_another_feed_forward(tmp_path, name):
+    """transformers reads a T5 GGUF's gated feed-forward as gated ReLU, whatever the model's activation
+    (a file named "umt5..." as a UMT5)."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                      vocab_size=GGUF_VOCAB)
+    path = write_gguf(tmp_path / "t5.gguf", T5EncoderModel(config).eval(), name=name)
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture 't5': transformers reads "
+                       rf"every T5 GGUF file as a T5 with a gated ReLU feed-forward .*{ACCEPTED}"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_that_transformers_reads_as_another_model_type_is_refused(tmp_path):
+    """transformers reads a llama file named "mistral" as a Mistral model, whose tensors it cannot map."""
+    path = write_gguf(tmp_path / "named.gguf", gguf_model(), name="mistral")
+    with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path}: transformers reads it as model_type 'mistral' "
+                       r"\(from its general.name 'mistral'\), not as 'llama'.*gguf-new-metadata --general-name"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_tensor_type_the_gguf_package_cannot_dequantise_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "f64.gguf", gguf_model(), tensor_dtype=np.float64)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} stores tensor blk.0.attn_norm.weight as F64, which the "
+                       "gguf package cannot dequantise: re-convert the model to a type it dequantises, such as F32, F16"):
+        load_source(path, device="cpu")
+
+
+def test_gguf_lacking_a_tensor_is_refused(tmp_path, monkeypatch):
+    reference = gguf_model()
+    parameters = reference.state_dict()
+    del parameters["model.layers.1.self_attn.k_proj.weight"]
+    monkeypatch.setattr(reference, "state_dict", lambda: parameters)
+    path = write_gguf(tmp_path / "lacking.gguf", reference)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}: transformers maps none of its tensors to 1 tensor\(s\) "
+                       r"that LlamaForCausalLM needs, e.g. \['model.layers.1.self_attn.k_proj.weight'\]: the model would run"):
         load_source(path, device="cpu")
 
 
