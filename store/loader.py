@@ -17,6 +17,7 @@ import json
 import numpy as np
 import psutil
 import torch
+import xarray as xr
 
 from .integrity import guarded_group
 from .label_filter import LabelExpression
@@ -28,8 +29,19 @@ VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v"
 OUTPUT_DTYPES = ("float32", "stored")
 
 
+def _url_of(store):
+    """A store given as a path, URL, Location or a Dataset that ``open_store`` opened (its attrs' url)."""
+    if isinstance(store, xr.Dataset):
+        if "url" not in store.attrs:
+            raise ValueError("store: this Dataset was not opened by orthosphere.store.open_store (it has no url "
+                             "attribute): pass the store's path or URL")
+        return store.attrs["url"]
+    return store
+
+
 class TokenLoader(torch.utils.data.IterableDataset):
-    """Token vectors of `sites` ([(site, layer), ...]) of a store in shuffled batches, each a tensor
+    """Token vectors of `sites` ([(site, layer), ...]) of a store (a path, URL, or the Dataset of
+    ``open_store``, whose own storage options must be given again for object storage) in shuffled batches, each a tensor
     (batch, len(sites), width) (q, k, v flattened over heads), or with `with_labels` a dict of it
     (`activations`) and each token's `sample`, `pos`, `token` and labels.
 
@@ -46,7 +58,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
                  world_size: int | None = None, with_labels: bool = False, scale_norms: bool = False,
                  dtype: str = "float32", storage_options: dict | None = None):
         super().__init__()
-        location = as_location(store, storage_options)
+        location = as_location(_url_of(store), storage_options)
         open_store(location)  # refuses an incomplete or damaged store as every reader does
         self.location = location
         self.attrs = dict(open_group_checked(location).attrs)
