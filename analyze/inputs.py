@@ -21,8 +21,8 @@ fewer, larger tasks stream faster than one task per 4 MB chunk."""
 
 
 def open_for_analysis(url, storage_options: dict | None = None, block_bytes: int = BLOCK_BYTES) -> xr.Dataset:
-    """The complete store at `url` as a lazy Dataset in blocks of about block_bytes along sample,
-    with its URL in attrs["url"] for messages and provenance."""
+    """The complete store at `url` as a lazy Dataset in blocks of about block_bytes along sample
+    (its URL in attrs["url"], as every opened store)."""
     dataset = open_store(url, storage_options=storage_options)
     chunk_samples = int(dataset.attrs["samples_per_chunk"])
     sample_bytes = max((dataset[site].nbytes // (dataset.sizes["sample"] * dataset.sizes["layer"])
@@ -31,7 +31,6 @@ def open_for_analysis(url, storage_options: dict | None = None, block_bytes: int
     if samples > chunk_samples:
         # reopened rather than rechunked: each task then reads its chunks from zarr, with no concatenation
         dataset = open_store(url, storage_options=storage_options, samples_per_block=samples)
-    dataset.attrs["url"] = str(url)
     return dataset
 
 

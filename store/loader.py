@@ -17,6 +17,7 @@ import json
 import numpy as np
 import psutil
 import torch
+import xarray as xr
 
 from .integrity import guarded_group
 from .label_filter import LabelExpression
@@ -28,8 +29,19 @@ VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v"
 OUTPUT_DTYPES = ("float32", "stored")
 
 
+def _url_of(store):
+    """A store given as a path, URL, Location or a Dataset that ``open_store`` opened (its attrs' url)."""
+    if isinstance(store, xr.Dataset):
+        if "url" not in store.attrs:
+            raise ValueError("store: this Dataset was not opened by orthosphere.store.open_store (it has no url "
+                             "attribute): pass the store's path or URL")
+        return store.attrs["url"]
+    return store
+
+
 class TokenLoader(torch.utils.data.IterableDataset):
-    """Token vectors of `sites` ([(site, layer), ...]) of a store in shuffled batches, each a tensor
+    """Token vectors of `sites` ([(site, layer), ...]) of a store (a path, URL, or the Dataset of
+    ``open_store``, whose own storage options must be given again for object storage) in shuffled batches, each a tensor
     (batch, len(sites), width) (q, k, v flattened over heads), or with `with_labels` a dict of it
     (`activations`) and each token's `sample`, `pos`, `token` and labels.
 
@@ -46,7 +58,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
                  world_size: int | None = None, with_labels: bool = False, scale_norms: bool = False,
                  dtype: str = "float32", storage_options: dict | None = None):
         super().__init__()
-        location = as_location(store, storage_options)
+        location = as_location(_url_of(store), storage_options)
         open_store(location)  # refuses an incomplete or damaged store as every reader does
         self.location = location
         self.attrs = dict(open_group_checked(location).attrs)
@@ -66,7 +78,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.samples_per_chunk = int(self.attrs["samples_per_chunk"])
         self.n_samples, self.n_pos = int(self.attrs["n_samples"]), int(self.attrs["n_pos"])
         self.n_chunks = -(-self.n_samples // self.samples_per_chunk)
-        self._group, self._arrays = None, {}
+        self._group, self._arrays, self._window_buffer = None, {}, None
         self._check_memory()
         self.medians, self.scales, self.summary = self._measure()
         self._epoch, self._pending, self._delivered, self._parts = 0, None, 0, 1
@@ -127,7 +139,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         return self._arrays[name]
 
     def __getstate__(self):
-        return {**self.__dict__, "_group": None, "_arrays": {}}
+        return {**self.__dict__, "_group": None, "_arrays": {}, "_window_buffer": None}
 
     # --- reading chunks ---------------------------------------------------------------------
     def _chunk_labels(self, chunk: int) -> dict[str, np.ndarray]:
@@ -162,28 +174,39 @@ class TokenLoader(torch.utils.data.IterableDataset):
         return [np.asarray(self._array(site)[start:stop, layers.index(layer)]).reshape(-1, self.width)
                 for site, layer in self.sites]
 
+    def _selected(self, chunk: int) -> np.ndarray | None:
+        """The chunk's selection (positions,) as measured once (``_measure``); None: every position."""
+        packed = self._selection[chunk]
+        if packed is None:
+            return None
+        start, stop = self._chunk_bounds(chunk)
+        return np.unpackbits(packed, count=(stop - start) * self.n_pos).view(bool)
+
     def _read_chunk(self, chunk: int, rows: np.ndarray):
         """The chunk's selected tokens: their vectors written into `rows` (tokens, sites, width: the
-        chunk's slice of its window, in the output dtype) and their labels returned."""
-        labels = self._chunk_labels(chunk)
-        mask = self._label_mask(chunk, labels)
-        vectors = self._chunk_vectors(chunk)
-        if self.max_norm_ratio is not None:
-            for vector, median in zip(vectors, self.medians):
-                mask &= _norms(vector) <= self.max_norm_ratio * median
-        everything = bool(mask.all())
-        for index, vector in enumerate(vectors):  # one copy per selected token and site, cast on the way
-            rows[:, index] = vector if everything else vector[mask]
+        chunk's slice of its window, in the output dtype) and, with `with_labels`, their labels returned."""
+        mask = self._selected(chunk)
+        for index, vector in enumerate(self._chunk_vectors(chunk)):  # one copy per selected token and site
+            if mask is None:
+                rows[:, index] = vector
+            elif vector.dtype == rows.dtype:
+                np.compress(mask, vector, axis=0, out=rows[:, index])
+            else:  # cast on the way (float16 to float32)
+                rows[:, index] = vector[mask]
         if self.dtype == "float32" and self.scale_norms:
             rows *= np.asarray(self.scales, np.float32)[None, :, None]
-        return {name: value if everything else value[mask] for name, value in labels.items()}
+        if not self.with_labels:
+            return {}
+        labels = self._chunk_labels(chunk)
+        return labels if mask is None else {name: value[mask] for name, value in labels.items()}
 
     def _measure(self):
         """Tokens selected per chunk, the sites' median norms and scales, and a summary."""
-        counts, norms = [], [[] for _ in self.sites]
+        counts, norms, label_masks = [], [[] for _ in self.sites], []
         needs_norms = self.max_norm_ratio is not None or self.scale_norms
         for chunk in range(self.n_chunks):
             mask = self._label_mask(chunk, self._chunk_labels(chunk))
+            label_masks.append(mask)
             counts.append(int(mask.sum()))
             if needs_norms:
                 for kept, vector in zip(norms, self._chunk_vectors(chunk)):
@@ -205,7 +228,11 @@ class TokenLoader(torch.utils.data.IterableDataset):
                 keep_chunks = np.split(keep, np.cumsum(counts)[:-1])
             if self.scale_norms:
                 scales = [float(np.sqrt(self.width / np.mean(values[keep].astype(np.float64) ** 2))) for values in joined]
-        self.chunk_tokens = np.array([int(k.sum()) for k in keep_chunks], dtype=np.int64)
+        masks = [label_mask.copy() for label_mask in label_masks]
+        for mask, keep in zip(masks, keep_chunks):
+            mask[mask] = keep
+        self.chunk_tokens = np.array([int(mask.sum()) for mask in masks], dtype=np.int64)
+        self._selection = [None if mask.all() else np.packbits(mask) for mask in masks]
         summary.update(tokens=int(self.chunk_tokens.sum()), medians=medians, scales=scales, buffer_bytes=self.buffer_bytes)
         return medians, scales, summary
 
@@ -244,11 +271,20 @@ class TokenLoader(torch.utils.data.IterableDataset):
     def _window(self, epoch: int, index: int, chunks: list[int]):
         sizes = self.chunk_tokens[chunks]
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        rows = np.empty((int(offsets[-1]), len(self.sites), self.width), self._output_dtype)
+        rows = self._window_rows(int(offsets[-1]))
         parts = [self._read_chunk(chunk, rows[offsets[i]:offsets[i + 1]]) for i, chunk in enumerate(chunks)]
         labels = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
         order = np.random.default_rng([self.seed, epoch, index]).permutation(len(rows))
         return rows, labels, order
+
+    def _window_rows(self, n_tokens: int) -> np.ndarray:
+        """The window's (tokens, sites, width) rows, in one buffer kept for every window of this process
+        (a fresh one each time would pay the kernel's first touch of every page again); batches are
+        copies out of it."""
+        buffer = self._window_buffer
+        if buffer is None or len(buffer) < n_tokens:
+            buffer = self._window_buffer = np.empty((n_tokens, len(self.sites), self.width), self._output_dtype)
+        return buffer[:n_tokens]
 
     def _batches(self, epoch: int, ranges):
         """Batches of the epoch's stream for the given ranges of batch indices."""
@@ -264,18 +300,20 @@ class TokenLoader(torch.utils.data.IterableDataset):
                         loaded = (index, self._window(epoch, index, windows[index]))
                     rows, labels, order = loaded[1]
                     upto = min(end, int(starts[index + 1]))
-                    pieces.append((rows, labels, order[begin - starts[index]:upto - starts[index]]))
+                    take = order[begin - starts[index]:upto - starts[index]]
+                    # gathered now: the next window reuses the rows' buffer
+                    pieces.append((rows[take], {name: values[take] for name, values in labels.items()}))
                     begin = upto
                 yield self._as_batch(pieces)
 
     def _as_batch(self, pieces):
-        rows = pieces[0][0][pieces[0][2]] if len(pieces) == 1 else np.concatenate([rows[take] for rows, _, take in pieces])
+        rows = pieces[0][0] if len(pieces) == 1 else np.concatenate([rows for rows, _ in pieces])
         activations = _tensor(rows)
         if not self.with_labels:
             return activations
         batch = {"activations": activations}
         for name in pieces[0][1]:
-            values = np.concatenate([labels[name][take] for _, labels, take in pieces])
+            values = np.concatenate([labels[name] for _, labels in pieces])
             batch[name] = values if values.dtype.kind in "OUT" else torch.from_numpy(values.astype(np.int64))
         return batch
 

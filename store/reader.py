@@ -115,7 +115,9 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
     with zarr_quietly():
         dataset = xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
     widened = {name: variable.astype(np.float32) for name, variable in dataset.data_vars.items() if schema.is_bfloat16(variable.dtype)}
-    return dataset.assign(widened)
+    dataset = dataset.assign(widened)
+    dataset.attrs["url"] = location.url  # where it was opened from: for messages, and readers that reopen it
+    return dataset
 
 
 def _promises(group: zarr.Group) -> dict:

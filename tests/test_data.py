@@ -54,6 +54,15 @@ def test_two_ranks_share_the_tokens_once(store):
     assert sorted(seen[0] + seen[1]) == expected() and abs(len(seen[0]) - len(seen[1])) <= 5
 
 
+def test_an_opened_store_is_read_as_its_path_is(store):
+    from orthosphere.store import open_store
+
+    opened = open_store(str(store))
+    assert ids(loader(opened)) == ids(loader(str(store)))
+    with pytest.raises(ValueError, match="not opened by orthosphere.store.open_store"):
+        loader(opened.drop_attrs())
+
+
 def test_seeds_and_epochs_give_different_orders(store):
     first = loader(store)
     assert ids(first) != ids(first) and ids(loader(store)) != ids(loader(store, seed=2))
