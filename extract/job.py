@@ -61,6 +61,7 @@ from orthosphere.store.schema import check_dtype
 from orthosphere.store.state import REMNANT, STORE
 from orthosphere.store.stream import ChunkStream
 
+from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, task_data
 from .recording import new_buffer
 from .sources import LoadedModel, check_device, from_model, load_source, model_dtype_of
@@ -84,7 +85,7 @@ class ExtractJob:
     sites: tuple[str, ...] | None = None
     layers: tuple[int, ...] | None = None
     dtype: str = "float32"
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     n_shards: int = 1
     samples_per_chunk: int | None = None
     resume: bool = False
