@@ -36,7 +36,7 @@ def extract(model, data: str | ArithmeticData | CorpusData, out: str | os.PathLi
     url = os.fspath(out)
     job = ExtractJob(
         model=model, task=data, out=url, n_samples=n_samples, sites=_names(sites),
-        layers=None if layers is None else tuple(layers), dtype=dtype, batch_size=batch_size, n_shards=n_shards,
+        layers=layers, dtype=dtype, batch_size=batch_size, n_shards=n_shards,
         samples_per_chunk=samples_per_chunk, resume=resume, overwrite=overwrite, break_lock=break_lock,
         device=device, model_dtype=model_dtype, storage_options=storage_options, tokenizer=tokenizer,
     )

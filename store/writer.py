@@ -88,7 +88,7 @@ def create_store(
     sites = schema.check_sites(sites)
     dtype = schema.check_dtype(dtype)
     labels = schema.check_labels(labels or {})
-    layers = _check_layers(layers, model["n_layers"])
+    layers = model_layers(layers, model["n_layers"])
     _check_count("n_samples", n_samples)
     _check_count("n_pos", n_pos)
     if codec not in CODECS:
@@ -351,18 +351,10 @@ def _check_count(name: str, value) -> None:
         raise StoreError(f"{name}={value!r}: expected a positive integer")
 
 
-def _check_layers(layers, n_layers: int) -> list[int]:
-    """Stored layer indices, sorted and unique; each must exist in the model."""
-    if layers is None:
-        return list(range(n_layers))
-    layers = sorted({int(layer) for layer in layers})
-    outside = [layer for layer in layers if not 0 <= layer < n_layers]
-    if outside or not layers:
-        raise StoreError(
-            f"layer(s) {outside or 'none'} out of range: the model has {n_layers} layers, "
-            f"expected indices 0..{n_layers - 1}"
-        )
-    return layers
+def model_layers(layers, n_layers: int, error=StoreError) -> list[int]:
+    """Layer indices of a model of n_layers, sorted and unique; each must exist in the model."""
+    return schema.chosen_layers(layers, range(n_layers), lambda outside: (
+        f"layer(s) {outside} out of range: the model has {n_layers} layers, expected indices 0..{n_layers - 1}"), error)
 
 
 def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
