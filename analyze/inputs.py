@@ -7,6 +7,7 @@ import numpy as np
 import xarray as xr
 
 from orthosphere.store import open_store
+from orthosphere.store.schema import chosen_layers
 
 from .errors import AnalysisError, NonFiniteError
 
@@ -57,17 +58,10 @@ def require_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 def check_layers(dataset: xr.Dataset, layers) -> list[int]:
     """The layer indices to analyse (all stored ones when None); each must be stored."""
     stored = [int(layer) for layer in dataset["layer"].values]
-    if layers is None:
-        return stored
-    layers = sorted({int(layer) for layer in layers})
-    missing = [layer for layer in layers if layer not in stored]
-    if missing or not layers:
-        n_layers = dataset.attrs.get("model", {}).get("n_layers", "?")
-        raise AnalysisError(
-            f"layer(s) {missing or 'none'} not in store {store_url(dataset)}: it holds layers {stored} "
-            f"of the model's {n_layers}; choose layers from those"
-        )
-    return layers
+    n_layers = dataset.attrs.get("model", {}).get("n_layers", "?")
+    return chosen_layers(layers, stored, lambda missing: (
+        f"layer(s) {missing} not in store {store_url(dataset)}: it holds layers {stored} of the model's {n_layers}; "
+        "choose layers from those"), AnalysisError)
 
 
 def layer_data(array: xr.DataArray, layer: int) -> da.Array:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
+from orthosphere.store.schema import layer_indices
+
 from .design import ESTIMATORS
 from .errors import AnalysisError
 
 
-def _ints(name, value):
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise AnalysisError(f"option {name}={list(value)!r}: expected a list of integers")
+def _layers(name, value):
+    layer_indices(value, AnalysisError)
 
 
 def _strings(name, value):
@@ -91,7 +92,7 @@ def _name(name, value):
 
 
 RULES = {
-    "layers": _ints,
+    "layers": _layers,
     "sites": _strings,
     "factors": _strings,
     "site": _name,
@@ -131,7 +132,7 @@ def check_option(name: str, value, rule_name: str | None = None):
     if isinstance(value, list):
         value = tuple(value)
     rule = RULES.get(rule_name or name)
-    if isinstance(value, str) and rule in (_ints, _strings, _fractions):
+    if isinstance(value, str) and rule in (_strings, _fractions):
         raise AnalysisError(f"option {name}={value!r}: expected a list, not a single string")
     if rule is not None and value is not None:
         rule(name, value)

@@ -15,6 +15,7 @@ import xarray as xr
 
 from orthosphere.store import open_store
 
+from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData
 from .job import ExtractJob
 from .job import extract as run_job
@@ -22,7 +23,7 @@ from .job import extract as run_job
 
 def extract(model, data: str | ArithmeticData | CorpusData, out: str | os.PathLike, *, tokenizer=None,
             sites: str | Iterable[str] | None = None, layers: Sequence[int] | None = None, dtype: str = "float32",
-            n_samples: int | None = None, batch_size: int = 32, n_shards: int = 1,
+            n_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE, n_shards: int = 1,
             samples_per_chunk: int | None = None, resume: bool = False, overwrite: bool = False,
             break_lock: bool = False, device: str = "auto", model_dtype: str | None = None,
             storage_options: dict | None = None, client=None, progress: bool = False) -> xr.Dataset:
@@ -35,7 +36,7 @@ def extract(model, data: str | ArithmeticData | CorpusData, out: str | os.PathLi
     url = os.fspath(out)
     job = ExtractJob(
         model=model, task=data, out=url, n_samples=n_samples, sites=_names(sites),
-        layers=None if layers is None else tuple(layers), dtype=dtype, batch_size=batch_size, n_shards=n_shards,
+        layers=layers, dtype=dtype, batch_size=batch_size, n_shards=n_shards,
         samples_per_chunk=samples_per_chunk, resume=resume, overwrite=overwrite, break_lock=break_lock,
         device=device, model_dtype=model_dtype, storage_options=storage_options, tokenizer=tokenizer,
     )

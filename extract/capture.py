@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
+from orthosphere.store.writer import model_layers
 
 from .families import (
     OUTSIDE_BLOCKS,
@@ -134,16 +135,7 @@ class Adapter:
 
     def check_layers(self, layers) -> tuple[int, ...]:
         """Sorted, unique layer indices; one the model does not have is an error."""
-        if layers is None:
-            return tuple(range(self.n_layers))
-        layers = sorted({int(layer) for layer in layers})
-        outside = [layer for layer in layers if not 0 <= layer < self.n_layers]
-        if outside or not layers:
-            raise ConfigError(
-                f"layer(s) {outside or 'none'} out of range: the model has {self.n_layers} layers, "
-                f"expected indices 0..{self.n_layers - 1}"
-            )
-        return tuple(layers)
+        return tuple(model_layers(layers, self.n_layers, ConfigError))
 
     @contextlib.contextmanager
     def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32, allocate=None):

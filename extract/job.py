@@ -2,7 +2,9 @@
 
 ``extract(ExtractJob(...), client=None)`` is what ``orthosphere extract`` runs:
 
-1. parse the task spec, refuse an existing store unless resuming or overwriting;
+1. parse the task spec, refuse an existing store unless resuming or overwriting (the store's
+   lifecycle, ``orthosphere.store.lifecycle``, decides what a job may do with what is at its URL,
+   checks a resumed store's identity and sizes its chunks);
 2. load the model, check sites and layers, open the data set;
 3. create the store (chunk-aligned shards), or, when resuming, check that the store was
    made by the same job (model, task, sites, layers, dtype, sample count) and pick up its
@@ -38,9 +40,7 @@ For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a n
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -51,17 +51,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from orthosphere.errors import ConfigError, Float16OverflowError, JobMismatchError
-from orthosphere.store import StoreExistsError, StoreWriter, create_store, open_writer
+from orthosphere.errors import ConfigError, Float16OverflowError
+from orthosphere.store import create_store, open_writer
 from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
+from orthosphere.store.lifecycle import check_same_job, chunk_samples, found_for_job, reopen_to_resume
 from orthosphere.store.location import as_location
-from orthosphere.store.reader import not_a_store_error
-from orthosphere.store.schema import bytes_per_sample, check_dtype, dim_sizes, variables_for
-from orthosphere.store.state import DAMAGED, REMNANT, STORE, Found, inspect
+from orthosphere.store.schema import check_dtype
+from orthosphere.store.state import REMNANT, STORE
 from orthosphere.store.stream import ChunkStream
-from orthosphere.store.writer import refuse_foreign, samples_per_chunk_for
 
+from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, task_data
 from .recording import new_buffer
 from .sources import LoadedModel, check_device, from_model, load_source, model_dtype_of
@@ -70,12 +70,6 @@ log = logging.getLogger("orthosphere.extract")
 
 QUEUE_DEPTH = 2
 """Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
-CHUNK_ROW_BYTES = 256 * 2**20
-"""Most memory that one chunk of every site and layer may take (the writer holds up to one)."""
-IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
-"""Store attributes that must match for a job to resume a store."""
-IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
-"""Where a model or file lives may change between runs; its SHA-256 may not."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,7 @@ class ExtractJob:
     sites: tuple[str, ...] | None = None
     layers: tuple[int, ...] | None = None
     dtype: str = "float32"
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     n_shards: int = 1
     samples_per_chunk: int | None = None
     resume: bool = False
@@ -151,7 +145,7 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
     data = task_data(job.task)
     _check_job(job, client)
-    found = _existing_store(job)
+    found = found_for_job(as_location(job.out, job.storage_options), job.resume, job.overwrite)
     if job.in_memory:
         loaded = from_model(job.model, job.tokenizer, job.device)
     else:
@@ -172,8 +166,8 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
     }
     if found.kind == STORE and job.resume:
-        _check_same_job(job.out, found.attrs, identity)
-        writer = _reopen(job)
+        check_same_job(job.out, found.attrs, identity)
+        writer = reopen_to_resume(job.out, job.break_lock, job.storage_options)
         if writer is None:
             log.info("store %s is already complete: nothing to do", job.out)
             return ExtractResult(job.out, dataset.n_samples, 0, len(found.attrs["shards"]), 0, 0.0, already_complete=True)
@@ -198,21 +192,6 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
         writer.finish()
     log.info("store complete at %s", writer.url)
     return result
-
-
-def _reopen(job: ExtractJob) -> StoreWriter | None:
-    """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
-    when the store is complete and whole."""
-    writer = open_writer(job.out, lock=True, break_lock=job.break_lock, storage_options=job.storage_options)
-    damage = writer.find_damage()
-    if damage:
-        shards = writer.reopen(damage)
-        log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting shard(s) %s",
-                    job.out, len(damage), damage[0], shards)
-    elif writer.is_finished():
-        writer.close()
-        return None
-    return writer
 
 
 def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
@@ -315,24 +294,6 @@ def _run_pending(job, loaded, plan: ShardPlan, writer, client, progress: bool) -
     )
 
 
-def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int, dtype: str, batch_size: int,
-                  n_shards: int = 1) -> int:
-    """Samples per chunk: the store's ~4 MB target, capped so that one chunk of every site and
-    layer fits in CHUNK_ROW_BYTES and that there are at least n_shards chunks (shards are whole
-    chunks), and aligned with the batch (a multiple or a divisor of the batch size) so that
-    batches fill whole chunks without being copied together."""
-    sizes = dim_sizes(model, n_samples, n_pos, n_layers)
-    variables = variables_for(sites, with_weights=False, lm_head=model.get("lm_head", True))
-    row = bytes_per_sample(variables, sizes, dtype)
-    samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
-                         math.ceil(n_samples / n_shards)))
-    if samples >= n_samples:
-        return n_samples
-    if samples >= batch_size:
-        return samples - samples % batch_size
-    return max(d for d in range(1, samples + 1) if batch_size % d == 0)
-
-
 def _check_job(job: ExtractJob, client) -> None:
     if job.in_memory and client is not None:
         raise ConfigError("a model object runs in this process: Dask workers load the model themselves, so give "
@@ -357,30 +318,6 @@ def _check_job(job: ExtractJob, client) -> None:
         )
 
 
-def _existing_store(job: ExtractJob) -> Found:
-    """What is at job.out; an existing store needs --resume or --overwrite, a damaged one --overwrite,
-    and what is not a store is never touched."""
-    location = as_location(job.out, job.storage_options)
-    found = inspect(location)
-    refuse_foreign(location, found)
-    if not found.is_ours or job.overwrite:
-        return found
-    if found.kind == DAMAGED:
-        raise not_a_store_error(location, DAMAGED)
-    if job.resume:
-        return found
-    if found.kind == REMNANT:
-        raise StoreExistsError(
-            f"{job.out} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
-            "pass resume=True (CLI: --resume) to create it afresh, or overwrite=True (CLI: --overwrite)"
-        )
-    state = "complete" if found.attrs.get("complete") else "incomplete"
-    raise StoreExistsError(
-        f"a store already exists at {job.out} ({state}): pass resume=True (CLI: --resume) to continue the job "
-        "that made it, or overwrite=True (CLI: --overwrite) to replace it"
-    )
-
-
 def _absolute(data):
     """The data with a corpus's path made absolute, for the store's record of the job."""
     return replace(data, path=os.path.abspath(data.path)) if isinstance(data, CorpusData) else data
@@ -389,43 +326,6 @@ def _absolute(data):
 def _absolute_url(url: str) -> str:
     location = as_location(url)
     return location.local_path if location.is_local else url
-
-
-def _normalised(value):
-    return json.loads(json.dumps(value))
-
-
-def _check_same_job(url: str, attrs: dict, identity: dict) -> None:
-    """Refuse to resume a store made by another job, naming the first attribute that differs."""
-    for key in IDENTITY_KEYS:
-        stored, wanted = _normalised(attrs.get(key)), _normalised(identity[key])
-        for ignored in IDENTITY_IGNORED.get(key, ()):
-            if isinstance(stored, dict) and isinstance(wanted, dict):
-                stored.pop(ignored, None)
-                wanted.pop(ignored, None)
-        difference = _first_difference(stored, wanted, key)
-        if difference is not None:
-            name, old, new = difference
-            raise JobMismatchError(
-                f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is "
-                f"{_short(new)}; resume with the original model, task, sites, layers, dtype and n_samples, "
-                "or pass overwrite=True (CLI: --overwrite) to replace the store"
-            )
-
-
-def _first_difference(old, new, name):
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            difference = _first_difference(old.get(key), new.get(key), f"{name}.{key}")
-            if difference is not None:
-                return difference
-        return None
-    return None if old == new else (name, old, new)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _layer_text(layers) -> str:

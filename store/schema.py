@@ -85,6 +85,31 @@ PER_SAMPLE_DIMS = ("sample", "pos")
 DIM_NAMES = ("sample", "pos", "layer", "head", "kv_head")
 
 
+def layer_indices(layers, error=StoreError) -> list[int]:
+    """`layers` as a list of integers (a single index may stand alone); anything else is an `error`."""
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        layers = [layers]
+    if isinstance(layers, str) or not hasattr(layers, "__iter__"):
+        raise error(f"layers={layers!r}: expected a list of layer indices")
+    bad = [layer for layer in layers if isinstance(layer, bool) or not isinstance(layer, (int, np.integer))]
+    if bad:
+        raise error(f"layers: {bad[0]!r} is not a layer index: expected integers")
+    return [int(layer) for layer in layers]
+
+
+def chosen_layers(layers, available, refusal, error=StoreError) -> list[int]:
+    """Layer indices chosen from `available`, sorted and unique (every available one when None; a
+    single index may stand alone); a value that is not an integer, or none, or one not available is
+    an `error` whose message `refusal(missing)` gives (the one check of layers of every stage)."""
+    if layers is None:
+        return [int(layer) for layer in available]
+    chosen = sorted(set(layer_indices(layers, error)))
+    missing = [layer for layer in chosen if layer not in set(int(a) for a in available)]
+    if missing or not chosen:
+        raise error(refusal(missing or "none"))
+    return chosen
+
+
 def check_sites(sites) -> tuple[str, ...]:
     """The sites in schema order; an unknown name is an error that lists the known ones."""
     sites = tuple(sites)

@@ -23,10 +23,11 @@ from . import schema
 from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreExistsError, StoreLockedError
 from .faults import crash_point
 from .integrity import Damage, find_damage, guarded_group, promises
+from .lifecycle import exists_message, refuse_foreign
 from .location import Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, is_lock_file, release_lock
 from .provenance import provenance
-from .state import ABSENT, EMPTY, FOREIGN_ZARR, LOCK_FILES, PROGRESS_GROUP, REMNANT, Found, inspect
+from .state import ABSENT, EMPTY, LOCK_FILES, PROGRESS_GROUP, inspect
 from .stream import array_files
 
 TARGET_CHUNK_BYTES = 4 * 2**20
@@ -87,7 +88,7 @@ def create_store(
     sites = schema.check_sites(sites)
     dtype = schema.check_dtype(dtype)
     labels = schema.check_labels(labels or {})
-    layers = _check_layers(layers, model["n_layers"])
+    layers = model_layers(layers, model["n_layers"])
     _check_count("n_samples", n_samples)
     _check_count("n_pos", n_pos)
     if codec not in CODECS:
@@ -350,18 +351,10 @@ def _check_count(name: str, value) -> None:
         raise StoreError(f"{name}={value!r}: expected a positive integer")
 
 
-def _check_layers(layers, n_layers: int) -> list[int]:
-    """Stored layer indices, sorted and unique; each must exist in the model."""
-    if layers is None:
-        return list(range(n_layers))
-    layers = sorted({int(layer) for layer in layers})
-    outside = [layer for layer in layers if not 0 <= layer < n_layers]
-    if outside or not layers:
-        raise StoreError(
-            f"layer(s) {outside or 'none'} out of range: the model has {n_layers} layers, "
-            f"expected indices 0..{n_layers - 1}"
-        )
-    return layers
+def model_layers(layers, n_layers: int, error=StoreError) -> list[int]:
+    """Layer indices of a model of n_layers, sorted and unique; each must exist in the model."""
+    return schema.chosen_layers(layers, range(n_layers), lambda outside: (
+        f"layer(s) {outside} out of range: the model has {n_layers} layers, expected indices 0..{n_layers - 1}"), error)
 
 
 def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
@@ -372,7 +365,7 @@ def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
     if found.kind in (ABSENT, EMPTY):
         holder = acquire_lock(location, break_lock=break_lock)
     elif not overwrite:
-        raise StoreExistsError(_exists_message(location, found))
+        raise StoreExistsError(exists_message(location, found))
     else:
         holder = acquire_lock(location, break_lock=break_lock)
     crash_point("lock-taken")
@@ -380,27 +373,6 @@ def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
         location.clear(keep=LOCK_FILES)
         crash_point("cleared")
     return holder
-
-
-def refuse_foreign(location: Location, found: Found) -> None:
-    """Raise unless the URL holds nothing, or a store (or remnant) that a job may replace."""
-    if found.kind in (ABSENT, EMPTY) or found.is_ours:
-        return
-    kind = "a Zarr store that orthosphere did not write" if found.kind == FOREIGN_ZARR else "not a Zarr store"
-    raise StoreError(f"{location.url} exists and is {kind}; refusing to write into it or delete it: choose a new path")
-
-
-def _exists_message(location: Location, found: Found) -> str:
-    if found.kind == REMNANT:
-        return (
-            f"{location.url} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
-            "pass overwrite=True (CLI: --overwrite, or --resume, which starts it afresh) to replace it"
-        )
-    state = "complete" if found.attrs.get("complete") else "incomplete"
-    return (
-        f"a store already exists at {location.url} ({state}): pass overwrite=True (CLI: --overwrite) "
-        "to replace it, or resume it (CLI: --resume)"
-    )
 
 
 def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) -> None:

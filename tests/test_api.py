@@ -174,3 +174,26 @@ def test_every_error_is_in_one_hierarchy():
     assert {error.__name__ for error in found} >= {"ConfigError", "StoreError", "AnalysisError", "ReplayError"}
     for error in found:
         assert error.__module__ == "orthosphere.errors" and issubclass(error, errors.OrthosphereError), error
+
+
+@pytest.mark.parametrize("layers, message", [
+    ([1.5], r"layers: 1.5 is not a layer index: expected integers"),
+    (["1"], r"layers: '1' is not a layer index: expected integers"),
+    ([True], r"layers: True is not a layer index: expected integers"),
+    ("1", r"layers='1': expected a list of layer indices"),
+    ([], r"layer\(s\) none"),
+])
+def test_layers_are_checked_once_and_alike_by_extraction_the_store_and_the_analyses(tmp_path, layers, message):
+    from orthosphere.analyze.errors import AnalysisError
+    from orthosphere.store import StoreError, create_store
+    from tests.synthetic import write_store
+
+    model_dir = ROOT / "workflows" / "models" / "pre"
+    with pytest.raises(ConfigError, match=message):
+        orthosphere.extract(model_dir, orthosphere.tasks.arithmetic(), tmp_path / "s.zarr", n_samples=4, layers=layers)
+    with pytest.raises(StoreError, match=message):
+        create_store(tmp_path / "c.zarr", model={"n_layers": 2, "d_model": 4, "n_heads": 1, "n_kv_heads": 1, "d_head": 4},
+                     task={}, n_samples=2, n_pos=3, sites=["resid_pre"], layers=layers)
+    url = write_store(tmp_path / "w.zarr", {"resid_pre": np.zeros((2, 2, 3, 4), np.float32)}, with_weights=False)
+    with pytest.raises(AnalysisError, match=message):
+        orthosphere.analyze(url, analyses=["norms"], layers=layers, weight_by_attention=False)

@@ -18,11 +18,12 @@ import torch
 import xarray as xr
 import zarr
 
+from orthosphere.errors import Float16OverflowError, JobMismatchError
 from orthosphere.extract import corpus as corpus_module
 from orthosphere.extract import hashing, packing
 from orthosphere.extract.corpus import CorpusError, read_documents
 from orthosphere.extract.data import parse_task
-from orthosphere.extract.job import ExtractJob, Float16OverflowError, JobMismatchError, extract
+from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError
 from orthosphere.extract.packing import TokenizedCorpus
 from orthosphere.store import create_store, format_info, info, open_store, read_attrs

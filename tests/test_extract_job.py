@@ -10,17 +10,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from orthosphere.errors import ConfigError, JobMismatchError
 from orthosphere.extract import tasks
 from orthosphere.extract.data import ArithmeticData, CorpusData, parse_task
-from orthosphere.extract.job import (
-    ExtractJob,
-    JobMismatchError,
-    WriteBehind,
-    chunk_samples,
-    extract,
-)
-from orthosphere.extract.model import ConfigError
+from orthosphere.extract.job import ExtractJob, WriteBehind, extract
 from orthosphere.store import StoreExistsError, open_store, read_attrs
+from orthosphere.store.lifecycle import chunk_samples
 from orthosphere.workflows.cli import main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model, write_text
 

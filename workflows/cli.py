@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from orthosphere.extract import DEFAULT_BATCH_SIZE
 from orthosphere.store import format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
@@ -136,7 +137,7 @@ def validate_command(store, full, reopen, break_lock):
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="Stored activations: float16 refuses values beyond 65504; bfloat16 keeps float32's range.")
-@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True)
 @click.option("--shards", type=int, default=1, show_default=True,
               help="Chunk-aligned shards: the unit of Dask tasks and of resuming.")
 @click.option("--samples-per-chunk", type=int, default=None, help="Samples per chunk (default: about 4 MB chunks).")

@@ -23,6 +23,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orthosphere.extract import DEFAULT_BATCH_SIZE
 from orthosphere.extract.model import ConfigError
 from orthosphere.store import DEFAULT_SITES
 
@@ -216,7 +217,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                     sites=tuple(pipeline.extract.get("sites", DEFAULT_SITES)),
                     layers=tuple(pipeline.extract["layers"]) if "layers" in pipeline.extract else None,
                     dtype=pipeline.extract.get("dtype", "float32"),
-                    batch_size=pipeline.extract.get("batch_size", 64),
+                    batch_size=pipeline.extract.get("batch_size", DEFAULT_BATCH_SIZE),
                     n_shards=pipeline.extract.get("shards", 1),
                     device=pipeline.extract.get("device", "auto"), model_dtype=pipeline.extract.get("model_dtype"),
                     resume=not force, overwrite=force, break_lock=break_lock,
