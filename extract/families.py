@@ -48,7 +48,7 @@ class Norm:
     module: str
     scope: str = "d_model"
     heads_first: bool = False
-    """A per-head norm whose input is (batch, head, pos, d_head) (Phi, StableLM), not (batch, pos, head, d_head)."""
+    """A per-head norm whose input is (batch, head, pos, d_head) (Gemma 3, Phi, StableLM), not (batch, pos, head, d_head)."""
 
     def __post_init__(self):
         if self.site not in NORM_SITES or self.scope not in NORM_SCOPES:
