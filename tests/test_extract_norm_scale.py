@@ -140,6 +140,7 @@ def post_norm_inputs(store, model):
 def test_pre_norm_factor_is_the_attention_input_norms(tmp_path, norm_type):
     store, model = arithmetic_store(tmp_path, "pre", norm_type)
     assert "norm_scale" in store.attrs["sites"] and "q_norm_scale" not in store
+    assert store["norm_scale"].attrs["transformer_lens"] == "1 / blocks.{layer}.ln1.hook_scale"
     check_norm_scale(store, store["resid_pre"].values.astype(np.float64).swapaxes(0, 1), model)
 
 
