@@ -19,6 +19,7 @@ from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import open_store
+from tests.test_extract_families import ENCODERS
 from tests.test_extract_models import word_tokenizer, write_arithmetic_model, write_text
 from tests.tiny_families import tiny_model
 
@@ -37,7 +38,7 @@ def hf_store(tmp_path, model_type, **overrides):
     """(store of a tiny model of the family over padded text, the model in float64)."""
     model = tiny_model(model_type, **overrides)
     model.save_pretrained(tmp_path / "model", safe_serialization=True)
-    word_tokenizer("bert" if model_type == "bert" else "llama").save_pretrained(tmp_path / "model")
+    word_tokenizer("bert" if model_type in ENCODERS else "llama").save_pretrained(tmp_path / "model")
     text = write_text(tmp_path / "text.txt")
     store = extract_store(tmp_path / "model", f"text:path={text},max_length=12", tmp_path / "store.zarr")
     return store, copy.deepcopy(model).double()
@@ -172,7 +173,7 @@ def test_a_model_without_the_norm_leaves_its_factor_out_and_refuses_it(tmp_path,
 
 # --- transformers families ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "qwen3", "gemma2", "gemma3_text", "phi"])
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "qwen3", "gemma2", "gemma3_text", "phi", "t5"])
 @pytest.mark.slow
 def test_pre_and_sandwich_norm_factors_of_transformers_families(tmp_path, model_type):
     store, model = hf_store(tmp_path, model_type)
@@ -216,3 +217,22 @@ def test_opt_post_norm_factor_reads_its_flattened_stream(tmp_path):
         with torch.no_grad():
             inputs.append((mid + block.fc2(block.activation_fn(block.fc1(mid)))).numpy())
     check_norm_scale(store, inputs, model)
+
+
+def test_an_encoder_without_its_head_reads_layer_zeros_factor_from_its_embedding_norm():
+    import transformers
+
+    full = tiny_model("bert")
+    base = transformers.BertModel(full.config, add_pooling_layer=False).eval()
+    base.load_state_dict(full.bert.state_dict())
+    adapter = adapter_for(base)
+    tokens = torch.arange(5, 17).reshape(2, 6)
+    with torch.no_grad(), adapter.capture(["norm_scale"]) as recording:
+        adapter.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        factor = recording.take()["norm_scale"][:, 0].numpy()
+    embeddings = copy.deepcopy(base.embeddings).double()
+    with torch.no_grad():
+        summed = (embeddings.word_embeddings(tokens) + embeddings.position_embeddings.weight[:6]
+                  + embeddings.token_type_embeddings.weight[0]).numpy()
+    reference, _ = reference_factor(summed, "layer", embeddings.LayerNorm.eps)
+    np.testing.assert_allclose(factor, reference, rtol=RTOL, atol=0)
