@@ -71,8 +71,8 @@ SITE_VARIABLES = {
 SITES = tuple(SITE_VARIABLES)
 DEFAULT_SITES = tuple(site for site in SITES if site != "pattern")
 """An extraction's default: every site but "pattern", less those its model has no norm for."""
-NORM_SCALE_SITES = {"norm_scale": "attn_in", "q_norm_scale": "q", "k_norm_scale": "k"}
-"""Each normalisation-factor site and the site whose norm it is the factor of (see SCHEMA.md)."""
+NORM_SCALE_SITES = ("norm_scale", "q_norm_scale", "k_norm_scale")
+"""The norm factors of attn_in, q and k (see SCHEMA.md): only a model with that norm provides one."""
 
 # Per site, the TransformerLens hook holding the same tensor, and the one of a model with rotary
 # positions where that differs ("none": TransformerLens has no equivalent); SCHEMA.md's table says
