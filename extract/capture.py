@@ -30,6 +30,11 @@ Sites of block (layer) l, each (batch, pos, ...):
   T5's relative position bias, over the keys the causal, padding and sliding-window masks allow) is the model's own
   attention; head h reads kv_head h // (n_heads // n_kv_heads).
 - ``pattern`` (head, qpos, kpos): that softmax, as the model computed it.
+- ``norm_scale``: the factor s = 1 / sqrt(mean((x - m)^2) + eps) of the norm whose output is
+  ``attn_in`` (the Pre-Norm; in Post-Norm models the previous block's norm on the residual, at
+  layer 0 the embedding norm, NaN without one); ``q_norm_scale`` (head) and ``k_norm_scale``
+  (kv_head): that of the QK-norm on each head. Read by a hook on the norm module from its own
+  input, in float32 at least; a model without the norm does not provide the site.
 
 ``edit_qkv`` hands ``fn`` q (batch, pos, head, d_head) and k, v (batch, pos, kv_head, d_head)
 of every layer as they enter the score; what it returns is used instead (and is what a
@@ -43,11 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
+from orthosphere.store.schema import NORM_SCALE_SITES
 from orthosphere.store.writer import model_layers
 
 from .families import (
@@ -62,23 +69,41 @@ from .families import (
 )
 from .interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention, same_term
 from .model import ArithmeticTransformer, ConfigError
-from .norms import described_norms, norm_summary
+from .norms import described_norms, norm_eps, norm_factor, norm_summary, norm_type
 from .recording import Recording
 from .trace import active, tracing
+
+
+@dataclass(frozen=True)
+class ScaleSource:
+    """Where a norm-factor site of one layer is read: the norm module (None: no norm, NaN), its type
+    and eps, and its input's layout: ``token`` (batch, pos[, head], width), ``heads_first`` (batch,
+    head, pos, d_head) or ``projection`` (batch, pos, heads * d_head: one factor for all heads)."""
+
+    module: nn.Module | None
+    kind: str = ""
+    eps: float = 0.0
+    layout: str = "token"
+    heads: int | None = None
+    """The heads of a norm on q or k; None for a norm on the residual stream."""
+
+
+NO_NORM = ScaleSource(None)
 
 
 class Adapter:
     """The architecture-neutral view of a model (see the module docstring)."""
 
     family = ""
-    sites = SITES
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.layer_of: dict[nn.Module, int] = {self.attention(layer): layer for layer in range(self.n_layers)}
         self._position_bias: dict = {}
         self._score = self.score_terms()
+        self.scale_sources = self._scale_sources()
         self._install_hooks()
+        self._install_scale_hooks()
 
     # --- what a family defines -------------------------------------------------------
     @property
@@ -113,6 +138,13 @@ class Adapter:
         """Install the (stateless) hooks that serve every capture and edit of this model."""
         raise NotImplementedError
 
+    def norms(self) -> tuple[Norm, ...]:
+        """The model's norms (families.Norm), those absent from this configuration left out."""
+        raise NotImplementedError
+
+    def _norm_kind(self, module: nn.Module) -> str:
+        return norm_type(module)
+
     # --- shared ----------------------------------------------------------------------
     @property
     def n_layers(self) -> int:
@@ -122,14 +154,24 @@ class Adapter:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The sites this model provides: all but the norm factors of norms it does not have."""
+        return tuple(site for site in SITES if site not in NORM_SCALE_SITES or site in self.scale_sources)
+
     def check_sites(self, sites) -> tuple[str, ...]:
-        """The requested sites in schema order; one the model cannot provide is an error."""
-        sites = tuple(DEFAULT_SITES if sites is None else sites)
+        """The requested sites in schema order (None: DEFAULT_SITES that the model provides); one
+        the model cannot provide is an error."""
+        sites = tuple(site for site in DEFAULT_SITES if site in self.sites) if sites is None else tuple(sites)
         unknown = [site for site in sites if site not in self.sites]
         if unknown or not sites:
+            lacking = [site for site in unknown if site in NORM_SCALE_SITES]
+            why = (f"; {lacking} are the factors of norms this model does not have (norm_scale: a norm whose "
+                   "output the attention reads; q_norm_scale, k_norm_scale: a norm on q and k), see the norms of "
+                   "its description in extract/families.py (module orthosphere.extract.families)") if lacking else ""
             raise ConfigError(
                 f"site(s) {unknown or 'none'} cannot be provided by this {self.family} model: "
-                f"expected one or more of {list(self.sites)}"
+                f"expected one or more of {list(self.sites)}{why}"
             )
         return tuple(site for site in SITES if site in sites)
 
@@ -185,6 +227,68 @@ class Adapter:
         return called.shape[-3:] == described.shape and bool(torch.equal(called[0].float(), described)) \
             and all(torch.equal(row.float(), described) for row in called[1:])
 
+    def _norm_module(self, norm: Norm, layer: int):
+        root = self.model if norm.site in OUTSIDE_BLOCKS else self.blocks[layer]
+        try:
+            return root.get_submodule(norm.module)
+        except AttributeError:
+            return None
+
+    def _scale_sources(self) -> dict[str, dict[int, ScaleSource]]:
+        """Per norm-factor site that the model provides, per layer, where it is read: norm_scale from
+        the Pre-Norm, else (Post-Norm) from the norm on the previous block's residual (layer 0: the
+        embedding norm, or none); q_norm_scale and k_norm_scale from the norms on q and k."""
+        norms, layers = {norm.site: norm for norm in self.norms()}, range(self.n_layers)
+        sources = {}
+        if "attn_input" in norms:
+            sources["norm_scale"] = {layer: self._scale_source(norms["attn_input"], layer) for layer in layers}
+        elif "resid_post" in norms:
+            first = self._scale_source(norms["embedding"], 0) if "embedding" in norms else NO_NORM
+            sources["norm_scale"] = {layer: self._scale_source(norms["resid_post"], layer - 1) if layer else first
+                                     for layer in layers}
+        for name in ("q", "k"):
+            if name in norms:
+                sources[f"{name}_norm_scale"] = {layer: self._scale_source(norms[name], layer) for layer in layers}
+        return sources
+
+    def _scale_source(self, norm: Norm, layer: int) -> ScaleSource:
+        module = self._norm_module(norm, layer)
+        layout = "projection" if norm.scope == "projection" else "heads_first" if norm.heads_first else "token"
+        heads = None if norm.site not in ("q", "k") else self.model_heads()[0 if norm.site == "q" else 1]
+        return ScaleSource(module, self._norm_kind(module), norm_eps(module), layout, heads)
+
+    def model_heads(self) -> tuple[int, int]:
+        """(n_heads, n_kv_heads)."""
+        raise NotImplementedError
+
+    def _install_scale_hooks(self) -> None:
+        for site, per_layer in self.scale_sources.items():
+            for layer, source in per_layer.items():
+                if source.module is None:
+                    _pre_hook(self.blocks[layer], self._record_hook(site, layer, read=_no_norm))
+                else:
+                    source.module.register_forward_hook(self._record_hook(site, layer, read=self._factor_reader(source)))
+
+    def _factor_reader(self, source: ScaleSource):
+        """read(args, output) of a norm module's forward hook: its factor, (batch, pos[, head])."""
+        def read(args, output):
+            factor = norm_factor(args[0], source.kind, source.eps)
+            if source.layout == "heads_first":
+                factor = factor.transpose(1, 2)
+            elif source.layout == "projection":
+                factor = factor.unsqueeze(-1).expand(*factor.shape, source.heads)
+            elif factor.dim() == 1:  # OPT flattens the stream to (batch * pos, d_model) before its MLP's norm
+                factor = factor.view(active(self).held["resid_pre"].shape[:-1])
+            if source.heads is not None and (factor.dim() != 3 or factor.shape[2] != source.heads):
+                raise UnsupportedModelError(
+                    f"the {self.family} model's norm {type(source.module).__name__} reads an input of shape "
+                    f"{tuple(args[0].shape)}, not the {source.heads} heads its description in extract/families.py "
+                    "(module orthosphere.extract.families) lays out (Norm.heads_first): correct the description"
+                )
+            return factor
+
+        return read
+
     def _record_hook(self, site: str, layer: int, *, read):
         """A hook recording `site` of `layer` from what read returns: read(args, kwargs) for a
         pre-hook (registered with kwargs), read(args, output) for a forward hook."""
@@ -211,6 +315,12 @@ def _first_input(args, kwargs):
 
 def _first_output(args, output):
     return output[0] if isinstance(output, tuple) else output
+
+
+def _no_norm(args, kwargs):
+    """NaN per token: the factor of a norm that is not there (layer 0 of a Post-Norm model without an embedding norm)."""
+    x = _first_input(args, kwargs)
+    return torch.full(x.shape[:-1], float("nan"), device=x.device)
 
 
 def _pre_hook(module: nn.Module, hook) -> None:
@@ -240,9 +350,18 @@ class ArithmeticAdapter(Adapter):
     def attention(self, layer):
         return self.model.blocks[layer].attn
 
+    def norms(self):
+        return ARITHMETIC_NORMS[self.model.config.norm_placement]
+
+    def _norm_kind(self, module):
+        return self.model.config.norm_type
+
+    def model_heads(self):
+        return self.model.config.n_heads, self.model.config.n_heads
+
     def describe(self) -> dict:
         description = dict(self.model.describe())
-        norms = ARITHMETIC_NORMS[description["norm_placement"]]
+        norms = self.norms()
         description.update(
             score=self.score_terms(), dtype=dtype_name(self.model),
             **norm_summary(norms, placement=description["norm_placement"]),
@@ -352,8 +471,17 @@ class HuggingFaceAdapter(Adapter):
         return output.logits if self.lm_head else None
 
     # --- description ---
+    def norms(self):
+        return tuple(norm for norm in self.spec.norms if self._norm_module(norm, 0) is not None)
+
+    def _norm_kind(self, module):
+        return self.spec.norm_kind or norm_type(module)
+
+    def model_heads(self):
+        return self.n_heads, self.n_kv_heads
+
     def describe(self) -> dict:
-        norms = [norm for norm in self.spec.norms if self._norm_module(norm, 0) is not None]
+        norms = self.norms()
         description = {
             "family": self.family,
             "architecture": type(self.model).__name__,
@@ -408,13 +536,6 @@ class HuggingFaceAdapter(Adapter):
             if value is not None:
                 return value
         return default
-
-    def _norm_module(self, norm: Norm, layer: int):
-        root = self.model if norm.site in OUTSIDE_BLOCKS else self.blocks[layer]
-        try:
-            return root.get_submodule(norm.module)
-        except AttributeError:
-            return None
 
     def _head_layout(self) -> tuple[int, int, int]:
         """(n_heads, d_head, n_kv_heads), checked against the projections' sizes."""
@@ -488,11 +609,11 @@ class HuggingFaceAdapter(Adapter):
         return stream
 
     def _hold_input(self, layer):
-        """Keep the block input in the trace for resid_mid (parallel families add to it; OPT's
-        flattened stream takes its shape)."""
+        """Keep the block input in the trace for resid_mid (parallel families add to it) and the
+        norm factors (OPT's flattened stream takes its shape)."""
         def hook(module, args, kwargs):
             trace = active(self)
-            if trace is not None and trace.recording is not None and trace.recording.wants("resid_mid", layer):
+            if trace is not None and trace.recording is not None:
                 trace.held["resid_pre"] = _first_input(args, kwargs)
 
         return hook

@@ -47,6 +47,8 @@ class Norm:
     site: str
     module: str
     scope: str = "d_model"
+    heads_first: bool = False
+    """A per-head norm whose input is (batch, head, pos, d_head) (Gemma 3, Phi, StableLM), not (batch, pos, head, d_head)."""
 
     def __post_init__(self):
         if self.site not in NORM_SITES or self.scope not in NORM_SCOPES:
@@ -179,8 +181,8 @@ def _llama_like(model_type: str, lm_class: str, **options) -> Family:
     return Family(model_type, lm_class, "model.layers", "self_attn", **options)
 
 
-def _with_qk_norm(norms, q: str, k: str, scope: str):
-    return tuple(norms) + (Norm("q", q, scope), Norm("k", k, scope))
+def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False):
+    return tuple(norms) + (Norm("q", q, scope, heads_first), Norm("k", k, scope, heads_first))
 
 
 def _refuse_gpt2(config):
@@ -315,7 +317,8 @@ def _stablelm_norms(config):
     if not config.use_parallel_residual:
         norms.append(Norm("mlp_input", "post_attention_layernorm"))
     if config.qk_layernorm:
-        norms += [Norm("q", "self_attn.q_layernorm", "head"), Norm("k", "self_attn.k_layernorm", "head")]
+        norms += [Norm("q", "self_attn.q_layernorm", "head", heads_first=True),
+                  Norm("k", "self_attn.k_layernorm", "head", heads_first=True)]
     return norms
 
 
@@ -323,7 +326,8 @@ def _phi_norms(config):
     norms = [Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"),
              Norm("final", "model.final_layernorm")]
     if config.qk_layernorm:
-        norms += [Norm("q", "self_attn.q_layernorm", "head"), Norm("k", "self_attn.k_layernorm", "head")]
+        norms += [Norm("q", "self_attn.q_layernorm", "head", heads_first=True),
+                  Norm("k", "self_attn.k_layernorm", "head", heads_first=True)]
     return norms
 
 
@@ -348,7 +352,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("gemma2", "Gemma2ForCausalLM", mid="input:pre_feedforward_layernorm", norms=SANDWICH_NORMS,
                 norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 2")),
     _llama_like("gemma3_text", "Gemma3ForCausalLM", mid="input:pre_feedforward_layernorm",
-                norms=_with_qk_norm(SANDWICH_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head"),
+                norms=_with_qk_norm(SANDWICH_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True),
                 norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 3")),
     _llama_like("granite", "GraniteForCausalLM", output_multiplier="residual_multiplier",
                 extra_config=("attention_multiplier", "residual_multiplier")),

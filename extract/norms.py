@@ -23,6 +23,26 @@ def norm_type(module: nn.Module) -> str:
     raise UnsupportedModelError(f"norm module {type(module).__name__} is neither a LayerNorm nor an RMSNorm")
 
 
+def norm_leaf(module: nn.Module) -> nn.Module:
+    """The module that holds the norm's gain or eps (StableLM's per-head norm wraps one LayerNorm per head)."""
+    return next((m for m in module.modules() if hasattr(m, "weight") or hasattr(m, "eps")), module)
+
+
+def norm_eps(module: nn.Module) -> float:
+    """The norm's epsilon (1e-5, PyTorch's LayerNorm default, where the module names none)."""
+    leaf = norm_leaf(module)
+    return float(next((getattr(leaf, name) for name in ("eps", "variance_epsilon") if hasattr(leaf, name)), 1e-5))
+
+
+def norm_factor(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """The factor s a norm of `kind` ("layer" or "rms") multiplies its centred input by, over the last dim:
+    1 / sqrt(mean((x - m)^2) + eps), m the mean (LayerNorm) or 0 (RMSNorm); float32 at least."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if kind == "layer":
+        x = x - x.mean(dim=-1, keepdim=True)
+    return torch.rsqrt(x.pow(2).mean(dim=-1) + eps)
+
+
 def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: str | None = None) -> dict:
     """``norms``: one entry per norm: site, module path (``{layer}`` for the block's index), type
     (`kind`, else from the module's class), scope, eps, how its gain enters ("weight", "1 + weight"
@@ -33,8 +53,8 @@ def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: 
     for norm in norms:
         inside = norm.site not in OUTSIDE_BLOCKS
         module = (block if inside else model).get_submodule(norm.module)
-        leaf = next((m for m in module.modules() if hasattr(m, "weight") or hasattr(m, "eps")), module)
-        eps = next((getattr(leaf, name) for name in ("eps", "variance_epsilon") if hasattr(leaf, name)), 1e-5)
+        leaf = norm_leaf(module)
+        eps = norm_eps(module)
         has_gain = isinstance(getattr(leaf, "weight", None), torch.Tensor)
         prefix = block_path.rsplit(".", 1)[0] + ".{layer}." if inside else ""
         entries.append({

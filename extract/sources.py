@@ -43,7 +43,7 @@ import torch
 
 from . import tasks
 from .capture import Adapter, adapter_for
-from .families import FAMILIES, UnsupportedModelError, family_for, unsupported
+from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
 

@@ -60,13 +60,43 @@ SITE_VARIABLES = {
     "resid_mid": Variable(("sample", "layer", "pos", "d_model"), "activation"),
     "resid_post": Variable(("sample", "layer", "pos", "d_model"), "activation"),
     "attn_in": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "norm_scale": Variable(("sample", "layer", "pos"), "activation"),
     "q": Variable(("sample", "layer", "pos", "head", "d_head"), "activation"),
     "k": Variable(("sample", "layer", "pos", "kv_head", "d_head"), "activation"),
     "v": Variable(("sample", "layer", "pos", "kv_head", "d_head"), "activation"),
+    "q_norm_scale": Variable(("sample", "layer", "pos", "head"), "activation"),
+    "k_norm_scale": Variable(("sample", "layer", "pos", "kv_head"), "activation"),
     "pattern": Variable(("sample", "layer", "head", "qpos", "kpos"), "activation"),
 }
 SITES = tuple(SITE_VARIABLES)
 DEFAULT_SITES = tuple(site for site in SITES if site != "pattern")
+"""An extraction's default: every site but "pattern", less those its model has no norm for."""
+NORM_SCALE_SITES = ("norm_scale", "q_norm_scale", "k_norm_scale")
+"""The norm factors of attn_in, q and k (see SCHEMA.md): only a model with that norm provides one."""
+
+# Per site, the TransformerLens hook holding the same tensor, and the one of a model with rotary
+# positions where that differs ("none": TransformerLens has no equivalent); SCHEMA.md's table says
+# how each relates. Each site's array carries its hook as the attribute `transformer_lens`.
+TRANSFORMER_LENS = {
+    "resid_pre": ("blocks.{layer}.hook_resid_pre", None),
+    "resid_mid": ("blocks.{layer}.hook_resid_mid", None),
+    "resid_post": ("blocks.{layer}.hook_resid_post", None),
+    "attn_in": ("blocks.{layer}.ln1.hook_normalized", None),
+    "norm_scale": ("1 / blocks.{layer}.ln1.hook_scale", None),
+    "q": ("blocks.{layer}.attn.hook_q", "blocks.{layer}.attn.hook_rot_q"),
+    "k": ("blocks.{layer}.attn.hook_k", "blocks.{layer}.attn.hook_rot_k"),
+    "v": ("blocks.{layer}.attn.hook_v", None),
+    "q_norm_scale": ("none", None),
+    "k_norm_scale": ("none", None),
+    "pattern": ("blocks.{layer}.attn.hook_pattern", None),
+}
+
+
+def transformer_lens_hook(site: str, model: dict) -> str:
+    """The TransformerLens hook of `site` for the described model ({layer} for the block index)."""
+    plain, rotary = TRANSFORMER_LENS[site]
+    return rotary if rotary and model.get("positions") == "rotary" else plain
+
 
 # Per-layer attention maps, float32, written once per store (q_h = attn_in @ w_q[h] + b_q[h]).
 WEIGHT_VARIABLES = {

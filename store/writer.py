@@ -115,7 +115,7 @@ def create_store(
             group.create_array(
                 name, shape=tuple(sizes[d] for d in var.dims), chunks=_chunks(var.dims, sizes, samples_per_chunk),
                 dtype=schema.resolved_dtype(var, dtype), dimension_names=var.dims, fill_value=0,
-                compressors=compressors,
+                compressors=compressors, attributes=_array_attributes(name, model),
             )
             crash_point("array-created")
         _create_labels(group, labels, sizes, samples_per_chunk)
@@ -129,6 +129,13 @@ def create_store(
         release_lock(location)
         raise
     return StoreWriter(location, group, holder)
+
+
+def _array_attributes(name: str, model: dict) -> dict:
+    """A site's TransformerLens hook (store/SCHEMA.md); other arrays carry no attributes."""
+    if name not in schema.SITE_VARIABLES:
+        return {}
+    return {"transformer_lens": schema.transformer_lens_hook(name, model)}
 
 
 def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_options: dict | None = None) -> StoreWriter:

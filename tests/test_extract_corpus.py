@@ -612,7 +612,7 @@ def test_info_gives_bytes_per_real_token_within_two_percent_of_the_sites(tmp_pat
     packed, padded = info(str(tmp_path / "packed.zarr")), info(str(tmp_path / "padded.zarr"))
     assert packed["real_tokens"] == packed["positions"] == 128 * 16
     assert padded["real_tokens"] < padded["positions"]
-    site_bytes = 2 * 2 * (4 * 256 + 4 * 64 + 2 * 2 * 64)  # float16, 2 layers: four d_model sites, q, k and v
+    site_bytes = 2 * 2 * (4 * 256 + 4 * 64 + 2 * 2 * 64 + 1)  # float16, 2 layers: four d_model sites, q, k, v, norm_scale
     assert packed["site_bytes_per_position"] == site_bytes
     assert site_bytes < packed["bytes_per_real_token"] <= 1.02 * site_bytes  # tokens, labels and metadata: under 2 %
     assert padded["bytes_per_real_token"] > 1.02 * site_bytes  # padding costs what a real token does

@@ -133,7 +133,8 @@ def test_root_attributes_and_provenance(tmp_path):
     writer.finish()
     attrs = read_attrs(url)
     assert attrs["schema"] == 1 and attrs["model"] == MODEL and attrs["task"] == TASK
-    assert attrs["sites"] == ["resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v"]
+    assert attrs["sites"] == ["resid_pre", "resid_mid", "resid_post", "attn_in", "norm_scale", "q", "k", "v", "q_norm_scale",
+                             "k_norm_scale"]
     assert attrs["layers"] == [0, 2] and attrs["dtype"] == "float32" and attrs["complete"] is True
     provenance = attrs["provenance"]
     assert provenance["command"] == "orthosphere extract test"

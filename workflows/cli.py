@@ -12,7 +12,7 @@ import sys
 import click
 
 from orthosphere.extract import DEFAULT_BATCH_SIZE
-from orthosphere.store import format_info, info, open_writer, validate
+from orthosphere.store import SITES, format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
 
@@ -133,7 +133,8 @@ def validate_command(store, full, reopen, break_lock):
 @click.option("--samples", type=int, default=None, help="Number of samples (a corpus: default all its windows or documents).")
 @click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
 @click.option("--sites", default=None, metavar="LIST",
-              help="Comma-separated sites, default all but pattern: resid_pre,resid_mid,resid_post,attn_in,q,k,v,pattern.")
+              help="Comma-separated sites, default all but pattern (the norm factors where the model has the norm): "
+                   f"{','.join(SITES)}.")
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="Stored activations: float16 refuses values beyond 65504; bfloat16 keeps float32's range.")

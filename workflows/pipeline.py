@@ -25,7 +25,6 @@ from pathlib import Path
 
 from orthosphere.extract import DEFAULT_BATCH_SIZE
 from orthosphere.extract.model import ConfigError
-from orthosphere.store import DEFAULT_SITES
 
 from .backend import Backend, dask_client
 
@@ -214,7 +213,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                 store = pipeline.store_url(model, data)
                 job = ExtractJob(
                     model=str(model.path), task=data.task, out=store, n_samples=data.samples,
-                    sites=tuple(pipeline.extract.get("sites", DEFAULT_SITES)),
+                    sites=tuple(pipeline.extract["sites"]) if "sites" in pipeline.extract else None,
                     layers=tuple(pipeline.extract["layers"]) if "layers" in pipeline.extract else None,
                     dtype=pipeline.extract.get("dtype", "float32"),
                     batch_size=pipeline.extract.get("batch_size", DEFAULT_BATCH_SIZE),
