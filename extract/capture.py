@@ -54,8 +54,7 @@ import torch
 from torch import nn
 
 from orthosphere.store import DEFAULT_SITES, SITES
-from orthosphere.store.schema import NORM_SCALE_SITES
-from orthosphere.store.writer import model_layers
+from orthosphere.store.schema import NORM_SCALE_SITES, model_layers
 
 from .families import (
     OUTSIDE_BLOCKS,

@@ -448,10 +448,11 @@ def _from_pretrained(model_class, directory: Path, dtype: torch.dtype):
     return model, sorted(info["missing_keys"])
 
 
-def _incomplete(directory: Path, model_class, missing: list[str]) -> ConfigError:
+def _incomplete(source: Path, model_class, missing: list[str], advice: str = "give a complete checkpoint") -> ConfigError:
+    """The refusal of a checkpoint (directory or GGUF file) that lacks tensors the model needs."""
     return ConfigError(
-        f"checkpoint {directory} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
-        f"{missing[:3]}: the model would run with random weights there; give a complete checkpoint"
+        f"checkpoint {source} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
+        f"{missing[:3]}: the model would run with random weights there; {advice}"
     )
 
 
@@ -600,11 +601,8 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
     )
     missing = sorted(info["missing_keys"])
     if missing:
-        raise ConfigError(
-            f"GGUF file {path}: transformers maps none of its tensors to {len(missing)} tensor(s) that "
-            f"{model_class.__name__} needs, e.g. {missing[:3]}: the model would run with random weights there; "
-            "give a GGUF file converted by llama.cpp's convert_hf_to_gguf.py with every tensor"
-        )
+        raise _incomplete(path, model_class, missing, "give a GGUF file converted by llama.cpp's "
+                          "convert_hf_to_gguf.py with every tensor")
     adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])

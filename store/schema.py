@@ -133,11 +133,17 @@ def chosen_layers(layers, available, refusal, error=StoreError) -> list[int]:
     an `error` whose message `refusal(missing)` gives (the one check of layers of every stage)."""
     if layers is None:
         return [int(layer) for layer in available]
-    chosen = sorted(set(layer_indices(layers, error)))
-    missing = [layer for layer in chosen if layer not in set(int(a) for a in available)]
+    chosen, held = sorted(set(layer_indices(layers, error))), {int(layer) for layer in available}
+    missing = [layer for layer in chosen if layer not in held]
     if missing or not chosen:
         raise error(refusal(missing or "none"))
     return chosen
+
+
+def model_layers(layers, n_layers: int, error=StoreError) -> list[int]:
+    """Layer indices of a model of n_layers, sorted and unique; each must exist in the model."""
+    return chosen_layers(layers, range(n_layers), lambda outside: (
+        f"layer(s) {outside} out of range: the model has {n_layers} layers, expected indices 0..{n_layers - 1}"), error)
 
 
 def check_sites(sites) -> tuple[str, ...]:

@@ -88,7 +88,7 @@ def create_store(
     sites = schema.check_sites(sites)
     dtype = schema.check_dtype(dtype)
     labels = schema.check_labels(labels or {})
-    layers = model_layers(layers, model["n_layers"])
+    layers = schema.model_layers(layers, model["n_layers"])
     _check_count("n_samples", n_samples)
     _check_count("n_pos", n_pos)
     if codec not in CODECS:
@@ -356,12 +356,6 @@ def writable(group: zarr.Group, name: str) -> zarr.Array:
 def _check_count(name: str, value) -> None:
     if not isinstance(value, (int, np.integer)) or value < 1:
         raise StoreError(f"{name}={value!r}: expected a positive integer")
-
-
-def model_layers(layers, n_layers: int, error=StoreError) -> list[int]:
-    """Layer indices of a model of n_layers, sorted and unique; each must exist in the model."""
-    return schema.chosen_layers(layers, range(n_layers), lambda outside: (
-        f"layer(s) {outside} out of range: the model has {n_layers} layers, expected indices 0..{n_layers - 1}"), error)
 
 
 def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:

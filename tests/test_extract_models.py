@@ -551,8 +551,9 @@ def test_gguf_lacking_a_tensor_is_refused(tmp_path, monkeypatch):
     del parameters["model.layers.1.self_attn.k_proj.weight"]
     monkeypatch.setattr(reference, "state_dict", lambda: parameters)
     path = write_gguf(tmp_path / "lacking.gguf", reference)
-    with pytest.raises(ConfigError, match=rf"GGUF file {path}: transformers maps none of its tensors to 1 tensor\(s\) "
-                       r"that LlamaForCausalLM needs, e.g. \['model.layers.1.self_attn.k_proj.weight'\]: the model would run"):
+    with pytest.raises(ConfigError, match=rf"checkpoint {path} lacks 1 tensor\(s\) that LlamaForCausalLM needs, e.g. "
+                       r"\['model.layers.1.self_attn.k_proj.weight'\]: the model would run with random weights there; "
+                       r"give a GGUF file converted by llama.cpp's convert_hf_to_gguf.py"):
         load_source(path, device="cpu")
 
 
