@@ -25,7 +25,7 @@ keyword form of ``analyze`` (``orthosphere.analyze.api``): ``analyses`` is ``onl
 (``ANALYSES``, run in this order) and their options, the keyword parameters of their functions:
 
 - ``norms``: ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
-  quantiles, ratio_max, ratio_bins)``
+  quantiles, ratio_max, ratio_bins, device)``
 - ``subspaces``: ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
   intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null,
   significance, seed, independence_deg, orthogonality_deg, radius_cv_tolerance)``, the parameters of
@@ -36,8 +36,11 @@ keyword form of ``analyze`` (``orthosphere.analyze.api``): ``analyses`` is ``onl
   (fit options given besides must agree); else fitted here
 - ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
 - ``replay``: ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
-  sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins)`` (norm-perturbation
-  replay; see its module)
+  sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins, device)``
+  (norm-perturbation replay; see its module)
+
+``device`` (norms, replay): where the dense attention work runs, numpy on the CPU by default or torch
+on a GPU (``orthosphere.analyze.device``).
 
 Conventions: the analysed tokens are the valid ones, without each sequence's start token (its first
 valid position) unless ``exclude_start=False``. A factor is ``LABEL`` or ``LABEL[KEY=V1|V2,...]``

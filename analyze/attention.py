@@ -137,6 +137,33 @@ def key_major_dots(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     return dots
 
 
+@dataclass(frozen=True)
+class ScoreFrame:
+    """What a block's score takes from its valid tokens and the layer's terms, key-major as
+    ``BlockAttention`` lays it out: the allowed keys per query, the queries that may see none, the
+    refused (kpos, sample, 1, qpos) scores, and the offset every score adds after the soft-cap (the
+    position bias and the mask, -inf where refused)."""
+
+    n_allowed: np.ndarray
+    """(sample, qpos) allowed keys."""
+    no_keys: np.ndarray | None
+    """(sample, 1, qpos) queries that may see no key (scored unmasked, attention all zero), or None."""
+    refused: np.ndarray
+    offset: np.ndarray
+
+    @classmethod
+    def of(cls, valid: np.ndarray, terms: ScoreTerms) -> ScoreFrame:
+        valid = np.asarray(valid, bool)
+        allowed = allowed_keys(valid, terms)  # (sample, qpos, kpos)
+        n_allowed = allowed.sum(axis=-1)
+        no_keys = n_allowed == 0
+        refused = ~(allowed | no_keys[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
+        mask = np.where(refused, np.float32(-np.inf), np.float32(0))
+        bias = score_bias(valid, terms)
+        offset = mask if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2) + mask)
+        return cls(n_allowed, no_keys[:, None, :] if no_keys.any() else None, refused, offset)
+
+
 class BlockAttention:
     """One layer's score and attention for a block of samples: the one implementation.
 
@@ -150,20 +177,12 @@ class BlockAttention:
     """
 
     def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms):
-        valid = np.asarray(valid, bool)
         self.terms = terms
-        allowed = allowed_keys(valid, terms)  # (sample, qpos, kpos)
-        self.n_allowed = allowed.sum(axis=-1)  # (sample, qpos)
-        no_keys = self.n_allowed == 0
-        self.no_keys = no_keys[:, None, :] if no_keys.any() else None  # (sample, 1, qpos)
-        refused = ~(allowed | no_keys[..., None]).transpose(2, 0, 1)[:, :, None, :]  # (kpos, sample, 1, qpos)
+        frame = ScoreFrame.of(valid, terms)
+        self.n_allowed, self.no_keys, self.offset = frame.n_allowed, frame.no_keys, frame.offset
         self.scaled_dots = key_major_dots(q, k)
         self.scaled_dots *= np.float32(terms.scale)
-        np.copyto(self.scaled_dots, np.float32(0), where=refused)
-        mask = np.where(refused, np.float32(-np.inf), np.float32(0))  # (kpos, sample, 1, qpos)
-        bias = score_bias(valid, terms)
-        # what every score adds after the soft-cap: the position bias and the mask, computed once
-        self.offset = mask if bias is None else np.ascontiguousarray(bias.transpose(3, 0, 1, 2) + mask)
+        np.copyto(self.scaled_dots, np.float32(0), where=frame.refused)
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
         """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:

@@ -23,6 +23,7 @@ import xarray as xr
 from .attention import ScoreTerms, attention_from_qk, attention_source
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
+from .device import resolve_device
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, pooled_ratio_cumulative, ratio_band, spread_variables
 from .inputs import (
@@ -43,10 +44,10 @@ from .plan import Plan, planned
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 
 
-def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Array:
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, device: str = "cpu") -> da.Array:
     """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
-    the stored pattern or recomputed from q and k; one task per block, so a block's whole attention
-    pattern is never kept as a task's output."""
+    the stored pattern or recomputed from q and k (on `device`, resolved: see device.py); one task per
+    block, so a block's whole attention pattern is never kept as a task's output."""
     if attention_source(dataset) == "pattern":
         pattern = dataset["pattern"].sel(layer=layer).data
         return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
@@ -56,6 +57,11 @@ def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Ar
     k, valid, mask = (align(array, q) for array in (dataset["k"].sel(layer=layer).data, dataset["valid"].data, mask))
 
     def block(mask_block, q_block, k_block, valid_block):
+        if device != "cpu":
+            from .torch_kernels import received_attention_block
+
+            return received_attention_block(single_block(mask_block), single_block(q_block), single_block(k_block),
+                                            valid_block, terms, device)
         pattern = attention_from_qk(single_block(q_block), single_block(k_block), valid_block, terms)
         return _received(mask_block, pattern)
 
@@ -152,15 +158,17 @@ def _sites(dataset: xr.Dataset, sites) -> list[str]:
 
 def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
                 exclude_start: bool = True, mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0,
-                ratio_bins: int = 100) -> Plan:
+                ratio_bins: int = 100, device: str = "cpu") -> Plan:
     """Norm spread of every chosen site (default: every vector site stored): one child group per site.
 
     weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
     per layer, or per head for q, k, v); exclude_start: leave out each sequence's start token;
     mass: the share of the mass the band holds; quantiles of |x| / median; a histogram of
-    |x| / median with ratio_bins bins on [0, ratio_max].
+    |x| / median with ratio_bins bins on [0, ratio_max]; device: where the attention recomputed from
+    q and k runs (see device.py).
     """
     spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
+    device = resolve_device(device)
     check_options(sites=sites, layers=layers, weight_by_attention=weight_by_attention, exclude_start=exclude_start)
     sites = _sites(dataset, sites)
     layers = check_layers(dataset, layers)
@@ -172,7 +180,7 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
     attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
     lazy = {}
     for layer in layers:
-        attention = (received_attention(dataset, layer, mask),) if source is not None else ()
+        attention = (received_attention(dataset, layer, mask, device),) if source is not None else ()
         for site in sites:
             kind = site if site in HEAD_SITES else "d_model"
             group_dim = _group_dim(site, weighted)

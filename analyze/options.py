@@ -6,6 +6,7 @@ import json
 from orthosphere.store.schema import layer_indices
 
 from .design import ESTIMATORS
+from .device import check_device
 from .errors import AnalysisError
 
 
@@ -119,6 +120,7 @@ RULES = {
     "smooth_draws": _count(2),
     "independence_deg": _tolerance_deg,
     "orthogonality_deg": _tolerance_deg,
+    "device": check_device,
 }
 
 

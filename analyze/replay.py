@@ -70,8 +70,11 @@ Definitions (every count below is over these instances and draws):
   softmax of the collapsed (instance, draw, level) only. A score that soft-caps and adds a position
   bias is refused (no family does both).
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
-  ``smooth_draws`` draws (4 by default, 2 at least), with its Monte Carlo standard error
-  (``*_mc_error``: the spread of the per-draw means over sqrt(smooth_draws)).
+  ``smooth_draws`` draws (2 by default, 2 at least), with its Monte Carlo standard error
+  (``*_mc_error``): samples draw independent noise, so each sample's sum over its instances varies
+  between draws independently of the others', and the error is sqrt(sum over samples of that
+  variance / smooth_draws) over the number of instances (n_samples (smooth_draws - 1) degrees of
+  freedom: two draws state it well on a store of many samples).
 - **Output change** of head h at query i, o_i = sum_j a_ij m_j (b_O aside): the relative RMS
   change sqrt(sum |o'_i - o_i|^2 / sum |o_i|^2) over instances and draws (pooled, so that
   outputs of near-zero norm do not dominate), over the same draws as the total variation, with its
@@ -107,7 +110,8 @@ sparse/all, max_attention_bin, bound = low/high):
   collapse_rate_curve (layer, curve_level), collapse_rate_curve_pooled (curve_level): collapse only
   collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
   attrs: seed, n_draws, smooth_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
-  n_bootstrap, confidence, attn_scale, causal, n_samples
+  n_bootstrap, confidence, device (where the dense attention work ran: see ``orthosphere.analyze.device``),
+  attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
 partial sums (float64), reduced and computed once. This module never imports torch or the
@@ -127,6 +131,7 @@ from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 
 from .attention import BlockAttention, ScoreTerms, per_head
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
+from .device import resolve_device
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import check_options
 from .plan import Plan, planned
@@ -136,7 +141,7 @@ DISTRIBUTIONS = ("uniform", "gaussian")
 DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 DEFINITIONS = ("collapse", "strict")
 INSTANCE_SETS = ("sparse", "all")
-DEFAULT_SMOOTH_DRAWS = 4
+DEFAULT_SMOOTH_DRAWS = 2
 """Draws of the smooth summaries (total variation, output change) by default: means over every
 instance, whose Monte Carlo error (reported) is small after a few draws."""
 CURVE_STEPS_PER_OCTAVE = 64
@@ -152,6 +157,8 @@ KERNEL_BYTES = 2**22
 with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
 per-operation costs than cache saves (29.7 s for two layers), 4 MiB is fastest (20.7 s), 16 MiB
 falls out of cache (26.6 s), one block of 64 samples took 35 s."""
+DEVICE_KERNEL_BYTES = 2**28
+"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
 _TARGET_CODE = {"q": 1, "k": 2, "m": 3}
 SWITCHABLE_KEYS = 2
 """A query with fewer allowed keys attends fully to one and can never switch."""
@@ -229,6 +236,8 @@ class ReplaySettings:
     sparse_threshold: float = 0.95
     min_keys: int = DEFAULT_MIN_KEYS
     smooth_draws: int | None = None
+    device: str = "cpu"
+    """Where the dense attention work runs (see device.py), resolved on this machine."""
 
     def __post_init__(self):
         try:
@@ -272,6 +281,7 @@ class ReplaySettings:
                 f"trivially sparse first positions, {SWITCHABLE_KEYS} to count every query that can switch"
             )
         object.__setattr__(self, "min_keys", int(self.min_keys))
+        object.__setattr__(self, "device", resolve_device(self.device))
 
     def _check_smooth_draws(self) -> None:
         if self.smooth_draws is None:
@@ -318,7 +328,7 @@ class HeadBlock:
     """
 
     def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
-        self.threshold = sparse_threshold
+        self.threshold, self.terms = sparse_threshold, terms
         self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
         self.block_attention = BlockAttention(q, k, valid, terms)
         self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
@@ -392,6 +402,15 @@ class HeadBlock:
             effects["output_change_sq"] = self._output_sq(change)
         return effects
 
+    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+        """The sparse instances as rows: their (sample, head, qpos) indices, and (key, row) float64
+        arrays of their scaled clean dot products and of what their score adds after the soft-cap."""
+        sample, head, query = rows = np.nonzero(self.sparse)
+        attention = self.block_attention
+        offset_head = head if attention.offset.shape[2] > 1 else np.zeros_like(head)
+        return (rows, attention.scaled_dots[:, sample, head, query].astype(np.float64),
+                attention.offset[:, sample, offset_head, query].astype(np.float64))
+
     def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
         """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
         return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
@@ -449,7 +468,7 @@ def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, se
     q, k, valid = np.asarray(q), np.asarray(k), np.asarray(valid, bool)
     v = None if v is None else np.asarray(v)
     per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
-    step = max(1, KERNEL_BYTES // per_sample)
+    step = max(1, (DEVICE_KERNEL_BYTES if settings.device.startswith("cuda") else KERNEL_BYTES) // per_sample)
     parts = [_replay_sub_block(q[a:a + step], k[a:a + step], None if v is None else v[a:a + step],
                                valid[a:a + step], frame, samples=samples[a:a + step], layer=layer, draws=draws,
                                settings=settings, terms=terms, n_bins=n_bins)
@@ -462,7 +481,8 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
     """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
     draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
     ``smooth_draws`` draws."""
-    block = HeadBlock(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys)
+    block = head_block(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys,
+                       device=settings.device)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels, n_smooth = len(settings.levels), settings.smooth_draws
     instance, sparse = block.instance, block.sparse
@@ -477,27 +497,41 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
         "max_attention_hist": once * _histogram(block.max_attention, instance, n_bins),
         "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
         **{f"{rule}_{count}": np.zeros((n_levels, n_heads)) for rule in PREDICTIONS for count in PREDICTION_COUNTS},
-        "tv": np.zeros((n_smooth, len(INSTANCE_SETS), n_levels, n_heads)),
         "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
         "sample_curve": np.zeros((n_samples, len(settings.curve_levels))),
     }
+    smooth = ("tv", "output_change_sq") if block.messages is not None else ("tv",)
+    for name in smooth:  # per sample, over the task's smooth draws: the sum and the sum of squares
+        sums[f"sample_smooth_{name}"] = np.zeros((n_samples, 2, len(INSTANCE_SETS), n_levels, n_heads))
     if block.messages is not None:
         sums["output_sq"] = once * (sets * block.output_sq).sum(axis=(1, 3))
-        sums["output_change_sq"] = np.zeros((n_smooth, len(INSTANCE_SETS), n_levels, n_heads))
     rows = SparseRows(block, settings)
     for draw in draws:
+        if draw >= n_smooth and not rows.any:
+            continue
         unit = {t: settings.kappa(t, layer, samples, draw, n_pos, n)
-                for t, n in (("q", n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
+                for t, n in (("q", n_heads), ("k", block.n_kv_heads))}
         rows.count_draw(sums, unit["q"], unit["k"])
         if draw >= n_smooth:
             continue
+        unit["m"] = settings.kappa("m", layer, samples, draw, n_pos, block.n_kv_heads)
         for index, level in enumerate(settings.levels):
             changes = block.attention_change(level * unit["q"], level * unit["k"], level * unit["m"])
-            sums["tv"][draw, :, index] += (sets * changes["tv"]).sum(axis=(1, 3))
-            if block.messages is not None:
-                sums["output_change_sq"][draw, :, index] += (sets * changes["output_change_sq"]).sum(axis=(1, 3))
+            for name in smooth:
+                per_sample = (sets * changes[name][None]).sum(axis=3).transpose(1, 0, 2)  # (sample, set, head)
+                sums[f"sample_smooth_{name}"][:, :, :, index] += np.stack([per_sample, per_sample**2], axis=1)
     return sums
+
+
+def head_block(q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int,
+               device: str = "cpu"):
+    """The replay's block on `device`: a ``HeadBlock`` (numpy) on "cpu", else a ``TorchHeadBlock``."""
+    if device == "cpu":
+        return HeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys)
+    from .torch_kernels import TorchHeadBlock
+
+    return TorchHeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys, device=device)
 
 
 class SparseRows:
@@ -506,16 +540,17 @@ class SparseRows:
     (``orthosphere.analyze.critical``) and from them the counts at every level."""
 
     def __init__(self, block: HeadBlock, settings: ReplaySettings):
-        attention = block.block_attention
-        self.sample, self.head, self.query = np.nonzero(block.sparse)
+        (self.sample, self.head, self.query), self.dots, self.bias = block.sparse_rows()
         self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
-        self.settings, self.softcap = settings, attention.terms.softcap
-        self.dots = attention.scaled_dots[:, self.sample, self.head, self.query].astype(np.float64)
-        offset_head = self.head if attention.offset.shape[2] > 1 else np.zeros_like(self.head)
-        self.bias = attention.offset[:, self.sample, offset_head, self.query].astype(np.float64)
+        self.settings, self.softcap = settings, block.terms.softcap
         self.winner = block.winner[self.sample, self.head, self.query]
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
+
+    @property
+    def any(self) -> bool:
+        """Whether the block has a sparse instance (without one, no draw needs its noise)."""
+        return len(self.winner) > 0
 
     def count_draw(self, sums: dict, unit_q: np.ndarray, unit_k: np.ndarray) -> None:
         """Add one draw's collapses, strict collapses, predictions and curve counts to ``sums``."""
@@ -584,7 +619,7 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
                 distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
                 min_keys: int = DEFAULT_MIN_KEYS, smooth_draws: int | None = None, collapse_target: float = 0.01,
                 n_bootstrap: int = 1000,
-                confidence: float = 0.95, layers=None, n_bins: int = 20) -> Plan:
+                confidence: float = 0.95, layers=None, n_bins: int = 20, device: str = "cpu") -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
@@ -593,7 +628,7 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
     _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers)
     settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
                               targets=targets, sparse_threshold=sparse_threshold, min_keys=min_keys,
-                              smooth_draws=smooth_draws)
+                              smooth_draws=smooth_draws, device=device)
     model = store_model(ds)
     _check_score_terms(model, check_layers(ds, layers))
     with_messages = check_variables(ds, settings)
@@ -613,7 +648,7 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
             "min_keys": settings.min_keys, "smooth_draws": settings.smooth_draws, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
-            "confidence": confidence,
+            "confidence": confidence, "device": settings.device,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
@@ -696,13 +731,27 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
          for draws in draw_ranges]
         for i in range(len(chunks))
     ]
-    return dask.delayed(_combine)(partials)
+    return dask.delayed(_combine)(partials, settings.smooth_draws)
 
 
-def _combine(partials: list[list[dict]]) -> dict:
+def _combine(partials: list[list[dict]], smooth_draws: int) -> dict:
     """Partial sums per sample block and draw range -> one layer's."""
-    return _in_sample_order([{name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]}
+    return _in_sample_order([_within_samples({name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]},
+                                             smooth_draws)
                              for ranges in partials])
+
+
+def _within_samples(sums: dict, draws: int) -> dict:
+    """A block's per-sample sums and sums of squares over the smooth draws (``sample_smooth_<name>``) ->
+    their total (``<name>``) and the sum over samples of each sample's variance between draws
+    (``<name>_within``), all (set, level, head): what the Monte Carlo error needs."""
+    for name in [name for name in sums if name.startswith("sample_smooth_")]:
+        total, squares = np.moveaxis(sums.pop(name), 1, 0)
+        quantity = name.removeprefix("sample_smooth_")
+        sums[quantity] = total.sum(axis=0)
+        spread = np.maximum(squares - total**2 / draws, 0.0).sum(axis=0)
+        sums[f"{quantity}_within"] = spread / (draws - 1) if draws > 1 else np.full(spread.shape, np.nan)
+    return sums
 
 
 def _in_sample_order(parts: list[dict]) -> dict:
@@ -735,7 +784,7 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     collapses = stack("collapses")
     lh = ("layer", "head")
     edges = np.linspace(0.0, 1.0, n_bins + 1)
-    tv, tv_error = _smooth_mean(stack("tv"), totals[:, None])
+    tv, tv_error = _smooth_mean(stack("tv"), stack("tv_within"), totals[:, None], draws=settings.smooth_draws)
     variables = {
         **{name: (lh, stack(name).astype(np.int64))
            for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial")},
@@ -750,7 +799,8 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
                                np.stack([part["max_attention_hist"] for part in per_layer]).astype(np.int64)),
     }
     if "output_change_sq" in per_layer[0]:
-        square, square_error = _smooth_mean(stack("output_change_sq"), stack("output_sq")[:, None])
+        square, square_error = _smooth_mean(stack("output_change_sq"), stack("output_change_sq_within"),
+                                            stack("output_sq")[:, None], draws=settings.smooth_draws)
         change = np.sqrt(square)
         with np.errstate(invalid="ignore", divide="ignore"):
             variables["output_change"] = (("instances",) + _LLH, change)
@@ -764,13 +814,16 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     return result
 
 
-def _smooth_mean(per_draw: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The mean over draws of per_draw[d] / total (draws on the first axis) and its Monte Carlo
-    standard error, the spread of the per-draw means over sqrt(draws)."""
-    means = _rate(per_draw, total[None])
-    if len(means) < 2:
-        return means.mean(axis=0), np.full(means.shape[1:], np.nan)
-    return means.mean(axis=0), means.std(axis=0, ddof=1) / math.sqrt(len(means))
+def _smooth_mean(summed: np.ndarray, within: np.ndarray, total: np.ndarray, *, draws: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mean summed / (draws total) over instances and draws, and its Monte Carlo standard error.
+
+    Samples draw independent noise, and a sample's instances share its key noise: the sum over a
+    sample's instances is one draw of an independent variable per sample, whose variance between
+    draws (summed over samples in ``within``) gives the variance of the mean, sum_s var_s / draws /
+    total^2, estimated with n_samples (draws - 1) degrees of freedom."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return _rate(summed, draws * total), np.where(total > 0, np.sqrt(within / draws) / np.where(total > 0, total, 1),
+                                                       np.nan)
 
 
 def _prediction_variables(stack, measured: np.ndarray, sparse_draws: np.ndarray) -> dict:

@@ -15,17 +15,27 @@
    the time both run at once, as a share of the shorter of the two (0: the copies wait for the
    compute, 1: the shorter is hidden under the other). It must reach OVERLAP_REQUIRED.
 
+3. The analyses' attention kernels on the device (``orthosphere analyze --device cuda``): the replay
+   of random sharp heads with device=cuda counts what float64 brute force counts (instances, sparse
+   instances, collapses, both conditions' predictions) and its total variation is the numpy path's
+   within float32 rounding; the norms weighted by the attention recomputed on the device give the
+   bands of the stored float64 pattern within a histogram bin; and on a store of a small language
+   model's shape (64 windows of 128 tokens, 9 / 3 heads of 64, 2 layers) the replay's time on the
+   device against the numpy path's is printed.
+
 How to run it, from the repository root, with the project installed in its virtual environment
 (``pip install -e .[hf]``: torch with CUDA, transformers) on a machine with an NVIDIA GPU:
 
-    .venv/bin/python benchmarks/cuda_check.py                 # both checks on cuda, about a minute
+    .venv/bin/python benchmarks/cuda_check.py                 # every check on cuda, a few minutes
     .venv/bin/python benchmarks/cuda_check.py --device cuda:1 --batches 8 --batch-size 16 --seq 256
     .venv/bin/python benchmarks/cuda_check.py --device cpu    # rehearsal without a GPU (below)
 
-``--device cpu`` rehearses the script where there is no GPU: check 1 with the CPU in the GPU's
-place (so it proves nothing about CUDA), check 2 skipped. Exit status 0 when every check passes,
-1 when one fails (a store beyond tolerance, predictions, the pattern, the bfloat16 dtype, or an
-overlap below OVERLAP_REQUIRED), 2 for bad arguments or no CUDA device.
+``--device cpu`` rehearses the script where there is no GPU: checks 1 and 3 with the CPU in the GPU's
+place (check 3 with the torch kernels on the CPU, "cpu-torch"; so it proves nothing about CUDA), check
+2 skipped. Exit status 0 when every check passes,
+1 when one fails (a store beyond tolerance, predictions, the pattern, the bfloat16 dtype, an
+overlap below OVERLAP_REQUIRED, or an analysis kernel's count or value), 2 for bad arguments or no
+CUDA device.
 """
 from __future__ import annotations
 
@@ -193,6 +203,65 @@ def check_overlap(device: str, batches: int, batch_size: int, seq: int, folder: 
     return []
 
 
+def check_analysis(device: str, folder: Path) -> list[str]:
+    """Check 3: the replay's counts against float64 brute force and its total variation against the
+    numpy path; the norms' bands against the stored float64 pattern; the replay's time."""
+    import time
+
+    from orthosphere.analyze import norm_spread
+    from orthosphere.analyze.replay import replay
+    from tests.test_analyze_replay import brute_force_conditions, random_heads, write_store
+
+    kernel = "cpu-torch" if torch.device(device).type == "cpu" else device
+    failures = []
+    q, k, v, w_o = random_heads(n_samples=6)
+    valid = np.ones((6, 8), bool)
+    valid[:2, 6:] = False
+    levels, n_draws, seed = (0.1, 0.3, 0.8), 4, 1
+    store = write_store(folder / "heads.zarr", q=q, k=k, v=v, w_o=w_o, valid=valid, attn_scale=0.5)
+    options = dict(levels=levels, n_draws=n_draws, seed=seed, targets=("q", "k"), n_bootstrap=5)
+    on_device, on_cpu = replay(store, device=kernel, **options), replay(store, **options)
+    counts = brute_force_conditions(q, k, valid, scale=0.5, levels=levels, n_draws=n_draws, seed=seed, min_keys=4)
+    found = {"n_instances": on_device.n_instances.values, "n_sparse": on_device.n_sparse.values,
+             "collapses": on_device.collapses.sel(definition="collapse").values,
+             "theory_predicted": (on_device.predicted_collapse_rate * on_device.n_sparse * n_draws).round().values,
+             "exact_predicted": (on_device.exact_predicted_collapse_rate * on_device.n_sparse * n_draws).round().values}
+    for name, value in found.items():
+        same = np.array_equal(np.nan_to_num(value), counts[name])
+        print(f"replay on {kernel}: {name} {'equals' if same else 'DIFFERS from'} float64 brute force")
+        if not same:
+            failures.append(f"replay {name} on {kernel} differs from float64 brute force")
+    largest = max(attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[1] for layer in range(2))
+    allowed = 2 * 8 * attention_atol(largest * (1 + np.sqrt(3) * levels[-1]) ** 2)
+    difference = float(np.abs(on_device.tv_distance - on_cpu.tv_distance).max())
+    print(f"replay on {kernel}: total variation within {difference:.1e} of the numpy path's (allowed {allowed:.1e})")
+    if difference > allowed:
+        failures.append(f"replay total variation on {kernel} differs by {difference:.1e}")
+    pattern = np.stack([attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[0]
+                        for layer in range(2)], axis=1).astype(np.float32)
+    stored = write_store(folder / "pattern.zarr", q=q, k=k, valid=valid, pattern=pattern, attn_scale=0.5)
+    bands = norm_spread(store, sites=["k"], device=kernel)["k"]
+    expected = norm_spread(stored, sites=["k"])["k"]
+    difference = float(np.abs(bands["band"] - expected["band"]).max())
+    print(f"norms on {kernel}: bands within {difference:.3f} of the stored float64 pattern's "
+          f"(allowed one bin, {bands.attrs['ratio_bin_width']:.3f})")
+    if difference > bands.attrs["ratio_bin_width"]:
+        failures.append(f"norm bands on {kernel} differ by {difference:.3f}")
+    rng = np.random.default_rng(0)
+    shape = (64, 2, 128)
+    big = write_store(folder / "lm.zarr", q=rng.normal(size=shape + (9, 64)).astype(np.float32),
+                      k=rng.normal(size=shape + (3, 64)).astype(np.float32), v=rng.normal(size=shape + (3, 64)).astype(np.float32),
+                      w_o=rng.normal(size=(2, 9, 64, 576)).astype(np.float32), attn_scale=0.125, samples_per_chunk=64)
+    times = {}
+    for name in ("cpu", kernel):
+        start = time.perf_counter()
+        replay(big, device=name, n_bootstrap=100)
+        times[name] = time.perf_counter() - start
+    print(f"replay of a language model's shape (64 x 128 tokens, 2 layers): numpy {times['cpu']:.2f} s, "
+          f"{kernel} {times[kernel]:.2f} s ({times['cpu'] / times[kernel]:.1f}x)")
+    return failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="a CUDA device, or cpu to rehearse the script without one")
@@ -210,6 +279,7 @@ def main() -> None:
           "torch", torch.__version__)
     with tempfile.TemporaryDirectory() as folder:
         failures = check_exactness(args.device, Path(folder))
+        failures += check_analysis(args.device, Path(folder))
         if not rehearsal:
             failures += check_overlap(args.device, args.batches, args.batch_size, args.seq, Path(folder))
     if failures:

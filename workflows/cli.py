@@ -196,12 +196,17 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
               help="replay: inject the same noise into MODEL (the store's model) too: accuracy and collapses "
                    "under noise, one layer at a time and in all layers, in /replay/online.")
 @click.option("--online-samples", type=int, default=None, help="Samples the online check runs (default: all).")
-@model_options(with_dtype=False)
+@click.option("--device", default="auto", show_default=True,
+              help="Where the attention kernels of norms and replay run, and the online check's model: auto (cuda "
+                   "where torch sees a GPU, else cpu), cpu (numpy), cpu-torch (the torch kernels on the CPU), cuda "
+                   "or cuda:N.")
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, intercepts, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
+    from orthosphere.analyze import ANALYSES
     from orthosphere.analyze.options import parse_assignment
+    from orthosphere.analyze.results import get_analysis
 
     from .analysis import analyze_with_online_check
 
@@ -214,9 +219,13 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, i
     }
     options = {key: value for key, value in options.items() if value is not None}
     options.update(parse_assignment(text) for text in extra)
+    chosen = ANALYSES if only is None else only.split(",")
+    if "device" not in options and any("device" in get_analysis(name).defaults for name in chosen):
+        options["device"] = parse_assignment(f"device={device}")[1]
     with dask_client(ctx.obj):
         tree = analyze_with_online_check(store, out, online_model=online_model, online_samples=online_samples,
-                                         online_device=device, overwrite=overwrite, only=None if only is None else only.split(","),
+                                         online_device="cpu" if device == "cpu-torch" else device,
+                                         overwrite=overwrite, only=None if only is None else only.split(","),
                                          options=options, command=" ".join(sys.argv))
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
 
