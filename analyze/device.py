@@ -4,9 +4,9 @@
 - ``"cuda"``, ``"cuda:N"``: torch on that GPU (``analyze/torch_kernels.py``), float32 with TF32 off,
   the same definitions: every score, softmax and change of the numpy kernels, and every count and
   critical level from the same float64 comparisons of the float32 dot products. Results equal the
-  numpy path's within float32 rounding (``DEVICE_TOLERANCE`` on attention probabilities and the
-  smooth summaries' per-instance values); a count can differ only where a float32 near-tie or a value
-  on a threshold rounds the other way.
+  numpy path's within float32 rounding (each is checked against float64 at the suite's attention
+  tolerance, 1e-5 for logits up to 32, growing with them beyond); a count can differ only where a
+  float32 near-tie or a value on a threshold rounds the other way.
 - ``"cpu-torch"``: the torch kernels on the CPU, to check them without a GPU (the suite does).
 - ``"auto"`` (the CLI's default, as for the model): ``"cuda"`` where torch sees a CUDA device, else
   ``"cpu"``.
@@ -21,9 +21,6 @@ import re
 
 from .errors import AnalysisError
 
-DEVICE_TOLERANCE = 1e-5
-"""Attention probabilities and per-instance total variation of the torch kernels against a float64
-reference, for logits up to 32 in magnitude (the suite's tolerance)."""
 _FORM = re.compile(r"^(auto|cpu|cpu-torch|cuda(:\d+)?)$")
 
 
