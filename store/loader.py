@@ -114,15 +114,19 @@ class TokenLoader(torch.utils.data.IterableDataset):
         drawn from and the next, read meanwhile."""
         return WINDOW_BUFFERS * self.buffer_tokens * self.row_bytes
 
-    def _check_memory(self) -> None:
+    def _check_memory(self, processes: int = 1) -> None:
+        """Refuse a buffer the `processes` (this one, or the DataLoader's workers) cannot hold together."""
         chunk_bytes = self.samples_per_chunk * self.n_pos * self.row_bytes
         if self.buffer_tokens < self.samples_per_chunk * self.n_pos:
             raise ValueError(f"buffer_tokens={self.buffer_tokens} holds less than one chunk "
                              f"({self.samples_per_chunk * self.n_pos} positions): give at least that")
         available = psutil.virtual_memory().available
-        if self.buffer_bytes + chunk_bytes > available:
-            raise MemoryError(f"buffer_tokens={self.buffer_tokens} needs {self.buffer_bytes / 2**30:.2f} GiB, more than "
-                              f"the {available / 2**30:.2f} GiB of memory available: give a smaller buffer")
+        needed = processes * (self.buffer_bytes + chunk_bytes)
+        if needed > available:
+            each = f" ({processes} workers, each its own buffer)" if processes > 1 else ""
+            raise MemoryError(f"buffer_tokens={self.buffer_tokens} needs {needed / 2**30:.2f} GiB{each}, more than "
+                              f"the {available / 2**30:.2f} GiB of memory available: give a smaller buffer"
+                              + (" or fewer workers" if processes > 1 else ""))
 
     @property
     def group(self):
@@ -378,6 +382,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         """A DataLoader over this loader (batches as they are: batch_size=None) that keeps state_dict exact."""
         if options.get("persistent_workers"):
             raise ValueError("persistent_workers=True would keep each worker's position apart from state_dict: leave it off")
+        self._check_memory(max(1, num_workers))
         return _CountingDataLoader(self, batch_size=None, num_workers=num_workers, **options)
 
     def identity(self) -> dict:

@@ -114,6 +114,17 @@ def test_bfloat16_round_trips_bit_exactly(tmp_path):
     assert np.array_equal(got, np.sort(stored[valid.ravel()], axis=0))
 
 
+def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
+    from orthosphere.store import loader as loader_module
+
+    loader = TokenLoader(store, [("resid_pre", 1)], batch_size=8, buffer_tokens=2**12, seed=0)
+    one = loader.buffer_bytes + loader.samples_per_chunk * loader.n_pos * loader.row_bytes
+    monkeypatch.setattr(loader_module.psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2 * one})())
+    loader.dataloader(num_workers=2)
+    with pytest.raises(MemoryError, match="3 workers, each its own buffer.* or fewer workers"):
+        loader.dataloader(num_workers=3)
+
+
 @pytest.mark.parametrize("options, error, message", [
     ({"sites": [("q", 0)]}, ValueError, "site 'q' is not a token-vector site of this store"),
     ({"sites": [("resid_pre", 7)]}, ValueError, "layer 7 of site 'resid_pre' is not stored"),
