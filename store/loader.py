@@ -6,15 +6,13 @@ each window. The epoch's stream is the windows' permuted tokens one after anothe
 tokens [b * batch_size, (b + 1) * batch_size) of it (the last may be short). Ranks take contiguous
 ranges of batches, DataLoader workers contiguous parts of their rank's range, so every selected
 token comes once per epoch in all, and each worker reads only the windows of its part.
-Memory: two windows (`buffer_bytes`: batches come from one while a thread reads the next into the
-other) and one chunk being read, per process.
+Memory: one window (`buffer_bytes`) and one chunk being read, per process.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import psutil
@@ -29,8 +27,6 @@ from .schema import is_bfloat16
 
 VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
 OUTPUT_DTYPES = ("float32", "stored")
-WINDOW_BUFFERS = 2
-"""Windows of selected tokens in memory per process: batches are drawn from one while the next is read."""
 
 
 def _url_of(store):
@@ -82,7 +78,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.samples_per_chunk = int(self.attrs["samples_per_chunk"])
         self.n_samples, self.n_pos = int(self.attrs["n_samples"]), int(self.attrs["n_pos"])
         self.n_chunks = -(-self.n_samples // self.samples_per_chunk)
-        self._group, self._arrays, self._window_buffers = None, {}, [None] * WINDOW_BUFFERS
+        self._group, self._arrays, self._window_buffer = None, {}, None
         self._check_memory()
         self.medians, self.scales, self.summary = self._measure()
         self._epoch, self._pending, self._delivered, self._parts = 0, None, 0, 1
@@ -110,9 +106,8 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     @property
     def buffer_bytes(self) -> int:
-        """The shuffle buffer's memory per process: two windows of selected tokens, the one batches are
-        drawn from and the next, read meanwhile."""
-        return WINDOW_BUFFERS * self.buffer_tokens * self.row_bytes
+        """The shuffle buffer's memory per process (one window of selected tokens)."""
+        return self.buffer_tokens * self.row_bytes
 
     def _check_memory(self, processes: int = 1) -> None:
         """Refuse a buffer the `processes` (this one, or the DataLoader's workers) cannot hold together."""
@@ -148,7 +143,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         return self._arrays[name]
 
     def __getstate__(self):
-        return {**self.__dict__, "_group": None, "_arrays": {}, "_window_buffers": [None] * WINDOW_BUFFERS}
+        return {**self.__dict__, "_group": None, "_arrays": {}, "_window_buffer": None}
 
     # --- reading chunks ---------------------------------------------------------------------
     def _chunk_labels(self, chunk: int) -> dict[str, np.ndarray]:
@@ -277,63 +272,43 @@ class TokenLoader(torch.utils.data.IterableDataset):
         starts = np.concatenate([[0], np.cumsum([self.chunk_tokens[w].sum() for w in windows])]).astype(np.int64)
         return windows, starts
 
-    def _window(self, epoch: int, index: int, chunks: list[int], buffer: int):
+    def _window(self, epoch: int, index: int, chunks: list[int]):
         sizes = self.chunk_tokens[chunks]
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        rows = self._window_rows(int(offsets[-1]), buffer)
+        rows = self._window_rows(int(offsets[-1]))
         parts = [self._read_chunk(chunk, rows[offsets[i]:offsets[i + 1]]) for i, chunk in enumerate(chunks)]
         labels = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
         order = np.random.default_rng([self.seed, epoch, index]).permutation(len(rows))
         return rows, labels, order
 
-    def _window_rows(self, n_tokens: int, buffer: int) -> np.ndarray:
-        """The window's (tokens, sites, width) rows, in one of WINDOW_BUFFERS buffers kept for every
-        window of this process (a fresh one each time would pay the kernel's first touch of every page
-        again); batches are copies out of it."""
-        rows = self._window_buffers[buffer]
-        if rows is None or len(rows) < n_tokens:
-            rows = self._window_buffers[buffer] = np.empty((n_tokens, len(self.sites), self.width), self._output_dtype)
-        return rows[:n_tokens]
+    def _window_rows(self, n_tokens: int) -> np.ndarray:
+        """The window's (tokens, sites, width) rows, in one buffer kept for every window of this process
+        (a fresh one each time would pay the kernel's first touch of every page again); batches are
+        copies out of it."""
+        buffer = self._window_buffer
+        if buffer is None or len(buffer) < n_tokens:
+            buffer = self._window_buffer = np.empty((n_tokens, len(self.sites), self.width), self._output_dtype)
+        return buffer[:n_tokens]
 
-    def _pieces(self, ranges, starts):
-        """Per batch of the ranges, its pieces: (window index, first and last token of the stream in it)."""
+    def _batches(self, epoch: int, ranges):
+        """Batches of the epoch's stream for the given ranges of batch indices."""
+        windows, starts = self._windows(epoch)
+        loaded = (None, None)
         for first, stop in ranges:
             for batch in range(first, stop):
                 begin, end = batch * self.batch_size, min((batch + 1) * self.batch_size, self.n_tokens)
                 pieces = []
                 while begin < end:
                     index = int(np.searchsorted(starts, begin, side="right") - 1)
-                    upto = min(end, int(starts[index + 1]))
-                    pieces.append((index, begin, upto))
-                    begin = upto
-                yield pieces
-
-    def _batches(self, epoch: int, ranges):
-        """Batches of the epoch's stream for the given ranges of batch indices. The windows are read
-        in the order the batches visit them, each the one after its predecessor in a thread of its own
-        (into the other buffer) while batches are drawn from the current one."""
-        windows, starts = self._windows(epoch)
-        visits = [index for pieces in self._pieces(ranges, starts) for index, _, _ in pieces]
-        order = [index for number, index in enumerate(visits) if number == 0 or visits[number - 1] != index]
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="orthosphere-window") as reader:
-            def read(position):
-                index = order[position]
-                return reader.submit(self._window, epoch, index, windows[index], position % WINDOW_BUFFERS)
-
-            upcoming = read(0) if order else None
-            position, loaded = -1, (None, None)
-            for pieces in self._pieces(ranges, starts):
-                gathered = []
-                for index, begin, upto in pieces:
                     if loaded[0] != index:
-                        position += 1
-                        loaded = (index, upcoming.result())
-                        # the next window goes into the other buffer: this one's batches are copies
-                        upcoming = read(position + 1) if position + 1 < len(order) else None
-                    rows, labels, shuffled = loaded[1]
-                    take = shuffled[begin - starts[index]:upto - starts[index]]
-                    gathered.append((rows[take], {name: values[take] for name, values in labels.items()}))
-                yield self._as_batch(gathered)
+                        loaded = (index, self._window(epoch, index, windows[index]))
+                    rows, labels, order = loaded[1]
+                    upto = min(end, int(starts[index + 1]))
+                    take = order[begin - starts[index]:upto - starts[index]]
+                    # gathered now: the next window reuses the rows' buffer
+                    pieces.append((rows[take], {name: values[take] for name, values in labels.items()}))
+                    begin = upto
+                yield self._as_batch(pieces)
 
     def _as_batch(self, pieces):
         rows = pieces[0][0] if len(pieces) == 1 else np.concatenate([rows for rows, _ in pieces])
