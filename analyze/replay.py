@@ -332,14 +332,8 @@ class HeadBlock:
         self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
         self.block_attention = BlockAttention(q, k, valid, terms)
         self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
-        n_allowed = self.block_attention.n_allowed
-        counted = instance_queries(valid, n_allowed, min_keys)
-        self.instance = np.broadcast_to(counted[:, None, :], total.shape)
-        self.trivial = np.broadcast_to((instance_queries(valid, n_allowed, SWITCHABLE_KEYS) & ~counted)[:, None, :],
-                                       total.shape)
         self.max_attention = 1.0 / total
-        self.sparse = self.instance & (self.max_attention >= sparse_threshold)
-        self.sparse_trivial = self.trivial & (self.max_attention >= sparse_threshold)
+        count_instances(self, valid, self.block_attention.n_allowed, min_keys)
         self.winner = self.attention.argmax(axis=0)
         self.messages = None
         if v is not None and frame is not None:
@@ -414,6 +408,17 @@ class HeadBlock:
     def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
         """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
         return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
+
+
+def count_instances(block, valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> None:
+    """Set a block's (sample, head, qpos) masks ``instance``, ``trivial``, ``sparse`` and
+    ``sparse_trivial`` from its valid queries, their allowed keys and its ``max_attention``."""
+    shape = block.max_attention.shape
+    counted = instance_queries(valid, n_allowed, min_keys)
+    block.instance = np.broadcast_to(counted[:, None, :], shape)
+    block.trivial = np.broadcast_to((instance_queries(valid, n_allowed, SWITCHABLE_KEYS) & ~counted)[:, None, :], shape)
+    block.sparse = block.instance & (block.max_attention >= block.threshold)
+    block.sparse_trivial = block.trivial & (block.max_attention >= block.threshold)
 
 
 def instance_queries(valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> np.ndarray:

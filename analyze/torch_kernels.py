@@ -13,7 +13,7 @@ import torch
 
 from .attention import ScoreFrame, ScoreTerms
 from .device import torch_device
-from .replay import SWITCHABLE_KEYS, _framed_messages, _key_major, instance_queries
+from .replay import _framed_messages, _key_major, count_instances
 
 
 def _tensor(array: np.ndarray, device) -> torch.Tensor:
@@ -83,15 +83,8 @@ class TorchHeadBlock:
         self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
         self.block_attention = TorchAttention(q, k, valid, terms, torch_device(device))
         self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
-        n_allowed = self.block_attention.n_allowed
-        shape = tuple(total.shape)
-        counted = instance_queries(valid, n_allowed, min_keys)
-        self.instance = np.broadcast_to(counted[:, None, :], shape)
-        self.trivial = np.broadcast_to((instance_queries(valid, n_allowed, SWITCHABLE_KEYS) & ~counted)[:, None, :],
-                                       shape)
         self.max_attention = _host(1.0 / total, np.float32)
-        self.sparse = self.instance & (self.max_attention >= sparse_threshold)
-        self.sparse_trivial = self.trivial & (self.max_attention >= sparse_threshold)
+        count_instances(self, np.asarray(valid, bool), self.block_attention.n_allowed, min_keys)
         self.winner = self.attention.argmax(dim=0).cpu().numpy()
         self.messages = None
         if v is not None and frame is not None:
