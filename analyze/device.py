@@ -17,7 +17,9 @@ and every reduction into results stay on the CPU in float64.
 """
 from __future__ import annotations
 
+import glob
 import re
+import sys
 
 from .errors import AnalysisError
 
@@ -34,9 +36,11 @@ def check_device(name: str, value) -> None:
 
 
 def resolve_device(value: str) -> str:
-    """The device the kernels run on, checked on this machine: "cpu" (numpy) or a torch device name."""
+    """The device the kernels run on, checked on this machine: "cpu" (numpy) or a torch device name.
+    "auto" on a machine without an NVIDIA device file (no /dev/nvidia0, ...) is "cpu" without importing
+    torch, which would cost seconds for nothing."""
     check_device("device", value)
-    if value == "cpu":
+    if value == "cpu" or (value == "auto" and "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*")):
         return "cpu"
     try:
         import torch
@@ -61,7 +65,9 @@ def resolve_device(value: str) -> str:
 
 
 def torch_device(device: str):
-    """The torch.device of a resolved device other than "cpu" ("cpu-torch" is torch's CPU)."""
+    """The torch.device of a resolved device other than "cpu" ("cpu-torch" is torch's CPU); float32
+    products stay float32 (TF32 off), as the numpy kernels compute them."""
     import torch
 
+    torch.backends.cuda.matmul.allow_tf32 = False
     return torch.device("cpu" if device == "cpu-torch" else device)

@@ -28,7 +28,6 @@ class TorchAttention:
     """``BlockAttention`` on a torch device: scaled dot products, offset and softmax, key-major."""
 
     def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms, device):
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as the numpy kernels compute them
         self.terms, self.device = terms, device
         frame = ScoreFrame.of(valid, terms)
         self.n_allowed = frame.n_allowed

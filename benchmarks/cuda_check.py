@@ -208,20 +208,14 @@ def check_analysis(device: str, folder: Path) -> list[str]:
     numpy path; the norms' bands against the stored float64 pattern; the replay's time."""
     import time
 
-    from orthosphere.analyze import norm_spread
     from orthosphere.analyze.replay import replay
-    from tests.test_analyze_replay import brute_force_conditions, random_heads, write_store
+    from tests.test_analyze_device import norm_bands_beside_a_stored_pattern, replay_beside_brute_force
+    from tests.test_analyze_replay import write_store
 
     kernel = "cpu-torch" if torch.device(device).type == "cpu" else device
     failures = []
-    q, k, v, w_o = random_heads(n_samples=6)
-    valid = np.ones((6, 8), bool)
-    valid[:2, 6:] = False
-    levels, n_draws, seed = (0.1, 0.3, 0.8), 4, 1
-    store = write_store(folder / "heads.zarr", q=q, k=k, v=v, w_o=w_o, valid=valid, attn_scale=0.5)
-    options = dict(levels=levels, n_draws=n_draws, seed=seed, targets=("q", "k"), n_bootstrap=5)
-    on_device, on_cpu = replay(store, device=kernel, **options), replay(store, **options)
-    counts = brute_force_conditions(q, k, valid, scale=0.5, levels=levels, n_draws=n_draws, seed=seed, min_keys=4)
+    on_device, on_cpu, counts, allowed = replay_beside_brute_force(folder, kernel)
+    n_draws = on_device.attrs["n_draws"]
     found = {"n_instances": on_device.n_instances.values, "n_sparse": on_device.n_sparse.values,
              "collapses": on_device.collapses.sel(definition="collapse").values,
              "theory_predicted": (on_device.predicted_collapse_rate * on_device.n_sparse * n_draws).round().values,
@@ -231,17 +225,11 @@ def check_analysis(device: str, folder: Path) -> list[str]:
         print(f"replay on {kernel}: {name} {'equals' if same else 'DIFFERS from'} float64 brute force")
         if not same:
             failures.append(f"replay {name} on {kernel} differs from float64 brute force")
-    largest = max(attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[1] for layer in range(2))
-    allowed = 2 * 8 * attention_atol(largest * (1 + np.sqrt(3) * levels[-1]) ** 2)
     difference = float(np.abs(on_device.tv_distance - on_cpu.tv_distance).max())
     print(f"replay on {kernel}: total variation within {difference:.1e} of the numpy path's (allowed {allowed:.1e})")
     if difference > allowed:
         failures.append(f"replay total variation on {kernel} differs by {difference:.1e}")
-    pattern = np.stack([attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[0]
-                        for layer in range(2)], axis=1).astype(np.float32)
-    stored = write_store(folder / "pattern.zarr", q=q, k=k, valid=valid, pattern=pattern, attn_scale=0.5)
-    bands = norm_spread(store, sites=["k"], device=kernel)["k"]
-    expected = norm_spread(stored, sites=["k"])["k"]
+    bands, expected = norm_bands_beside_a_stored_pattern(folder, kernel)
     difference = float(np.abs(bands["band"] - expected["band"]).max())
     print(f"norms on {kernel}: bands within {difference:.3f} of the stored float64 pattern's "
           f"(allowed one bin, {bands.attrs['ratio_bin_width']:.3f})")

@@ -95,41 +95,52 @@ def test_the_attention_each_key_receives_on_the_device_against_float64(terms):
     np.testing.assert_allclose(received, expected, rtol=0, atol=8 * attention_atol(largest))
 
 
-def test_the_replay_on_the_device_counts_what_float64_brute_force_counts(tmp_path):
-    """The counts of the replay with device="cpu-torch" equal float64 brute force (every decision of
-    the fixture stands beyond float32 rounding), and its smooth summaries equal the numpy path's
-    within what float32 rounding allows each (8 keys: twice 8 attention tolerances for the total
-    variation)."""
+def replay_beside_brute_force(folder, device: str):
+    """The replay of random sharp heads (6 samples, 8 positions, right padding) with `device` and
+    with numpy, the float64 brute-force counts of the same draws (every decision of the fixture
+    stands beyond float32 rounding), and what float32 rounding allows the total variation between the
+    two paths (each within 8 keys' attention tolerances of float64)."""
     q, k, v, w_o = random_heads(n_samples=6)
     valid = np.ones((6, 8), bool)
     valid[:2, 6:] = False
     levels, n_draws, seed = (0.1, 0.3, 0.8), 4, 1
-    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, valid=valid, attn_scale=0.5)
+    ds = write_store(folder / "heads.zarr", q=q, k=k, v=v, w_o=w_o, valid=valid, attn_scale=0.5)
     options = dict(levels=levels, n_draws=n_draws, seed=seed, targets=("q", "k"), n_bootstrap=5)
-    on_device, on_cpu = replay(ds, device="cpu-torch", **options), replay(ds, **options)
-    assert on_device.attrs["device"] == "cpu-torch" and on_cpu.attrs["device"] == "cpu"
     counts = brute_force_conditions(q, k, valid, scale=0.5, levels=levels, n_draws=n_draws, seed=seed, min_keys=4)
+    largest = max(attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[1] for layer in range(2))
+    allowed = 2 * 8 * attention_atol(largest * (1 + np.sqrt(3) * levels[-1]) ** 2)
+    return replay(ds, device=device, **options), replay(ds, **options), counts, allowed
+
+
+def norm_bands_beside_a_stored_pattern(folder, device: str):
+    """The norms of k weighted by the attention recomputed on `device`, and those weighted by the
+    stored float64 pattern of the same q, k."""
+    q, k, _, _ = random_heads(n_samples=8, scale=1.0)
+    valid = np.ones((8, 8), bool)
+    ds = write_store(folder / "qk.zarr", q=q, k=k, attn_scale=0.5)
+    pattern = np.stack([attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[0]
+                        for layer in range(2)], axis=1).astype(np.float32)
+    stored = write_store(folder / "pattern.zarr", q=q, k=k, pattern=pattern, attn_scale=0.5)
+    return (norm_spread(open_for_analysis(ds.attrs["url"]), sites=["k"], device=device)["k"],
+            norm_spread(open_for_analysis(stored.attrs["url"]), sites=["k"])["k"])
+
+
+def test_the_replay_on_the_device_counts_what_float64_brute_force_counts(tmp_path):
+    """Counts equal float64 brute force; the total variation equals the numpy path's within float32 rounding."""
+    on_device, on_cpu, counts, allowed = replay_beside_brute_force(tmp_path, "cpu-torch")
+    assert on_device.attrs["device"] == "cpu-torch" and on_cpu.attrs["device"] == "cpu"
     for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial"):
         np.testing.assert_array_equal(on_device[name], counts[name], err_msg=name)
     np.testing.assert_array_equal(on_device.collapses.sel(definition="collapse"), counts["collapses"])
     for rule in ("theory", "exact"):
         np.testing.assert_array_equal(on_device[f"{rule}_false_alarm"], counts[f"{rule}_predicted"] - counts[f"{rule}_hits"])
-    largest = max(attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[1] for layer in range(2))
-    allowed = 2 * 8 * attention_atol(largest * (1 + np.sqrt(3) * levels[-1]) ** 2)
     np.testing.assert_allclose(on_device.tv_distance, on_cpu.tv_distance, rtol=0, atol=allowed)
     np.testing.assert_array_equal(on_device.collapses, on_cpu.collapses)  # both equal the brute force
 
 
 def test_norms_weighted_by_attention_recomputed_on_the_device(tmp_path):
     """The same bands as with the stored float64 pattern, within the histogram's bin width."""
-    q, k, _, _ = random_heads(n_samples=8, scale=1.0)
-    valid = np.ones((8, 8), bool)
-    ds = write_store(tmp_path / "s", q=q, k=k, attn_scale=0.5)
-    pattern = np.stack([attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True)[0]
-                        for layer in range(2)], axis=1).astype(np.float32)
-    stored = write_store(tmp_path / "p", q=q, k=k, pattern=pattern, attn_scale=0.5)
-    found = norm_spread(open_for_analysis(ds.attrs["url"]), sites=["k"], device="cpu-torch")["k"]
-    expected = norm_spread(open_for_analysis(stored.attrs["url"]), sites=["k"])["k"]
+    found, expected = norm_bands_beside_a_stored_pattern(tmp_path, "cpu-torch")
     assert found.attrs["attention_source"] == "recomputed from q, k"
     assert expected.attrs["attention_source"] == "stored pattern"
     np.testing.assert_allclose(found["weight_total"], expected["weight_total"], rtol=1e-5)
@@ -186,3 +197,13 @@ def test_the_cli_runs_the_kernels_where_device_says(tmp_path):
     assert open_results(str(tmp_path / "default"))["replay"].attrs["device"] == expected
     result = runner.invoke(main, common + ["--out", str(tmp_path / "x"), "--device", "tpu"])
     assert result.exit_code != 0 and "option device='tpu': expected auto, cpu (numpy)" in result.output
+
+
+@pytest.mark.skipif(bool(__import__("glob").glob("/dev/nvidia[0-9]*")), reason="a machine with an NVIDIA device")
+def test_auto_without_a_gpu_device_leaves_torch_unimported():
+    import subprocess
+
+    code = ("import sys; from orthosphere.analyze.device import resolve_device; "
+            "print(resolve_device('auto'), 'torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == \
+        ["cpu", "False"]
