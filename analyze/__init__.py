@@ -22,20 +22,26 @@ keyword form of ``analyze`` (``orthosphere.analyze.api``): ``analyses`` is ``onl
 
 ``options`` is one dict: a key goes to every chosen analysis that takes that keyword (``layers``,
 ``exclude_start``, ``seed``, ...), a key ``"analysis.option"`` only to that analysis. The analyses
-(``ANALYSES``, run in this order) and their options, the keyword parameters of their functions:
+(``ANALYSES``, run in this order: name -> ``registry.Analysis``, an object that declares its
+configuration, what it reads and needs, the earlier results it takes and how it starts its work) and
+their options, each declared once in its configuration class (a typed dataclass whose parameters
+carry their default, constraints and help: see ``orthosphere.params``; ``NormsConfig.parameters()``
+lists them). Calling an analysis runs it alone, ``norm_spread(dataset, mass=0.5)``; a refused value is
+an ``AnalysisParameterError`` naming the option as the caller gave it:
 
-- ``norms``: ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
+- ``norms`` (``NormsConfig``): ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
   quantiles, ratio_max, ratio_bins, device)``
-- ``subspaces``: ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
+- ``subspaces`` (``SubspacesConfig``): ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
   intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null,
   significance, seed, independence_deg, orthogonality_deg, radius_cv_tolerance)``, the parameters of
   the estimator ``FactorSubspaces`` (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``,
   ``design.py`` for the fit and ``inference.py`` for the statistics)
-- ``spheres``: ``sphere_structure(dataset, *, subspaces, <the parameters of FactorSubspaces>)``:
+- ``spheres`` (``SpheresConfig``: those of SubspacesConfig, None by default): ``sphere_structure(dataset, *,
+  subspaces, <the parameters of FactorSubspaces>)``:
   with ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its fit
   (fit options given besides must agree); else fitted here
-- ``neighbours``: ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
-- ``replay``: ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
+- ``neighbours`` (``NeighboursConfig``): ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
+- ``replay`` (``ReplayConfig``): ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
   sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins, device)``
   (norm-perturbation replay; see its module)
 

@@ -6,15 +6,24 @@ positions are all right. Read from `pred`, `target`, `scored` and `valid`, lazil
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import dask
 import numpy as np
 import xarray as xr
 
 from .errors import AnalysisError
 from .inputs import store_url
+from .options import AnalysisConfig
+from .registry import Analysis
 
 
-def accuracy(dataset: xr.Dataset) -> xr.Dataset:
+@dataclass(frozen=True)
+class AccuracyConfig(AnalysisConfig):
+    """``accuracy`` has no options."""
+
+
+def compute_accuracy(dataset: xr.Dataset, config: AccuracyConfig) -> xr.Dataset:
     """Per-token and whole-answer accuracy of the model's predictions over the scored tokens."""
     if "pred" not in dataset.variables:
         architecture = dataset.attrs.get("model", {}).get("architecture", "its model")
@@ -40,4 +49,7 @@ def accuracy(dataset: xr.Dataset) -> xr.Dataset:
     )
 
 
-accuracy.needs = ("pred",)
+
+
+accuracy = Analysis("accuracy", AccuracyConfig, compute_accuracy, reads=("pred", "target", "scored", "valid"),
+                    needs=("pred",), summary="the model's own accuracy on the stored data")

@@ -23,12 +23,12 @@ import sys
 
 from .errors import AnalysisError
 
-_FORM = re.compile(r"^(auto|cpu|cpu-torch|cuda(:\d+)?)$")
+DEVICE_FORM = re.compile(r"^(auto|cpu|cpu-torch|cuda(:\d+)?)$")
 
 
 def check_device(name: str, value) -> None:
     """The option's form: auto, cpu, cpu-torch, cuda or cuda:N."""
-    if not isinstance(value, str) or not _FORM.match(value):
+    if not isinstance(value, str) or not DEVICE_FORM.match(value):
         raise AnalysisError(
             f"option {name}={value!r}: expected auto, cpu (numpy), cpu-torch (the torch kernels on the CPU), "
             "cuda or cuda:N"

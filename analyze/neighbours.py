@@ -8,14 +8,29 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import xarray as xr
 
+from orthosphere.params import parameter
+
 from .blocks import Packer, sample_block_sums
-from .inputs import FiniteCheck, check_layers, layer_data, square_norms, token_mask
-from .options import check_options
-from .plan import Plan, planned
+from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, square_norms, token_mask
+from .options import FLAG, LAYERS, SITE, AnalysisConfig
+from .plan import Plan
+from .registry import Analysis
 from .subspaces import d_model_site
+
+
+@dataclass(frozen=True)
+class NeighboursConfig(AnalysisConfig):
+    """The options of ``neighbours``."""
+
+    site: str = parameter("resid_pre", SITE, help="the stream a block reads (rank collapse, the step's start)")
+    step_site: str = parameter("resid_post", SITE, help="the stream it writes (the step's end)")
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
+    exclude_start: bool = parameter(True, FLAG, help="leave out each sequence's start token")
 
 PACKER = Packer({
     "nonfinite": (), "sequences": (), "collapse_sum": (), "collapse_square_sum": (),
@@ -60,11 +75,10 @@ def _mean_and_spread(total, square_total, count):
     return mean, np.sqrt(max(square_total / count - mean**2, 0.0)) if count else np.nan
 
 
-def plan_neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: str = "resid_post", layers=None,
-                    exclude_start: bool = True) -> Plan:
+def plan_neighbours(dataset: xr.Dataset, config: NeighboursConfig) -> Plan:
     """Rank collapse at `site` (the stream a block reads) and the angular step from `site` to
     `step_site` (the stream it writes), per layer."""
-    check_options(site=site, step_site=step_site, layers=layers, exclude_start=exclude_start)
+    site, step_site, layers, exclude_start = config.site, config.step_site, config.layers, config.exclude_start
     start = d_model_site(dataset, site, "rank collapse and the angular step")
     end = d_model_site(dataset, step_site, "the angular step")
     layers = check_layers(dataset, layers)
@@ -97,4 +111,5 @@ def plan_neighbours(dataset: xr.Dataset, *, site: str = "resid_pre", step_site: 
     return Plan(lazy, finish)
 
 
-neighbours = planned(plan_neighbours)
+neighbours = Analysis("neighbours", NeighboursConfig, plan_neighbours, reads=(*D_MODEL_SITES, "valid"),
+                      summary="rank collapse and the angular step of the residual stream, per layer")

@@ -14,11 +14,14 @@ imposed by the model, not learned.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import dask.array as da
 import numpy as np
 import xarray as xr
+
+from orthosphere.params import parameter
 
 from .attention import ScoreTerms, attention_from_qk, attention_source
 from .blocks import sample_block_sums, single_block
@@ -38,10 +41,26 @@ from .inputs import (
     store_url,
     token_mask,
 )
-from .options import check_options
-from .plan import Plan, planned
+from .options import DEVICE, FLAG, LAYERS, NAMES, POSITIVE, SHARE, SHARES, AnalysisConfig, integer
+from .plan import Plan
+from .registry import Analysis
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class NormsConfig(AnalysisConfig):
+    """The options of ``norms``."""
+
+    sites: tuple[str, ...] | None = parameter(None, NAMES, None, help="vector sites (default: every one stored)")
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
+    weight_by_attention: bool = parameter(True, FLAG, help="each key weighted by the attention it receives")
+    exclude_start: bool = parameter(True, FLAG, help="leave out each sequence's start token")
+    mass: float = parameter(0.9, SHARE, help="the share of the mass the band holds")
+    quantiles: tuple[float, ...] = parameter(QUANTILES, SHARES, help="quantiles of |x| / median")
+    ratio_max: float = parameter(2.0, POSITIVE, help="the histogram of |x| / median spans [0, ratio_max]")
+    ratio_bins: int = parameter(100, integer(1), help="the histogram's bins")
+    device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
 
 
 def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, device: str = "cpu") -> da.Array:
@@ -156,9 +175,7 @@ def _sites(dataset: xr.Dataset, sites) -> list[str]:
     return sites
 
 
-def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_attention: bool = True,
-                exclude_start: bool = True, mass: float = 0.9, quantiles=QUANTILES, ratio_max: float = 2.0,
-                ratio_bins: int = 100, device: str = "cpu") -> Plan:
+def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
     """Norm spread of every chosen site (default: every vector site stored): one child group per site.
 
     weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
@@ -167,12 +184,12 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
     |x| / median with ratio_bins bins on [0, ratio_max]; device: where the attention recomputed from
     q and k runs (see device.py).
     """
-    spread = check_options(mass=mass, quantiles=quantiles, ratio_max=ratio_max, ratio_bins=ratio_bins)
-    device = resolve_device(device)
-    check_options(sites=sites, layers=layers, weight_by_attention=weight_by_attention, exclude_start=exclude_start)
+    spread = {name: getattr(config, name) for name in ("mass", "quantiles", "ratio_max", "ratio_bins")}
+    device = resolve_device(config.device)
+    sites, layers, exclude_start = config.sites, config.layers, config.exclude_start
     sites = _sites(dataset, sites)
     layers = check_layers(dataset, layers)
-    weighted = weight_by_attention
+    weighted = config.weight_by_attention
     source = attention_source(dataset) if weighted and any(site != "q" for site in sites) else None
     mask = token_mask(dataset, exclude_start)
     n_heads = dataset.sizes["head"]
@@ -204,7 +221,7 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
                 "weighting": "attention" if weighted else "uniform",
                 "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(source, "none")
                 if weighted and site != "q" else "none",
-                "mass": mass,
+                "mass": config.mass,
                 "exclude_start": exclude_start,
                 "normalised_by": normalised_by(dataset.attrs.get("model", {}), site),
             })
@@ -214,4 +231,6 @@ def plan_norm_spread(dataset: xr.Dataset, *, sites=None, layers=None, weight_by_
     return Plan(lazy, finish)
 
 
-norm_spread = planned(plan_norm_spread)
+norm_spread = Analysis(
+    "norms", NormsConfig, plan_norm_spread, summary="how tightly the norms of each vector site spread around their median",
+    reads=(*VECTOR_SITES, "pattern", "valid"))

@@ -9,7 +9,6 @@ Dask's threads in this process or on a ``distributed`` cluster alike.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -40,19 +39,6 @@ class Plan:
 
     lazy: Any
     finish: Callable[[Any], Any]
-
-
-def planned(planner: Callable[..., Plan]) -> Callable:
-    """The analysis function of a planner: plan, compute pass by pass, return the result. The
-    planner stays reachable as the function's ``plan`` attribute (``run_analyses`` uses it)."""
-
-    @functools.wraps(planner)
-    def analysis(*args, **options):
-        return run_plans({analysis.__name__: planner(*args, **options)})[analysis.__name__]
-
-    analysis.__name__ = analysis.__qualname__ = planner.__name__.removeprefix("plan_")
-    analysis.plan = planner
-    return analysis
 
 
 def run_plans(plans: dict[str, Plan], ready: Callable[[dict], dict[str, Plan]] = lambda results: {}) -> dict[str, Any]:

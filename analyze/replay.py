@@ -128,13 +128,15 @@ import numpy as np
 import xarray as xr
 
 from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
+from orthosphere.params import Interval, Items, parameter
 
 from .attention import BlockAttention, ScoreTerms, per_head
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .device import resolve_device
 from .inputs import FiniteCheck, check_layers, layer_data
-from .options import check_options
-from .plan import Plan, planned
+from .options import DEVICE, LAYERS, PROBABILITY, AnalysisConfig, choice, integer
+from .plan import Plan
+from .registry import Analysis
 
 TARGETS = ("q", "k", "m")
 DISTRIBUTIONS = ("uniform", "gaussian")
@@ -225,75 +227,38 @@ def unit_noise(seed: int, target: str, layer: int, samples, draw: int, n_pos: in
 
 
 @dataclass(frozen=True)
-class ReplaySettings:
-    """What to perturb and how; every field is checked on construction."""
+class ReplaySettings(AnalysisConfig):
+    """What to perturb and how (the options that reach each block of the replay)."""
 
-    levels: tuple[float, ...] = DEFAULT_LEVELS
-    n_draws: int = 32
-    seed: int = 0
-    distribution: str = "uniform"
-    targets: tuple[str, ...] = TARGETS
-    sparse_threshold: float = 0.95
-    min_keys: int = DEFAULT_MIN_KEYS
-    smooth_draws: int | None = None
-    device: str = "cpu"
-    """Where the dense attention work runs (see device.py), resolved on this machine."""
+    levels: tuple[float, ...] = parameter(
+        DEFAULT_LEVELS, Items(Interval(float, 0, 1, closed="neither"), single=True, increasing=True,
+                              hint="RMS noise levels (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]"),
+        help="the noise levels swept (RMS, relative)")
+    n_draws: int = parameter(32, integer(1, "noise draws per level"), help="noise draws per level")
+    seed: int = parameter(0, integer(0), help="seed of the noise")
+    distribution: str = parameter("uniform", choice(*DISTRIBUTIONS), help="the noise's distribution")
+    targets: tuple[str, ...] = parameter(
+        TARGETS, Items(choice(*TARGETS), single=True, hint="q: queries, k: keys, m: messages W_O v"),
+        help="what the noise perturbs")
+    sparse_threshold: float = parameter(
+        0.95, Interval(float, 0, 1, closed="right", hint="a maximum attention (the paper uses 0.95)"),
+        help="a query is a sparse instance when its largest attention reaches this")
+    min_keys: int = parameter(DEFAULT_MIN_KEYS, integer(SWITCHABLE_KEYS, (
+        f"the fewest allowed keys a query needs to count as an instance: {DEFAULT_MIN_KEYS} (the default) leaves "
+        f"out the trivially sparse first positions, {SWITCHABLE_KEYS} counts every query that can switch")),
+        help="the fewest allowed keys of an instance")
+    smooth_draws: int | None = parameter(
+        None, integer(2, "the fewest that state a Monte Carlo error of the total variation and output change"), None,
+        help=f"draws of the smooth summaries (default {DEFAULT_SMOOTH_DRAWS}, at most n_draws)")
+    device: str = parameter("cpu", DEVICE, help="where the dense attention work runs (device.py), resolved here")
 
-    def __post_init__(self):
-        try:
-            levels = np.atleast_1d(np.asarray(self.levels, dtype=float))
-        except (TypeError, ValueError):
-            levels = np.array([np.nan])
-        if levels.size == 0 or levels.ndim != 1 or not np.all((levels > 0) & (levels < 1)):
-            raise ReplayError(
-                f"noise levels {list(levels)}: expected RMS values strictly between 0 and 1 "
-                "(0.01 is 1 % noise), at least one"
-            )
-        if np.any(np.diff(levels) <= 0):
-            raise ReplayError(f"noise levels {list(levels)}: expected strictly increasing levels, e.g. [0.01, 0.1]")
-        object.__setattr__(self, "levels", tuple(float(x) for x in levels))
-        if isinstance(self.n_draws, bool) or not isinstance(self.n_draws, (int, np.integer)) or self.n_draws < 1:
-            raise ReplayError(f"n_draws = {self.n_draws!r}: expected a positive number of noise draws per level")
-        self._check_smooth_draws()
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ReplayError(f"seed = {self.seed!r}: expected a non-negative integer")
-        if self.distribution not in DISTRIBUTIONS:
-            raise ReplayError(f"noise distribution {self.distribution!r}: expected one of {list(DISTRIBUTIONS)}")
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown or not targets:
-            raise ReplayError(
-                f"noise targets {list(targets)}: expected a non-empty selection of {list(TARGETS)} "
-                "(q: queries, k: keys, m: messages W_O v)"
-            )
-        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
-        threshold = self.sparse_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
-            raise ReplayError(
-                f"sparse threshold {self.sparse_threshold!r}: expected a maximum attention in (0, 1] "
-                "(the paper uses 0.95)"
-            )
-        if isinstance(self.min_keys, bool) or not isinstance(self.min_keys, (int, np.integer)) \
-                or self.min_keys < SWITCHABLE_KEYS:
-            raise ReplayError(
-                f"min_keys = {self.min_keys!r}: expected an integer >= {SWITCHABLE_KEYS}, the fewest allowed keys "
-                f"a query needs to count as an instance: give {DEFAULT_MIN_KEYS} (the default) to leave out the "
-                f"trivially sparse first positions, {SWITCHABLE_KEYS} to count every query that can switch"
-            )
-        object.__setattr__(self, "min_keys", int(self.min_keys))
-        object.__setattr__(self, "device", resolve_device(self.device))
-
-    def _check_smooth_draws(self) -> None:
+    def check(self) -> None:
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
         if self.smooth_draws is None:
-            object.__setattr__(self, "smooth_draws", min(DEFAULT_SMOOTH_DRAWS, int(self.n_draws)))
-            return
-        value = self.smooth_draws
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 2 <= value <= self.n_draws:
-            raise ReplayError(
-                f"smooth_draws = {value!r}: expected an integer from 2 (the fewest that state a Monte Carlo error of "
-                f"the total variation and output change) to n_draws = {self.n_draws}"
-            )
-        object.__setattr__(self, "smooth_draws", int(value))
+            object.__setattr__(self, "smooth_draws", min(DEFAULT_SMOOTH_DRAWS, self.n_draws))
+        elif self.smooth_draws > self.n_draws:
+            raise self.error("smooth_draws", self.smooth_draws, f"an integer from 2 to n_draws = {self.n_draws}")
+        object.__setattr__(self, "device", resolve_device(self.device))
 
     @property
     def curve_levels(self) -> np.ndarray:
@@ -620,20 +585,26 @@ def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> 
 # The study over a store: Dask tasks per (layer, sample chunk, range of draws), reduced, computed once.
 
 
-def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, seed: int = 0,
-                distribution: str = "uniform", targets=TARGETS, sparse_threshold: float = 0.95,
-                min_keys: int = DEFAULT_MIN_KEYS, smooth_draws: int | None = None, collapse_target: float = 0.01,
-                n_bootstrap: int = 1000,
-                confidence: float = 0.95, layers=None, n_bins: int = 20, device: str = "cpu") -> Plan:
+@dataclass(frozen=True)
+class ReplayConfig(ReplaySettings):
+    """The options of ``replay``: what to perturb (ReplaySettings), the layers and the summaries."""
+
+    collapse_target: float = parameter(0.01, Interval(float, 0, 1, closed="neither", hint="a rate, e.g. 0.01 for 1 %"),
+                                       help="the collapse rate whose level collapse_level reports")
+    n_bootstrap: int = parameter(1000, integer(0), help="bootstrap resamples of the samples for the collapse level's interval")
+    confidence: float = parameter(0.95, PROBABILITY, help="the confidence of that interval")
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
+    n_bins: int = parameter(20, integer(1, "histogram bins"), help="bins of the histogram of the largest attention")
+
+
+def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
     schema). Returns small xarray results (see the module docstring for the definitions).
     """
-    _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers)
-    settings = ReplaySettings(levels=levels, n_draws=n_draws, seed=seed, distribution=distribution,
-                              targets=targets, sparse_threshold=sparse_threshold, min_keys=min_keys,
-                              smooth_draws=smooth_draws, device=device)
+    settings, layers, n_bins = config, config.layers, config.n_bins
+    collapse_target, n_bootstrap, confidence = config.collapse_target, config.n_bootstrap, config.confidence
     model = store_model(ds)
     _check_score_terms(model, check_layers(ds, layers))
     with_messages = check_variables(ds, settings)
@@ -662,7 +633,8 @@ def plan_replay(ds: xr.Dataset, *, levels=DEFAULT_LEVELS, n_draws: int = 32, see
     return Plan((graphs, finite.flags), finish)
 
 
-replay = planned(plan_replay)
+replay = Analysis("replay", ReplayConfig, plan_replay, reads=("q", "k", "v", "w_o", "valid"),
+                  summary="norm perturbations replayed against the stored q, k, v: sparse attention's collapse")
 
 
 def store_model(ds: xr.Dataset) -> dict:
@@ -677,14 +649,6 @@ def store_model(ds: xr.Dataset) -> dict:
             "whether attention is causal; re-extract the store with a current orthosphere"
         )
     return model
-
-
-def _check_study(collapse_target, n_bootstrap, confidence, n_bins, layers) -> None:
-    check_options(n_bootstrap=n_bootstrap, confidence=confidence, layers=layers)
-    if isinstance(collapse_target, bool) or not isinstance(collapse_target, (int, float)) or not 0 < collapse_target < 1:
-        raise ReplayError(f"collapse target {collapse_target!r}: expected a rate in (0, 1), e.g. 0.01 for 1 %")
-    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise ReplayError(f"n_bins = {n_bins!r}: expected a positive number of histogram bins")
 
 
 def _check_score_terms(model: dict, layers) -> None:

@@ -1,70 +1,42 @@
 """The registry of analyses, the run of several over one store, and the results DataTree on disk."""
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import xarray as xr
 import zarr
 
+from orthosphere.errors import ParameterError
 from orthosphere.store.location import as_location, commit_metadata, zarr_quietly
 from orthosphere.store.provenance import provenance
 
+from .accuracy import accuracy
 from .errors import AnalysisError
 from .inputs import open_for_analysis
+from .neighbours import neighbours
+from .norms import norm_spread
 from .options import as_attrs
-from .plan import run_plans
+from .plan import Plan, run_plans
+from .registry import Analysis
+from .replay import replay
+from .spheres import sphere_structure
+from .subspaces import factor_subspaces
 
 RESULTS_FORMAT = 1
-ANALYSES = {
-    "accuracy": "orthosphere.analyze.accuracy:accuracy",
-    "norms": "orthosphere.analyze.norms:norm_spread",
-    "subspaces": "orthosphere.analyze.subspaces:factor_subspaces",
-    "spheres": "orthosphere.analyze.spheres:sphere_structure",
-    "neighbours": "orthosphere.analyze.neighbours:neighbours",
-    "replay": "orthosphere.analyze.replay:replay",
-}
-"""The registry, in the order the analyses run: name -> "module:function". An analysis is a function
-f(dataset, *, option=default, ...) -> xr.Dataset or xr.DataTree (or an object with ``to_dataset()``,
-such as a fitted FactorSubspaces); its keyword parameters are its options, except one named after
-an analysis that runs before it, which receives that analysis's result. A function's ``needs``
-attribute names the store variables without which the default set leaves it out (accuracy: pred).
-A function with a ``plan``
-attribute (see ``plan.planned``) has its work planned with the others' (see ``run_analyses``)."""
+ANALYSES: dict[str, Analysis] = {analysis.name: analysis for analysis in (
+    accuracy, norm_spread, factor_subspaces, sphere_structure, neighbours, replay)}
+"""The registry, in the order the analyses run: name -> Analysis (see ``registry.py``: its
+configuration, what it reads and needs, the earlier results it takes, how it starts)."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """A registered analysis: its name, function, options (name -> default) and the earlier results it takes."""
-
-    name: str
-    function: Callable
-    defaults: dict
-    takes: tuple[str, ...]
 
 
 def get_analysis(name: str) -> Analysis:
     """The analysis registered as `name`."""
     if name not in ANALYSES:
         raise AnalysisError(f"unknown analysis {name!r}: expected any of {list(ANALYSES)}")
-    module_name, function_name = ANALYSES[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-        raise AnalysisError(f"analysis {name!r} is not part of this installation of orthosphere") from error
-    function = getattr(module, function_name)
-    parameters = [p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    earlier = tuple(p.name for p in parameters if p.name in ANALYSES)
-    defaults = {p.name: p.default for p in parameters if p.name not in earlier}
-    return Analysis(name, function, defaults, earlier)
+    return ANALYSES[name]
 
 
 def split_options(analyses: list[Analysis], values: dict | None) -> dict[str, dict]:
@@ -97,9 +69,10 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
     chosen = {name: get_analysis(name) for name in names}
     if only is None:  # the default leaves out what the store cannot feed (accuracy without pred)
         chosen = {name: analysis for name, analysis in chosen.items()
-                  if all(variable in dataset.variables for variable in getattr(analysis.function, "needs", ()))}
+                  if all(variable in dataset.variables for variable in analysis.needs)}
     analyses = [chosen[name] for name in ANALYSES if name in chosen]
     given = split_options(analyses, options)
+    configs = configure(analyses, options)
     waiting = list(analyses)
 
     def ready(outputs: dict) -> dict:
@@ -113,16 +86,29 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
             for analysis in startable:
                 waiting.remove(analysis)
                 log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
-                inputs = {name: outputs[name] for name in analysis.takes if name in outputs}
-                planner = getattr(analysis.function, "plan", None)
-                if planner is None:
-                    outputs[analysis.name] = analysis.function(dataset, **given[analysis.name], **inputs)
+                started = analysis.plan(dataset, configs[analysis.name], **outputs)
+                if isinstance(started, Plan):
+                    plans[analysis.name] = started
                 else:
-                    plans[analysis.name] = planner(dataset, **given[analysis.name], **inputs)
+                    outputs[analysis.name] = started
 
     outputs = run_plans({}, ready)
     return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
             for analysis in analyses}
+
+
+def configure(analyses: list[Analysis], options: dict | None) -> dict:
+    """Each analysis's configuration of the options (one dict, as ``split_options`` reads it); a
+    refused value is a ParameterError naming the option as it was given ("analysis.option" or plain)."""
+    given = split_options(analyses, options)
+    configs = {}
+    for analysis in analyses:
+        try:
+            configs[analysis.name] = analysis.configure(given[analysis.name])
+        except ParameterError as error:
+            key = f"{analysis.name}.{error.parameter}"
+            raise error.named(key if key in (options or {}) else error.parameter) from None
+    return configs
 
 
 def _tree(analysis: Analysis, result, options: dict, dataset: xr.Dataset) -> xr.DataTree:

@@ -24,30 +24,33 @@ as ``run_analyses`` passes that of the same run, or fitted here).
 """
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import xarray as xr
 
 from .errors import AnalysisError
 from .inference import SPHERE_CLAIMS, benjamini_hochberg
 from .options import as_attrs
-from .plan import Plan, planned
-from .subspaces import BOUNDS, FactorSubspaces
+from .plan import Plan
+from .registry import Analysis
+from .subspaces import BOUNDS, FactorSubspaces, SubspacesConfig, factor_subspaces
 
 SPHERE_RULE = ("no structure: the factor has rank 0; on sphere / off sphere: the claim that radius_cv is below / above "
                "radius_cv_tolerance, shown at significance after Benjamini-Hochberg's correction over every layer, "
                "factor and claim; undetermined: neither; empty without noise draws")
 
 
-def plan_sphere_structure(dataset: xr.Dataset, *, subspaces: FactorSubspaces | None = None, **fit) -> Plan:
+SpheresConfig = SubspacesConfig.optional("SpheresConfig", """The options of ``spheres``: the parameters of the fit
+they read (SubspacesConfig), each None by default: as the subspaces of the same run were fitted (or,
+fitting their own, SubspacesConfig's default).""")
+
+
+def plan_sphere_structure(dataset: xr.Dataset, config: SpheresConfig, *, subspaces: FactorSubspaces | None = None) -> Plan:
     """Radius spread, departure from orthogonality and cross terms of the factors' components, per layer.
 
-    subspaces: a fitted FactorSubspaces whose fit the spheres read; the fit options given besides
-    (the parameters of FactorSubspaces) must agree with it. Without it, the subspaces are fitted
-    here with those options (None: FactorSubspaces' defaults).
+    subspaces: a fitted FactorSubspaces whose fit the spheres read; the options given (not None)
+    must agree with it. Without it, the subspaces are fitted here with those options.
     """
-    given = {name: value for name, value in fit.items() if value is not None}
+    given = {name: value for name, value in config.as_dict().items() if value is not None}
     if subspaces is not None:
         return Plan({}, lambda computed: sphere_dataset(_fitted_subspaces(subspaces, given), "from the subspaces results"))
     first = FactorSubspaces(**given).plan(dataset)
@@ -72,18 +75,8 @@ def _fitted_subspaces(subspaces, given: dict) -> FactorSubspaces:
     return subspaces
 
 
-def _sphere_signature(function):
-    """The planner's signature: subspaces, then every parameter of FactorSubspaces (default None)."""
-    parameters = [inspect.Parameter("dataset", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                  inspect.Parameter("subspaces", inspect.Parameter.KEYWORD_ONLY, default=None)]
-    parameters += [parameter.replace(default=None)
-                   for parameter in inspect.signature(FactorSubspaces).parameters.values()]
-    function.__signature__ = inspect.Signature(parameters)
-    return function
-
-
-plan_sphere_structure = _sphere_signature(plan_sphere_structure)
-sphere_structure = _sphere_signature(planned(plan_sphere_structure))
+sphere_structure = Analysis("spheres", SpheresConfig, plan_sphere_structure, takes=("subspaces",),
+                            reads=factor_subspaces.reads, summary="how far the factors' components are from orthogonal spheres")
 
 
 def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:

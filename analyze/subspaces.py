@@ -38,7 +38,6 @@ factor shows none, after the same correction of the structure tests over layers 
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -50,8 +49,10 @@ from scipy import sparse
 from scipy.stats import entropy
 from sklearn.metrics import mutual_info_score
 
+from orthosphere.params import Text, parameter
+
 from .blocks import Packer, sample_block_sums, tree_sum
-from .design import Counts, JointSolution, Layout, check_shared_tokens, count_block, noise_traces, solve_joint
+from .design import ESTIMATORS, Counts, JointSolution, Layout, check_shared_tokens, count_block, noise_traces, solve_joint
 from .errors import AnalysisError
 from .factors import Discovery, FactorClasses, design_columns, discover_classes, parse_factors, parse_intercepts
 from .geometry import column_space
@@ -69,8 +70,9 @@ from .inputs import (
     token_mask,
 )
 from .layer import DrawSettings, LayerFit, fit_layer
-from .options import as_attrs, check_options
+from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
+from .registry import Analysis
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -79,13 +81,6 @@ NULL_DRAWS = 9999
 """The structure test's draws unless the false-discovery correction needs more (each costs groups^2)."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
-FIT_OPTIONS = ("site", "factors", "layers", "exclude_start", "estimator", "intercepts", "rank", "rank_significance",
-               "max_classes",
-               "n_bootstrap", "bootstrap_groups", "confidence", "n_null", "significance", "seed", "independence_deg",
-               "orthogonality_deg", "radius_cv_tolerance")
-"""The parameters of the fit (the spheres reuse a fit only when the options they are given agree)."""
-
-
 def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
     """A seeded hash (splitmix64) of each sample index into one of n_groups groups."""
     z = (np.uint64(seed) << np.uint64(32)) ^ np.asarray(samples).astype(np.uint64)
@@ -146,42 +141,38 @@ class Design:
         return self.discovery.classes
 
 
-class FactorSubspaces:
-    """Factor subspaces of a residual-stream site, fitted jointly (default) or per factor, with what
-    their noise draws say of them.
+@dataclass(frozen=True)
+class SubspacesConfig(AnalysisConfig):
+    """The options of ``subspaces``: the parameters of the fit (``FactorSubspaces``), which the spheres
+    read too (see the module docstring and ``inference``)."""
 
-    Parameters (all keyword): site; factors (specs, default ``factors.default_factor_specs``);
-    layers (default all); exclude_start; estimator ("joint" or "marginal"); intercepts (the label
-    whose classes get their own intercepts: default ``factors.default_intercepts``, "none" for one
-    per pattern); rank (fixed; None: the noise-aware rank, each step of its test at rank_significance);
-    max_classes (None: keep every class);
-    n_bootstrap (noise draws of the ranks, intervals, claims and spheres), bootstrap_groups,
-    confidence; n_null (draws of the structure test; None: enough for the correction), significance; seed; independence_deg,
-    orthogonality_deg (the claims' tolerances); radius_cv_tolerance (the spheres'). See the module
-    docstring and ``inference``.
+    site: str = parameter("resid_pre", SITE, help="the residual-stream site fitted")
+    factors: tuple[str, ...] | None = parameter(None, NAMES, None, help="factor specs (default: the task's, "
+                                                "factors.default_factor_specs)")
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
+    exclude_start: bool = parameter(True, FLAG, help="leave out each sequence's start token")
+    estimator: str = parameter("joint", choice(*ESTIMATORS), help="the factors fitted jointly or one at a time")
+    intercepts: str | None = parameter(None, Text("a label name, or 'none' for one intercept per pattern"), None,
+                                       help="the label whose classes get their own intercepts (default: "
+                                            "factors.default_intercepts)")
+    rank: int | None = parameter(None, integer(1), None, help="a fixed rank (default: the noise-aware rank)")
+    rank_significance: float = parameter(0.01, PROBABILITY, help="each step of the noise-aware rank's test")
+    max_classes: int | None = parameter(64, integer(2, "the most classes a factor keeps (its rarest classes beyond "
+                                                     "that are pooled into one)"), None,
+                                        help="none keeps every class")
+    n_bootstrap: int = parameter(200, integer(0), help="noise draws of the ranks, intervals, claims and spheres")
+    bootstrap_groups: int = parameter(32, integer(2), help="groups of samples the draws resample")
+    confidence: float = parameter(0.9, PROBABILITY, help="the intervals' confidence")
+    n_null: int | None = parameter(None, integer(0), None, help="draws of the structure test (default: enough for "
+                                                               "the correction)")
+    significance: float = parameter(0.05, PROBABILITY, help="of the tests and claims, after the correction")
+    seed: int = parameter(0, integer(0), help="seed of the draws and groups")
+    independence_deg: float = parameter(10.0, TOLERANCE_DEG, help="the claim 'dependent': smallest angle below this")
+    orthogonality_deg: float = parameter(10.0, TOLERANCE_DEG, help="the claim 'orthogonal': every angle within this "
+                                                                   "of 90")
+    radius_cv_tolerance: float = parameter(0.1, POSITIVE, help="the spheres' claims: radius CV below / above this")
 
-    Fitted attributes: ``site_``, ``layers_``, ``factors_`` (names), ``classes_`` ({factor:
-    FactorClasses}), ``n_tokens_``, ``design_`` (counts, association, condition), ``fits_``
-    ({layer: LayerFit}); ``bases(layer)`` gives each factor's orthonormal basis (d_model, rank).
-    """
-
-    def __init__(self, *, site: str = "resid_pre", factors=None, layers=None, exclude_start: bool = True,
-                 estimator: str = "joint", intercepts: str | None = None, rank: int | None = None,
-                 rank_significance: float = 0.01, max_classes: int | None = 64, n_bootstrap: int = 200, bootstrap_groups: int = 32,
-                 confidence: float = 0.9, n_null: int | None = None, significance: float = 0.05, seed: int = 0,
-                 independence_deg: float = 10.0, orthogonality_deg: float = 10.0, radius_cv_tolerance: float = 0.1):
-        options = check_options(site=site, factors=factors, layers=layers, exclude_start=exclude_start,
-                                estimator=estimator, intercepts=intercepts, rank=rank,
-                                rank_significance=rank_significance, max_classes=max_classes,
-                                n_bootstrap=n_bootstrap, bootstrap_groups=bootstrap_groups, confidence=confidence,
-                                n_null=n_null, significance=significance, seed=seed,
-                                independence_deg=independence_deg, orthogonality_deg=orthogonality_deg,
-                                radius_cv_tolerance=radius_cv_tolerance)
-        for name, value in options.items():
-            setattr(self, name, value)
-        self._check_draws()
-
-    def _check_draws(self) -> None:
+    def check(self) -> None:
         """The draws must be able to answer what is asked: a noise-aware rank needs noise draws, and
         their quantiles at the confidence and significance need enough of them."""
         if self.independence_deg >= 90 - self.orthogonality_deg:
@@ -204,6 +195,26 @@ class FactorSubspaces:
                 f"give n_bootstrap >= {needed} (or 0 with a fixed rank: no intervals, claims or spheres)"
             )
 
+
+class FactorSubspaces:
+    """Factor subspaces of a residual-stream site, fitted jointly (default) or per factor, with what
+    their noise draws say of them.
+
+    Parameters: a ``SubspacesConfig``, or its parameters as keywords (site, factors, layers, ...;
+    see ``SubspacesConfig``, the module docstring and ``inference``).
+
+    Fitted attributes: ``site_``, ``layers_``, ``factors_`` (names), ``classes_`` ({factor:
+    FactorClasses}), ``n_tokens_``, ``design_`` (counts, association, condition), ``fits_``
+    ({layer: LayerFit}); ``bases(layer)`` gives each factor's orthonormal basis (d_model, rank).
+    """
+
+    def __init__(self, config: SubspacesConfig | None = None, /, **options):
+        self.config = config if config is not None else SubspacesConfig.of(options, owner="FactorSubspaces")
+        if config is not None and options:
+            raise AnalysisError("FactorSubspaces takes a SubspacesConfig or options, not both")
+        for name, value in self.config.as_dict().items():
+            setattr(self, name, value)
+
     def _null_draws(self, n_tests: int) -> int:
         """The structure test's draws: n_null, or (None) enough that the smallest p-value, 1 / (n_null + 1),
         can pass the false-discovery correction over every layer and factor (NULL_DRAWS at least)."""
@@ -222,7 +233,7 @@ class FactorSubspaces:
     @property
     def fit_options(self) -> dict:
         """The parameters that fix the fit, as fitted (layers and factors resolved)."""
-        options = {name: getattr(self, name) for name in FIT_OPTIONS}
+        options = self.config.as_dict()
         if hasattr(self, "layers_"):
             options.update(layers=list(self.layers_), factors=list(self.factors_), intercepts=self.intercepts_)
         return as_attrs(options)
@@ -569,14 +580,13 @@ DESCRIPTIONS = {
 }
 
 
-def factor_subspaces(dataset: xr.Dataset, **options) -> xr.Dataset:
-    """Factor subspaces at a residual-stream site, as the results group /subspaces: ranks, singular
-    values against noise, principal angles between factors and with each head's read subspaces,
-    their estimates and intervals, the claims and relations, the null, label association. The
-    options are the parameters of ``FactorSubspaces`` (see the module docstring)."""
-    return FactorSubspaces(**options).fit(dataset).to_dataset()
+def plan_factor_subspaces(dataset: xr.Dataset, config: SubspacesConfig) -> Plan:
+    """The fit's Plan, finishing into the fitted FactorSubspaces (whose ``to_dataset()`` is the results
+    group /subspaces: ranks, singular values against noise, principal angles between factors and with
+    each head's read subspaces, their estimates and intervals, the claims and relations, the null,
+    label association)."""
+    return FactorSubspaces(config).plan(dataset)
 
 
-factor_subspaces.__signature__ = inspect.signature(factor_subspaces).replace(parameters=[
-    inspect.signature(factor_subspaces).parameters["dataset"], *inspect.signature(FactorSubspaces).parameters.values()])
-factor_subspaces.plan = lambda dataset, **options: FactorSubspaces(**options).plan(dataset)
+factor_subspaces = Analysis("subspaces", SubspacesConfig, plan_factor_subspaces, reads=(*D_MODEL_SITES, "valid", "w_q",
+                            "w_k"), summary="factor subspaces of the residual stream: ranks, angles, claims, relations")

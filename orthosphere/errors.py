@@ -4,6 +4,8 @@ was expected and what to do.
 
     OrthosphereError (a ValueError)
     ├── ConfigError: a configuration, a file or an argument
+    │   ├── ParameterError: a parameter of a typed configuration (``orthosphere.params``)
+    │   │   └── AnalysisParameterError (also an AnalysisError): an analysis's option
     │   ├── UnsupportedModelError: an architecture or configuration extraction cannot make exact
     │   ├── CorpusError: a corpus that cannot be read as asked
     │   └── Float16OverflowError: activations beyond float16's range
@@ -27,6 +29,31 @@ class OrthosphereError(ValueError):
 
 class ConfigError(OrthosphereError):
     """Bad input from a user: a config, a file or an argument."""
+
+
+class ParameterError(ConfigError):
+    """A parameter's value its declared constraints refuse (or a parameter that is not declared):
+    the message names it as the caller did (``named``: a CLI flag, a TOML file, table and key)."""
+
+    def __init__(self, parameter: str, value, expected: str, *, unknown: bool = False, label: str | None = None):
+        self.parameter, self.value, self.expected, self.unknown = parameter, value, expected, unknown
+        self.label = label or parameter
+        if unknown:
+            message = f"{self.label}: not known: expected {expected}"
+        else:
+            message = f"{self.label}={value!r}: expected {expected}"
+        super().__init__(message)
+
+    def named(self, label: str) -> ParameterError:
+        """The same error with the parameter named `label` (as the caller wrote it)."""
+        return type(self)(self.parameter, self.value, self.expected, unknown=self.unknown, label=label)
+
+    def __reduce__(self):
+        return _parameter_error, (type(self), self.parameter, self.value, self.expected, self.unknown, self.label)
+
+
+def _parameter_error(kind, parameter, value, expected, unknown, label):
+    return kind(parameter, value, expected, unknown=unknown, label=label)
 
 
 class UnsupportedModelError(ConfigError):
@@ -92,6 +119,10 @@ class JobMismatchError(StoreError):
 
 class AnalysisError(OrthosphereError):
     """An analysis that cannot run as asked: bad options, or a store that lacks what it needs."""
+
+
+class AnalysisParameterError(ParameterError, AnalysisError):
+    """An analysis option its declared constraints refuse."""
 
 
 class NonFiniteError(AnalysisError):

@@ -554,7 +554,7 @@ def test_two_draws_state_an_error_of_the_size_of_the_distance_to_the_mean_over_e
 def test_option_assignments_refuse_levels_that_do_not_increase_and_too_few_smooth_draws():
     from orthosphere.analyze.options import parse_assignment
 
-    with pytest.raises(AnalysisError, match="expected strictly increasing levels"):
+    with pytest.raises(AnalysisError, match="option replay.levels=.*non-empty list of strictly increasing items"):
         parse_assignment("replay.levels=[0.1,0.05]")
     with pytest.raises(AnalysisError, match="replay.smooth_draws=1: expected an integer >= 2"):
         parse_assignment("replay.smooth_draws=1")
@@ -634,29 +634,29 @@ def small_store(tmp_path_factory):
 @pytest.mark.parametrize("options, message", [
     ({"levels": (0.0, 0.1)}, "strictly between 0 and 1"),
     ({"levels": (0.1, 1.0)}, "strictly between 0 and 1"),
-    ({"levels": ()}, "at least one"),
+    ({"levels": ()}, "levels=\(\): expected .*non-empty list"),
     ({"levels": ("a",)}, "strictly between 0 and 1"),
     ({"levels": (0.2, 0.1)}, "strictly increasing"),
     ({"levels": (0.1, 0.1)}, "strictly increasing"),
     ({"levels": (-0.1, 0.1)}, "strictly between 0 and 1"),
-    ({"smooth_draws": 1, "n_draws": 8}, "smooth_draws = 1: expected an integer from 2 .* Monte Carlo error"),
-    ({"smooth_draws": 9, "n_draws": 8}, "to n_draws = 8"),
-    ({"seed": -1}, "non-negative integer"),
+    ({"smooth_draws": 1, "n_draws": 8}, "smooth_draws=1: expected an integer >= 2, the fewest .* Monte Carlo error"),
+    ({"smooth_draws": 9, "n_draws": 8}, "smooth_draws=9: expected an integer from 2 to n_draws = 8"),
+    ({"seed": -1}, "seed=-1: expected an integer >= 0"),
     ({"sparse_threshold": "high"}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 0.0}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 1.2}, "in \\(0, 1\\]"),
-    ({"n_draws": 0}, "positive number of noise draws"),
-    ({"distribution": "cauchy"}, "uniform"),
-    ({"targets": ("q", "x")}, "non-empty selection"),
-    ({"targets": ()}, "non-empty selection"),
-    ({"collapse_target": 1.5}, "collapse target"),
+    ({"n_draws": 0}, "n_draws=0: expected an integer >= 1, noise draws per level"),
+    ({"distribution": "cauchy"}, r"distribution='cauchy': expected one of \['uniform', 'gaussian'\]"),
+    ({"targets": ("q", "x")}, r"targets=\('q', 'x'\): expected one of .* or a non-empty list .* q: queries"),
+    ({"targets": ()}, r"targets=\(\): expected .*non-empty list"),
+    ({"collapse_target": 1.5}, "collapse_target=1.5: expected a number strictly between 0 and 1, a rate"),
     ({"n_bootstrap": -1}, "n_bootstrap=-1: expected an integer >= 0"),
     ({"confidence": 1.5}, "confidence=1.5"),
     ({"layers": [5]}, "holds layers \\[0, 1\\]"),
-    ({"min_keys": 1}, "min_keys = 1: expected an integer >= 2, the fewest allowed keys"),
-    ({"min_keys": 2.5}, "min_keys = 2.5: expected an integer >= 2"),
-    ({"min_keys": True}, "min_keys = True: expected an integer >= 2"),
-    ({"min_keys": "4"}, "min_keys = '4': expected an integer >= 2"),
+    ({"min_keys": 1}, "min_keys=1: expected an integer >= 2, the fewest allowed keys"),
+    ({"min_keys": 2.5}, "min_keys=2.5: expected an integer >= 2"),
+    ({"min_keys": True}, "min_keys=True: expected an integer >= 2"),
+    ({"min_keys": "4"}, "min_keys='4': expected an integer >= 2"),
 ])
 def test_bad_settings_are_clear_errors(small_store, options, message):
     with pytest.raises(AnalysisError, match=message):

@@ -142,8 +142,9 @@ def test_binary_text_input(tmp_path):
 
 def test_option_value_that_does_not_parse(store, tmp_path):
     result = run("analyze", store, "--out", tmp_path / "results.zarr", "--option", "replay.levels=abc")
-    assert error_line(result) == ("Error: option replay.levels='abc': expected a number or a list of numbers strictly "
-                                  "between 0 and 1 (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]")
+    assert error_line(result) == ("Error: option replay.levels='abc': expected a number strictly between 0 and 1, or a "
+                                  "non-empty list of strictly increasing items, each a number strictly between 0 and 1, "
+                                  "RMS noise levels (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]")
     assert not (tmp_path / "results.zarr").exists()
 
 

@@ -83,6 +83,25 @@ def _join(root: str, relative: str) -> str:
     return f"{root.rstrip('/')}/{relative}"
 
 
+def _analysis_options(options, only, path: Path) -> dict:
+    """The [analyze.options] table, checked now against the chosen analyses' configurations (so that a
+    bad value stops the pipeline before it extracts anything); errors name the file, table and key."""
+    from orthosphere.analyze.results import ANALYSES, configure, get_analysis
+    from orthosphere.errors import AnalysisError, ParameterError
+
+    where = f"{path} [analyze.options]"
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}: expected a table of options, e.g. \"replay.n_draws\" = 32")
+    try:
+        configure([get_analysis(name) for name in (only or ANALYSES)], options)
+    except ParameterError as error:
+        shown = f'"{error.label}"' if "." in error.label else error.label
+        raise ConfigError(f"{where} {shown} = {error.value!r}: expected {error.expected}") from None
+    except AnalysisError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    return dict(options)
+
+
 def _check_keys(found: dict, allowed: set, where: str) -> None:
     unknown = sorted(set(found) - allowed)
     if unknown:
@@ -123,7 +142,7 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
         data=data,
         extract=extract,
         analyze_only=tuple(only) if only is not None else None,
-        analyze_options=dict(analyze.get("options", {})),
+        analyze_options=_analysis_options(analyze.get("options", {}), only, path),
         online=_online_data(analyze.get("online", []), data, path),
         online_samples=analyze.get("online_samples"),
         title=report.get("title", f"orthosphere report: {values.get('name', path.stem)}"),

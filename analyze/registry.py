@@ -1,0 +1,62 @@
+"""What an analysis is: an object that declares its name, its configuration, what it reads, and how
+it starts its work (a Plan, see ``plan.py``, or its result at once).
+
+Each analysis module makes one ``Analysis`` (``norms.norm_spread``, ``replay.replay``, ...);
+``results.ANALYSES`` lists them in the order they run. Calling one runs it alone on an opened store:
+``norm_spread(dataset, mass=0.5)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import xarray as xr
+
+from orthosphere.params import Config
+
+from .plan import Plan, run_plans
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis:
+    """A registered analysis.
+
+    name: its results group; config: its configuration class (the options, their defaults and
+    constraints); start(dataset, config, **earlier) -> Plan or result, where `earlier` holds the
+    results of the analyses named in `takes` that ran (spheres take the fitted subspaces); reads:
+    the store variables it may read; needs: those without which the default set leaves it out;
+    summary: one line for listings.
+    """
+
+    name: str
+    config: type[Config]
+    start: Callable[..., Any]
+    reads: tuple[str, ...]
+    summary: str
+    needs: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()
+
+    @property
+    def defaults(self) -> dict:
+        """Each option's default."""
+        return self.config.defaults()
+
+    def configure(self, options: dict | None = None) -> Config:
+        """The configuration of these options (an unknown or refused one is an error naming it)."""
+        return self.config.of(options, owner=f"analysis {self.name}")
+
+    def plan(self, dataset: xr.Dataset, config: Config, **earlier) -> Plan | Any:
+        """Its work on an opened store: a Plan (run with the others' by ``run_analyses``) or its result."""
+        return self.start(dataset, config, **{name: earlier[name] for name in self.takes if name in earlier})
+
+    def __call__(self, dataset: xr.Dataset, /, **options):
+        """Run this analysis alone on an opened store; options are its configuration's parameters (and
+        the results of the analyses it takes, by their names). Returns its Dataset or DataTree."""
+        earlier = {name: options.pop(name) for name in self.takes if name in options}
+        started = self.plan(dataset, self.configure(options), **earlier)
+        result = run_plans({self.name: started})[self.name] if isinstance(started, Plan) else started
+        return result if isinstance(result, (xr.Dataset, xr.DataTree)) else result.to_dataset()
+
+    def __repr__(self) -> str:
+        return f"<analysis {self.name}: {self.summary}>"
