@@ -634,7 +634,7 @@ def small_store(tmp_path_factory):
 @pytest.mark.parametrize("options, message", [
     ({"levels": (0.0, 0.1)}, "strictly between 0 and 1"),
     ({"levels": (0.1, 1.0)}, "strictly between 0 and 1"),
-    ({"levels": ()}, "levels=\(\): expected .*non-empty list"),
+    ({"levels": ()}, r"levels=\(\): expected .*non-empty list"),
     ({"levels": ("a",)}, "strictly between 0 and 1"),
     ({"levels": (0.2, 0.1)}, "strictly increasing"),
     ({"levels": (0.1, 0.1)}, "strictly increasing"),
