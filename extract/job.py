@@ -45,6 +45,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -52,19 +53,32 @@ import torch
 from tqdm import tqdm
 
 from orthosphere.errors import ConfigError, Float16OverflowError
+from orthosphere.params import (
+    POSITIVE_INTEGER,
+    REQUIRED,
+    Config,
+    Delegated,
+    Flag,
+    Items,
+    Normalised,
+    OneOf,
+    Rule,
+    Text,
+    parameter,
+)
 from orthosphere.store import create_store, open_writer
 from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
 from orthosphere.store.lifecycle import check_same_job, chunk_samples, found_for_job, reopen_to_resume
 from orthosphere.store.location import as_location
-from orthosphere.store.schema import check_dtype
+from orthosphere.store.schema import ACTIVATION_DTYPES, check_dtype, layer_indices
 from orthosphere.store.state import REMNANT, STORE
 from orthosphere.store.stream import ChunkStream
 
 from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData, StoredTokens, open_dataset, task_data
 from .recording import new_buffer
-from .sources import LoadedModel, check_device, from_model, load_source, model_dtype_of
+from .sources import MODEL_DTYPES, LoadedModel, check_device, from_model, load_source
 
 log = logging.getLogger("orthosphere.extract")
 
@@ -72,31 +86,59 @@ QUEUE_DEPTH = 2
 """Batches waiting for the writer thread; the forward pass blocks only when this many wait."""
 
 
-@dataclass(frozen=True)
-class ExtractJob:
-    """Everything `orthosphere extract` is asked to do."""
+LAYERS = Delegated(lambda layers: tuple(layer_indices(layers, ConfigError)), "layer indices of the model")
 
-    model: str | os.PathLike | object
-    """A path (model directory, .gguf file), or a model loaded in this process (see ``sources.from_model``)."""
-    task: str | ArithmeticData | CorpusData
-    """A task spec (the CLI's ``--task``) or the data object it parses to (``data.corpus``, ``data.arithmetic``)."""
-    out: str
-    n_samples: int | None = None
-    sites: tuple[str, ...] | None = None
-    layers: tuple[int, ...] | None = None
-    dtype: str = "float32"
-    batch_size: int = DEFAULT_BATCH_SIZE
-    n_shards: int = 1
-    samples_per_chunk: int | None = None
-    resume: bool = False
-    overwrite: bool = False
-    break_lock: bool = False
-    device: str = "auto"
-    model_dtype: str | None = None
-    storage_options: dict | None = None
-    command: str | None = None
-    tokenizer: object | None = None
-    """With a loaded transformers model: its tokenizer (None: the model reads token-id corpora only)."""
+
+def _is_mapping(value) -> bool:
+    return isinstance(value, Mapping)
+
+
+def _store_url(value) -> str:
+    url = os.fspath(value)
+    if not isinstance(url, str) or not url:
+        raise ValueError(value)
+    return url
+
+
+@dataclass(frozen=True)
+class ExtractJob(Config):
+    """Everything `orthosphere extract` is asked to do: one typed configuration, built alike by the
+    CLI, a pipeline's [extract] table and ``orthosphere.extract(...)``."""
+
+    model: str | os.PathLike | object = parameter(
+        REQUIRED, help="a path (model directory, .gguf file), or a model loaded in this process (sources.from_model)")
+    task: str | ArithmeticData | CorpusData = parameter(
+        REQUIRED, help="a task spec (the CLI's --task) or the data object it parses to (data.corpus, data.arithmetic)")
+    out: str = parameter(REQUIRED, Normalised(_store_url, "a store path or fsspec URL"), help="the store to write")
+    n_samples: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples (None: the whole task or corpus)")
+    sites: tuple[str, ...] | None = parameter(None, Items(Text("a site name"), single=True), None,
+                                              help="sites to store (None: all but pattern)")
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers to store (None: all)")
+    dtype: str = parameter("float32", Normalised(check_dtype, f"one of {list(ACTIVATION_DTYPES)}"),
+                           help="the stored activations' dtype")
+    batch_size: int = parameter(DEFAULT_BATCH_SIZE, POSITIVE_INTEGER, help="samples per forward pass")
+    n_shards: int = parameter(1, POSITIVE_INTEGER, help="chunk-aligned shards: the unit of Dask tasks and of resuming")
+    samples_per_chunk: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples per chunk (None: about 4 MB)")
+    resume: bool = parameter(False, Flag(), help="continue an interrupted job")
+    overwrite: bool = parameter(False, Flag(), help="replace an existing store")
+    break_lock: bool = parameter(False, Flag(), help="break the store's lock even if its holder looks alive")
+    device: str = parameter("auto", Normalised(check_device, "auto, cpu, cuda or cuda:N"), help="where the model runs")
+    model_dtype: str | None = parameter(None, OneOf(MODEL_DTYPES), None, help="the dtype a model path is loaded in")
+    storage_options: dict | None = parameter(None, Rule(_is_mapping, "a mapping of fsspec storage options"), None,
+                                             help="fsspec options of an object-storage store")
+    command: str | None = parameter(None, Text("the command line"), None, help="recorded in the store")
+    tokenizer: object | None = parameter(
+        None, help="with a loaded transformers model: its tokenizer (None: the model reads token-id corpora only)")
+
+    def check(self) -> None:
+        if self.in_memory and self.model_dtype is not None:
+            raise ConfigError(f"model_dtype={self.model_dtype!r} with a model object: it runs in the dtype it has; "
+                              "convert it (model.to(dtype)) or leave model_dtype out")
+        if not self.in_memory and self.tokenizer is not None:
+            raise ConfigError("tokenizer= goes with a model object; a model path brings its own tokenizer files")
+        if self.resume and self.overwrite:
+            raise ConfigError("resume=True and overwrite=True contradict each other: resume keeps the store, "
+                              "overwrite replaces it; pick one")
 
     @property
     def in_memory(self) -> bool:
@@ -144,7 +186,7 @@ class ExtractResult:
 def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResult:
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
     data = task_data(job.task)
-    _check_job(job, client)
+    _check_client(job, client)
     found = found_for_job(as_location(job.out, job.storage_options), job.resume, job.overwrite)
     if job.in_memory:
         loaded = from_model(job.model, job.tokenizer, job.device)
@@ -294,28 +336,10 @@ def _run_pending(job, loaded, plan: ShardPlan, writer, client, progress: bool) -
     )
 
 
-def _check_job(job: ExtractJob, client) -> None:
+def _check_client(job: ExtractJob, client) -> None:
     if job.in_memory and client is not None:
         raise ConfigError("a model object runs in this process: Dask workers load the model themselves, so give "
                           "its path (a model directory or .gguf file) to run on a Dask client")
-    if job.in_memory and job.model_dtype is not None:
-        raise ConfigError(f"model_dtype={job.model_dtype!r} with a model object: it runs in the dtype it has; "
-                          "convert it (model.to(dtype)) or leave model_dtype out")
-    if not job.in_memory and job.tokenizer is not None:
-        raise ConfigError("tokenizer= goes with a model object; a model path brings its own tokenizer files")
-    check_dtype(job.dtype)
-    check_device(job.device)
-    model_dtype_of(job.model_dtype)
-    for name, flag in (("batch_size", "--batch-size"), ("n_shards", "--shards"),
-                       ("samples_per_chunk", "--samples-per-chunk"), ("n_samples", "--samples")):
-        value = getattr(job, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name}={value!r} (CLI: {flag} {value!r}): expected a positive integer")
-    if job.resume and job.overwrite:
-        raise ConfigError(
-            "resume=True and overwrite=True (CLI: --resume, --overwrite) contradict each other: resume keeps the "
-            "store, overwrite replaces it; pick one"
-        )
 
 
 def _absolute(data):

@@ -41,7 +41,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from orthosphere.errors import ConfigError  # noqa: F401  (the configuration error, imported from here by the stage)
+from orthosphere.errors import ConfigError, ParameterError
+from orthosphere.params import (
+    NON_NEGATIVE_INTEGER,
+    POSITIVE_INTEGER,
+    POSITIVE_NUMBER,
+    REQUIRED,
+    Config,
+    OneOf,
+    parameter,
+)
 
 NORM_PLACEMENTS = ("none", "pre", "post", "qkv")
 NORM_TYPES = ("layer", "rms")
@@ -59,62 +68,51 @@ def check_keys(config_class, values: dict, table: str) -> None:
         raise ConfigError(f"unknown {table} keys {unknown}; expected some of {sorted(known)}")
 
 
+def from_table(config_class, values: dict, table: str):
+    """The configuration `config_class` of a config file's table: unknown keys, missing ones and bad
+    values are ConfigErrors naming the table (a bad value: ``[table] key = value: expected ...``)."""
+    check_keys(config_class, values, table)
+    missing = [name for name, default in config_class.defaults().items() if default is REQUIRED and name not in values]
+    if missing:
+        raise ConfigError(f"{table} config is incomplete: missing {missing}")
+    try:
+        return config_class(**values)
+    except ParameterError as error:
+        raise error.in_table(f"[{table}]", error.parameter) from None
+
+
 @dataclass(frozen=True)
-class ModelConfig:
-    """Sizes and choices of an arithmetic transformer; validated on construction."""
+class ModelConfig(Config):
+    """Sizes and choices of an arithmetic transformer; checked on construction."""
 
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-    norm_placement: str
-    norm_type: str = "layer"
-    d_head: int | None = None
-    vocab_size: int = 17
-    max_len: int = 64
-    positions: str = "sinusoidal"
-    max_position_offset: int = 64
-    norm_eps: float = 1e-5
+    n_layers: int = parameter(REQUIRED, POSITIVE_INTEGER, help="blocks")
+    d_model: int = parameter(REQUIRED, POSITIVE_INTEGER, help="width of the residual stream")
+    n_heads: int = parameter(REQUIRED, POSITIVE_INTEGER, help="attention heads per block")
+    d_ff: int = parameter(REQUIRED, POSITIVE_INTEGER, help="width of the feed-forward layer")
+    norm_placement: str = parameter(REQUIRED, OneOf(NORM_PLACEMENTS), help="where the norm sits")
+    norm_type: str = parameter("layer", OneOf(NORM_TYPES), help="LayerNorm or RMSNorm")
+    d_head: int | None = parameter(None, POSITIVE_INTEGER, None, help="head width (None: d_model / n_heads)")
+    vocab_size: int = parameter(17, POSITIVE_INTEGER, help="tokens")
+    max_len: int = parameter(64, POSITIVE_INTEGER, help="longest sequence (learned positions)")
+    positions: str = parameter("sinusoidal", OneOf(POSITIONS), help="position embedding")
+    max_position_offset: int = parameter(64, NON_NEGATIVE_INTEGER, help="largest random offset of the positions")
+    norm_eps: float = parameter(1e-5, POSITIVE_NUMBER, help="epsilon of the norms")
 
-    def __post_init__(self):
-        for name in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model {name} = {value!r}: expected a positive integer")
-        if self.norm_placement not in NORM_PLACEMENTS:
-            raise ConfigError(f"unknown norm_placement {self.norm_placement!r}; "
-                              f"expected one of {', '.join(NORM_PLACEMENTS)}")
-        if self.norm_type not in NORM_TYPES:
-            raise ConfigError(f"unknown norm_type {self.norm_type!r}; "
-                              f"expected one of {', '.join(NORM_TYPES)}")
-        if self.positions not in POSITIONS:
-            raise ConfigError(f"unknown positions {self.positions!r}; "
-                              f"expected one of {', '.join(POSITIONS)}")
+    def check(self) -> None:
         if self.d_head is None:
             if self.d_model % self.n_heads:
                 raise ConfigError(f"d_model = {self.d_model} is not divisible by n_heads = "
                                   f"{self.n_heads}; choose sizes with d_model = n_heads * d_head, "
                                   f"or set d_head (heads then span n_heads * d_head dimensions)")
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
-        if not isinstance(self.d_head, int) or isinstance(self.d_head, bool) or self.d_head < 1:
-            raise ConfigError(f"model d_head = {self.d_head!r}: expected a positive integer or no value")
-        if not isinstance(self.max_position_offset, int) or self.max_position_offset < 0:
-            raise ConfigError(f"model max_position_offset = {self.max_position_offset!r}: "
-                              f"expected a non-negative integer")
         if self.positions == "learned" and self.max_position_offset:
             raise ConfigError("learned positions take no random offset; set "
                               "max_position_offset = 0 or use sinusoidal positions")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"model norm_eps = {self.norm_eps!r}: expected a positive number")
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
         """Build from a dict; unknown or missing keys are a ConfigError."""
-        check_keys(cls, values, "model")
-        try:
-            return cls(**values)
-        except TypeError as error:
-            raise ConfigError(f"model config is incomplete: {error}") from None
+        return from_table(cls, values, "model")
 
     def to_dict(self) -> dict:
         return asdict(self)

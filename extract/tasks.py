@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from orthosphere.extract.model import ConfigError, check_keys
+from orthosphere.errors import ConfigError
+from orthosphere.extract.model import check_keys
 
 CHARACTERS = "0123456789+-N[=]"
 """The 16 characters; a character's token id is its index, so digit d has id d."""

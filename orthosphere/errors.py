@@ -48,6 +48,10 @@ class ParameterError(ConfigError):
         """The same error with the parameter named `label` (as the caller wrote it)."""
         return type(self)(self.parameter, self.value, self.expected, unknown=self.unknown, label=label)
 
+    def in_table(self, where: str, key: str) -> ConfigError:
+        """The error as a TOML file's: `where` names the file and table, `key` the parameter there."""
+        return ConfigError(f"{where} {key} = {self.value!r}: expected {self.expected}")
+
     def __reduce__(self):
         return _parameter_error, (type(self), self.parameter, self.value, self.expected, self.unknown, self.label)
 

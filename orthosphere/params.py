@@ -184,6 +184,25 @@ class Rule(Constraint):
 
 
 @dataclass(frozen=True)
+class Normalised(Constraint):
+    """A value `normalise(value)` accepts (it raises ValueError or TypeError otherwise): the value kept
+    is what it returns (a dtype object becomes its name)."""
+
+    normalise: Callable[[Any], Any]
+    expected: str = "a valid value"
+
+    def accepts(self, value) -> bool:
+        try:
+            self.normalise(value)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def convert(self, value):
+        return self.normalise(value)
+
+
+@dataclass(frozen=True)
 class Delegated(Constraint):
     """A check shared with code outside the configurations (layers: extraction, the store and the
     analyses alike): `check(value)` returns the value kept or raises its own error, whose message
@@ -199,17 +218,27 @@ class Delegated(Constraint):
         return self.check(value)
 
 
+POSITIVE_INTEGER = Interval(int, 0, closed="neither")
+NON_NEGATIVE_INTEGER = Interval(int, 0)
+POSITIVE_NUMBER = Interval(float, 0, closed="neither")
+UNIT_INTERVAL = Interval(float, 0, 1)
+
+REQUIRED = dataclasses.MISSING
+"""The default of a parameter without one (the caller must give it)."""
+
+
 def parameter(default, *constraints: Constraint | None, help: str = "") -> Any:
-    """A configuration field: its default, the constraints any one of which a value must meet (None
-    among them: None is allowed), and a line of help."""
+    """A configuration field: its default (REQUIRED: none), the constraints any one of which a value
+    must meet (None among them: None is allowed; none at all: any value, checked where it is used),
+    and a line of help."""
     return field(default=default, metadata={"constraints": constraints, "help": help})
 
 
 def checked(name: str, value, constraints, error: type[ParameterError] = ParameterError, label: str | None = None):
     """The value kept for parameter `name` (converted by the constraint that accepts it), or the error
     (the parameter named `label` there: default "option NAME")."""
-    if value is None and None in constraints:
-        return None
+    if not constraints or (value is None and None in constraints):
+        return value
     given = [constraint for constraint in constraints if constraint is not None]
     for constraint in given:
         if constraint.accepts(value):
@@ -251,12 +280,25 @@ class Config:
     def of(cls, options: Mapping | None = None, *, owner: str = ""):
         """The configuration of these options; an unknown one is an error naming the known ones."""
         options = dict(options or {})
+        cls._refuse_unknown(options, owner)
+        return cls(**options)
+
+    @classmethod
+    def _refuse_unknown(cls, options: Mapping, owner: str = "") -> None:
         unknown = sorted(set(options) - set(cls.parameters()))
         if unknown:
             raise cls.error(unknown[0], options[unknown[0]],
                             f"a parameter of {owner or cls.__name__}, one of {sorted(cls.parameters())}",
                             unknown=True)
-        return cls(**options)
+
+    @classmethod
+    def check_some(cls, options: Mapping) -> dict:
+        """Some parameters' values checked (and converted) on their own, without the rest of a
+        configuration (a TOML table that holds only some of them); an unknown one is an error."""
+        cls._refuse_unknown(options)
+        known = cls.parameters()
+        return {name: checked(name, value, known[name].metadata.get("constraints", ()), cls.error)
+                for name, value in options.items()}
 
     def as_dict(self) -> dict:
         """Every parameter's value."""
@@ -264,8 +306,9 @@ class Config:
 
     def changed(self) -> dict:
         """The parameters whose value differs from the default."""
-        return {name: value for name, value in self.as_dict().items() if value != self.defaults()[name]
-                and not (isinstance(value, tuple) and list(value) == self.defaults()[name])}
+        defaults = self.defaults()
+        return {name: value for name, value in self.as_dict().items() if defaults[name] is REQUIRED or (
+            value != defaults[name] and not (isinstance(value, tuple) and list(value) == defaults[name]))}
 
     @classmethod
     def optional(cls, name: str, doc: str):

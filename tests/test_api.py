@@ -119,7 +119,7 @@ def test_bad_extraction_input_names_the_parameter(llama, tmp_path):
         (dict(model=folder / "model", data=42), ConfigError, r"data 42 \(int\): expected a task spec"),
         (dict(model=folder / "model", data=["text"]), ConfigError, r"data \['text'\] \(list\): expected a task spec"),
         (dict(model=folder / "model", data=data, batch_size=0), ConfigError,
-         r"batch_size=0 \(CLI: --batch-size 0\): expected a positive integer"),
+         r"^batch_size=0: expected a positive integer$"),
         (dict(model=folder / "model", data=data, tokenizer=object()), ConfigError, r"tokenizer= goes with a model object"),
         (dict(model=tiny_model("llama"), data=data, tokenizer="vocab.txt"), ConfigError,
          r"tokenizer of type str: expected a transformers tokenizer"),

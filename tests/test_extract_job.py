@@ -248,7 +248,7 @@ def test_model_dtype_runs_the_extraction_in_that_dtype(tmp_path):
     assert store.attrs["model"]["dtype"] == "bfloat16" and store["q"].dtype == np.float32
     q = store["q"].values
     np.testing.assert_array_equal(q, torch.from_numpy(q).to(torch.bfloat16).float().numpy())  # bfloat16 values
-    with pytest.raises(ConfigError, match="model dtype 'float8'"):
+    with pytest.raises(ConfigError, match=r"model_dtype='float8': expected one of \['float32', 'bfloat16', 'float16'\]"):
         extract(job(model_dir, tmp_path / "bad.zarr", model_dtype="float8"), progress=False)
     assert not (tmp_path / "bad.zarr").exists()
 

@@ -200,11 +200,11 @@ def test_loading_bad_directories_is_a_config_error(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"norm_placement": "sandwich"}, "unknown norm_placement 'sandwich'"),
-    ({"norm_type": "batch"}, "unknown norm_type 'batch'"),
+    ({"norm_placement": "sandwich"}, r"\[model\] norm_placement = 'sandwich': expected one of \['none', 'pre', 'post', 'qkv'\]"),
+    ({"norm_type": "batch"}, "norm_type = 'batch': expected one of"),
     ({"d_model": 25}, "d_model = 25 is not divisible by n_heads = 3"),
     ({"d_head": 0}, "d_head = 0: expected a positive integer"),
-    ({"positions": "rotary"}, "unknown positions 'rotary'"),
+    ({"positions": "rotary"}, "positions = 'rotary': expected one of"),
     ({"positions": "learned"}, "learned positions take no random offset"),
     ({"n_layers": 0}, "n_layers = 0"),
     ({"dropout": 0.1}, "unknown model keys \\['dropout'\\]"),

@@ -3,7 +3,9 @@ for one bad value from Python, the CLI and a TOML pipeline (each naming the opti
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from orthosphere.params import Config, Flag, Interval, Items, OneOf, Text, check
 from orthosphere.workflows.cli import main
 from orthosphere.workflows.pipeline import load_pipeline
 from tests.synthetic import write_store
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -144,3 +148,50 @@ def test_one_bad_value_gives_one_message_from_python_the_cli_and_a_pipeline(tmp_
                       f'[analyze.options]\n{key} = {json_value}\n')
     with pytest.raises(ConfigError, match=rf"{config} \[analyze.options\] {key} = {text}: {expected}"):
         load_pipeline(config)
+
+
+@pytest.mark.parametrize("parameter, flag, key, value, expected", [
+    ("batch_size", "--batch-size", "batch_size", 0, "expected a positive integer"),
+    ("n_shards", "--shards", "shards", -2, "expected a positive integer"),
+    ("dtype", "--dtype", "dtype", "float64", r"expected one of \['float16', 'bfloat16', 'float32'\]"),
+    ("device", "--device", "device", "gpu", "expected auto, cpu, cuda or cuda:N"),
+])
+def test_one_bad_extraction_setting_gives_one_message_from_python_the_cli_and_a_pipeline(tmp_path, parameter, flag, key,
+                                                                                         value, expected):
+    import orthosphere
+
+    out = tmp_path / "s.zarr"
+    text = repr(value)
+    with pytest.raises(ParameterError, match=rf"^{parameter}={text}: {expected}"):
+        orthosphere.extract(ROOT / "workflows" / "models" / "pre", "arithmetic:split=test", out, **{parameter: value})
+    result = CliRunner().invoke(main, ["extract", str(ROOT / "workflows" / "models" / "pre"), "--task", "arithmetic",
+                                       "--out", str(out), flag, str(value)])
+    assert result.exit_code != 0
+    if flag != "--dtype":  # click refuses a --dtype outside its choices before the job is built
+        assert f"Error: {flag}={text}: " in result.output and re.search(expected, result.output), result.output
+    config = tmp_path / "p.toml"
+    toml_value = f'"{value}"' if isinstance(value, str) else text
+    config.write_text('[models.pre]\npath = "m"\n[data.test]\ntask = "arithmetic:split=test"\nsamples = 4\n'
+                      f'[extract]\n{key} = {toml_value}\n')
+    with pytest.raises(ConfigError, match=rf"{config} \[extract\] {key} = {text}: {expected}"):
+        load_pipeline(config)
+    assert not out.exists()
+
+
+def test_training_and_model_configs_declare_their_constraints():
+    from orthosphere.extract.model import ModelConfig, from_table
+    from orthosphere.workflows.train import TrainConfig
+
+    with pytest.raises(ParameterError, match=r"^eval_every=0: expected a positive integer$"):
+        TrainConfig(steps=10, batch_size=2, eval_every=0)
+    with pytest.raises(ParameterError, match=r"^warmup_steps=20: expected an integer from 0 to steps = 10$"):
+        TrainConfig(steps=10, batch_size=2, warmup_steps=20)
+    with pytest.raises(ConfigError, match=r"^\[train\] learning_rate = -1.0: expected a positive number$"):
+        from_table(TrainConfig, {"steps": 10, "batch_size": 2, "learning_rate": -1.0}, "train")
+    with pytest.raises(ConfigError, match=r"^train config is incomplete: missing \['batch_size'\]$"):
+        from_table(TrainConfig, {"steps": 10}, "train")
+    assert TrainConfig(steps=10, batch_size=2, warmup_steps=3).changed() == {"steps": 10, "batch_size": 2, "warmup_steps": 3}
+    model = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv")
+    assert model.d_head == 4
+    with pytest.raises(ParameterError, match=r"^norm_eps=0.0: expected a positive number$"):
+        ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv", norm_eps=0.0)

@@ -139,14 +139,15 @@ def test_a_seed_replaces_the_configs_seed_in_the_run_and_its_saved_copy(tmp_path
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model__norm_placement": '"sandwich"'}, "unknown norm_placement 'sandwich'"),
-    ({"model__norm_type": '"batch"'}, "unknown norm_type 'batch'"),
+    ({"model__norm_placement": '"sandwich"'}, r"bad.toml: \[model\] norm_placement = 'sandwich': expected one of"),
+    ({"model__norm_type": '"batch"'}, "norm_type = 'batch': expected one of"),
     ({"model__d_model": "33"}, "d_model = 33 is not divisible by n_heads = 2"),
     ({"model__dropout": "0.1"}, "unknown model keys \\['dropout'\\]"),
     ({"train__optimiser": '"sgd"'}, "unknown train keys \\['optimiser'\\]"),
     ({"task__max_digits": "3"}, "unknown task keys \\['max_digits'\\]"),
     ({"model__vocab_size": "20"}, "vocab_size = 20"),
-    ({"train__warmup_steps": "100"}, "warmup_steps = 100"),
+    ({"train__warmup_steps": "100"}, r"\[train\] warmup_steps = 100: expected an integer from 0 to steps = "),
+    ({"train__beta2": "1.5"}, r"\[train\] beta2 = 1.5: expected a number in \[0, 1\]"),
     ({"model__positions": '"learned"', "model__max_position_offset": "0", "model__max_len": "20"},
      "max_len = 20 is shorter than the task's longest sequence"),
 ])

@@ -11,10 +11,14 @@ import sys
 
 import click
 
+from orthosphere.errors import ParameterError
 from orthosphere.extract import DEFAULT_BATCH_SIZE
 from orthosphere.store import SITES, format_info, info, open_writer, validate
 
 from .backend import Backend, dask_client
+
+EXTRACT_FLAGS = {"model": "MODEL", "n_samples": "--samples", "n_shards": "--shards"}
+"""The flag of each ExtractJob parameter whose flag is not its name (--batch-size: batch_size)."""
 
 EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm", "pyarrow")
 """What the `extract` extra installs."""
@@ -156,13 +160,16 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
     from orthosphere.extract.job import ExtractJob, extract
 
     backend = Backend(workers=workers or ctx.obj.workers, scheduler=scheduler or ctx.obj.scheduler)
-    job = ExtractJob(
-        model=model, task=task_spec, out=out, n_samples=samples,
-        sites=None if sites is None else tuple(filter(None, sites.split(","))),
-        layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-        resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
-        command=" ".join(sys.argv),
-    )
+    try:
+        job = ExtractJob(
+            model=model, task=task_spec, out=out, n_samples=samples,
+            sites=None if sites is None else tuple(filter(None, sites.split(","))),
+            layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
+            resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
+            command=" ".join(sys.argv),
+        )
+    except ParameterError as error:
+        raise error.named(EXTRACT_FLAGS.get(error.parameter, "--" + error.parameter.replace("_", "-"))) from None
     with dask_client(backend) as client:
         result = extract(job, client=client)
     click.echo(result.summary())

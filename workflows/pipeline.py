@@ -23,15 +23,16 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orthosphere.extract import DEFAULT_BATCH_SIZE
-from orthosphere.extract.model import ConfigError
+from orthosphere.errors import ConfigError
 
 from .backend import Backend, dask_client
 
 log = logging.getLogger("orthosphere.pipeline")
 
 TOP_LEVEL_KEYS = {"name", "root", "local_root", "backend", "models", "data", "extract", "analyze", "report"}
-EXTRACT_KEYS = {"sites", "layers", "dtype", "batch_size", "shards", "device", "model_dtype"}
+EXTRACT_KEYS = {"sites": "sites", "layers": "layers", "dtype": "dtype", "batch_size": "batch_size", "shards": "n_shards",
+                "device": "device", "model_dtype": "model_dtype"}
+"""The keys of an [extract] table, each with the ExtractJob parameter it sets."""
 ANALYZE_KEYS = {"only", "options", "online", "online_samples"}
 REPORT_KEYS = {"title"}
 
@@ -62,6 +63,7 @@ class Pipeline:
     models: tuple[ModelEntry, ...]
     data: tuple[DataEntry, ...]
     extract: dict = field(default_factory=dict)
+    """ExtractJob parameters of the [extract] table, checked."""
     analyze_only: tuple[str, ...] | None = None
     analyze_options: dict = field(default_factory=dict)
     online: tuple[str, ...] = ()
@@ -95,15 +97,26 @@ def _analysis_options(options, only, path: Path) -> dict:
     try:
         configure([get_analysis(name) for name in (only or ANALYSES)], options)
     except ParameterError as error:
-        shown = f'"{error.label}"' if "." in error.label else error.label
-        raise ConfigError(f"{where} {shown} = {error.value!r}: expected {error.expected}") from None
+        raise error.in_table(where, f'"{error.label}"' if "." in error.label else error.label) from None
     except AnalysisError as error:
         raise ConfigError(f"{where}: {error}") from None
     return dict(options)
 
 
-def _check_keys(found: dict, allowed: set, where: str) -> None:
-    unknown = sorted(set(found) - allowed)
+def _extract_settings(table: dict, path: Path) -> dict:
+    """The [extract] table as ExtractJob parameters, checked now by the job's own constraints."""
+    from orthosphere.errors import ParameterError
+    from orthosphere.extract.job import ExtractJob
+
+    keys = {EXTRACT_KEYS[key]: key for key in table}
+    try:
+        return ExtractJob.check_some({parameter: table[key] for parameter, key in keys.items()})
+    except ParameterError as error:
+        raise error.in_table(f"{path} [extract]", keys[error.parameter]) from None
+
+
+def _check_keys(found: dict, allowed, where: str) -> None:
+    unknown = sorted(set(found) - set(allowed))
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; expected some of {sorted(allowed)}")
 
@@ -123,7 +136,7 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
     data = tuple(_data_entry(name, entry, here, path) for name, entry in _table(values, "data", path).items())
     if not models or not data:
         raise ConfigError(f"{path}: needs at least one [models.NAME] and one [data.NAME] table")
-    extract = _table(values, "extract", path, EXTRACT_KEYS)
+    extract = _extract_settings(_table(values, "extract", path, EXTRACT_KEYS), path)
     analyze = _table(values, "analyze", path, ANALYZE_KEYS)
     report = _table(values, "report", path, REPORT_KEYS)
     only = analyze.get("only")
@@ -231,15 +244,8 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
             for data in pipeline.data:
                 store = pipeline.store_url(model, data)
                 job = ExtractJob(
-                    model=str(model.path), task=data.task, out=store, n_samples=data.samples,
-                    sites=tuple(pipeline.extract["sites"]) if "sites" in pipeline.extract else None,
-                    layers=tuple(pipeline.extract["layers"]) if "layers" in pipeline.extract else None,
-                    dtype=pipeline.extract.get("dtype", "float32"),
-                    batch_size=pipeline.extract.get("batch_size", DEFAULT_BATCH_SIZE),
-                    n_shards=pipeline.extract.get("shards", 1),
-                    device=pipeline.extract.get("device", "auto"), model_dtype=pipeline.extract.get("model_dtype"),
-                    resume=not force, overwrite=force, break_lock=break_lock,
-                    command=f"orthosphere run ({pipeline.name})",
+                    model=str(model.path), task=data.task, out=store, n_samples=data.samples, **pipeline.extract,
+                    resume=not force, overwrite=force, break_lock=break_lock, command=f"orthosphere run ({pipeline.name})",
                 )
                 log.info(extract(job, client=client, progress=False).summary())
                 online = model.path if data.name in pipeline.online else None

@@ -25,15 +25,24 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from orthosphere.errors import ConfigError
 from orthosphere.extract import tasks
 from orthosphere.extract.model import (
     METRICS_FILE,
     WEIGHTS_FILE,
     ArithmeticTransformer,
-    ConfigError,
     ModelConfig,
-    check_keys,
+    from_table,
     save_model,
+)
+from orthosphere.params import (
+    NON_NEGATIVE_INTEGER,
+    POSITIVE_INTEGER,
+    POSITIVE_NUMBER,
+    REQUIRED,
+    UNIT_INTERVAL,
+    Config,
+    parameter,
 )
 
 CONFIG_COPY = "train.toml"
@@ -42,36 +51,25 @@ EVAL_SPLITS = ("test", "interpolation", "extrapolation")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Config):
     """Optimisation and evaluation settings (AdamW, linear warm-up, cosine decay)."""
 
-    steps: int
-    batch_size: int
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.98
-    warmup_steps: int = 200
-    min_lr_ratio: float = 0.05
-    grad_clip: float = 1.0
-    eval_every: int = 500
-    eval_samples: int = 1000
-    checkpoint_every: int = 500
+    steps: int = parameter(REQUIRED, POSITIVE_INTEGER, help="optimiser steps")
+    batch_size: int = parameter(REQUIRED, POSITIVE_INTEGER, help="samples per step")
+    learning_rate: float = parameter(1e-3, POSITIVE_NUMBER, help="peak learning rate")
+    weight_decay: float = parameter(0.01, UNIT_INTERVAL, help="AdamW weight decay")
+    beta1: float = parameter(0.9, UNIT_INTERVAL, help="AdamW beta1")
+    beta2: float = parameter(0.98, UNIT_INTERVAL, help="AdamW beta2")
+    warmup_steps: int = parameter(200, NON_NEGATIVE_INTEGER, help="steps of linear warm-up (at most steps)")
+    min_lr_ratio: float = parameter(0.05, UNIT_INTERVAL, help="the cosine decay's floor, a share of learning_rate")
+    grad_clip: float = parameter(1.0, POSITIVE_NUMBER, help="gradient norm clip")
+    eval_every: int = parameter(500, POSITIVE_INTEGER, help="steps between evaluations")
+    eval_samples: int = parameter(1000, POSITIVE_INTEGER, help="samples of each evaluation split")
+    checkpoint_every: int = parameter(500, POSITIVE_INTEGER, help="steps between checkpoints")
 
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_every", "eval_samples", "checkpoint_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"train {name} = {value!r}: expected a positive integer")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
-            raise ConfigError(f"train warmup_steps = {self.warmup_steps!r}: expected an "
-                              f"integer from 0 to steps = {self.steps}")
-        for name in ("learning_rate", "grad_clip"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"train {name} = {getattr(self, name)!r}: expected a positive number")
-        for name in ("weight_decay", "min_lr_ratio", "beta1", "beta2"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"train {name} = {getattr(self, name)!r}: expected a number in [0, 1]")
+    def check(self) -> None:
+        if self.warmup_steps > self.steps:
+            raise self.error("warmup_steps", self.warmup_steps, f"an integer from 0 to steps = {self.steps}")
 
     def learning_rate_at(self, step: int) -> float:
         """Linear warm-up to ``learning_rate``, then cosine decay to ``min_lr_ratio`` of it."""
@@ -113,17 +111,10 @@ def parse_config(values: dict, source: str = "config") -> RunConfig:
     seed = values.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"{source}: seed = {seed!r}; expected a non-negative integer")
-    train_values = _table(values, "train")
     try:
-        check_keys(TrainConfig, train_values, "train")
-    except ConfigError as error:
-        raise ConfigError(f"{source}: {error}") from None
-    try:
-        train_config = TrainConfig(**train_values)
+        train_config = from_table(TrainConfig, _table(values, "train"), "train")
         task = tasks.TaskSpec.from_dict(_table(values, "task"))
         model = ModelConfig.from_dict(_table(values, "model"))
-    except TypeError as error:
-        raise ConfigError(f"{source}: train table is incomplete: {error}") from None
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
     if model.vocab_size != tasks.VOCAB_SIZE:
