@@ -13,7 +13,7 @@ import torch
 
 from .attention import ScoreFrame, ScoreTerms
 from .device import torch_device
-from .replay import _framed_messages, _key_major, count_instances
+from .replay_blocks import count_instances, framed_messages, key_major
 
 
 def _tensor(array: np.ndarray, device) -> torch.Tensor:
@@ -87,7 +87,7 @@ class TorchHeadBlock:
         self.winner = self.attention.argmax(dim=0).cpu().numpy()
         self.messages = None
         if v is not None and frame is not None:
-            self.messages = _tensor(_framed_messages(np.asarray(v), frame), self.block_attention.device)
+            self.messages = _tensor(framed_messages(np.asarray(v), frame), self.block_attention.device)
             self.output_sq = self._output_sq(self.attention)
 
     def _output_sq(self, weights: torch.Tensor) -> np.ndarray:
@@ -102,12 +102,12 @@ class TorchHeadBlock:
         """As ``HeadBlock.attention_change``: total variation and output change squared (sample, head, qpos)."""
         device = self.block_attention.device
         fq = _tensor((1.0 + kq).transpose(0, 2, 1), device)[None]
-        fk = _tensor(_key_major(1.0 + kk, self.n_heads), device)
+        fk = _tensor(key_major(1.0 + kk, self.n_heads), device)
         attention, _, _ = self.block_attention.softmax(self.block_attention.scores(fq * fk))
         change = attention - self.attention
         effects = {"tv": 0.5 * _host(change.abs().sum(dim=0, dtype=torch.float64))}
         if self.messages is not None:
-            attention.mul_(_tensor(_key_major(km, self.n_heads), device))
+            attention.mul_(_tensor(key_major(km, self.n_heads), device))
             effects["output_change_sq"] = self._output_sq(change.add_(attention))
         return effects
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from orthosphere.analyze.attention import ScoreTerms
-from orthosphere.analyze.replay import DEFAULT_LEVELS, PREDICTIONS, HeadBlock, ReplaySettings, SparseRows
+from orthosphere.analyze.replay_blocks import DEFAULT_LEVELS, PREDICTIONS, HeadBlock, ReplaySettings, SparseRows
 
 
 def sharp_block(n_samples: int, seed: int = 0):

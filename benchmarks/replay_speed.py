@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orthosphere.analyze.replay import DEFAULT_LEVELS, ReplaySettings, replay
+from orthosphere.analyze.replay import replay
+from orthosphere.analyze.replay_blocks import DEFAULT_LEVELS, ReplaySettings
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.store import open_store
 from orthosphere.workflows import train as training

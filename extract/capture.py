@@ -43,6 +43,9 @@ simultaneous capture records). Scaling v of a token scales its message W_O v exa
 Hooks are installed once per model and hold no state: what a capture records and how an edit
 changes q, k, v live in the trace of the forward pass (``trace.py``), so concurrent captures
 on one model in different threads stay apart.
+
+The adapters of the two kinds of model derive from ``Adapter``: ``arithmetic_adapter.py`` (the
+project's arithmetic transformers) and ``hf_adapter.py`` (the transformers families).
 """
 from __future__ import annotations
 
@@ -58,17 +61,14 @@ from orthosphere.store.schema import NORM_SCALE_SITES, model_layers
 
 from .families import (
     OUTSIDE_BLOCKS,
-    Family,
     Norm,
     UnsupportedModelError,
-    check_supported,
     family_for,
-    split_heads_rows,
     unsupported,
 )
-from .interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention, same_term
+from .interface import same_term
 from .model import ArithmeticTransformer, ConfigError
-from .norms import described_norms, norm_eps, norm_factor, norm_summary, norm_type
+from .norms import norm_eps, norm_factor, norm_type
 from .recording import Recording
 from .trace import active, tracing
 
@@ -264,7 +264,7 @@ class Adapter:
         for site, per_layer in self.scale_sources.items():
             for layer, source in per_layer.items():
                 if source.module is None:
-                    _pre_hook(self.blocks[layer], self._record_hook(site, layer, read=_no_norm))
+                    pre_hook(self.blocks[layer], self._record_hook(site, layer, read=_no_norm))
                 else:
                     source.module.register_forward_hook(self._record_hook(site, layer, read=self._factor_reader(source)))
 
@@ -308,391 +308,22 @@ def relative_bias_matrix(relative: dict, layer: int, n_pos: int) -> torch.Tensor
     return table[:, offsets + relative["max_offset"]]
 
 
-def _first_input(args, kwargs):
+def first_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _first_output(args, output):
+def first_output(args, output):
     return output[0] if isinstance(output, tuple) else output
 
 
 def _no_norm(args, kwargs):
     """NaN per token: the factor of a norm that is not there (layer 0 of a Post-Norm model without an embedding norm)."""
-    x = _first_input(args, kwargs)
+    x = first_input(args, kwargs)
     return torch.full(x.shape[:-1], float("nan"), device=x.device)
 
 
-def _pre_hook(module: nn.Module, hook) -> None:
+def pre_hook(module: nn.Module, hook) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-# --- the project's arithmetic transformers --------------------------------------------
-
-ARITHMETIC_NORMS = {
-    "pre": (Norm("attn_input", "norm_attn"), Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
-    "post": (Norm("resid_mid", "norm_attn"), Norm("resid_post", "norm_ff")),
-    "qkv": (Norm("q", "attn.head_norms.q", "head"), Norm("k", "attn.head_norms.k", "head"),
-            Norm("v", "attn.head_norms.v", "head"), Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
-    "none": (Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),
-}
-
-
-class ArithmeticAdapter(Adapter):
-    """The arithmetic transformers: every site is a HookPoint of the model."""
-
-    family = "arithmetic"
-
-    @property
-    def blocks(self):
-        return self.model.blocks
-
-    def attention(self, layer):
-        return self.model.blocks[layer].attn
-
-    def norms(self):
-        return ARITHMETIC_NORMS[self.model.config.norm_placement]
-
-    def _norm_kind(self, module):
-        return self.model.config.norm_type
-
-    def model_heads(self):
-        return self.model.config.n_heads, self.model.config.n_heads
-
-    def describe(self) -> dict:
-        description = dict(self.model.describe())
-        norms = self.norms()
-        description.update(
-            score=self.score_terms(), dtype=dtype_name(self.model),
-            **norm_summary(norms, placement=description["norm_placement"]),
-            **described_norms(self.model, self.blocks[0], norms, "weight", kind=self.model.config.norm_type),
-        )
-        return description
-
-    def score_terms(self):
-        n = self.n_layers
-        return {"scale": [float(self.model.config.attn_scale)] * n, "sliding_window": [None] * n,
-                "softcap": [None] * n, "alibi_slopes": None}
-
-    def head_weights(self, layer):
-        return self.attention(layer).head_weights()
-
-    def forward(self, tokens, valid=None):
-        """Logits; padding sits after the real tokens, so causal attention needs no mask."""
-        return self.model(tokens)
-
-    def _install_hooks(self):
-        for layer, block in enumerate(self.blocks):
-            attention = block.attn
-            points = {"resid_pre": block.hook_resid_pre, "resid_mid": block.hook_resid_mid,
-                      "resid_post": block.hook_resid_post, "attn_in": attention.hook_attn_in,
-                      "pattern": attention.hook_pattern}
-            for site, point in points.items():
-                point.register_forward_hook(self._record_hook(site, layer, read=_first_output))
-            attention.hook_q.register_forward_hook(self._hold("q"))
-            attention.hook_k.register_forward_hook(self._hold("k"))
-            attention.hook_v.register_forward_hook(self._complete(layer))
-
-    def _hold(self, name):
-        """q and k wait in the trace until v arrives."""
-        def hook(module, args, output):
-            trace = active(self)
-            if trace is not None:
-                trace.held[name] = output
-
-        return hook
-
-    def _complete(self, layer):
-        """The edit rewrites the held q and k in place, before the score is computed from them,
-        and replaces v; then q, k, v are recorded."""
-        def hook(module, args, v):
-            trace = active(self)
-            if trace is None:
-                return v
-            q, k = trace.held.pop("q"), trace.held.pop("k")
-            if trace.edit is not None:
-                new_q, new_k, v = trace.edit(layer, q, k, v)
-                for old, new in ((q, new_q), (k, new_k)):
-                    if new is not old:
-                        old.copy_(new)
-            if trace.recording is not None:
-                for site, value in zip(QKV_SITES, (q, k, v)):
-                    trace.recording.record(site, layer, value)
-            return v
-
-        return hook
-
-
-# --- transformers families -----------------------------------------------------------------
-
-
-class HuggingFaceAdapter(Adapter):
-    """Any transformers family of ``families.py``, driven by its declarative description."""
-
-    def __init__(self, model: nn.Module, family: Family):
-        check_supported(family, model.config)
-        self.model, self.spec = model, family.resolved(model.config)
-        self.lm_head = type(model).__name__ == family.lm_class
-        if not self.lm_head and family.lm_class is not None:
-            import transformers
-
-            self.spec = self.spec.without_head(getattr(transformers, family.lm_class).base_model_prefix)
-        self.family, self.causal = family.model_type, family.causal
-        if family.route == "interface":
-            register_attention()
-            model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-            if model.config._attn_implementation != ATTENTION_IMPLEMENTATION:
-                raise UnsupportedModelError(unsupported(f"{type(model).__name__} (it ignores transformers' attention interface)"))
-        else:
-            model.config._attn_implementation = "eager"  # its own attention, returning the pattern
-        self.n_heads, self.d_head, self.n_kv_heads = self._head_layout()
-        super().__init__(model)
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def output_multiplier(self) -> float:
-        """The factor on the attention output before the residual add (1 but for Granite)."""
-        return float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
-
-    @property
-    def blocks(self):
-        return self.model.get_submodule(self.spec.blocks)
-
-    def attention(self, layer):
-        return self.blocks[layer].get_submodule(self.spec.attention)
-
-    def forward(self, tokens, valid=None):
-        mask = None if valid is None else valid.to(torch.long)
-        options = {"use_cache": False} if self.causal else {}
-        output = self.model(input_ids=tokens, attention_mask=mask, **options)
-        return output.logits if self.lm_head else None
-
-    # --- description ---
-    def norms(self):
-        return tuple(norm for norm in self.spec.norms if self._norm_module(norm, 0) is not None)
-
-    def _norm_kind(self, module):
-        return self.spec.norm_kind or norm_type(module)
-
-    def model_heads(self):
-        return self.n_heads, self.n_kv_heads
-
-    def describe(self) -> dict:
-        norms = self.norms()
-        description = {
-            "family": self.family,
-            "architecture": type(self.model).__name__,
-            "lm_head": self.lm_head,
-            "n_layers": self.n_layers,
-            "d_model": self.config.hidden_size,
-            "n_heads": self.n_heads,
-            "n_kv_heads": self.n_kv_heads,
-            "d_head": self.d_head,
-            "d_ff": self._config_value(self.spec.d_ff_keys, 4 * self.config.hidden_size),
-            "vocab_size": self.config.vocab_size,
-            "attn_scale": self._score["scale"][0],
-            "causal": self.causal,
-            "score": self._score,
-            "positions": self.spec.positions,
-            **norm_summary(norms, parallel=self.spec.parallel),
-            **described_norms(self.model, self.blocks[0], norms, self.spec.norm_gain, self.spec.norm_kind),
-            "activation": self._config_value(self.spec.activation_keys, None),
-            "dtype": dtype_name(self.model),
-            "n_parameters": sum(p.numel() for p in self.model.parameters()),
-        }
-        if self.spec.output_multiplier:
-            description["output_multiplier"] = self.output_multiplier
-        rope = getattr(self.config, "rope_parameters", None)
-        if self.spec.positions == "rotary" and rope:
-            description["rope_parameters"] = _plain(rope)
-        for key in self.spec.extra_config:
-            if getattr(self.config, key, None) is not None:
-                description[key] = _plain(getattr(self.config, key))
-        return description
-
-    def score_terms(self):
-        attentions = [self.attention(layer) for layer in range(self.n_layers)]
-        if self.spec.route == "projection":
-            scales = [float(a.inv_norm_factor) for a in attentions]
-        else:
-            scales = [1.0 if self.spec.query_prescaled else float(a.scaling) for a in attentions]
-        windows = [getattr(a, "sliding_window", getattr(self.config, "sliding_window", None)) for a in attentions]
-        softcaps = [getattr(a, "attn_logit_softcapping", None) for a in attentions]
-        alibi = None
-        if self.spec.alibi_slopes is not None:
-            alibi = [self.spec.alibi_slopes(self.config, self.config.num_attention_heads)] * self.n_layers
-        terms = {"scale": scales, "sliding_window": [None if w is None else int(w) for w in windows],
-                 "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
-        if self.spec.relative_bias is not None:
-            terms["relative_bias"] = self.spec.relative_bias(attentions)
-        return terms
-
-    def _config_value(self, keys, default):
-        for key in keys:
-            value = getattr(self.config, key, None)
-            if value is not None:
-                return value
-        return default
-
-    def _head_layout(self) -> tuple[int, int, int]:
-        """(n_heads, d_head, n_kv_heads), checked against the projections' sizes."""
-        attention, config = self.attention(0), self.config
-        n_heads = config.num_attention_heads
-        d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size",
-                                                              "key_value_proj_dim")
-                       if isinstance(getattr(attention, name, None), int)), config.hidden_size // n_heads)
-        n_kv = getattr(attention, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or n_heads
-        q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
-        fused = ((n_heads + 2 * n_kv) * d_head,) * 2
-        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": fused, "grouped": fused}[self.spec.projections.layout]
-        if (q_rows, k_rows) != expected:
-            raise UnsupportedModelError(
-                f"{self.family} model with q/k projections of {q_rows}/{k_rows} outputs: expected {expected} for "
-                f"{n_heads} heads of {d_head} and {n_kv} key/value heads; this configuration is not supported"
-            )
-        return n_heads, d_head, n_kv
-
-    # --- weights ---
-    def head_weights(self, layer):
-        block, projections = self.blocks[layer], self.spec.projections
-        rows = split_heads_rows(projections.layout, self.n_heads, self.n_kv_heads, self.d_head)
-        weights = {}
-        for name in QKV_SITES:
-            module = block.get_submodule(getattr(projections, name))
-            matrix, bias = _out_in(module), _bias(module)
-            weights[f"w_{name}"] = matrix[torch.as_tensor(rows[name])].permute(0, 2, 1)
-            weights[f"b_{name}"] = bias[torch.as_tensor(rows[name])]
-        if self.spec.query_prescaled:
-            scaling = float(self.attention(layer).scaling)
-            weights["w_q"], weights["b_q"] = weights["w_q"] * scaling, weights["b_q"] * scaling
-        output = block.get_submodule(projections.o)
-        weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * self.output_multiplier
-        weights["b_o"] = _bias(output) * self.output_multiplier
-        return {name: value.detach().float() for name, value in weights.items()}
-
-    # --- hooks ---
-    def _install_hooks(self):
-        for layer in range(self.n_layers):
-            block, attention = self.blocks[layer], self.attention(layer)
-            _pre_hook(block, self._record_hook("resid_pre", layer, read=_first_input))
-            block.register_forward_hook(self._record_hook("resid_post", layer, read=_first_output))
-            _pre_hook(attention, self._record_hook("attn_in", layer, read=_first_input))
-            _pre_hook(block, self._hold_input(layer))
-            self._install_mid_hook(layer)
-            if self.spec.route == "projection":
-                _pre_hook(attention, self._hold_rotation)
-                block.get_submodule(self.spec.projections.q).register_forward_hook(self._projection_hook(layer))
-                attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
-
-    def _install_mid_hook(self, layer):
-        block, mid = self.blocks[layer], self.spec.mid
-        if mid == "parallel":
-            self.attention(layer).register_forward_hook(self._record_hook("resid_mid", layer, read=self._parallel_mid(layer)))
-            return
-        where, _, path = mid.partition(":")
-        module = block.get_submodule(path)
-        if where == "input":
-            _pre_hook(module, self._record_hook("resid_mid", layer, read=self._stream(_first_input)))
-        else:
-            module.register_forward_hook(self._record_hook("resid_mid", layer, read=self._stream(_first_output)))
-
-    def _stream(self, read):
-        """read, with a (batch * pos, d_model) value (OPT flattens before its MLP) put back to (batch, pos, d_model)."""
-        def stream(args, *rest):
-            value = read(args, *rest)
-            trace = active(self)
-            return value.view(trace.held["resid_pre"].shape) if value.dim() == 2 else value
-
-        return stream
-
-    def _hold_input(self, layer):
-        """Keep the block input in the trace for resid_mid (parallel families add to it) and the
-        norm factors (OPT's flattened stream takes its shape)."""
-        def hook(module, args, kwargs):
-            trace = active(self)
-            if trace is not None and trace.recording is not None:
-                trace.held["resid_pre"] = _first_input(args, kwargs)
-
-        return hook
-
-    def _parallel_mid(self, layer):
-        def read(args, output):
-            return active(self).held["resid_pre"] + self.output_multiplier * _first_output(args, output)
-
-        return read
-
-    def _hold_rotation(self, module, args, kwargs):
-        """Keep the cos and sin the attention module receives, for the projection hook's rotary embedding."""
-        trace = active(self)
-        if trace is not None and self.spec.rotary is not None:
-            trace.held["rotation"] = kwargs["position_embeddings"]
-
-    def _projection_hook(self, layer):
-        """q, k, v from the fused projection's output, split by its layout, rotary embedding applied
-        as the family does: recorded; edited (before the rotation, by its inverse) in a copy of the
-        output."""
-        rows = {name: torch.as_tensor(index) for name, index in
-                split_heads_rows(self.spec.projections.layout, self.n_heads, self.n_kv_heads, self.d_head).items()}
-        rotate = _function(self.spec.rotary) if self.spec.rotary else None
-
-        def turn(q, k, cos, sin):  # (batch, pos, head, d_head) in and out
-            q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            return q.transpose(1, 2), k.transpose(1, 2)
-
-        def hook(module, args, output):
-            trace = active(self)
-            if trace is None:
-                return output
-            q, k, v = (output[..., rows[name].to(output.device)] for name in QKV_SITES)
-            if rotate is not None:
-                cos, sin = trace.held["rotation"]
-                q, k = turn(q, k, cos, sin)
-            if trace.edit is not None:
-                q, k, v = trace.edit(layer, q, k, v)
-                unturned = turn(q, k, cos, -sin) if rotate is not None else (q, k)
-                output = output.clone()
-                for name, value in zip(QKV_SITES, (*unturned, v)):
-                    output[..., rows[name].to(output.device)] = value
-            if trace.recording is not None:
-                for site, value in zip(QKV_SITES, (q, k, v)):
-                    trace.recording.record(site, layer, value)
-            return output
-
-        return hook
-
-
-def _function(path: str):
-    """The function at a dotted path (a family's own rotary embedding)."""
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _out_features(module: nn.Module) -> int:
-    return _out_in(module).shape[0]
-
-
-def _out_in(module: nn.Module) -> torch.Tensor:
-    """A projection's weight as (out, in): nn.Linear's own layout; GPT-2's Conv1D stores (in, out)."""
-    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
-
-
-def _bias(module: nn.Module) -> torch.Tensor:
-    weight = _out_in(module)
-    bias = getattr(module, "bias", None)
-    return bias if bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-
-
-def _plain(value):
-    """A config value as plain JSON-able data."""
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
 
 
 def dtype_name(model: nn.Module) -> str:
@@ -717,6 +348,9 @@ def adapter_for(model: nn.Module) -> Adapter:
 
 
 def _new_adapter(model: nn.Module) -> Adapter:
+    from .arithmetic_adapter import ArithmeticAdapter  # the adapters derive from Adapter, defined here
+    from .hf_adapter import HuggingFaceAdapter
+
     if isinstance(model, ArithmeticTransformer):
         return ArithmeticAdapter(model)
     config = getattr(model, "config", None)

@@ -13,7 +13,8 @@ from orthosphere.analyze.attention import ScoreTerms
 from orthosphere.analyze.device import resolve_device
 from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.options import parse_assignment
-from orthosphere.analyze.replay import message_frame, replay
+from orthosphere.analyze.replay import replay
+from orthosphere.analyze.replay_blocks import message_frame
 from tests.reference import assert_attention_close, attention_atol, attention_float64
 from tests.test_analyze_replay import RELATIVE_BIAS, brute_force_conditions, random_heads, write_store
 

@@ -200,7 +200,8 @@ def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatc
 
 @pytest.mark.slow
 def test_the_report_tabulates_label_association_beside_the_angles_and_their_null(store, tmp_path):
-    from orthosphere.workflows.report import figure_association, load_runs
+    from orthosphere.workflows.figures import figure_association
+    from orthosphere.workflows.runs import load_runs
 
     out = tmp_path / "results.zarr"
     tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "rank": 2})
@@ -218,7 +219,8 @@ def test_the_report_tabulates_label_association_beside_the_angles_and_their_null
 def test_the_report_draws_each_layers_angle_and_sphere_statistics_with_their_intervals(store, tmp_path):
     from matplotlib.container import ErrorbarContainer
 
-    from orthosphere.workflows.report import figure_angles, figure_spheres, load_runs
+    from orthosphere.workflows.figures import figure_angles, figure_spheres
+    from orthosphere.workflows.runs import load_runs
 
     out = tmp_path / "results.zarr"
     tree = analyze(store, out, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "rank": 2})

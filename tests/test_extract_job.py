@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from orthosphere.errors import ConfigError, JobMismatchError
 from orthosphere.extract import tasks
 from orthosphere.extract.data import ArithmeticData, CorpusData, parse_task
-from orthosphere.extract.job import ExtractJob, WriteBehind, extract
+from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.shards import WriteBehind
 from orthosphere.store import StoreExistsError, open_store, read_attrs
 from orthosphere.store.lifecycle import chunk_samples
 from orthosphere.workflows.cli import main
@@ -218,6 +219,7 @@ def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
     from orthosphere.extract import job as job_module
+    from orthosphere.extract import shards as shards_module
 
     model_dir = write_hf_model(tmp_path / "llama", "llama")
     text = write_text(tmp_path / "text.txt")
@@ -231,6 +233,7 @@ def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
         return real_load(path, "cpu" if device == "cuda" else device, model_dtype)
 
     monkeypatch.setattr(job_module, "load_source", load_source)
+    monkeypatch.setattr(shards_module, "load_source", load_source)
     out = tmp_path / "cluster.zarr"
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:

@@ -8,7 +8,9 @@ import torch
 import xarray as xr
 
 from orthosphere.analyze.errors import AnalysisError
-from orthosphere.analyze.replay import ReplayError, ReplaySettings, replay, unit_noise
+from orthosphere.analyze.noise import unit_noise
+from orthosphere.analyze.replay import ReplayError, replay
+from orthosphere.analyze.replay_blocks import ReplaySettings
 from orthosphere.analyze.results import analyze, open_results, write_results
 from orthosphere.extract import tasks
 from orthosphere.extract.capture import adapter_for

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from orthosphere.workflows import report
+from orthosphere.workflows import figures, report
+from orthosphere.workflows import runs as run_model
 
 SPEC = {"train_counts": [3, 4, 6], "digit_lengths": [1, 2]}
 
@@ -49,7 +50,7 @@ def norms_group(band: float, layer_head: dict) -> xr.Dataset:
     }, coords={**layer_head, "ratio": ratio}, attrs={"weighting": "attention", "mass": 0.9})
 
 
-def runs_of(accuracies: dict[str, list[float]], **kwargs) -> list[report.Run]:
+def runs_of(accuracies: dict[str, list[float]], **kwargs) -> list[run_model.Run]:
     """placement -> per-seed test accuracy; seed s of placement p lives in folder p-s{s}."""
     runs = []
     for placement, values in accuracies.items():
@@ -57,30 +58,30 @@ def runs_of(accuracies: dict[str, list[float]], **kwargs) -> list[report.Run]:
             source = f"/models/{placement}-s{seed}"
             for split, shift in (("test", 0.0), ("extrapolation", -0.2)):
                 tree = results_tree(source, f"{placement}{seed}" * 8, placement, split, value + shift, **kwargs)
-                runs.append(report.Run(f"{source}-{split}.zarr", tree))
-    return report.name_runs(runs)
+                runs.append(run_model.Run(f"{source}-{split}.zarr", tree))
+    return run_model.name_runs(runs)
 
 
 def test_seeds_of_one_placement_are_all_kept_and_grouped_into_one_variant():
     runs = runs_of({"pre": [0.9, 0.8, 0.85], "qkv": [0.7, 0.75, 0.6]})
-    assert [run.name for run in report.in_distribution(runs)] == [f"{p}-s{s}" for p in ("pre", "qkv") for s in range(3)]
-    assert sorted(len(members) for members in report.variants(runs).values()) == [3, 3]
+    assert [run.name for run in run_model.in_distribution(runs)] == [f"{p}-s{s}" for p in ("pre", "qkv") for s in range(3)]
+    assert sorted(len(members) for members in run_model.variants(runs).values()) == [3, 3]
     (family,) = report.families(runs)
     assert [run.name for run in family["pre"]] == ["pre-s0", "pre-s1", "pre-s2"]
-    assert report.accuracy_table(runs)["qkv-s2"] == pytest.approx({"test": 60.0, "extrapolation": 40.0})
+    assert run_model.accuracy_table(runs)["qkv-s2"] == pytest.approx({"test": 60.0, "extrapolation": 40.0})
 
 
 def test_two_models_that_share_a_folder_name_never_collide():
     trees = [results_tree(f"/{where}/pre", sha, "pre", "test", 0.9) for where, sha in (("a", "1" * 64), ("b", "2" * 64))]
-    runs = report.name_runs([report.Run(f"r{i}.zarr", tree) for i, tree in enumerate(trees)])
+    runs = run_model.name_runs([run_model.Run(f"r{i}.zarr", tree) for i, tree in enumerate(trees)])
     assert [run.name for run in runs] == ["pre@11111111", "pre@22222222"]
-    assert len(report.in_distribution(runs)) == 2
+    assert len(run_model.in_distribution(runs)) == 2
 
 
 def test_models_of_different_sizes_are_different_variants_and_labelled_by_size():
-    runs = report.name_runs([report.Run("a.zarr", results_tree("/m/small", "1" * 64, "pre", "test", 0.9)),
-                             report.Run("b.zarr", results_tree("/m/large", "2" * 64, "pre", "test", 0.9, d_model=128))])
-    labels = sorted(report.variant_labels(runs).values())
+    runs = run_model.name_runs([run_model.Run("a.zarr", results_tree("/m/small", "1" * 64, "pre", "test", 0.9)),
+                             run_model.Run("b.zarr", results_tree("/m/large", "2" * 64, "pre", "test", 0.9, d_model=128))])
+    labels = sorted(run_model.variant_labels(runs).values())
     assert labels == ["arithmetic: pre (2 layers, d_model 128, 4 heads of 32)",
                       "arithmetic: pre (2 layers, d_model 64, 4 heads of 16)"]
     assert len(report.families(runs)) == 2
@@ -96,12 +97,12 @@ def language_model_tree(source: str, family: str, qk_norm: str | None) -> xr.Dat
 
 
 def test_models_of_equal_size_and_placement_are_labelled_by_family_and_norms():
-    runs = report.name_runs([report.Run("a.zarr", language_model_tree("/hub/llama-tiny", "llama", None)),
-                             report.Run("b.zarr", language_model_tree("/hub/qwen3-tiny", "qwen3", "head"))])
-    labels = report.variant_labels(runs)
+    runs = run_model.name_runs([run_model.Run("a.zarr", language_model_tree("/hub/llama-tiny", "llama", None)),
+                             run_model.Run("b.zarr", language_model_tree("/hub/qwen3-tiny", "qwen3", "head"))])
+    labels = run_model.variant_labels(runs)
     assert sorted(labels.values()) == ["llama: pre RMSNorm", "qwen3: pre RMSNorm + QK-norm"]
     assert report.families(runs) == []  # the headline's Pre-Norm / QKV-Norm pair is the arithmetic family's
-    legend = [text.get_text() for text in report.figure_accuracy(runs).axes[0].get_legend().get_texts()]
+    legend = [text.get_text() for text in figures.figure_accuracy(runs).axes[0].get_legend().get_texts()]
     assert sorted(legend) == ["llama: pre RMSNorm (1 model)", "qwen3: pre RMSNorm + QK-norm (1 model)"]
 
 
@@ -112,15 +113,15 @@ def test_parallel_and_sandwich_models_say_so_and_one_identity_of_one_size_is_tol
     sandwich.attrs["model"]["norm_placement"] = "sandwich"
     twins = [language_model_tree(f"/hub/llama-{n}", "llama", None) for n in ("a", "b")]
     twins[1].attrs["model"]["d_ff"] = 99  # another variant of the same identity and size
-    runs = report.name_runs([report.Run(f"{i}.zarr", tree) for i, tree in enumerate([parallel, sandwich, *twins])])
-    assert sorted(report.variant_labels(runs).values()) == [
+    runs = run_model.name_runs([run_model.Run(f"{i}.zarr", tree) for i, tree in enumerate([parallel, sandwich, *twins])])
+    assert sorted(run_model.variant_labels(runs).values()) == [
         "gemma2: sandwich RMSNorm", "llama: pre RMSNorm [llama-a]", "llama: pre RMSNorm [llama-b]",
         "phi: pre LayerNorm, parallel"]
 
 
 def test_the_headline_pairs_only_the_arithmetic_familys_pre_and_qkv_variants():
     runs = runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]})
-    runs = report.name_runs(runs + [report.Run("lm.zarr", language_model_tree("/hub/llama-tiny", "llama", None))])
+    runs = run_model.name_runs(runs + [run_model.Run("lm.zarr", language_model_tree("/hub/llama-tiny", "llama", None))])
     (family,) = report.families(runs)
     assert {placement: [run.name for run in members] for placement, members in family.items()} == {
         "pre": ["pre-s0", "pre-s1"], "qkv": ["qkv-s0", "qkv-s1"]}
@@ -158,7 +159,7 @@ def test_headline_gives_theorem_7s_recall_and_precision_at_10_percent_noise_wher
 
 
 def test_the_norm_spread_figure_gives_each_layers_band_and_the_pooled_one():
-    figure = report.figure_norm_spread(runs_of({"pre": [0.9], "qkv": [0.7]}, band=0.25))
+    figure = figures.figure_norm_spread(runs_of({"pre": [0.9], "qkv": [0.7]}, band=0.25))
     first = figure.axes[0]
     assert first.get_title() == "pre-s0: band ±25 % (layers and heads pooled)"
     legend = [text.get_text() for text in first.get_legend().get_texts()]
@@ -181,7 +182,7 @@ def test_direction_verdict(pre, qkv, direction, verdict):
 
 
 def test_the_accuracy_figure_draws_one_bar_group_per_variant():
-    figure = report.figure_accuracy(runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}))
+    figure = figures.figure_accuracy(runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}))
     legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert legend == ["arithmetic: pre (2 models)", "arithmetic: qkv (2 models)"]
 
@@ -190,15 +191,15 @@ def test_learning_curves_come_from_the_models_metrics_where_readable(tmp_path):
     import json
 
     runs = runs_of({"pre": [0.9], "qkv": [0.7]})
-    assert report.figure_learning_curves(runs) is None  # the model folders are not here
+    assert figures.figure_learning_curves(runs) is None  # the model folders are not here
     folder = tmp_path / "pre-s0"
     folder.mkdir()
     history = [{"step": s, "test_token_accuracy": a, "interpolation_token_accuracy": a,
                 "extrapolation_token_accuracy": a / 2} for s, a in ((1000, 0.5), (2000, 0.8))]
     (folder / "metrics.json").write_text(json.dumps({"history": history}))
     runs[0].tree.attrs["model"]["source"] = str(folder)
-    assert report.training_history(runs[0]) == history
-    figure = report.figure_learning_curves(runs)
+    assert run_model.training_history(runs[0]) == history
+    figure = figures.figure_learning_curves(runs)
     (line,) = figure.axes[0].get_lines()
     assert list(line.get_ydata()) == [50.0, 80.0]
 
@@ -224,8 +225,8 @@ def test_models_that_differ_only_in_placement_pair_up_from_the_extractors_own_de
             tree = results_tree(f"/models/{placement}-s{seed}", f"{placement}{seed}" * 8, placement, "test", 0.8)
             tree.attrs["model"] = {**adapter_for(model).describe(), "source": f"/models/{placement}-s{seed}",
                                    "weights_sha256": f"{placement}{seed}" * 8}
-            runs.append(report.Run(f"{placement}-s{seed}.zarr", tree))
-    (family,) = report.families(report.name_runs(runs))
+            runs.append(run_model.Run(f"{placement}-s{seed}.zarr", tree))
+    (family,) = report.families(run_model.name_runs(runs))
     assert {placement: [run.name for run in members] for placement, members in family.items()} == {
         "pre": ["pre-s0", "pre-s1"], "qkv": ["qkv-s0", "qkv-s1"]}
 

@@ -30,17 +30,8 @@ import xarray as xr
 
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys
 from orthosphere.analyze.inputs import check_layers
-from orthosphere.analyze.replay import (
-    DEFINITIONS,
-    SWITCHABLE_KEYS,
-    HeadBlock,
-    ReplayError,
-    ReplaySettings,
-    check_variables,
-    collapse_indicators,
-    instance_queries,
-    store_model,
-)
+from orthosphere.analyze.replay import ReplayError, check_variables, store_model
+from orthosphere.analyze.replay_blocks import DEFINITIONS, SWITCHABLE_KEYS, HeadBlock, ReplaySettings, collapse_indicators, instance_queries
 from orthosphere.errors import ModelMismatchError
 from orthosphere.extract.capture import Adapter, adapter_for
 from orthosphere.extract.sources import load_source

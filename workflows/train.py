@@ -202,9 +202,9 @@ def evaluate(model: ArithmeticTransformer, batch: tasks.ArithmeticBatch,
 def _parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only, not on gains, biases or embeddings."""
     decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        is_matrix = parameter.dim() >= 2 and "embed" not in name
-        (decay if is_matrix else no_decay).append(parameter)
+    for name, weight in model.named_parameters():
+        is_matrix = weight.dim() >= 2 and "embed" not in name
+        (decay if is_matrix else no_decay).append(weight)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

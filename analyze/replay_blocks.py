@@ -1,0 +1,431 @@
+"""The replay's kernels: one block of samples of one layer, its clean attention (``HeadBlock``) and
+its perturbations under the study's settings (``ReplaySettings``), counted per (level, head)
+(``replay_block``); the definitions are in ``replay.py``'s docstring."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from orthosphere.params import Interval, Items, parameter
+
+from .attention import BlockAttention, ScoreTerms, per_head
+from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
+from .device import resolve_device
+from .noise import unit_noise
+from .options import DEVICE, AnalysisConfig, choice, integer
+
+TARGETS = ("q", "k", "m")
+
+
+DISTRIBUTIONS = ("uniform", "gaussian")
+
+
+DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
+
+
+DEFINITIONS = ("collapse", "strict")
+
+
+DEFAULT_SMOOTH_DRAWS = 2
+"""Draws of the smooth summaries (total variation, output change) by default: means over every
+instance, whose Monte Carlo error (reported) is small after a few draws."""
+
+
+CURVE_STEPS_PER_OCTAVE = 64
+"""Points of the collapse-rate curve per factor 2 of the level (1.1 % apart)."""
+
+
+STRICT_ROWS = 4096
+"""Collapsed (row, level) pairs whose softmax the strict definition evaluates at once."""
+
+
+KERNEL_BYTES = 2**22
+"""The most bytes of one float32 (kpos, sample, head, qpos) array of a replay sub-block. Measured
+with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
+per-operation costs than cache saves (29.7 s for two layers), 4 MiB is fastest (20.7 s), 16 MiB
+falls out of cache (26.6 s), one block of 64 samples took 35 s."""
+
+
+DEVICE_KERNEL_BYTES = 2**28
+"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
+
+
+SWITCHABLE_KEYS = 2
+"""A query with fewer allowed keys attends fully to one and can never switch."""
+
+
+DEFAULT_MIN_KEYS = 4
+"""The fewest allowed keys of a query that counts as an instance, by default (``min_keys``)."""
+
+
+PREDICTIONS = ("theory", "exact")
+"""The predicted collapses counted beside the measured ones: Theorem 7's first-order condition and
+the exact condition (see the module docstring)."""
+
+
+PREDICTION_COUNTS = ("predicted", "missed", "false_alarm")
+
+
+@dataclass(frozen=True)
+class ReplaySettings(AnalysisConfig):
+    """What to perturb and how (the options that reach each block of the replay)."""
+
+    levels: tuple[float, ...] = parameter(
+        DEFAULT_LEVELS, Items(Interval(float, 0, 1, closed="neither"), single=True, increasing=True,
+                              hint="RMS noise levels (0.01 is 1 % noise), e.g. replay.levels=[0.01,0.1]"),
+        help="the noise levels swept (RMS, relative)")
+    n_draws: int = parameter(32, integer(1, "noise draws per level"), help="noise draws per level")
+    seed: int = parameter(0, integer(0), help="seed of the noise")
+    distribution: str = parameter("uniform", choice(*DISTRIBUTIONS), help="the noise's distribution")
+    targets: tuple[str, ...] = parameter(
+        TARGETS, Items(choice(*TARGETS), single=True, hint="q: queries, k: keys, m: messages W_O v"),
+        help="what the noise perturbs")
+    sparse_threshold: float = parameter(
+        0.95, Interval(float, 0, 1, closed="right", hint="a maximum attention (the paper uses 0.95)"),
+        help="a query is a sparse instance when its largest attention reaches this")
+    min_keys: int = parameter(DEFAULT_MIN_KEYS, integer(SWITCHABLE_KEYS, (
+        f"the fewest allowed keys a query needs to count as an instance: {DEFAULT_MIN_KEYS} (the default) leaves "
+        f"out the trivially sparse first positions, {SWITCHABLE_KEYS} counts every query that can switch")),
+        help="the fewest allowed keys of an instance")
+    smooth_draws: int | None = parameter(
+        None, integer(2, "the fewest that state a Monte Carlo error of the total variation and output change"), None,
+        help=f"draws of the smooth summaries (default {DEFAULT_SMOOTH_DRAWS}, at most n_draws)")
+    device: str = parameter("cpu", DEVICE, help="where the dense attention work runs (device.py), resolved here")
+
+    def check(self) -> None:
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
+        if self.smooth_draws is None:
+            object.__setattr__(self, "smooth_draws", min(DEFAULT_SMOOTH_DRAWS, self.n_draws))
+        elif self.smooth_draws > self.n_draws:
+            raise self.error("smooth_draws", self.smooth_draws, f"an integer from 2 to n_draws = {self.n_draws}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+    @property
+    def curve_levels(self) -> np.ndarray:
+        """The levels of the collapse-rate curve: the swept levels and CURVE_STEPS_PER_OCTAVE log-spaced
+        levels an octave in, from a quarter of the lowest level to the highest."""
+        low, high = self.levels[0] / 4, self.levels[-1]
+        steps = int(math.ceil(CURVE_STEPS_PER_OCTAVE * math.log2(high / low))) + 1
+        return np.unique(np.concatenate([np.geomspace(low, high, steps), self.levels]))
+
+    def kappa(self, target: str, layer: int, samples, draw: int, n_pos: int, n_heads: int) -> np.ndarray:
+        """Unit-RMS noise for this target (zeros when the target is not perturbed)."""
+        if target not in self.targets:
+            return np.zeros((len(samples), n_pos, n_heads))
+        return unit_noise(self.seed, target, layer, samples, draw, n_pos, n_heads, self.distribution)
+
+
+class HeadBlock:
+    """Clean attention of one layer for a block of samples, ready to be perturbed.
+
+    The score and the attention, clean and perturbed, come from the layer's ``BlockAttention``
+    (the one implementation of the model's attention), laid out (kpos, sample, head, qpos) in
+    float32: the noise enters it as the factors of the query and key norms, and the new arg-max
+    and its attention come from the row maximum and the softmax denominator. Messages are kept in
+    each head's own d_head-dimensional frame (``message_frame``), where their norms and dot
+    products are those of W_O v; their noise multiplies the perturbed attention. ``instance`` and
+    ``sparse`` mask the (sample, head, qpos) instances with at least ``min_keys`` allowed keys,
+    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring).
+    """
+
+    def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
+        self.threshold, self.terms = sparse_threshold, terms
+        self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
+        self.block_attention = BlockAttention(q, k, valid, terms)
+        self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
+        self.max_attention = 1.0 / total
+        count_instances(self, valid, self.block_attention.n_allowed, min_keys)
+        self.winner = self.attention.argmax(axis=0)
+        self.messages = None
+        if v is not None and frame is not None:
+            self.messages = framed_messages(np.asarray(v), frame)
+            self.output_sq = self._output_sq(self.attention)
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """The clean attention as (sample, head, qpos, kpos)."""
+        return self.attention.transpose(1, 2, 3, 0)
+
+    def _output_sq(self, weights: np.ndarray) -> np.ndarray:
+        """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
+        outputs = weights.transpose(1, 2, 3, 0) @ self.messages  # (sample, head, qpos, d_head)
+        return np.einsum("shie,shie->shi", outputs, outputs, dtype=np.float64)
+
+    def entropy(self) -> np.ndarray:
+        a = self.attention.astype(np.float64)
+        return -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0)
+
+    def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
+
+        Returns collapse, strict, theory_predicted (Theorem 7's first order) and exact_predicted
+        (the exact condition: the key noise alone) of the sparse instances as bools, and tv, output
+        change squared as floats, all (sample, head, qpos).
+        """
+        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
+        fk = key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
+        scores = self.block_attention.scores((fq - 1) + fk)  # 1 + kq + kk_j, exactly fk (fq) when kq (kk) is 0
+        theory_predicted = self._winner_beaten(scores)
+        np.copyto(scores, fk)  # the exact condition: query noise cancels
+        exact_predicted = self._winner_beaten(self.block_attention.scores(scores))
+        logits = self.block_attention.scores(fq * fk)
+        at_winner = np.take_along_axis(logits, self.winner[None], axis=0)[0]
+        attention, peak, total = self.block_attention.softmax(logits)
+        collapse = self.sparse & (peak > at_winner)
+        return {
+            "collapse": collapse,
+            "strict": collapse & (1.0 / total >= self.threshold),
+            "theory_predicted": self.sparse & theory_predicted,
+            "exact_predicted": self.sparse & exact_predicted,
+            **self._changes(attention, km),
+        }
+
+    def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Total variation and output change squared (sample, head, qpos) of one draw (kappa arrays as
+        in ``perturb``): the perturbed softmax without the collapse conditions."""
+        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]
+        attention, _, _ = self.block_attention.softmax(self.block_attention.scores(fq * key_major(1.0 + kk, self.n_heads)))
+        return self._changes(attention, km)
+
+    def _changes(self, attention: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
+        """Total variation and output change squared of a perturbed attention, which becomes scratch space."""
+        change = attention - self.attention
+        effects = {"tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64)}
+        if self.messages is not None:
+            attention *= key_major(km, self.n_heads)
+            change += attention  # a'_j (1 + km_j) - a_j
+            effects["output_change_sq"] = self._output_sq(change)
+        return effects
+
+    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+        """The sparse instances as rows: their (sample, head, qpos) indices, and (key, row) float64
+        arrays of their scaled clean dot products and of what their score adds after the soft-cap."""
+        sample, head, query = rows = np.nonzero(self.sparse)
+        attention = self.block_attention
+        offset_head = head if attention.offset.shape[2] > 1 else np.zeros_like(head)
+        return (rows, attention.scaled_dots[:, sample, head, query].astype(np.float64),
+                attention.offset[:, sample, offset_head, query].astype(np.float64))
+
+    def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
+        """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
+        return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
+
+
+def count_instances(block, valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> None:
+    """Set a block's (sample, head, qpos) masks ``instance``, ``trivial``, ``sparse`` and
+    ``sparse_trivial`` from its valid queries, their allowed keys and its ``max_attention``."""
+    shape = block.max_attention.shape
+    counted = instance_queries(valid, n_allowed, min_keys)
+    block.instance = np.broadcast_to(counted[:, None, :], shape)
+    block.trivial = np.broadcast_to((instance_queries(valid, n_allowed, SWITCHABLE_KEYS) & ~counted)[:, None, :], shape)
+    block.sparse = block.instance & (block.max_attention >= block.threshold)
+    block.sparse_trivial = block.trivial & (block.max_attention >= block.threshold)
+
+
+def instance_queries(valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> np.ndarray:
+    """(sample, qpos) queries that count as instances: valid, with at least `min_keys` allowed keys."""
+    return np.asarray(valid, bool) & (n_allowed >= min_keys)
+
+
+def key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
+    """(sample, kpos, kv_head) -> float32 (kpos, sample, head, 1), heads sharing their group's value."""
+    kappa = per_head(kappa, n_heads)
+    return np.ascontiguousarray(kappa.transpose(1, 0, 2), dtype=np.float32)[..., None]
+
+
+def message_frame(w_o: np.ndarray) -> np.ndarray:
+    """Per head F = U diag(S) from W_O[h] = U diag(S) V^T (head, d_head, d_head): the message
+    m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions."""
+    u, singular, _ = np.linalg.svd(np.asarray(w_o, dtype=np.float64), full_matrices=False)
+    return u * singular[:, None, :]
+
+
+def framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
+    """Messages v F per head (sample, head, kpos, d_head), float32; heads share kv_heads in groups."""
+    v = per_head(v, frame.shape[0])
+    return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
+
+
+def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, level: float,
+                        settings: ReplaySettings) -> dict[str, np.ndarray]:
+    """Per-instance sparse mask, clean and new arg-max, collapse and strict collapse for one draw.
+
+    Arrays (sample, head, qpos) for one layer's block of samples (global indices ``samples``);
+    what the online check compares with the model's own attention under the same draw.
+    """
+    kq, kk = (level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
+              for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
+    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
+            "collapse": effects["collapse"], "strict": effects["strict"]}
+
+
+def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                 terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+    """Partial sums of the study for one layer, one block of samples and a range of draws.
+
+    Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
+    counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
+    so that the partial sums of every range add up. The block is worked through in sub-blocks of
+    samples whose (kpos, sample, head, qpos) arrays stay in cache (``KERNEL_BYTES``): the
+    kernel's dozen passes over them then run from cache, not memory (1.7x faster at 128
+    positions and 9 heads); every instance's result is the same either way.
+    """
+    q, k, valid = np.asarray(q), np.asarray(k), np.asarray(valid, bool)
+    v = None if v is None else np.asarray(v)
+    per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
+    step = max(1, (DEVICE_KERNEL_BYTES if settings.device.startswith("cuda") else KERNEL_BYTES) // per_sample)
+    parts = [_replay_sub_block(q[a:a + step], k[a:a + step], None if v is None else v[a:a + step],
+                               valid[a:a + step], frame, samples=samples[a:a + step], layer=layer, draws=draws,
+                               settings=settings, terms=terms, n_bins=n_bins)
+             for a in range(0, len(q), step)]
+    return in_sample_order(parts)
+
+
+def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                      terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+    """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
+    draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
+    ``smooth_draws`` draws."""
+    block = head_block(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys,
+                       device=settings.device)
+    n_samples, n_heads, n_pos = block.instance.shape
+    n_levels, n_smooth = len(settings.levels), settings.smooth_draws
+    instance, sparse = block.instance, block.sparse
+    sets = np.stack([sparse, instance])  # INSTANCE_SETS order
+    once = float(draws.start == 0)
+    sums = {
+        "n_instances": once * instance.sum(axis=(0, 2)),
+        "n_sparse": once * sparse.sum(axis=(0, 2)),
+        "n_instances_trivial": once * block.trivial.sum(axis=(0, 2)),
+        "n_sparse_trivial": once * block.sparse_trivial.sum(axis=(0, 2)),
+        "entropy": once * np.where(instance, block.entropy(), 0.0).sum(axis=(0, 2)),
+        "max_attention_hist": once * _histogram(block.max_attention, instance, n_bins),
+        "collapses": np.zeros((len(DEFINITIONS), n_levels, n_heads)),
+        **{f"{rule}_{count}": np.zeros((n_levels, n_heads)) for rule in PREDICTIONS for count in PREDICTION_COUNTS},
+        "sample_sparse": once * sparse.sum(axis=(1, 2)),
+        "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
+        "sample_curve": np.zeros((n_samples, len(settings.curve_levels))),
+    }
+    smooth = ("tv", "output_change_sq") if block.messages is not None else ("tv",)
+    for name in smooth:  # per sample, over the task's smooth draws: the sum and the sum of squares
+        sums[f"sample_smooth_{name}"] = np.zeros((n_samples, 2, len(INSTANCE_SETS), n_levels, n_heads))
+    if block.messages is not None:
+        sums["output_sq"] = once * (sets * block.output_sq).sum(axis=(1, 3))
+    rows = SparseRows(block, settings)
+    for draw in draws:
+        if draw >= n_smooth and not rows.any:
+            continue
+        unit = {t: settings.kappa(t, layer, samples, draw, n_pos, n)
+                for t, n in (("q", n_heads), ("k", block.n_kv_heads))}
+        rows.count_draw(sums, unit["q"], unit["k"])
+        if draw >= n_smooth:
+            continue
+        unit["m"] = settings.kappa("m", layer, samples, draw, n_pos, block.n_kv_heads)
+        for index, level in enumerate(settings.levels):
+            changes = block.attention_change(level * unit["q"], level * unit["k"], level * unit["m"])
+            for name in smooth:
+                per_sample = (sets * changes[name][None]).sum(axis=3).transpose(1, 0, 2)  # (sample, set, head)
+                sums[f"sample_smooth_{name}"][:, :, :, index] += np.stack([per_sample, per_sample**2], axis=1)
+    return sums
+
+
+def head_block(q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int,
+               device: str = "cpu"):
+    """The replay's block on `device`: a ``HeadBlock`` (numpy) on "cpu", else a ``TorchHeadBlock``."""
+    if device == "cpu":
+        return HeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys)
+    from .torch_kernels import TorchHeadBlock
+
+    return TorchHeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys, device=device)
+
+
+class SparseRows:
+    """The sparse instances of a block as rows (key, row) in float64: the scaled clean dot
+    products, what the score adds after the soft-cap, the winner; per draw their critical levels
+    (``orthosphere.analyze.critical``) and from them the counts at every level."""
+
+    def __init__(self, block: HeadBlock, settings: ReplaySettings):
+        (self.sample, self.head, self.query), self.dots, self.bias = block.sparse_rows()
+        self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
+        self.settings, self.softcap = settings, block.terms.softcap
+        self.winner = block.winner[self.sample, self.head, self.query]
+        self.levels = np.asarray(settings.levels)
+        self.curve_levels = settings.curve_levels
+
+    @property
+    def any(self) -> bool:
+        """Whether the block has a sparse instance (without one, no draw needs its noise)."""
+        return len(self.winner) > 0
+
+    def count_draw(self, sums: dict, unit_q: np.ndarray, unit_k: np.ndarray) -> None:
+        """Add one draw's collapses, strict collapses, predictions and curve counts to ``sums``."""
+        if not len(self.winner):
+            return
+        u_query = unit_q[self.sample, self.query, self.head]
+        u_key = per_head(unit_k, self.n_heads)[self.sample, :, self.head].T
+        a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
+        critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
+        measured = self.levels > critical[:, None]  # (row, level)
+        beyond = self.curve_levels > critical[:, None]
+        if flagged.any():
+            measured[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
+            beyond[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+        strict = self._strict(measured, u_query, u_key)
+        for d, indicator in enumerate((measured, strict)):
+            sums["collapses"][d] += self._per_head(indicator)
+            sums["sample_collapses"][:, d] += self._per_sample(indicator)
+        sums["sample_curve"] += self._per_sample(beyond)
+        for rule, slope in (("theory", b), ("exact", beta)):
+            predicted = self.levels > linear_critical(c, slope)[:, None]
+            for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
+                sums[f"{rule}_{count}"] += self._per_head(indicator)
+
+    def _strict(self, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
+        """(row, level) collapses whose new arg-max holds >= the sparse threshold: the perturbed
+        softmax of the collapsed rows only."""
+        strict = np.zeros_like(measured)
+        row, level = np.nonzero(measured)
+        for start in range(0, len(row), STRICT_ROWS):
+            r, at = row[start:start + STRICT_ROWS], level[start:start + STRICT_ROWS]
+            s = self.levels[at]
+            scaled = self.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
+            if self.softcap is not None:
+                scaled = self.softcap * np.tanh(scaled / self.softcap)
+            logits = scaled + self.bias[:, r]
+            peak_share = 1.0 / np.exp(logits - logits.max(axis=0)).sum(axis=0)
+            strict[r, at] = peak_share >= self.settings.sparse_threshold
+        return strict
+
+    def _per_head(self, indicator: np.ndarray) -> np.ndarray:
+        """(level, head) counts of a (row, level) indicator."""
+        return np.stack([np.bincount(self.head, weights=column, minlength=self.n_heads) for column in indicator.T])
+
+    def _per_sample(self, indicator: np.ndarray) -> np.ndarray:
+        """(sample, level) counts of a (row, level) indicator."""
+        out = np.zeros((self.n_samples, indicator.shape[1]))
+        np.add.at(out, self.sample, indicator)
+        return out
+
+
+def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
+    """(head, bin) counts of max attention over instances; bins split [0, 1] evenly."""
+    n_heads = max_attention.shape[1]
+    bins = np.clip(np.nan_to_num(max_attention * n_bins), 0, n_bins - 1).astype(np.int64)  # NaN: refused later
+    heads = np.broadcast_to(np.arange(n_heads)[None, :, None], bins.shape)
+    flat = (heads * n_bins + bins)[instance]
+    return np.bincount(flat, minlength=n_heads * n_bins).reshape(n_heads, n_bins).astype(np.float64)
+
+
+
+INSTANCE_SETS = ("sparse", "all")
+
+
+def in_sample_order(parts: list[dict]) -> dict:
+    """Partial sums of consecutive blocks of samples -> theirs together: every count summed,
+    per-sample counts concatenated in sample order."""
+    return {name: np.concatenate([p[name] for p in parts]) if name.startswith("sample_")
+            else np.sum([p[name] for p in parts], axis=0)
+            for name in parts[0]}

@@ -1,0 +1,169 @@
+"""The runs a report reads: each results tree as one (model, data) pair, named by its model, with
+its model's variant (the seeds of one configuration share it) and readable labels."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import xarray as xr
+
+from orthosphere.analyze import open_results
+
+SPLIT_ORDER = ("test", "interpolation", "extrapolation")
+PLACEMENT_ORDER = ("pre", "qkv", "none", "post")
+
+
+IDENTITY_KEYS = ("source", "weights_sha256", "format")
+"""Model description keys that tell one trained model from another of the same variant."""
+
+
+PLACEMENT_KEYS = ("norm_placement", "norms", "qk_norm", "v_norm", "n_parameters")
+"""Model description keys that follow from the norm placement (QKV-Norm adds per-head norms and
+their parameters): two configurations that differ only in these differ only in the placement."""
+
+
+@dataclass
+class Run:
+    """One results tree: which model on which data, and its groups. ``name`` identifies the
+    model (its folder's name, made unique by load_runs); runs of models that differ only in
+    their weights (seeds) share a ``variant``."""
+
+    url: str
+    tree: xr.DataTree
+    name: str = ""
+
+    @property
+    def model(self) -> dict:
+        return self.tree.attrs.get("model", {})
+
+    @property
+    def placement(self) -> str:
+        return str(self.model.get("norm_placement") or self.model.get("family") or "model")
+
+    @property
+    def split(self) -> str:
+        task = self.tree.attrs.get("task", {})
+        return str(task.get("split") or task.get("name") or "data")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.split}"
+
+    @property
+    def variant(self) -> str:
+        """The model's description without its identity, with the task it was made for: equal
+        for the seeds of one configuration."""
+        description = {key: value for key, value in self.model.items() if key not in IDENTITY_KEYS}
+        return json.dumps([description, self.tree.attrs.get("task", {}).get("spec")], sort_keys=True, default=str)
+
+    def group(self, path: str) -> xr.Dataset | None:
+        try:
+            return self.tree[path].to_dataset()
+        except KeyError:
+            return None
+
+
+def _model_name(model: dict) -> str:
+    source = str(model.get("source") or model.get("family") or "model")
+    return source.rstrip("/").rsplit("/", 1)[-1] or source
+
+
+def load_runs(urls) -> list[Run]:
+    """Open results; runs of one model (same weights) share a name, two models never do."""
+    return name_runs([Run(str(url), open_results(url).load()) for url in urls])
+
+
+def name_runs(runs: list[Run]) -> list[Run]:
+    """Name every run by its model (folder name, with a hash prefix where two models share one)
+    and sort them by placement, model and split."""
+    if not runs:
+        raise ValueError("no results given: pass one or more results written by `orthosphere analyze`")
+    identities: dict[str, set] = {}
+    for run in runs:
+        identities.setdefault(_model_name(run.model), set()).add(run.model.get("weights_sha256"))
+    for run in runs:
+        name = _model_name(run.model)
+        clash = len(identities[name]) > 1
+        run.name = f"{name}@{str(run.model.get('weights_sha256'))[:8]}" if clash else name
+    order = {name: i for i, name in enumerate(PLACEMENT_ORDER)}
+    splits = {name: i for i, name in enumerate(SPLIT_ORDER)}
+    return sorted(runs, key=lambda run: (order.get(run.placement, 99), run.placement, run.name,
+                                         splits.get(run.split, 99), run.split))
+
+
+def groups(runs: list[Run], path: str, variable: str) -> list[tuple[Run, xr.Dataset]]:
+    """(run, group) for each model's in-distribution run whose group `path` holds `variable`."""
+    found = [(run, run.group(path)) for run in in_distribution(runs)]
+    return [(run, group) for run, group in found if group is not None and variable in group]
+
+
+def in_distribution(runs: list[Run]) -> list[Run]:
+    """One run per model: its in-distribution data where there is one, else its first."""
+    chosen: dict[str, Run] = {}
+    for run in runs:
+        if run.name not in chosen or (run.split == "test" and chosen[run.name].split != "test"):
+            chosen[run.name] = run
+    return list(chosen.values())
+
+
+def variants(runs: list[Run]) -> dict[str, list[Run]]:
+    """variant -> its models' in-distribution runs (one per seed), in run order."""
+    found: dict[str, list[Run]] = {}
+    for run in in_distribution(runs):
+        found.setdefault(run.variant, []).append(run)
+    return found
+
+
+def accuracy_table(runs: list[Run]) -> dict[str, dict[str, float]]:
+    """model name -> split -> per-token answer accuracy (%)."""
+    table: dict[str, dict[str, float]] = {}
+    for run in runs:
+        accuracy = run.group("accuracy")
+        if accuracy is not None:
+            table.setdefault(run.name, {})[run.split] = float(accuracy.token_accuracy) * 100
+    return table
+
+
+NORM_TYPE_WORDS = {"rms": "RMSNorm", "layer": "LayerNorm"}
+
+
+def model_label(model: dict) -> str:
+    """The model's identity in a few words: its family (model_type) and where its norms sit, e.g.
+    "qwen3: pre RMSNorm + QK-norm", "gemma2: sandwich RMSNorm", "phi: pre LayerNorm, parallel"."""
+    placement = str(model.get("norm_placement") or "no norm placement")
+    kind = model.get("norm_type")
+    norms = " ".join([placement] + ([NORM_TYPE_WORDS.get(kind, str(kind))] if kind else []))
+    if placement != "qkv":  # the arithmetic family's QKV-Norm names its q, k and v norms already
+        norms += "".join(f" + {site}-norm" for site, key in (("QK", "qk_norm"), ("V", "v_norm")) if model.get(key))
+    parallel = ", parallel" if model.get("parallel") else ""
+    return f"{model.get('family') or 'model'}: {norms}{parallel}"
+
+
+def variant_labels(runs: list[Run]) -> dict[str, str]:
+    """variant -> a readable label: its model's identity (``model_label``), with its size where
+    variants of one identity differ in size, and its first model's name where that still leaves
+    two variants one label."""
+    found = variants(runs)
+    identities = {variant: model_label(members[0].model) for variant, members in found.items()}
+    sizes = {variant: model_size(members[0].model) for variant, members in found.items()}
+    labels = {variant: identity + f" ({sizes[variant]})"
+              if len({sizes[other] for other in found if identities[other] == identity}) > 1 else identity
+              for variant, identity in identities.items()}
+    counts = list(labels.values())
+    return {variant: label if counts.count(label) == 1 else f"{label} [{found[variant][0].name}]"
+            for variant, label in labels.items()}
+
+
+def training_history(run: Run) -> list[dict]:
+    """The evaluation history saved with the run's model (metrics.json beside the checkpoint), when
+    the model folder is readable here; else empty."""
+    path = Path(str(run.model.get("source", ""))) / "metrics.json"
+    try:
+        return list(json.loads(path.read_text()).get("history", []))
+    except (OSError, ValueError):
+        return []
+
+
+def model_size(model: dict) -> str:
+    return f"{model.get('n_layers')} layers, d_model {model.get('d_model')}, {model.get('n_heads')} heads of {model.get('d_head')}"
