@@ -218,6 +218,11 @@ def test_pipeline_on_s3_gives_the_same_results(tiny_run, s3_bucket, tmp_path):
         ("[models.a\n", "not valid TOML"),
         ("models = 'x'\n", r"`models` = 'x': expected a table"),
         ("[models.a]\npath='x'\n[data.t]\ntask=5\n", "expected a task spec string"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=dev'\n",
+         r"bad.toml \[data.t\] task = 'arithmetic:split=dev': .*dev"),
+        ("[models.a]\npath='x'\n[data.t]\ntask='text:context=8'\n", r"\[data.t\] task = 'text:context=8': "),
+        ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[extract]\nshards=0\n",
+         r"bad.toml \[extract\] shards = 0: expected a positive integer"),
         ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[backend]\nworkers='2'\n", "workers = '2'"),
         ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[backend]\nworkers=2\nscheduler='tcp://h:1'\n", "not both"),
         ("[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonly='replay'\n", "expected a list"),
@@ -229,6 +234,16 @@ def test_bad_pipeline_configs(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_pipeline(path)
+
+
+def test_a_pipelines_task_specs_are_parsed_when_it_is_loaded(tmp_path):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "p.toml").write_text("[models.a]\npath='x'\n[data.c]\ntask='text:path=corpus.txt,context=8'\n"
+                                   "[data.t]\ntask='arithmetic:split=interpolation,seed=3'\n")
+    corpus, arithmetic = (entry.task for entry in load_pipeline(folder / "p.toml").data)
+    assert (corpus.source, corpus.path, corpus.layout, corpus.length) == ("text", str(folder / "corpus.txt"), "packed", 8)
+    assert (arithmetic.split, arithmetic.seed) == ("interpolation", 3)
 
 
 def test_missing_pipeline_config(tmp_path):

@@ -20,10 +20,14 @@ from __future__ import annotations
 import logging
 import shutil
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orthosphere.errors import ConfigError
+
+if TYPE_CHECKING:
+    from orthosphere.extract.data import ArithmeticData, CorpusData
 
 from .backend import Backend, dask_client
 
@@ -48,7 +52,8 @@ class ModelEntry:
 @dataclass(frozen=True)
 class DataEntry:
     name: str
-    task: str
+    task: ArithmeticData | CorpusData
+    """The task spec, parsed when the pipeline is loaded (a corpus's path made absolute)."""
     samples: int | None
 
 
@@ -213,19 +218,19 @@ def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
         raise ConfigError(f"{path} [data.{name}]: needs `task`, a task spec such as 'arithmetic:split=test,seed=1'")
     if not isinstance(entry["task"], str):
         raise ConfigError(f"{path} [data.{name}] task = {entry['task']!r}: expected a task spec string")
-    return DataEntry(name=name, task=_resolve_text_path(entry["task"], here), samples=entry.get("samples"))
+    return DataEntry(name=name, task=_task_data(entry["task"], here, f"{path} [data.{name}]"), samples=entry.get("samples"))
 
 
-def _resolve_text_path(spec: str, here: Path) -> str:
-    """A corpus's path (text, jsonl, parquet, hf) is relative to the pipeline config's folder."""
-    kind, _, options = spec.partition(":")
-    if kind == "arithmetic":
-        return spec
-    parts = [
-        f"path={(here / part.removeprefix('path=')).resolve()}" if part.startswith("path=") else part
-        for part in options.split(",")
-    ]
-    return f"{kind}:{','.join(parts)}"
+def _task_data(spec: str, here: Path, where: str):
+    """The task spec parsed (by the one parser of task specs) now, a corpus's path taken relative to
+    the pipeline config's folder."""
+    from orthosphere.extract.data import CorpusData, parse_task
+
+    try:
+        data = parse_task(spec)
+    except ConfigError as error:
+        raise ConfigError(f"{where} task = {spec!r}: {error}") from None
+    return replace(data, path=str((here / data.path).resolve())) if isinstance(data, CorpusData) else data
 
 
 def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | None = None,
