@@ -4,6 +4,7 @@ does; bad input gets one clear error naming the parameter."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,19 @@ def test_layers_are_checked_once_and_alike_by_extraction_the_store_and_the_analy
     url = write_store(tmp_path / "w.zarr", {"resid_pre": np.zeros((2, 2, 3, 4), np.float32)}, with_weights=False)
     with pytest.raises(AnalysisError, match=message):
         orthosphere.analyze(url, analyses=["norms"], layers=layers, weight_by_attention=False)
+
+
+def test_a_store_interrupted_before_the_configuration_layer_resumes_and_validates(tmp_path):
+    """tests/data/interrupted-0.1.0.zarr: written by the code before the typed configurations
+    (commit 40ce851), killed after its first of two shards (ORTHOSPHERE_CRASH_AT=shard-complete)."""
+    store = tmp_path / "old.zarr"
+    shutil.copytree(ROOT / "tests" / "data" / "interrupted-0.1.0.zarr", store)
+    options = dict(n_samples=4, sites=["resid_pre", "q", "k"], layers=[1], n_shards=2, samples_per_chunk=2, batch_size=2)
+    data = "arithmetic:split=test,seed=5"
+    with pytest.raises(orthosphere.store.IncompleteStoreError):
+        orthosphere.open_store(store)
+    resumed = orthosphere.extract(ROOT / "workflows" / "models" / "pre", data, store, resume=True, **options)
+    assert orthosphere.validate(store) == []
+    fresh = orthosphere.extract(ROOT / "workflows" / "models" / "pre", data, tmp_path / "fresh.zarr", **options)
+    for name in ("resid_pre", "q", "k", "w_q", "tokens", "pred"):
+        np.testing.assert_array_equal(resumed[name].values, fresh[name].values, err_msg=name)
