@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -187,12 +187,12 @@ def _integer(key: str, value: str) -> int:
 def _arithmetic(options: dict) -> ArithmeticData:
     split = tasks.parse_split(options.pop("split", "test"))
     seed = _integer("seed", options.pop("seed", "0"))
-    known = {field.name for field in fields(tasks.TaskSpec)}
+    known = set(tasks.TaskSpec.parameters())
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown arithmetic option(s) {unknown}; expected split, seed or {sorted(known)}")
     spec_values = {key: [_integer(key, part) for part in value.split("/")] for key, value in options.items()}
-    return ArithmeticData(split, seed, tasks.TaskSpec.from_dict(spec_values) if spec_values else tasks.DEFAULT_SPEC)
+    return ArithmeticData(split, seed, tasks.TaskSpec(**spec_values) if spec_values else tasks.DEFAULT_SPEC)
 
 
 def _flag(key: str, value: str, true: str = "true", false: str = "false") -> bool:

@@ -22,12 +22,13 @@ each number is uniform on [0, 10**L). Example ``i`` of ``(split, seed)`` depends
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from orthosphere.errors import ConfigError
-from orthosphere.extract.model import check_keys
+from orthosphere.extract.model import from_table
+from orthosphere.params import POSITIVE_INTEGER, Config, Items, parameter
 
 CHARACTERS = "0123456789+-N[=]"
 """The 16 characters; a character's token id is its index, so digit d has id d."""
@@ -74,17 +75,12 @@ def parse_split(name: str) -> str:
     return name
 
 
-def _check_counts(key: str, values) -> tuple[int, ...]:
-    values = tuple(values) if isinstance(values, (list, tuple)) else (values,)
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                             for v in values):
-        raise ConfigError(f"task {key} = {list(values)!r}: expected a non-empty list of "
-                          f"positive integers")
-    return tuple(sorted(set(values)))
+COUNTS = Items(POSITIVE_INTEGER, single=True)
+"""A count or a non-empty list of counts (kept sorted, each once)."""
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class TaskSpec(Config):
     """Which number counts and digit lengths each split uses.
 
     The defaults are the shipped models' task: the paper's number counts (train N in
@@ -94,14 +90,14 @@ class TaskSpec:
     in the same budget).
     """
 
-    train_counts: tuple[int, ...] = (3, 4, 6)
-    interpolation_counts: tuple[int, ...] = (5,)
-    extrapolation_counts: tuple[int, ...] = (7, 8, 9)
-    digit_lengths: tuple[int, ...] = (1,)
+    train_counts: tuple[int, ...] = parameter((3, 4, 6), COUNTS, help="numbers per example of the train and test splits")
+    interpolation_counts: tuple[int, ...] = parameter((5,), COUNTS, help="numbers per example of interpolation")
+    extrapolation_counts: tuple[int, ...] = parameter((7, 8, 9), COUNTS, help="numbers per example of extrapolation")
+    digit_lengths: tuple[int, ...] = parameter((1,), COUNTS, help="digits per number")
 
-    def __post_init__(self):
-        for field in fields(self):
-            object.__setattr__(self, field.name, _check_counts(field.name, getattr(self, field.name)))
+    def check(self) -> None:
+        for name in self.parameters():
+            object.__setattr__(self, name, tuple(sorted(set(getattr(self, name)))))
         trained = set(self.train_counts)
         if trained & set(self.interpolation_counts):
             raise ConfigError(f"task interpolation_counts {list(self.interpolation_counts)} "
@@ -117,9 +113,8 @@ class TaskSpec:
 
     @classmethod
     def from_dict(cls, values: dict) -> TaskSpec:
-        """Build from a config table; unknown keys are a ConfigError."""
-        check_keys(cls, values, "task")
-        return cls(**values)
+        """Build from a config table; unknown keys and bad values are ConfigErrors naming the table."""
+        return from_table(cls, values, "task")
 
     def to_dict(self) -> dict:
         return {key: list(value) for key, value in asdict(self).items()}

@@ -193,5 +193,12 @@ def test_training_and_model_configs_declare_their_constraints():
     assert TrainConfig(steps=10, batch_size=2, warmup_steps=3).changed() == {"steps": 10, "batch_size": 2, "warmup_steps": 3}
     model = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv")
     assert model.d_head == 4
+    from orthosphere.extract.tasks import TaskSpec
+
+    assert TaskSpec(train_counts=[6, 3, 4, 3]).train_counts == (3, 4, 6) and TaskSpec(digit_lengths=2).digit_lengths == (2,)
+    with pytest.raises(ParameterError, match=r"^train_counts=\[0\]: expected a positive integer, or a non-empty list"):
+        TaskSpec(train_counts=[0])
+    with pytest.raises(ConfigError, match=r"^\[task\] digit_lengths = True: expected a positive integer"):
+        TaskSpec.from_dict({"digit_lengths": True})
     with pytest.raises(ParameterError, match=r"^norm_eps=0.0: expected a positive number$"):
         ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv", norm_eps=0.0)
