@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from orthosphere.errors import ConfigError, ParameterError
+from orthosphere.errors import ConfigError
 from orthosphere.params import (
     NON_NEGATIVE_INTEGER,
     POSITIVE_INTEGER,
@@ -58,27 +58,6 @@ POSITIONS = ("sinusoidal", "learned")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
-
-
-def check_keys(config_class, values: dict, table: str) -> None:
-    """Refuse keys that are not fields of the dataclass `config_class`, naming the known ones."""
-    known = {field.name for field in fields(config_class)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown {table} keys {unknown}; expected some of {sorted(known)}")
-
-
-def from_table(config_class, values: dict, table: str):
-    """The configuration `config_class` of a config file's table: unknown keys, missing ones and bad
-    values are ConfigErrors naming the table (a bad value: ``[table] key = value: expected ...``)."""
-    check_keys(config_class, values, table)
-    missing = [name for name, default in config_class.defaults().items() if default is REQUIRED and name not in values]
-    if missing:
-        raise ConfigError(f"{table} config is incomplete: missing {missing}")
-    try:
-        return config_class(**values)
-    except ParameterError as error:
-        raise error.in_table(f"[{table}]", error.parameter) from None
 
 
 @dataclass(frozen=True)
@@ -108,11 +87,6 @@ class ModelConfig(Config):
         if self.positions == "learned" and self.max_position_offset:
             raise ConfigError("learned positions take no random offset; set "
                               "max_position_offset = 0 or use sinusoidal positions")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> ModelConfig:
-        """Build from a dict; unknown or missing keys are a ConfigError."""
-        return from_table(cls, values, "model")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -322,7 +296,7 @@ def read_config(directory) -> ModelConfig:
     family = values.pop("family", None)
     if family != "arithmetic":
         raise ConfigError(f"{path} describes family {family!r}, not 'arithmetic'")
-    return ModelConfig.from_dict(values)
+    return ModelConfig.from_table(values, "model")
 
 
 def load_model(directory, device: str | torch.device = "cpu") -> ArithmeticTransformer:

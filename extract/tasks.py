@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from orthosphere.errors import ConfigError
-from orthosphere.extract.model import from_table
 from orthosphere.params import POSITIVE_INTEGER, Config, Items, parameter
 
 CHARACTERS = "0123456789+-N[=]"
@@ -110,11 +109,6 @@ class TaskSpec(Config):
         if min(self.extrapolation_counts) <= max(trained):
             raise ConfigError(f"task extrapolation_counts {list(self.extrapolation_counts)} "
                               f"must all exceed every train count {list(self.train_counts)}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TaskSpec:
-        """Build from a config table; unknown keys and bad values are ConfigErrors naming the table."""
-        return from_table(cls, values, "task")
 
     def to_dict(self) -> dict:
         return {key: list(value) for key, value in asdict(self).items()}

@@ -50,6 +50,8 @@ class ParameterError(ConfigError):
 
     def in_table(self, where: str, key: str) -> ConfigError:
         """The error as a TOML file's: `where` names the file and table, `key` the parameter there."""
+        if self.unknown:
+            return ConfigError(f"{where} {key}: not known: expected {self.expected}")
         return ConfigError(f"{where} {key} = {self.value!r}: expected {self.expected}")
 
     def __reduce__(self):

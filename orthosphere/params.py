@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import ParameterError
+from .errors import ConfigError, ParameterError
 
 
 class Constraint:
@@ -282,6 +282,22 @@ class Config:
         options = dict(options or {})
         cls._refuse_unknown(options, owner)
         return cls(**options)
+
+    @classmethod
+    def from_table(cls, values: Mapping, table: str):
+        """The configuration of a config file's table ``[table]``: unknown keys, missing ones and bad
+        values are ConfigErrors naming the table (a bad value: ``[table] key = value: expected ...``)."""
+        known = sorted(cls.parameters())
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown {table} keys {unknown}; expected some of {known}")
+        missing = [name for name, default in cls.defaults().items() if default is REQUIRED and name not in values]
+        if missing:
+            raise ConfigError(f"{table} config is incomplete: missing {missing}")
+        try:
+            return cls(**values)
+        except ParameterError as error:
+            raise error.in_table(f"[{table}]", error.parameter) from None
 
     @classmethod
     def _refuse_unknown(cls, options: Mapping, owner: str = "") -> None:

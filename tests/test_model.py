@@ -212,9 +212,9 @@ def test_loading_bad_directories_is_a_config_error(tmp_path):
 def test_bad_model_configs_are_config_errors(change, message):
     values = dict(n_layers=2, d_model=24, n_heads=3, d_ff=40, norm_placement="pre") | change
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_dict(values)
+        ModelConfig.from_table(values, "model")
 
 
 def test_missing_model_keys_are_a_config_error():
     with pytest.raises(ConfigError, match="incomplete"):
-        ModelConfig.from_dict({"n_layers": 2, "d_model": 24})
+        ModelConfig.from_table({"n_layers": 2, "d_model": 24}, "model")

@@ -150,6 +150,14 @@ def test_one_bad_value_gives_one_message_from_python_the_cli_and_a_pipeline(tmp_
         load_pipeline(config)
 
 
+def test_a_parameter_error_names_its_table_and_key_whether_the_value_is_bad_or_the_key_unknown():
+    bad = ParameterError("steps", 0, "a positive integer")
+    assert str(bad.in_table("run.toml [train]", "steps")) == "run.toml [train] steps = 0: expected a positive integer"
+    unknown = ParameterError("colour", 3, "a parameter of TrainConfig, one of ['steps']", unknown=True)
+    assert str(unknown.in_table("run.toml [train]", "colour")) == (
+        "run.toml [train] colour: not known: expected a parameter of TrainConfig, one of ['steps']")
+
+
 @pytest.mark.parametrize("parameter, flag, key, value, expected", [
     ("batch_size", "--batch-size", "batch_size", 0, "expected a positive integer"),
     ("n_shards", "--shards", "shards", -2, "expected a positive integer"),
@@ -179,7 +187,7 @@ def test_one_bad_extraction_setting_gives_one_message_from_python_the_cli_and_a_
 
 
 def test_training_and_model_configs_declare_their_constraints():
-    from orthosphere.extract.model import ModelConfig, from_table
+    from orthosphere.extract.model import ModelConfig
     from orthosphere.workflows.train import TrainConfig
 
     with pytest.raises(ParameterError, match=r"^eval_every=0: expected a positive integer$"):
@@ -187,9 +195,9 @@ def test_training_and_model_configs_declare_their_constraints():
     with pytest.raises(ParameterError, match=r"^warmup_steps=20: expected an integer from 0 to steps = 10$"):
         TrainConfig(steps=10, batch_size=2, warmup_steps=20)
     with pytest.raises(ConfigError, match=r"^\[train\] learning_rate = -1.0: expected a positive number$"):
-        from_table(TrainConfig, {"steps": 10, "batch_size": 2, "learning_rate": -1.0}, "train")
+        TrainConfig.from_table({"steps": 10, "batch_size": 2, "learning_rate": -1.0}, "train")
     with pytest.raises(ConfigError, match=r"^train config is incomplete: missing \['batch_size'\]$"):
-        from_table(TrainConfig, {"steps": 10}, "train")
+        TrainConfig.from_table({"steps": 10}, "train")
     assert TrainConfig(steps=10, batch_size=2, warmup_steps=3).changed() == {"steps": 10, "batch_size": 2, "warmup_steps": 3}
     model = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv")
     assert model.d_head == 4
@@ -199,6 +207,6 @@ def test_training_and_model_configs_declare_their_constraints():
     with pytest.raises(ParameterError, match=r"^train_counts=\[0\]: expected a positive integer, or a non-empty list"):
         TaskSpec(train_counts=[0])
     with pytest.raises(ConfigError, match=r"^\[task\] digit_lengths = True: expected a positive integer"):
-        TaskSpec.from_dict({"digit_lengths": True})
+        TaskSpec.from_table({"digit_lengths": True}, "task")
     with pytest.raises(ParameterError, match=r"^norm_eps=0.0: expected a positive number$"):
         ModelConfig(n_layers=1, d_model=8, n_heads=2, d_ff=16, norm_placement="qkv", norm_eps=0.0)

@@ -204,7 +204,7 @@ def test_max_length_is_reached_by_the_longest_example():
 ])
 def test_bad_task_specs_are_config_errors(values, message):
     with pytest.raises(ConfigError, match=message):
-        tasks.TaskSpec.from_dict(values)
+        tasks.TaskSpec.from_table(values, "task")
 
 
 def test_bad_split_and_characters_are_config_errors():

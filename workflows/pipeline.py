@@ -273,6 +273,8 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
 def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:
     """Run the analyses (and the online check with `online_model`) unless complete results of
     this store are already there."""
+    from orthosphere.extract.job import ExtractJob
+
     from .analysis import analyze_with_online_check
 
     if not force and _complete(out, pipeline, online_model is not None):
@@ -280,7 +282,7 @@ def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_mode
         return out
     log.info("analysing %s into %s", store, out)
     analyze_with_online_check(store, out, online_model=online_model, online_samples=pipeline.online_samples,
-                              online_device=pipeline.extract.get("device", "auto"), overwrite=True,
+                              online_device=pipeline.extract.get("device", ExtractJob.defaults()["device"]), overwrite=True,
                               only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
                               options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
     return out

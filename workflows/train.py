@@ -32,7 +32,6 @@ from orthosphere.extract.model import (
     WEIGHTS_FILE,
     ArithmeticTransformer,
     ModelConfig,
-    from_table,
     save_model,
 )
 from orthosphere.params import (
@@ -112,9 +111,9 @@ def parse_config(values: dict, source: str = "config") -> RunConfig:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"{source}: seed = {seed!r}; expected a non-negative integer")
     try:
-        train_config = from_table(TrainConfig, _table(values, "train"), "train")
-        task = tasks.TaskSpec.from_dict(_table(values, "task"))
-        model = ModelConfig.from_dict(_table(values, "model"))
+        train_config = TrainConfig.from_table(_table(values, "train"), "train")
+        task = tasks.TaskSpec.from_table(_table(values, "task"), "task")
+        model = ModelConfig.from_table(_table(values, "model"), "model")
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
     if model.vocab_size != tasks.VOCAB_SIZE:
