@@ -118,7 +118,8 @@ def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     from orthosphere.store import loader as loader_module
 
     loader = TokenLoader(store, [("resid_pre", 1)], batch_size=8, buffer_tokens=2**12, seed=0)
-    one = loader.buffer_bytes + loader.samples_per_chunk * loader.n_pos * loader.row_bytes
+    hand_over = 4 * loader.batch_size * loader.row_bytes  # prefetch_factor 2 + 2 spare slots of shared memory
+    one = loader.buffer_bytes + loader.samples_per_chunk * loader.n_pos * loader.row_bytes + hand_over
     monkeypatch.setattr(loader_module.psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2 * one})())
     loader.dataloader(num_workers=2)
     with pytest.raises(MemoryError, match="3 workers, each its own buffer.* or fewer workers"):
