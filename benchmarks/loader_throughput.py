@@ -5,7 +5,8 @@ block): the store's pages are dropped from the page cache (posix_fadvise DONTNEE
 the share still cached is printed, so that a drop that did not work shows), the array is read raw
 (one process, chunk by chunk, through zarr), the pages are dropped again, and the loader reads one
 epoch with full shuffling through a DataLoader of 2 workers, in a fresh process (spawned, so that
-its workers' peak memory is theirs, not this process's). Repeated, alternating. Printed: tokens/s,
+its workers' peak memory is theirs, not this process's). Then the same with the store in the page
+cache (read once before each). Repeated, alternating. Printed: tokens/s,
 GB/s, loader / raw with the workers' start-up counted and without it (timed from the moment the
 last worker had started), and the peak RSS of the loader's process and of its largest worker.
 Usage: python benchmarks/loader_throughput.py [--buffer-mb 128] [--repeats 2] [--dir DIR] [MB ...]
@@ -118,15 +119,18 @@ def loader_read(url: str, buffer_tokens: int) -> dict:
             "workers_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10}
 
 
-def measure(url: str, megabytes: int, buffer_tokens: int) -> None:
-    cached = drop_pages(url)
+def measure(url: str, megabytes: int, buffer_tokens: int, cold: bool) -> None:
+    """The raw read and the loader side by side, each from the store out of the page cache (`cold`)
+    or in it (read once before)."""
+    prepare = drop_pages if cold else lambda url: (raw_read(url), cached_share(url))[1]
+    cached = prepare(url)
     raw_tokens, raw_seconds = raw_read(url)
-    cached_loader = drop_pages(url)
+    cached_loader = prepare(url)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
         run = fresh.submit(loader_read, url, buffer_tokens).result()
     raw_rate, rate, steady = raw_tokens / raw_seconds, run["tokens"] / run["seconds"], run["tokens"] / run["after_start"]
-    print(f"store {megabytes} MB, buffer {run['buffer'] / 2**20:.0f} MB (cached after the drop: {cached:.1%} / "
-          f"{cached_loader:.1%}), load {os.getloadavg()[0]:.1f}: raw {raw_rate:,.0f} tokens/s "
+    print(f"store {megabytes} MB, buffer {run['buffer'] / 2**20:.0f} MB, {'out of' if cold else 'in'} the page cache "
+          f"({cached:.1%} / {cached_loader:.1%} cached), load {os.getloadavg()[0]:.1f}: raw {raw_rate:,.0f} tokens/s "
           f"({raw_rate * TOKEN_BYTES / 1e9:.2f} GB/s); loader {rate:,.0f} tokens/s ({rate * TOKEN_BYTES / 1e9:.2f} GB/s) "
           f"= {rate / raw_rate:.2f}x, after the workers' start {steady:,.0f} tokens/s = {steady / raw_rate:.2f}x "
           f"(start-up {run['seconds'] - run['after_start']:.2f} s of {run['seconds']:.2f} s); peak RSS: loader's "
@@ -146,7 +150,8 @@ def main() -> None:
         for megabytes in arguments.sizes:
             url = make_store(folder, megabytes)
             for _ in range(arguments.repeats):
-                measure(url, megabytes, buffer_tokens)
+                for cold in (True, False):
+                    measure(url, megabytes, buffer_tokens, cold)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,33 @@ class ChunkReader:
             return
         self._read_file(chunk, layer, out.reshape(-1).view(np.uint8), (self.samples_per_chunk - n_samples) * self.sample_bytes)
 
+    def advise(self, chunk: int, layer: int | None) -> None:
+        """Ask the kernel to read the chunk's file into the page cache in the background (plain chunk
+        files where the platform has posix_fadvise; a no-op otherwise)."""
+        if self.folder is None or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            descriptor = os.open(self._path(self._coords(chunk, layer)), os.O_RDONLY)
+        except OSError:
+            return  # reading it will say what is wrong
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(descriptor)
+
+    def _coords(self, chunk: int, layer: int | None) -> tuple[int, ...]:
+        coords = (chunk,) + (() if layer is None else (layer,))
+        return coords + (0,) * (len(self.array.shape) - len(coords))
+
+    def _path(self, coords: tuple[int, ...]) -> str:
+        return os.path.join(self.folder, self.array.metadata.encode_chunk_key(coords))
+
     def _read_file(self, chunk: int, layer: int | None, values: np.ndarray, padding_bytes: int) -> None:
         """The chunk file's values into `values`; the padding of a short last chunk and the checksum aside."""
-        coords = (chunk,) + (() if layer is None else (layer,))
-        coords += (0,) * (len(self.array.shape) - len(coords))
+        coords = self._coords(chunk, layer)
         padding, checksum = np.empty(padding_bytes, np.uint8), np.empty(4, np.uint8)
         try:
-            descriptor = os.open(os.path.join(self.folder, self.array.metadata.encode_chunk_key(coords)), os.O_RDONLY)
+            descriptor = os.open(self._path(coords), os.O_RDONLY)
         except FileNotFoundError:
             raise DamagedStoreError.of(self.url, self.promise.damage(coords, "missing")) from None
         try:

@@ -13,6 +13,7 @@ is read by one worker. Memory per process: one window (`buffer_bytes`) and one c
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ import torch
 import xarray as xr
 
 from .chunk_read import ChunkReader
-from .handover import BatchRing, RingBatch, new_batch, torch_dtype
+from .handover import BatchRing, RingBatch, new_batch, ring_slots, torch_dtype
 from .integrity import guarded_group
 from .label_filter import LabelExpression
 from .location import as_location
@@ -34,8 +35,6 @@ from .schema import is_bfloat16
 
 VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
 OUTPUT_DTYPES = ("float32", "stored")
-HANDOVER_SPARE_SLOTS = 2
-"""Slots of the hand-over ring per worker beyond the DataLoader's prefetch_factor (``handover``)."""
 
 
 def _url_of(store):
@@ -73,6 +72,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.attrs = dict(open_group_checked(location).attrs)
         self.sites = [(str(site), int(layer)) for site, layer in sites]
         self.width = self._check_sites()
+        self._layer_indices = [list(self.attrs["layers"]).index(layer) for _, layer in self.sites]
         self.batch_size, self.buffer_tokens, self.seed = _positive(batch_size, "batch_size"), _positive(
             buffer_tokens, "buffer_tokens"), int(seed)
         if buffer_tokens < batch_size:
@@ -139,7 +139,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
             raise ValueError(f"buffer_tokens={self.buffer_tokens} holds less than one chunk "
                              f"({self.samples_per_chunk * self.n_pos} positions): give at least that")
         available, processes = psutil.virtual_memory().available, max(1, workers)
-        slots = (prefetch_factor + HANDOVER_SPARE_SLOTS) * self.batch_size * self.row_bytes if workers else 0
+        slots = ring_slots(prefetch_factor) * self.batch_size * self.row_bytes if workers else 0
         needed = processes * (self.buffer_bytes + chunk_bytes + slots)
         if needed > available:
             each = f" ({processes} workers, each its own buffer)" if processes > 1 else ""
@@ -214,11 +214,10 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     def _read_site(self, chunk: int, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Site `index`'s vectors of every position of the chunk, read into `out` (or a new array)."""
-        site, layer = self.sites[index]
-        reader = self._reader(site)
+        reader = self._reader(self.sites[index][0])
         if out is None:
             out = np.empty((self._positions(chunk), self.width), reader.dtype)
-        reader.read(chunk, list(self.attrs["layers"]).index(layer), out)
+        reader.read(chunk, self._layer_indices[index], out)
         return out
 
     def _positions(self, chunk: int) -> int:
@@ -313,34 +312,48 @@ class TokenLoader(torch.utils.data.IterableDataset):
         order = np.random.default_rng([self.seed, epoch]).permutation(self.n_chunks)
         return order, np.concatenate([[0], np.cumsum(self.chunk_tokens[order])])
 
-    def _window(self, epoch: int, index: int, chunk_order) -> tuple[np.ndarray, dict, np.ndarray]:
-        """Window `index` of the epoch: its rows (sites, tokens, width; this process's buffer), the
-        tokens' labels (with `with_labels`) and the window's permutation."""
+    def _pieces(self, index: int, chunk_order):
+        """What window `index` holds: (chunk, its selected tokens [begin, end), their place in the window)."""
         order, starts = chunk_order
         first = index * self.window_tokens
         last = min(first + self.window_tokens, self.n_tokens)
-        buffer = self._buffer("window", (len(self.sites), self.window_tokens, self.width), self._output_dtype)
-        rows, parts = buffer[:, :last - first], []
         for position in range(int(np.searchsorted(starts, first, side="right")) - 1, len(order)):
             begin, end = max(first, starts[position]), min(last, starts[position + 1])
             if begin >= last:
-                break
+                return
             if end > begin:
-                chunk_begin = begin - starts[position]
-                parts.append(self._read_piece(int(order[position]), int(chunk_begin), int(end - starts[position]),
-                                              rows[:, begin - first:end - first]))
+                yield int(order[position]), int(begin - starts[position]), int(end - starts[position]), int(begin - first)
+
+    def _window(self, epoch: int, index: int, chunk_order) -> tuple[np.ndarray, dict, np.ndarray]:
+        """Window `index` of the epoch: its rows (sites, tokens, width; this process's buffer), the
+        tokens' labels (with `with_labels`) and the window's permutation."""
+        size = min(self.window_tokens, self.n_tokens - index * self.window_tokens)
+        rows = self._buffer("window", (len(self.sites), self.window_tokens, self.width), self._output_dtype)[:, :size]
+        parts = [self._read_piece(chunk, begin, end, rows[:, at:at + end - begin])
+                 for chunk, begin, end, at in self._pieces(index, chunk_order)]
         labels = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-        permutation = np.random.default_rng([self.seed, epoch, index]).permutation(last - first)
+        permutation = np.random.default_rng([self.seed, epoch, index]).permutation(size)
         return rows, labels, permutation
+
+    def _read_ahead(self, index: int, chunk_order) -> None:
+        """Ask the kernel to read window `index`'s chunk files in the background (``ChunkReader.advise``),
+        so that the disk works while this process gathers batches."""
+        for chunk, *_ in self._pieces(index, chunk_order):
+            for site_index, (site, _) in enumerate(self.sites):
+                self._reader(site).advise(chunk, self._layer_indices[site_index])
 
     def _batches(self, epoch: int, ranges, worker: int | None = None):
         """Batches of the epoch's stream for the given ranges of batch indices (in a DataLoader's
         worker with a ring: RingBatch names of them)."""
         chunk_order, loaded = self._chunk_order(epoch), (None, None)
+        upcoming = window_sequence(ranges, self.window_batches)
         for first, stop in ranges:
             for batch in range(first, stop):
                 index = batch // self.window_batches
                 if loaded[0] != index:
+                    upcoming.popleft()
+                    for ahead in [index, *list(upcoming)[:1]]:  # this window's files, then the next one's
+                        self._read_ahead(ahead, chunk_order)
                     loaded = (index, self._window(epoch, index, chunk_order))
                 rows, labels, permutation = loaded[1]
                 begin = (batch - index * self.window_batches) * self.batch_size
@@ -364,9 +377,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     def _from_ring(self, batch: RingBatch, pin: bool):
         """In the main process: a batch a worker left in the ring, as it is yielded."""
-        activations, out = new_batch((batch.size, len(self.sites), self.width), self._output_dtype, pin)
-        self._ring.take(batch, out)
-        return self._as_batch(activations, batch.labels)
+        return self._as_batch(self._ring.receive(batch, pin), batch.labels)
 
     # --- iteration and resumption -----------------------------------------------------------------
     def _begin(self, parts: int, ring: BatchRing | None = None) -> None:
@@ -456,9 +467,9 @@ class _CountingDataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:  # the loader counts its own batches in this process
             yield from loader
             return
-        slots = (self.prefetch_factor or 2) + HANDOVER_SPARE_SLOTS
-        loader._begin(self.num_workers, BatchRing(self.num_workers, slots, loader.batch_shape,
-                                                  torch_dtype(loader._output_dtype), self.multiprocessing_context or mp))
+        ring = BatchRing(self.num_workers, ring_slots(self.prefetch_factor or 2), loader.batch_shape,
+                         torch_dtype(loader._output_dtype), self.multiprocessing_context or mp)
+        loader._begin(self.num_workers, ring)
         for batch in super().__iter__():
             loader._delivered += 1
             yield loader._from_ring(batch, self.pin_memory)
@@ -515,6 +526,16 @@ def _merged(ranges) -> list[tuple[int, int]]:
         else:
             result.append((a, b))
     return result
+
+
+def window_sequence(ranges, window_batches: int) -> collections.deque:
+    """The windows the ranges of batches read, in order."""
+    windows = collections.deque()
+    for a, b in ranges:
+        for window in range(a // window_batches, (b - 1) // window_batches + 1) if b > a else ():
+            if not windows or windows[-1] != window:
+                windows.append(window)
+    return windows
 
 
 def _count(ranges) -> int:
