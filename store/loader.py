@@ -9,7 +9,13 @@ The epoch's stream is the windows' permuted tokens one after another; batch b is
 epoch's last batch may be short. Ranks take contiguous, even ranges of batches; a rank's DataLoader
 workers take contiguous shares of whole windows (cut inside a window only when the range holds
 fewer windows than workers), so every selected token comes once per epoch in all and each window
-is read by one worker. Memory per process: one window (`buffer_bytes`) and one chunk being read.
+is read by one worker.
+
+Reading: a chunk file of a local, uncompressed store goes straight into the window (``chunk_read``),
+and the kernel is asked to read the next window's files ahead while batches are gathered. Memory
+per process: one window (`buffer_bytes`) and one chunk being read; a DataLoader's worker also holds
+`ring_slots(prefetch_factor)` batches of shared memory through which its batches reach the main
+process without a copy (``handover``).
 """
 from __future__ import annotations
 
@@ -244,7 +250,8 @@ class TokenLoader(torch.utils.data.IterableDataset):
             if mask is None and (begin, end) == (0, positions) and reader.dtype == target.dtype:
                 self._read_site(chunk, index, target)
                 continue
-            vectors = self._read_site(chunk, index, self._buffer("chunk", (positions, self.width), reader.dtype))
+            scratch = self._buffer("chunk", (self.samples_per_chunk * self.n_pos, self.width), reader.dtype)
+            vectors = self._read_site(chunk, index, scratch[:positions])
             if isinstance(chosen, slice) or vectors.dtype != target.dtype:
                 target[...] = vectors[chosen]  # one copy (and a cast: float16 or bfloat16 to float32)
             else:
@@ -455,8 +462,14 @@ class TokenLoader(torch.utils.data.IterableDataset):
             if state.get(key) != value:
                 what = "another store" if key == "store" else f"{key}={state.get(key)!r}, not {value!r}"
                 raise ValueError(f"the state dict is of {what}: resume with the loader it was saved from")
+        pending = state.get("pending")
+        if not isinstance(pending, list) or not all(
+                isinstance(part, list) and all(isinstance(r, list) and len(r) == 2 for r in part) for part in pending):
+            raise ValueError(f"the state dict's pending={pending!r} is not a list of each consumer's [start, stop] "
+                             "ranges (a state dict of an earlier TokenLoader, whose epochs were ordered otherwise?): "
+                             "resume with the loader it was saved from")
         self._epoch, self._delivered = int(state["epoch"]), 0
-        self._pending = [[tuple(r) for r in part] for part in state["pending"]]
+        self._pending = [[(int(a), int(b)) for a, b in part] for part in pending]
 
 
 class _CountingDataLoader(torch.utils.data.DataLoader):

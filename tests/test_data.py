@@ -278,6 +278,8 @@ def test_state_dict_of_another_filter_or_store_is_refused(store, tmp_path):
     other = loader(token_store(tmp_path / "other.zarr"))
     with pytest.raises(ValueError, match="the state dict is of another store"):
         other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"pending=\[\[0, 23\]\] is not a list of each consumer's \[start, stop\] ranges"):
+        loader(store).load_state_dict({**state, "pending": [[0, 23]]})  # the form of an earlier version
 
 
 @pytest.mark.slow
