@@ -127,9 +127,14 @@ class ArrayPromise:
         damage = self.check_size(coords, None if data is None else len(data))
         if damage is None and data is not None and self.checksum and len(data) >= 4:
             data = np.ascontiguousarray(data, dtype=np.uint8)
-            if google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:].tobytes(), "little"):
-                damage = self.damage(coords, "fails its CRC-32C checksum (overwritten or corrupted)", listed=False)
+            damage = self.check_checksum(coords, google_crc32c.value(data[:-4]), data[-4:])
         return damage
+
+    def check_checksum(self, coords: tuple[int, ...], computed: int, stored) -> Damage | None:
+        """The damage of a chunk whose values' CRC-32C is `computed` and whose last 4 bytes are `stored`."""
+        if computed != int.from_bytes(bytes(stored), "little"):
+            return self.damage(coords, "fails its CRC-32C checksum (overwritten or corrupted)", listed=False)
+        return None
 
 
 def promises(group: zarr.Group, attrs: dict, shard_complete: np.ndarray, weights_written: bool) -> dict[str, ArrayPromise]:

@@ -1,24 +1,38 @@
 """TokenLoader: a store's token vectors in shuffled, resumable, label-filtered batches for PyTorch.
 
-The shuffle reads whole chunks: each epoch permutes the store's chunks (along sample), groups them
-in that order into windows of at most `buffer_tokens` selected tokens, and permutes the tokens of
-each window. The epoch's stream is the windows' permuted tokens one after another; batch b is
-tokens [b * batch_size, (b + 1) * batch_size) of it (the last may be short). Ranks take contiguous
-ranges of batches, DataLoader workers contiguous parts of their rank's range, so every selected
-token comes once per epoch in all, and each worker reads only the windows of its part.
-Memory: one window (`buffer_bytes`) and one chunk being read, per process.
+The epoch's order: the store's chunks (along sample) are permuted (seeded by seed and epoch); their
+selected tokens, chunk after chunk in that order and in store order within a chunk, are cut into
+windows of `window_tokens` (`buffer_tokens` rounded down to a multiple of `batch_size`; the last
+window holds the rest), and each window's tokens are permuted (seeded by seed, epoch and window).
+The epoch's stream is the windows' permuted tokens one after another; batch b is tokens
+[b * batch_size, (b + 1) * batch_size) of it, so a batch never spans two windows and only the
+epoch's last batch may be short. Ranks take contiguous, even ranges of batches; a rank's DataLoader
+workers take contiguous shares of whole windows (cut inside a window only when the range holds
+fewer windows than workers), so every selected token comes once per epoch in all and each window
+is read by one worker.
+
+Reading: a chunk file of a local, uncompressed store goes straight into the window (``chunk_read``),
+and the kernel is asked to read the next window's files ahead while batches are gathered. Memory
+per process: one window (`buffer_bytes`) and one chunk being read; a DataLoader's worker also holds
+`ring_slots(prefetch_factor)` batches of shared memory through which its batches reach the main
+process without a copy (``handover``).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
+import multiprocessing as mp
+import sys
 
 import numpy as np
 import psutil
 import torch
 import xarray as xr
 
+from .chunk_read import ChunkReader
+from .handover import BatchRing, RingBatch, new_batch, ring_slots, torch_dtype
 from .integrity import guarded_group
 from .label_filter import LabelExpression
 from .location import as_location
@@ -64,8 +78,13 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.attrs = dict(open_group_checked(location).attrs)
         self.sites = [(str(site), int(layer)) for site, layer in sites]
         self.width = self._check_sites()
+        self._layer_indices = [list(self.attrs["layers"]).index(layer) for _, layer in self.sites]
         self.batch_size, self.buffer_tokens, self.seed = _positive(batch_size, "batch_size"), _positive(
             buffer_tokens, "buffer_tokens"), int(seed)
+        if buffer_tokens < batch_size:
+            raise ValueError(f"buffer_tokens={buffer_tokens} is smaller than batch_size={batch_size}: a batch is drawn "
+                             "from one window of the buffer; give buffer_tokens >= batch_size")
+        self.window_tokens = buffer_tokens // batch_size * batch_size
         if dtype not in OUTPUT_DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(OUTPUT_DTYPES)}")
         if scale_norms and dtype == "stored":
@@ -78,10 +97,10 @@ class TokenLoader(torch.utils.data.IterableDataset):
         self.samples_per_chunk = int(self.attrs["samples_per_chunk"])
         self.n_samples, self.n_pos = int(self.attrs["n_samples"]), int(self.attrs["n_pos"])
         self.n_chunks = -(-self.n_samples // self.samples_per_chunk)
-        self._group, self._arrays, self._window_buffer = None, {}, None
+        self._group, self._arrays, self._readers, self._buffers = None, {}, {}, {}
         self._check_memory()
         self.medians, self.scales, self.summary = self._measure()
-        self._epoch, self._pending, self._delivered, self._parts = 0, None, 0, 1
+        self._epoch, self._pending, self._delivered, self._given, self._ring = 0, None, 0, None, None
 
     # --- what the store holds -------------------------------------------------------------
     def _check_sites(self) -> int:
@@ -102,48 +121,72 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     @property
     def row_bytes(self) -> int:
-        return len(self.sites) * self.width * (2 if self.dtype == "stored" and is_bfloat16(self.attrs["dtype"]) else 4)
+        two_bytes = self.dtype == "stored" and (is_bfloat16(self.attrs["dtype"]) or self.attrs["dtype"] == "float16")
+        return len(self.sites) * self.width * (2 if two_bytes else 4)
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        return self.batch_size, len(self.sites), self.width
 
     @property
     def buffer_bytes(self) -> int:
-        """The shuffle buffer's memory per process (one window of selected tokens)."""
-        return self.buffer_tokens * self.row_bytes
+        """The shuffle buffer's memory per process (one window of `window_tokens` selected tokens)."""
+        return self.window_tokens * self.row_bytes
 
-    def _check_memory(self, processes: int = 1) -> None:
-        """Refuse a buffer the `processes` (this one, or the DataLoader's workers) cannot hold together."""
+    @property
+    def window_batches(self) -> int:
+        return self.window_tokens // self.batch_size
+
+    def _check_memory(self, workers: int = 0, prefetch_factor: int = 2) -> None:
+        """Refuse a buffer that this process, or the DataLoader's workers (each with its hand-over
+        slots), cannot hold together."""
         chunk_bytes = self.samples_per_chunk * self.n_pos * self.row_bytes
         if self.buffer_tokens < self.samples_per_chunk * self.n_pos:
             raise ValueError(f"buffer_tokens={self.buffer_tokens} holds less than one chunk "
                              f"({self.samples_per_chunk * self.n_pos} positions): give at least that")
-        available = psutil.virtual_memory().available
-        needed = processes * (self.buffer_bytes + chunk_bytes)
+        available, processes = psutil.virtual_memory().available, max(1, workers)
+        slots = ring_slots(prefetch_factor) * self.batch_size * self.row_bytes if workers else 0
+        needed = processes * (self.buffer_bytes + chunk_bytes + slots)
         if needed > available:
             each = f" ({processes} workers, each its own buffer)" if processes > 1 else ""
             raise MemoryError(f"buffer_tokens={self.buffer_tokens} needs {needed / 2**30:.2f} GiB{each}, more than "
                               f"the {available / 2**30:.2f} GiB of memory available: give a smaller buffer"
                               + (" or fewer workers" if processes > 1 else ""))
 
-    @property
-    def group(self):
-        if self._group is None:
-            self._group = guarded_group(self.location, _promises(open_group_checked(self.location)))
-        return self._group
-
-    @functools.cached_property
-    def _output_dtype(self) -> np.dtype:
-        """float32, or with dtype="stored" the dtype the sites' vectors are read as (read once)."""
-        if self.dtype == "float32":
-            return np.dtype(np.float32)
-        return np.asarray(self._array(self.sites[0][0])[:0]).dtype
+    def _open(self) -> None:
+        """The store's group, read through the guard, and what its chunks promise: once per process."""
+        promised = _promises(open_group_checked(self.location))
+        self._group = guarded_group(self.location, promised)
+        self._readers = {site: ChunkReader(self.location, self._group, site, promised[site]) for site, _ in self.sites}
 
     def _array(self, name: str):
         """One of the store's arrays, opened once per process (each opening reads its metadata)."""
+        if self._group is None:
+            self._open()
         if name not in self._arrays:
-            self._arrays[name] = self.group[name]
+            self._arrays[name] = self._group[name]
         return self._arrays[name]
 
+    def _reader(self, site: str) -> ChunkReader:
+        if self._group is None:
+            self._open()
+        return self._readers[site]
+
+    @property
+    def _output_dtype(self) -> np.dtype:
+        """float32, or with dtype="stored" the dtype the sites' vectors are stored in."""
+        return np.dtype(np.float32) if self.dtype == "float32" else self._reader(self.sites[0][0]).dtype
+
+    def _buffer(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        """A buffer kept for every window (or chunk) of this process: a fresh one each time would pay
+        the kernel's first touch of every page again."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = self._buffers[name] = np.empty(shape, dtype)
+        return buffer
+
     def __getstate__(self):
-        return {**self.__dict__, "_group": None, "_arrays": {}, "_window_buffer": None}
+        return {**self.__dict__, "_group": None, "_arrays": {}, "_readers": {}, "_buffers": {}}
 
     # --- reading chunks ---------------------------------------------------------------------
     def _chunk_labels(self, chunk: int) -> dict[str, np.ndarray]:
@@ -173,10 +216,19 @@ class TokenLoader(torch.utils.data.IterableDataset):
 
     def _chunk_vectors(self, chunk: int):
         """Each site's vectors of every position of the chunk, (positions, width), as stored."""
+        return [self._read_site(chunk, index) for index in range(len(self.sites))]
+
+    def _read_site(self, chunk: int, index: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Site `index`'s vectors of every position of the chunk, read into `out` (or a new array)."""
+        reader = self._reader(self.sites[index][0])
+        if out is None:
+            out = np.empty((self._positions(chunk), self.width), reader.dtype)
+        reader.read(chunk, self._layer_indices[index], out)
+        return out
+
+    def _positions(self, chunk: int) -> int:
         start, stop = self._chunk_bounds(chunk)
-        layers = list(self.attrs["layers"])
-        return [np.asarray(self._array(site)[start:stop, layers.index(layer)]).reshape(-1, self.width)
-                for site, layer in self.sites]
+        return (stop - start) * self.n_pos
 
     def _selected(self, chunk: int) -> np.ndarray | None:
         """The chunk's selection (positions,) as measured once (``_measure``); None: every position."""
@@ -186,23 +238,29 @@ class TokenLoader(torch.utils.data.IterableDataset):
         start, stop = self._chunk_bounds(chunk)
         return np.unpackbits(packed, count=(stop - start) * self.n_pos).view(bool)
 
-    def _read_chunk(self, chunk: int, rows: np.ndarray):
-        """The chunk's selected tokens: their vectors written into `rows` (tokens, sites, width: the
-        chunk's slice of its window, in the output dtype) and, with `with_labels`, their labels returned."""
+    def _read_piece(self, chunk: int, begin: int, end: int, rows: np.ndarray) -> dict:
+        """The chunk's selected tokens [begin, end) written into `rows` (sites, tokens, width: their
+        place in the window, in the output dtype) and, with `with_labels`, their labels returned.
+        A whole chunk of every position, as stored, goes from its file straight into the window."""
         mask = self._selected(chunk)
-        for index, vector in enumerate(self._chunk_vectors(chunk)):  # one copy per selected token and site
-            if mask is None:
-                rows[:, index] = vector
-            elif vector.dtype == rows.dtype:
-                np.compress(mask, vector, axis=0, out=rows[:, index])
-            else:  # cast on the way (float16 to float32)
-                rows[:, index] = vector[mask]
+        positions = self._positions(chunk)
+        chosen = slice(begin, end) if mask is None else np.flatnonzero(mask)[begin:end]
+        for index, target in enumerate(rows):
+            reader = self._reader(self.sites[index][0])
+            if mask is None and (begin, end) == (0, positions) and reader.dtype == target.dtype:
+                self._read_site(chunk, index, target)
+                continue
+            scratch = self._buffer("chunk", (self.samples_per_chunk * self.n_pos, self.width), reader.dtype)
+            vectors = self._read_site(chunk, index, scratch[:positions])
+            if isinstance(chosen, slice) or vectors.dtype != target.dtype:
+                target[...] = vectors[chosen]  # one copy (and a cast: float16 or bfloat16 to float32)
+            else:
+                np.take(vectors, chosen, axis=0, out=target, mode="clip")
         if self.dtype == "float32" and self.scale_norms:
-            rows *= np.asarray(self.scales, np.float32)[None, :, None]
+            rows *= np.asarray(self.scales, np.float32)[:, None, None]
         if not self.with_labels:
             return {}
-        labels = self._chunk_labels(chunk)
-        return labels if mask is None else {name: value[mask] for name, value in labels.items()}
+        return {name: value[chosen] for name, value in self._chunk_labels(chunk).items()}
 
     def _measure(self):
         """Tokens selected per chunk, the sites' median norms and scales, and a summary."""
@@ -256,108 +314,125 @@ class TokenLoader(torch.utils.data.IterableDataset):
         start, stop = self._rank_range()
         return stop - start
 
-    def _windows(self, epoch: int):
-        """The epoch's windows: (chunks in order, first token in the stream), and the stream's token offsets."""
+    def _chunk_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's chunks in order, and where each one's selected tokens begin in the epoch's sequence."""
         order = np.random.default_rng([self.seed, epoch]).permutation(self.n_chunks)
-        windows, current, filled = [], [], 0
-        for chunk in order:
-            size = int(self.chunk_tokens[chunk])
-            if current and filled + size > self.buffer_tokens:
-                windows.append(current)
-                current, filled = [], 0
-            current.append(int(chunk))
-            filled += size
-        if current:
-            windows.append(current)
-        starts = np.concatenate([[0], np.cumsum([self.chunk_tokens[w].sum() for w in windows])]).astype(np.int64)
-        return windows, starts
+        return order, np.concatenate([[0], np.cumsum(self.chunk_tokens[order])])
 
-    def _window(self, epoch: int, index: int, chunks: list[int]):
-        sizes = self.chunk_tokens[chunks]
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        rows = self._window_rows(int(offsets[-1]))
-        parts = [self._read_chunk(chunk, rows[offsets[i]:offsets[i + 1]]) for i, chunk in enumerate(chunks)]
+    def _pieces(self, index: int, chunk_order):
+        """What window `index` holds: (chunk, its selected tokens [begin, end), their place in the window)."""
+        order, starts = chunk_order
+        first = index * self.window_tokens
+        last = min(first + self.window_tokens, self.n_tokens)
+        for position in range(int(np.searchsorted(starts, first, side="right")) - 1, len(order)):
+            begin, end = max(first, starts[position]), min(last, starts[position + 1])
+            if begin >= last:
+                return
+            if end > begin:
+                yield int(order[position]), int(begin - starts[position]), int(end - starts[position]), int(begin - first)
+
+    def _window(self, epoch: int, index: int, chunk_order) -> tuple[np.ndarray, dict, np.ndarray]:
+        """Window `index` of the epoch: its rows (sites, tokens, width; this process's buffer), the
+        tokens' labels (with `with_labels`) and the window's permutation."""
+        size = min(self.window_tokens, self.n_tokens - index * self.window_tokens)
+        rows = self._buffer("window", (len(self.sites), self.window_tokens, self.width), self._output_dtype)[:, :size]
+        parts = [self._read_piece(chunk, begin, end, rows[:, at:at + end - begin])
+                 for chunk, begin, end, at in self._pieces(index, chunk_order)]
         labels = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-        order = np.random.default_rng([self.seed, epoch, index]).permutation(len(rows))
-        return rows, labels, order
+        permutation = np.random.default_rng([self.seed, epoch, index]).permutation(size)
+        return rows, labels, permutation
 
-    def _window_rows(self, n_tokens: int) -> np.ndarray:
-        """The window's (tokens, sites, width) rows, in one buffer kept for every window of this process
-        (a fresh one each time would pay the kernel's first touch of every page again); batches are
-        copies out of it."""
-        buffer = self._window_buffer
-        if buffer is None or len(buffer) < n_tokens:
-            buffer = self._window_buffer = np.empty((n_tokens, len(self.sites), self.width), self._output_dtype)
-        return buffer[:n_tokens]
+    def _read_ahead(self, index: int, chunk_order) -> None:
+        """Ask the kernel to read window `index`'s chunk files in the background (``ChunkReader.advise``),
+        so that the disk works while this process gathers batches."""
+        for chunk, *_ in self._pieces(index, chunk_order):
+            for site_index, (site, _) in enumerate(self.sites):
+                self._reader(site).advise(chunk, self._layer_indices[site_index])
 
-    def _batches(self, epoch: int, ranges):
-        """Batches of the epoch's stream for the given ranges of batch indices."""
-        windows, starts = self._windows(epoch)
-        loaded = (None, None)
+    def _batches(self, epoch: int, ranges, worker: int | None = None):
+        """Batches of the epoch's stream for the given ranges of batch indices (in a DataLoader's
+        worker with a ring: RingBatch names of them)."""
+        chunk_order, loaded = self._chunk_order(epoch), (None, None)
+        upcoming = window_sequence(ranges, self.window_batches)
         for first, stop in ranges:
             for batch in range(first, stop):
-                begin, end = batch * self.batch_size, min((batch + 1) * self.batch_size, self.n_tokens)
-                pieces = []
-                while begin < end:
-                    index = int(np.searchsorted(starts, begin, side="right") - 1)
-                    if loaded[0] != index:
-                        loaded = (index, self._window(epoch, index, windows[index]))
-                    rows, labels, order = loaded[1]
-                    upto = min(end, int(starts[index + 1]))
-                    take = order[begin - starts[index]:upto - starts[index]]
-                    # gathered now: the next window reuses the rows' buffer
-                    pieces.append((rows[take], {name: values[take] for name, values in labels.items()}))
-                    begin = upto
-                yield self._as_batch(pieces)
+                index = batch // self.window_batches
+                if loaded[0] != index:
+                    upcoming.popleft()
+                    for ahead in [index, *list(upcoming)[:1]]:  # this window's files, then the next one's
+                        self._read_ahead(ahead, chunk_order)
+                    loaded = (index, self._window(epoch, index, chunk_order))
+                rows, labels, permutation = loaded[1]
+                begin = (batch - index * self.window_batches) * self.batch_size
+                take = permutation[begin:begin + self.batch_size]
+                picked = {name: values[take] for name, values in labels.items()}
+                if worker is not None and self._ring is not None:
+                    yield self._ring.put(worker, len(take), functools.partial(_gather, rows, take), picked)
+                    continue
+                activations, out = new_batch((len(take), len(self.sites), self.width), rows.dtype)
+                _gather(rows, take, out)
+                yield self._as_batch(activations, picked)
 
-    def _as_batch(self, pieces):
-        rows = pieces[0][0] if len(pieces) == 1 else np.concatenate([rows for rows, _ in pieces])
-        activations = _tensor(rows)
+    def _as_batch(self, activations: torch.Tensor, labels: dict):
+        """The batch as it is yielded: the tensor, or with `with_labels` a dict of it and the labels."""
         if not self.with_labels:
             return activations
         batch = {"activations": activations}
-        for name in pieces[0][1]:
-            values = np.concatenate([labels[name] for _, labels in pieces])
+        for name, values in labels.items():
             batch[name] = values if values.dtype.kind in "OUT" else torch.from_numpy(values.astype(np.int64))
         return batch
 
+    def _from_ring(self, batch: RingBatch, pin: bool):
+        """In the main process: a batch a worker left in the ring, as it is yielded."""
+        return self._as_batch(self._ring.receive(batch, pin), batch.labels)
+
     # --- iteration and resumption -----------------------------------------------------------------
-    def _begin(self, parts: int) -> None:
-        """Start an iteration over `parts` consumers (1, or the DataLoader's workers)."""
+    def _begin(self, parts: int, ring: BatchRing | None = None) -> None:
+        """Start an iteration over `parts` consumers (1, or the DataLoader's workers, which hand their
+        batches over through `ring`): each consumer's ranges of batches."""
         if self._pending is None:
-            self._pending = [self._rank_range()]
+            self._pending = [[self._rank_range()]]
         if self._delivered:
             self._pending, self._delivered = self._remaining(), 0
-        self._parts = parts
+        if len(self._pending) == parts:
+            self._given = self._pending
+        else:
+            self._given = split_ranges([r for part in self._pending for r in part], parts, self.window_batches)
+        self._ring = ring
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         if info is None:
             self._begin(1)
-            for batch in self._batches(self._epoch, self._pending):
+            for batch in self._batches(self._epoch, self._given[0]):
                 self._delivered += 1
                 yield batch
             self._end_epoch()
             return
-        yield from self._batches(self._epoch, split_ranges(self._pending, info.num_workers)[info.id])
+        if self._given is None or len(self._given) != info.num_workers:  # a DataLoader not made by dataloader()
+            self._begin(info.num_workers)
+        yield from self._batches(self._epoch, self._given[info.id], info.id)
 
     def _end_epoch(self) -> None:
-        self._epoch, self._pending, self._delivered = self._epoch + 1, None, 0
+        self._epoch, self._pending, self._delivered, self._given, self._ring = self._epoch + 1, None, 0, None, None
 
-    def _remaining(self) -> list[tuple[int, int]]:
-        """The ranges not delivered yet, in the order the consumers deliver them next."""
-        parts = split_ranges(self._pending, self._parts)
-        taken, following = interleaved_counts([sum(b - a for a, b in part) for part in parts], self._delivered)
-        remaining = [drop_first(part, count) for part, count in zip(parts, taken)]
-        if self._parts == 1:
-            return remaining[0]
-        return [_joined(part) for part in remaining[following:] + remaining[:following]]
+    def _remaining(self) -> list[list[tuple[int, int]]]:
+        """Each consumer's ranges not delivered yet, the consumer whose turn comes next first."""
+        taken, following = interleaved_counts([_count(part) for part in self._given], self._delivered)
+        remaining = [drop_first(part, count) for part, count in zip(self._given, taken)]
+        return remaining[following:] + remaining[:following]
 
     def dataloader(self, num_workers: int = 0, **options) -> torch.utils.data.DataLoader:
-        """A DataLoader over this loader (batches as they are: batch_size=None) that keeps state_dict exact."""
+        """A DataLoader over this loader (batches as they are: batch_size=None) that keeps state_dict
+        exact. Its workers are forked where the platform allows it safely (Linux: a worker starts in
+        milliseconds, where a spawned one imports torch and zarr again, every epoch) unless
+        `multiprocessing_context` says otherwise, and hand their batches over through a few slots of
+        shared memory each (``handover``)."""
         if options.get("persistent_workers"):
             raise ValueError("persistent_workers=True would keep each worker's position apart from state_dict: leave it off")
-        self._check_memory(max(1, num_workers))
+        if num_workers and sys.platform == "linux":
+            options.setdefault("multiprocessing_context", "fork")
+        self._check_memory(num_workers, options.get("prefetch_factor") or 2)
         return _CountingDataLoader(self, batch_size=None, num_workers=num_workers, **options)
 
     def identity(self) -> dict:
@@ -372,14 +447,14 @@ class TokenLoader(torch.utils.data.IterableDataset):
                 "rank": self.rank, "world_size": self.world_size, "dtype": self.dtype}
 
     def state_dict(self) -> dict:
-        """Where this rank stands: the epoch and the batches it has not delivered yet."""
+        """Where this rank stands: the epoch and, per consumer, the batches it has not delivered yet."""
         if self._pending is None:
-            pending = [self._rank_range()]
+            pending = [[self._rank_range()]]
         else:
             pending = self._remaining() if self._delivered else self._pending
-        if not any(b > a for a, b in pending) and self._pending is not None:
-            return {**self.identity(), "epoch": self._epoch + 1, "pending": [list(self._rank_range())]}
-        return {**self.identity(), "epoch": self._epoch, "pending": [list(r) for r in pending]}
+        if self._pending is not None and not any(_count(part) for part in pending):
+            return {**self.identity(), "epoch": self._epoch + 1, "pending": [[list(self._rank_range())]]}
+        return {**self.identity(), "epoch": self._epoch, "pending": [[list(r) for r in part] for part in pending]}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state dict of this store and these choices, on the batches it had not delivered."""
@@ -387,7 +462,14 @@ class TokenLoader(torch.utils.data.IterableDataset):
             if state.get(key) != value:
                 what = "another store" if key == "store" else f"{key}={state.get(key)!r}, not {value!r}"
                 raise ValueError(f"the state dict is of {what}: resume with the loader it was saved from")
-        self._epoch, self._pending, self._delivered = int(state["epoch"]), [tuple(r) for r in state["pending"]], 0
+        pending = state.get("pending")
+        if not isinstance(pending, list) or not all(
+                isinstance(part, list) and all(isinstance(r, list) and len(r) == 2 for r in part) for part in pending):
+            raise ValueError(f"the state dict's pending={pending!r} is not a list of each consumer's [start, stop] "
+                             "ranges (a state dict of an earlier TokenLoader, whose epochs were ordered otherwise?): "
+                             "resume with the loader it was saved from")
+        self._epoch, self._delivered = int(state["epoch"]), 0
+        self._pending = [[(int(a), int(b)) for a, b in part] for part in pending]
 
 
 class _CountingDataLoader(torch.utils.data.DataLoader):
@@ -398,32 +480,30 @@ class _CountingDataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:  # the loader counts its own batches in this process
             yield from loader
             return
-        loader._begin(max(1, self.num_workers))
+        ring = BatchRing(self.num_workers, ring_slots(self.prefetch_factor or 2), loader.batch_shape,
+                         torch_dtype(loader._output_dtype), self.multiprocessing_context or mp)
+        loader._begin(self.num_workers, ring)
         for batch in super().__iter__():
             loader._delivered += 1
-            yield batch
+            yield loader._from_ring(batch, self.pin_memory)
         loader._end_epoch()
 
 
-def split_ranges(ranges, parts: int) -> list[list[tuple[int, int]]]:
-    """Ranges of batches split among `parts` consumers: one each when there are as many, else contiguous even shares."""
-    ranges = [tuple(r) for r in ranges]
-    if len(ranges) == parts:
-        return [[r] for r in ranges]
-    total = sum(b - a for a, b in ranges)
-    shares = [total // parts + (i < total % parts) for i in range(parts)]
-    result, queue = [], list(ranges)
-    for share in shares:
-        part = []
-        while share:
-            a, b = queue.pop(0)
-            take = min(share, b - a)
-            part.append((a, a + take))
-            if a + take < b:
-                queue.insert(0, (a + take, b))
-            share -= take
-        result.append(part)
-    return result
+def split_ranges(ranges, parts: int, window_batches: int) -> list[list[tuple[int, int]]]:
+    """Ranges of batches split among `parts` consumers in contiguous shares of about equal size: of
+    whole windows (`window_batches` batches each) where the ranges span at least `parts` windows,
+    else of batches (consumers then share a window)."""
+    pieces = [(max(a, edge), min(b, edge + window_batches)) for a, b in ranges
+              for edge in range(a // window_batches * window_batches, b, window_batches)]
+    if len(pieces) < parts:
+        pieces = [(batch, batch + 1) for a, b in ranges for batch in range(a, b)]
+    ends = np.cumsum([b - a for a, b in pieces])
+    edges = [0]
+    for part in range(1, parts):  # each share ends at the piece's end nearest its even share
+        nearest = int(np.argmin(np.abs(ends - ends[-1] * part / parts))) + 1 if len(ends) else 0
+        edges.append(max(nearest, edges[-1]))
+    edges.append(len(pieces))
+    return [_merged(pieces[begin:end]) for begin, end in zip(edges, edges[1:])]
 
 
 def interleaved_counts(sizes: list[int], delivered: int) -> tuple[list[int], int]:
@@ -440,27 +520,49 @@ def interleaved_counts(sizes: list[int], delivered: int) -> tuple[list[int], int
 
 
 def drop_first(ranges, count: int) -> list[tuple[int, int]]:
+    """The ranges without their first `count` batches (empty ranges left out)."""
     result = []
     for a, b in ranges:
         skip = min(count, b - a)
         count -= skip
-        result.append((a + skip, b))
+        if a + skip < b:
+            result.append((a + skip, b))
     return result
 
 
-def _joined(ranges) -> tuple[int, int]:
-    kept = [r for r in ranges if r[1] > r[0]]
-    return kept[0] if kept else (0, 0)
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Consecutive ranges joined: (0, 4), (4, 8) -> (0, 8)."""
+    result = []
+    for a, b in ranges:
+        if result and result[-1][1] == a:
+            result[-1] = (result[-1][0], b)
+        else:
+            result.append((a, b))
+    return result
+
+
+def window_sequence(ranges, window_batches: int) -> collections.deque:
+    """The windows the ranges of batches read, in order."""
+    windows = collections.deque()
+    for a, b in ranges:
+        for window in range(a // window_batches, (b - 1) // window_batches + 1) if b > a else ():
+            if not windows or windows[-1] != window:
+                windows.append(window)
+    return windows
+
+
+def _count(ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+def _gather(rows: np.ndarray, take: np.ndarray, out: np.ndarray) -> None:
+    """Rows `take` of each site's window rows (sites, tokens, width) into `out` (batch, sites, width)."""
+    for index, site_rows in enumerate(rows):
+        np.take(site_rows.view(out.dtype), take, axis=0, out=out[:, index], mode="clip")
 
 
 def _norms(vectors: np.ndarray) -> np.ndarray:
     return np.sqrt(np.square(vectors.astype(np.float32), dtype=np.float64).sum(axis=-1))
-
-
-def _tensor(rows: np.ndarray) -> torch.Tensor:
-    if is_bfloat16(rows.dtype):
-        return torch.from_numpy(np.ascontiguousarray(rows).view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(rows))
 
 
 def _positive(value, name: str) -> int:

@@ -150,7 +150,7 @@ class ChunkFiles:
 
     @property
     def has_layer(self) -> bool:
-        return _has_layer(self.metadata)
+        return is_layered(self.metadata)
 
     @property
     def sample_bytes(self) -> int:
@@ -301,28 +301,36 @@ def chunk_files(writer, name: str) -> ChunkFiles | None:
     return array_files(location, name, writer.per_sample_array(name))
 
 
-def array_files(location, name: str, array) -> ChunkFiles | None:
-    """How to write the store's array `name` directly into its chunk files, or None where zarr
-    must (compressed, not local, not chunked along its first dim only [and layer], or not
-    little-endian)."""
+def plain_chunk_files(location, array) -> bool:
+    """Whether the array's chunk files are its values' bytes followed by their CRC-32C, one file a
+    block of samples (and one layer): a local store, uncompressed (bytes + crc32c codecs),
+    little-endian, chunked along its first dim only [and layer]."""
     if not location.is_local or sys.byteorder != "little":
-        return None
+        return False
     metadata = array.metadata
     codecs = metadata.codecs
     if len(codecs) != 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], Crc32cCodec):
-        return None
-    shape, chunks, has_layer = metadata.shape, metadata.chunk_grid.chunk_shape, _has_layer(metadata)
+        return False
+    shape, chunks, has_layer = metadata.shape, metadata.chunk_grid.chunk_shape, is_layered(metadata)
     if chunks[1 + has_layer:] != shape[1 + has_layer:] or (has_layer and chunks[1] != 1):
-        return None
+        return False
     dtype = np.dtype(array.dtype)
-    if dtype.itemsize > 1 and dtype.byteorder == ">":
+    return dtype.itemsize == 1 or dtype.byteorder != ">"
+
+
+def array_files(location, name: str, array) -> ChunkFiles | None:
+    """How to write the store's array `name` directly into its chunk files, or None where zarr
+    must (see ``plain_chunk_files``)."""
+    if not plain_chunk_files(location, array):
         return None
+    metadata = array.metadata
+    shape, has_layer, dtype = metadata.shape, is_layered(metadata), np.dtype(array.dtype)
     fill = np.full(math.prod(shape[1 + has_layer:]), array.fill_value, dtype=dtype).view(np.uint8)
     folder = os.path.join(location.local_path, name)
     return ChunkFiles(folder, metadata, dtype, fill, direct=direct_writes_work(folder))
 
 
-def _has_layer(metadata: ArrayV3Metadata) -> bool:
+def is_layered(metadata: ArrayV3Metadata) -> bool:
     """Whether the array's second dim is layer (chunked one layer a chunk)."""
     dims = metadata.dimension_names
     return len(dims) > 1 and dims[1] == "layer"

@@ -49,6 +49,56 @@ def test_every_token_once_per_epoch(store, workers):
     assert len(batches) == len(tokens) and sorted(ids(batches)) == expected()
 
 
+def documented_batches(tokens, epoch=0) -> list[list[int]]:
+    """The epoch's batches (token ids) as orthosphere.store.loader's docstring defines the epoch."""
+    per_chunk = {}
+    for token in expected():
+        per_chunk.setdefault(token // (tokens.samples_per_chunk * N_POS), []).append(token)
+    order = np.random.default_rng([tokens.seed, epoch]).permutation(tokens.n_chunks)
+    sequence = np.array([token for chunk in order for token in per_chunk.get(chunk, [])])
+    windows = [sequence[first:first + tokens.window_tokens] for first in range(0, len(sequence), tokens.window_tokens)]
+    stream = np.concatenate([window[np.random.default_rng([tokens.seed, epoch, index]).permutation(len(window))]
+                             for index, window in enumerate(windows)])
+    return [stream[first:first + tokens.batch_size].tolist() for first in range(0, len(stream), tokens.batch_size)]
+
+
+def test_the_epoch_is_the_documented_shuffle(store):
+    tokens = loader(store)
+    assert tokens.window_tokens == 45  # buffer_tokens 48 rounded down to batches of 5: no batch spans two windows
+    for epoch in range(2):
+        assert [ids([batch]) for batch in tokens] == documented_batches(tokens, epoch)
+
+
+def test_workers_read_whole_windows_of_the_documented_batches(store, tmp_path, monkeypatch):
+    """With 2 workers, every documented batch comes once and each window is read by one worker."""
+    import os
+
+    from orthosphere.store.loader import TokenLoader as Loader
+
+    window = Loader._window
+
+    def noted(self, epoch, index, chunk_order):
+        with open(tmp_path / "windows.txt", "a") as record:
+            record.write(f"{os.getpid()} {index}\n")
+        return window(self, epoch, index, chunk_order)
+
+    monkeypatch.setattr(Loader, "_window", noted)
+    tokens = loader(store)
+    delivered = [ids([batch]) for batch in tokens.dataloader(num_workers=2)]
+    assert sorted(delivered) == sorted(documented_batches(tokens))
+    readers = [line.split() for line in (tmp_path / "windows.txt").read_text().splitlines()]
+    assert sorted(index for _, index in readers) == ["0", "1", "2"] and len({pid for pid, _ in readers}) == 2
+
+
+def test_shares_of_workers_are_whole_windows_unless_too_few():
+    from orthosphere.store.loader import split_ranges
+
+    assert split_ranges([(0, 23)], 2, 9) == [[(0, 9)], [(9, 23)]]
+    assert split_ranges([(4, 30)], 3, 8) == [[(4, 16)], [(16, 24)], [(24, 30)]]
+    assert split_ranges([(0, 3)], 2, 9) == [[(0, 1)], [(1, 3)]]  # one window: the workers share it
+    assert split_ranges([(0, 2), (5, 7)], 2, 4) == [[(0, 2)], [(5, 7)]]
+
+
 def test_two_ranks_share_the_tokens_once(store):
     seen = [ids(loader(store, rank=r, world_size=2)) for r in range(2)]
     assert sorted(seen[0] + seen[1]) == expected() and abs(len(seen[0]) - len(seen[1])) <= 5
@@ -83,9 +133,28 @@ def test_resume_gives_the_remaining_batches_bitwise(store, workers):
     assert all(torch.equal(a, b) for a, b in zip(rest, whole[4:]))
 
 
-def test_filters_select_what_they_name(store):
+@pytest.mark.parametrize("first, then", [(2, 0), (0, 2)])
+def test_resume_with_another_number_of_workers_gives_each_token_once(store, first, then):
+    interrupted, seen = loader(store), []
+    for count, batch in enumerate(interrupted.dataloader(num_workers=first), 1):
+        seen += ids([batch])
+        if count == 4:
+            break
+    resumed = loader(store)
+    resumed.load_state_dict(interrupted.state_dict())
+    rest = ids(resumed.dataloader(num_workers=then))
+    assert sorted(seen + rest) == expected()
+
+
+def test_a_plain_dataloader_yields_each_token_once(store):
+    tokens = loader(store)
+    assert sorted(ids(torch.utils.data.DataLoader(tokens, batch_size=None, num_workers=2))) == expected()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_filters_select_what_they_name(store, workers):
     answers = loader(store, where='role == "answer" and 2 <= pos < 5', with_labels=True)
-    batches = list(answers)
+    batches = list(answers.dataloader(num_workers=workers))
     assert sorted(ids(b["activations"] for b in batches)) == expected(lambda s, p: p % 2 == 1 and 2 <= p < 5)
     assert all(set(b["role"]) == {"answer"} for b in batches)
     with_start = loader(store, exclude_start=False)
@@ -100,25 +169,31 @@ def test_norm_filter_and_scaling_are_counted(store):
     assert float((vectors.double() ** 2).sum(1).mean()) == pytest.approx(D_MODEL, rel=1e-5)
 
 
-def test_bfloat16_round_trips_bit_exactly(tmp_path):
+@pytest.mark.parametrize("dtype, workers", [("bfloat16", 0), ("bfloat16", 2), ("float16", 0)])
+def test_half_precision_round_trips_bit_exactly(tmp_path, dtype, workers):
+    """dtype="stored" yields the stored bits; float32 their exact conversion (through the DataLoader's
+    shared-memory hand-over too)."""
     import zarr
 
-    url = token_store(tmp_path / "bf16.zarr", dtype="bfloat16")
-    tokens = loader(url, dtype="stored", exclude_start=False, buffer_tokens=10**6, batch_size=10**6)
-    batch = next(iter(tokens))
-    assert batch.dtype == torch.bfloat16
-    stored = np.asarray(zarr.open_group(url, mode="r")["resid_pre"][:, 1]).reshape(-1, D_MODEL).view(np.uint16)
-    got = np.sort(batch[:, 0].view(torch.int16).numpy().view(np.uint16), axis=0)
+    url = token_store(tmp_path / f"{dtype}.zarr", dtype=dtype)
+    stored = np.asarray(zarr.open_group(url, mode="r")["resid_pre"][:, 1]).reshape(-1, D_MODEL)
     valid = np.ones((N_SAMPLES, N_POS), bool)
     valid[::3, -1] = False
-    assert np.array_equal(got, np.sort(stored[valid.ravel()], axis=0))
+    for output, expected_rows in (("stored", stored[valid.ravel()]), ("float32", stored[valid.ravel()].astype(np.float32))):
+        tokens = loader(url, dtype=output, exclude_start=False, buffer_tokens=48, batch_size=16)
+        batches = list(tokens.dataloader(num_workers=workers))
+        assert {batch.dtype for batch in batches} == {getattr(torch, dtype) if output == "stored" else torch.float32}
+        got = torch.cat(batches)[:, 0]
+        got = got.view(torch.int16) if got.dtype == torch.bfloat16 else got
+        assert sorted(row.tobytes() for row in got.numpy()) == sorted(row.tobytes() for row in expected_rows)
 
 
 def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     from orthosphere.store import loader as loader_module
 
     loader = TokenLoader(store, [("resid_pre", 1)], batch_size=8, buffer_tokens=2**12, seed=0)
-    one = loader.buffer_bytes + loader.samples_per_chunk * loader.n_pos * loader.row_bytes
+    hand_over = 6 * loader.batch_size * loader.row_bytes  # each worker's slots of shared memory (ring_slots(2))
+    one = loader.buffer_bytes + loader.samples_per_chunk * loader.n_pos * loader.row_bytes + hand_over
     monkeypatch.setattr(loader_module.psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2 * one})())
     loader.dataloader(num_workers=2)
     with pytest.raises(MemoryError, match="3 workers, each its own buffer.* or fewer workers"):
@@ -131,6 +206,7 @@ def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     ({"where": 'colour == "red"'}, ValueError, "names 'colour', which the store does not hold"),
     ({"where": "__import__('os')"}, ValueError, "is not allowed"),
     ({"buffer_tokens": 2**50}, MemoryError, "more than the .* GiB of memory available"),
+    ({"batch_size": 64}, ValueError, "buffer_tokens=48 is smaller than batch_size=64: .* give buffer_tokens >= batch_size"),
 ])
 def test_bad_input_is_refused(store, options, error, message):
     sites = options.pop("sites", [("resid_pre", 1)])
@@ -150,6 +226,51 @@ def test_incomplete_store_is_refused(tmp_path):
         loader(url)
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("overwrite", r"array 'resid_pre' chunk \(1, 1, 0, 0\) \(samples 4-7, layer 1\): fails its CRC-32C checksum"),
+    ("remove", r"array 'resid_pre' chunk \(1, 1, 0, 0\) \(samples 4-7, layer 1\): missing"),
+])
+def test_a_chunk_damaged_after_opening_is_named(tmp_path, damage, message):
+    from orthosphere.store import DamagedStoreError
+
+    url = token_store(tmp_path / "store.zarr")
+    tokens = loader(url)
+    path = tmp_path / "store.zarr" / "resid_pre" / "c" / "1" / "1" / "0" / "0"
+    if damage == "remove":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with pytest.raises(DamagedStoreError, match=message):
+        list(tokens)
+
+
+@pytest.mark.parametrize("through_zarr", [False, True])
+def test_chunks_read_into_given_memory_equal_zarrs(tmp_path, through_zarr):
+    """ChunkReader reads each chunk (a short last one too) as zarr does, from its file or through zarr."""
+    import zarr
+
+    from orthosphere.store.chunk_read import ChunkReader
+    from orthosphere.store.location import as_location
+    from orthosphere.store.reader import _promises, open_group_checked
+
+    x = np.random.default_rng(1).normal(size=(10, N_LAYERS, N_POS, D_MODEL)).astype(np.float32)
+    url = write_store(tmp_path / "short.zarr", {"resid_pre": x}, samples_per_chunk=4)
+    location = as_location(url)
+    reader = ChunkReader(location, zarr.open_group(url, mode="r"), "resid_pre", _promises(open_group_checked(location))["resid_pre"])
+    assert reader.folder is not None  # a local, uncompressed store: its chunk files are read directly
+    if through_zarr:
+        reader.folder = None
+    for chunk, samples in enumerate([slice(0, 4), slice(4, 8), slice(8, 10)]):
+        for layer in range(N_LAYERS):
+            out = np.empty((samples.stop - samples.start, N_POS, D_MODEL), np.float32)
+            reader.read(chunk, layer, out)
+            assert np.array_equal(out, x[samples, layer])
+    with pytest.raises(ValueError, match="needs a contiguous float32 buffer of 384 bytes, got float32 of 768"):
+        reader.read(2, 0, np.empty((4, N_POS, D_MODEL), np.float32))
+
+
 def test_state_dict_of_another_filter_or_store_is_refused(store, tmp_path):
     state = loader(store).state_dict()
     with pytest.raises(ValueError, match="the state dict is of where="):
@@ -157,6 +278,8 @@ def test_state_dict_of_another_filter_or_store_is_refused(store, tmp_path):
     other = loader(token_store(tmp_path / "other.zarr"))
     with pytest.raises(ValueError, match="the state dict is of another store"):
         other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"pending=\[\[0, 23\]\] is not a list of each consumer's \[start, stop\] ranges"):
+        loader(store).load_state_dict({**state, "pending": [[0, 23]]})  # the form of an earlier version
 
 
 @pytest.mark.slow
