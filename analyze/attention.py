@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
 
 from .blocks import single_block
 from .errors import AnalysisError
-from .inputs import align, check_layers, require_site, store_url
+from .inputs import align, as_float32, check_layers, require_site, store_url
 
 
 @dataclass(frozen=True)
@@ -164,25 +165,27 @@ class ScoreFrame:
         return cls(n_allowed, no_keys[:, None, :] if no_keys.any() else None, refused, offset)
 
 
-class BlockAttention:
-    """One layer's score and attention for a block of samples: the one implementation.
+KERNEL_BYTES = 2**22
+"""The most bytes of one float32 (kpos, sample, head, qpos) array of a sub-block of samples
+(``CleanAttention``): the attention kernels' passes over such arrays run from cache, not memory.
+Measured with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
+per-operation costs than cache saves, 4 MiB is fastest, 16 MiB falls out of cache."""
 
-    Built from q (sample, pos, head, d_head), k (sample, pos, kv_head, d_head), valid (sample, pos)
-    and the layer's score terms. Arrays are laid out key-major, (kpos, sample, head, qpos), float32:
-    every reduction over keys is an element-wise pass over contiguous memory and yields
-    per-query arrays (sample, head, qpos) directly, which the replay's kernel needs. Dot products
-    are bilinear, so the score of queries and keys scaled by norm factors (1 + kq_i), (1 + kk_j)
-    is ``scores`` of the factor (1 + kq_i)(1 + kk_j). A query that may see no key is scored
-    unmasked (so that no NaN arises) and gets an all-zero attention row.
-    """
 
-    def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms):
-        self.terms = terms
-        frame = ScoreFrame.of(valid, terms)
-        self.n_allowed, self.no_keys, self.offset = frame.n_allowed, frame.no_keys, frame.offset
-        self.scaled_dots = key_major_dots(q, k)
-        self.scaled_dots *= np.float32(terms.scale)
-        np.copyto(self.scaled_dots, np.float32(0), where=frame.refused)
+DEVICE_KERNEL_BYTES = 2**28
+"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
+
+
+@dataclass(eq=False)
+class KeyMajorScores:
+    """Scaled dot products (kpos, sample, head, qpos) and what turns them into scores and attention:
+    the layer's terms, the offset added after the soft-cap (position bias, and the mask: -inf where
+    refused) and the queries that may see no key ((sample, 1, qpos), or None)."""
+
+    terms: ScoreTerms
+    scaled_dots: np.ndarray
+    offset: np.ndarray
+    no_keys: np.ndarray | None
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
         """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:
@@ -190,10 +193,11 @@ class BlockAttention:
         product of the norm factors of q and k), is used as scratch space; without it, the clean
         score."""
         scaled = self.scaled_dots.copy() if factor is None else np.multiply(factor, self.scaled_dots, out=factor)
-        return self._capped_and_offset(scaled)
+        return self.scores_of_scaled(scaled)
 
-    def _capped_and_offset(self, scaled: np.ndarray) -> np.ndarray:
-        """softcap * tanh(scaled / softcap) (the model's order of operations) plus the offset, in place."""
+    def scores_of_scaled(self, scaled: np.ndarray) -> np.ndarray:
+        """The masked score of scaled dot products (perturbed ones, of this shape), in place:
+        softcap * tanh(scaled / softcap) (the model's order of operations) plus the offset."""
         if self.terms.softcap is not None:
             softcap = np.float32(self.terms.softcap)
             np.divide(scaled, softcap, out=scaled)
@@ -214,12 +218,78 @@ class BlockAttention:
         scores /= total
         return scores, peak, total
 
+
+@dataclass(eq=False)
+class ScoreWindow(KeyMajorScores):
+    """The scores of a range of queries over the range of keys any of them may see, and their clean
+    attention, as contiguous arrays of one shape, the offset too (``BlockAttention.window``): outside
+    the keys, every query's attention is zero, clean or perturbed."""
+
+    attention: np.ndarray
+    keys: slice
+    queries: slice
+
+
+@dataclass(eq=False)
+class BlockAttention(KeyMajorScores):
+    """One layer's score and attention for a block of samples: the one implementation.
+
+    Built by ``of`` from q (sample, pos, head, d_head), k (sample, pos, kv_head, d_head), valid
+    (sample, pos) and the layer's score terms. Arrays are laid out key-major, (kpos, sample, head,
+    qpos), float32: every reduction over keys is an element-wise pass over contiguous memory and
+    yields per-query arrays (sample, head, qpos) directly, which the replay's kernel needs. Dot
+    products are bilinear, so the score of queries and keys scaled by norm factors (1 + kq_i),
+    (1 + kk_j) is ``scores`` of the factor (1 + kq_i)(1 + kk_j). A query that may see no key is
+    scored unmasked (so that no NaN arises) and gets an all-zero attention row. ``attention`` is
+    the clean attention, ``total`` its softmax denominators.
+    """
+
+    valid: np.ndarray
+    n_allowed: np.ndarray
+    """(sample, qpos) allowed keys."""
+    n_kv_heads: int
+    attention: np.ndarray | None = None
+    total: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> BlockAttention:
+        valid = np.asarray(valid, bool)
+        frame = ScoreFrame.of(valid, terms)
+        scaled_dots = key_major_dots(q, k)
+        scaled_dots *= np.float32(terms.scale)
+        np.copyto(scaled_dots, np.float32(0), where=frame.refused)
+        block = cls(terms, scaled_dots, frame.offset, frame.no_keys, valid, frame.n_allowed, k.shape[2])
+        block.attention, _, block.total = block.softmax(block.scores())
+        return block
+
+    @property
     def pattern(self) -> np.ndarray:
-        """The clean attention (sample, head, qpos, kpos), computed in the block's own dot products
-        (the block cannot score again after it)."""
-        attention, _, _ = self.softmax(self._capped_and_offset(self.scaled_dots))
-        self.scaled_dots = None
-        return attention.transpose(1, 2, 3, 0)
+        """The clean attention as (sample, head, qpos, kpos), a view."""
+        return self.attention.transpose(1, 2, 3, 0)
+
+    def received(self, mask: np.ndarray) -> np.ndarray:
+        """(sample, head, kpos) attention each key in `mask` (sample, pos) receives from the queries in
+        it, float32 (einsum reads the key-major attention in place; a matrix product would copy it)."""
+        weights = np.asarray(mask, np.float32)
+        return np.einsum("kshq,sq->shk", self.attention, weights) * weights[:, None, :]
+
+    def window(self, queries: slice) -> ScoreWindow | None:
+        """The scores and clean attention of `queries` over the keys any of them may see (None when
+        they may see none), as contiguous copies: what a pass over them needs, and no more."""
+        allowed = np.isfinite(self.offset[:, :, :, queries]).any(axis=2) & (self.n_allowed[:, queries] > 0)
+        seen = allowed.any(axis=(1, 2))  # (kpos,)
+        if not seen.any():
+            return None
+        first, last = np.flatnonzero(seen)[[0, -1]]
+        keys = slice(int(first), int(last) + 1)
+        no_keys = None if self.no_keys is None else self.no_keys[:, :, queries]
+
+        def cut(array):
+            return np.ascontiguousarray(array[keys, :, :, queries])
+
+        dots = cut(self.scaled_dots)
+        offset = np.ascontiguousarray(np.broadcast_to(self.offset[keys, :, :, queries], dots.shape))  # added unbroadcast: 3x faster
+        return ScoreWindow(self.terms, dots, offset, no_keys, cut(self.attention), keys, queries)
 
 
 def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
@@ -227,7 +297,46 @@ def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: Sc
     k (sample, pos, kv_head, d_head), valid (sample, pos) and the layer's score terms; head h reads
     kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row. A view of
     the key-major computation (not C-contiguous: copy it where that matters)."""
-    return BlockAttention(q, k, valid, terms).pattern()
+    return BlockAttention.of(q, k, valid, terms).pattern
+
+
+class CleanAttention:
+    """The clean attention of one Dask block of samples, computed once per analysis call and read by
+    every analysis that needs it (the norms' attention received, the replay): ``parts``, a list of
+    (first sample, ``BlockAttention``) over sub-blocks of samples whose arrays fit in cache
+    (``KERNEL_BYTES``; on a CUDA device one part, and a ``torch_kernels.TorchAttention``)."""
+
+    def __init__(self, q, k, valid, terms: ScoreTerms, device: str = "cpu"):
+        q, k, valid = as_float32(single_block(q)), as_float32(single_block(k)), np.asarray(single_block(valid), bool)
+        per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
+        step = max(1, (DEVICE_KERNEL_BYTES if device.startswith("cuda") else KERNEL_BYTES) // per_sample)
+        if device == "cpu":
+            attention_of = BlockAttention.of
+        else:
+            from .torch_kernels import TorchAttention
+
+            def attention_of(*arrays):
+                return TorchAttention(*arrays, device)
+        self.device = device
+        self.parts = [(start, attention_of(q[start:start + step], k[start:start + step], valid[start:start + step], terms))
+                      for start in range(0, len(q), step)]
+
+    def received(self, mask: np.ndarray) -> np.ndarray:
+        """(sample, head, kpos) attention each key in `mask` receives from the queries in it (``norms``)."""
+        mask = np.asarray(single_block(mask))
+        return np.concatenate([part.received(mask[start:start + len(part.valid)]) for start, part in self.parts])
+
+
+def clean_attention(dataset: xr.Dataset, layer: int, device: str = "cpu") -> list:
+    """The lazy ``CleanAttention`` of each sample block of one layer, recomputed from q and k on `device`
+    (resolved: see device.py): the same tasks (the same keys) for every analysis of one call, so that
+    Dask computes each block's attention once for all of them."""
+    terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
+    q = da.asarray(dataset["q"].sel(layer=layer).data)
+    q = align(q, q)
+    arrays = (q, align(da.asarray(dataset["k"].sel(layer=layer).data), q), align(da.asarray(dataset["valid"].data), q))
+    blocks = [array.to_delayed(optimize_graph=False).ravel() for array in arrays]
+    return [dask.delayed(CleanAttention, pure=True)(*inputs, terms, device) for inputs in zip(*blocks)]
 
 
 def attention_source(dataset: xr.Dataset) -> str:

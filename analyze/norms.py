@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import ScoreTerms, attention_from_qk, attention_source
+from .attention import CleanAttention, attention_source, clean_attention
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .device import resolve_device
@@ -65,27 +66,20 @@ class NormsConfig(AnalysisConfig):
 
 def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, device: str = "cpu") -> da.Array:
     """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
-    the stored pattern or recomputed from q and k (on `device`, resolved: see device.py); one task per
-    block, so a block's whole attention pattern is never kept as a task's output."""
+    the stored pattern or recomputed from q and k (on `device`, resolved: see device.py) by the
+    block's ``CleanAttention``, the task every analysis of the call shares (computed once); a block's
+    whole attention pattern is never a task's output here."""
     if attention_source(dataset) == "pattern":
         pattern = dataset["pattern"].sel(layer=layer).data
         return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
                             dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
-    terms = ScoreTerms.of_layer(dataset.attrs.get("model", {}), layer)
     q = dataset["q"].sel(layer=layer).data
-    k, valid, mask = (align(array, q) for array in (dataset["k"].sel(layer=layer).data, dataset["valid"].data, mask))
-
-    def block(mask_block, q_block, k_block, valid_block):
-        if device != "cpu":
-            from .torch_kernels import received_attention_block
-
-            return received_attention_block(single_block(mask_block), single_block(q_block), single_block(k_block),
-                                            valid_block, terms, device)
-        pattern = attention_from_qk(single_block(q_block), single_block(k_block), valid_block, terms)
-        return _received(mask_block, pattern)
-
-    return da.blockwise(block, "shk", mask, "sq", q, "sqhd", k, "skgd", valid, "sk", concatenate=False,
+    masks = align(mask, q).to_delayed(optimize_graph=False).ravel()
+    shape = (dataset.sizes["head"], dataset.sizes["pos"])
+    return da.concatenate([
+        da.from_delayed(dask.delayed(CleanAttention.received, pure=True)(clean, block_mask), (n_samples, *shape),
                         dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+        for clean, block_mask, n_samples in zip(clean_attention(dataset, layer, device), masks, q.chunks[0])])
 
 
 def _received(mask, pattern):

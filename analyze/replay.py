@@ -129,7 +129,7 @@ import xarray as xr
 from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
-from .attention import ScoreTerms
+from .attention import ScoreTerms, clean_attention
 from .inputs import FiniteCheck, check_layers, layer_data
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
@@ -258,8 +258,8 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     """A delayed dict of one layer's reduced partial sums."""
     q = ds["q"].sel(layer=layer)
     chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
-    blocks = {name: _sample_blocks(ds[name].sel(layer=layer) if name != "valid" else ds[name], chunks)
-              for name in (("q", "k", "v") if with_messages else ("q", "k")) + ("valid",)}
+    clean = clean_attention(ds, layer, settings.device)  # the same tasks as the other analyses' of this call
+    values = _sample_blocks(ds["v"].sel(layer=layer), chunks) if with_messages else [None] * len(chunks)
     frame = dask.delayed(message_frame)(ds["w_o"].sel(layer=layer).values) if with_messages else None
     sample_ids = ds["sample"].values
     starts = np.concatenate([[0], np.cumsum(chunks)])
@@ -267,9 +267,8 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
                    for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
     partials = [
         [dask.delayed(replay_block, pure=True)(
-            blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
-            blocks["valid"][i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
-            settings=settings, terms=ScoreTerms.of_layer(model, layer), n_bins=n_bins)
+            clean[i], values[i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
+            settings=settings, n_bins=n_bins)
          for draws in draw_ranges]
         for i in range(len(chunks))
     ]

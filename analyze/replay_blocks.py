@@ -3,6 +3,7 @@ its perturbations under the study's settings (``ReplaySettings``), counted per (
 (``replay_block``); the definitions are in ``replay.py``'s docstring."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -10,9 +11,11 @@ import numpy as np
 
 from orthosphere.params import Interval, Items, parameter
 
-from .attention import BlockAttention, ScoreTerms, per_head
+from .attention import BlockAttention, CleanAttention, ScoreTerms, ScoreWindow, per_head
+from .blocks import single_block
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .device import resolve_device
+from .inputs import as_float32
 from .noise import unit_noise
 from .options import DEVICE, AnalysisConfig, choice, integer
 
@@ -41,15 +44,12 @@ STRICT_ROWS = 4096
 """Collapsed (row, level) pairs whose softmax the strict definition evaluates at once."""
 
 
-KERNEL_BYTES = 2**22
-"""The most bytes of one float32 (kpos, sample, head, qpos) array of a replay sub-block. Measured
-with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
-per-operation costs than cache saves (29.7 s for two layers), 4 MiB is fastest (20.7 s), 16 MiB
-falls out of cache (26.6 s), one block of 64 samples took 35 s."""
-
-
-DEVICE_KERNEL_BYTES = 2**28
-"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
+QUERY_WINDOW = 32
+"""Queries per window of the smooth summaries' passes (``HeadBlock.smooth_changes``): each window
+spans only the keys its queries may see, so a causal model's passes skip most of the masked half
+of (key, query) (62.5 % of the square at 128 positions). Measured at 128 positions, 9 heads: 16
+and 32 are fastest, 64 slower, and the whole square 3-6x slower (its attention-weighted messages
+product falls off BLAS's fast path)."""
 
 
 SWITCHABLE_KEYS = 2
@@ -127,17 +127,27 @@ class HeadBlock:
     each head's own d_head-dimensional frame (``message_frame``), where their norms and dot
     products are those of W_O v; their noise multiplies the perturbed attention. ``instance`` and
     ``sparse`` mask the (sample, head, qpos) instances with at least ``min_keys`` allowed keys,
-    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring).
+    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring). Built from q, k
+    and valid, or (``of_attention``) from a block's clean attention computed once for every analysis.
     """
 
     def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
-        self.threshold, self.terms = sparse_threshold, terms
-        self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
-        self.block_attention = BlockAttention(q, k, valid, terms)
-        self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
-        self.max_attention = 1.0 / total
-        count_instances(self, valid, self.block_attention.n_allowed, min_keys)
-        self.winner = self.attention.argmax(axis=0)
+        self._start(BlockAttention.of(q, k, valid, terms), sparse_threshold, v, frame, min_keys)
+
+    @classmethod
+    def of_attention(cls, attention: BlockAttention, sparse_threshold: float, v=None, frame=None, *,
+                     min_keys: int) -> HeadBlock:
+        block = cls.__new__(cls)
+        block._start(attention, sparse_threshold, v, frame, min_keys)
+        return block
+
+    def _start(self, attention: BlockAttention, sparse_threshold: float, v, frame, min_keys: int) -> None:
+        self.threshold, self.terms, self.block_attention = sparse_threshold, attention.terms, attention
+        self.n_pos, _, self.n_heads, _ = attention.attention.shape
+        self.n_kv_heads = attention.n_kv_heads
+        self.attention = attention.attention
+        self.max_attention = 1.0 / attention.total
+        count_instances(self, attention.valid, attention.n_allowed, min_keys)
         self.messages = None
         if v is not None and frame is not None:
             self.messages = framed_messages(np.asarray(v), frame)
@@ -146,7 +156,19 @@ class HeadBlock:
     @property
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
-        return self.attention.transpose(1, 2, 3, 0)
+        return self.block_attention.pattern
+
+    @functools.cached_property
+    def winner(self) -> np.ndarray:
+        """(sample, head, qpos) the clean arg-max key."""
+        return self.attention.argmax(axis=0)
+
+    @functools.cached_property
+    def windows(self) -> list[ScoreWindow]:
+        """The block's ``QUERY_WINDOW``-query windows that see a key."""
+        windows = (self.block_attention.window(slice(start, start + QUERY_WINDOW))
+                   for start in range(0, self.n_pos, QUERY_WINDOW))
+        return [window for window in windows if window is not None]
 
     def _output_sq(self, weights: np.ndarray) -> np.ndarray:
         """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
@@ -154,15 +176,18 @@ class HeadBlock:
         return np.einsum("shie,shie->shi", outputs, outputs, dtype=np.float64)
 
     def entropy(self) -> np.ndarray:
-        a = self.attention.astype(np.float64)
-        return -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0)
+        """(sample, head, qpos) entropy of the clean attention (nats): float32 terms, summed in float64."""
+        terms = np.zeros_like(self.attention)
+        np.log(self.attention, out=terms, where=self.attention > 0)
+        terms *= self.attention
+        return -terms.sum(axis=0, dtype=np.float64)
 
     def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
 
         Returns collapse, strict, theory_predicted (Theorem 7's first order) and exact_predicted
         (the exact condition: the key noise alone) of the sparse instances as bools, and tv, output
-        change squared as floats, all (sample, head, qpos).
+        change squared as floats (``attention_change``), all (sample, head, qpos).
         """
         fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
         fk = key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
@@ -172,41 +197,73 @@ class HeadBlock:
         exact_predicted = self._winner_beaten(self.block_attention.scores(scores))
         logits = self.block_attention.scores(fq * fk)
         at_winner = np.take_along_axis(logits, self.winner[None], axis=0)[0]
-        attention, peak, total = self.block_attention.softmax(logits)
+        _, peak, total = self.block_attention.softmax(logits)
         collapse = self.sparse & (peak > at_winner)
         return {
             "collapse": collapse,
             "strict": collapse & (1.0 / total >= self.threshold),
             "theory_predicted": self.sparse & theory_predicted,
             "exact_predicted": self.sparse & exact_predicted,
-            **self._changes(attention, km),
+            **self.attention_change(kq, kk, km),
         }
 
     def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Total variation and output change squared (sample, head, qpos) of one draw (kappa arrays as
         in ``perturb``): the perturbed softmax without the collapse conditions."""
-        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]
-        attention, _, _ = self.block_attention.softmax(self.block_attention.scores(fq * key_major(1.0 + kk, self.n_heads)))
-        return self._changes(attention, km)
+        return {name: change[0] for name, change in self.smooth_changes(kq, kk, km, (1.0,)).items()}
 
-    def _changes(self, attention: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
-        """Total variation and output change squared of a perturbed attention, which becomes scratch space."""
-        change = attention - self.attention
-        effects = {"tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64)}
-        if self.messages is not None:
-            attention *= key_major(km, self.n_heads)
-            change += attention  # a'_j (1 + km_j) - a_j
-            effects["output_change_sq"] = self._output_sq(change)
-        return effects
+    def smooth_changes(self, unit_q: np.ndarray, unit_k: np.ndarray, unit_m: np.ndarray,
+                       levels) -> dict[str, np.ndarray]:
+        """Total variation ``tv`` and output change squared ``output_change_sq`` (level, sample, head,
+        qpos), float64, of one draw's unit noise (arrays as in ``perturb``) at each level: the perturbed
+        softmax window by window (``windows``), every level of a window while its arrays are in cache.
 
-    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
-        """The sparse instances as rows: their (sample, head, qpos) indices, and (key, row) float64
-        arrays of their scaled clean dot products and of what their score adds after the soft-cap."""
+        With a = the clean attention, a' the perturbed one and km = level * unit_m, the output changes
+        by sum_j (a'_j (1 + km_j) - a_j) m_j = sum_j (a'_j - a_j)(1 + km_j) m_j + level sum_j a_j unit_m_j m_j:
+        the second term once per draw, the first from the difference a' - a the total variation reads.
+        Key and message noise, shared by a group's heads, multiply (key, sample, kv_head, group x query)
+        views of the windows: rows 3x longer than per head, where numpy's broadcasting costs most.
+        """
+        shape = (len(levels), *self.max_attention.shape)
+        changes = {"tv": np.zeros(shape)} | ({"output_change_sq": np.zeros(shape)} if self.messages is not None else {})
+        query_units = np.ascontiguousarray(unit_q.transpose(0, 2, 1))[None]  # (1, sample, head, qpos)
+        key_units, message_units = (unit.transpose(1, 0, 2)[..., None] for unit in (unit_k, unit_m))  # (kpos, sample, kv_head, 1)
+
+        def grouped(array):  # (key, sample, head, query) -> (key, sample, kv_head, group x query)
+            return array.reshape(*array.shape[:2], self.n_kv_heads, -1)
+
+        for window in self.windows:
+            keys, queries = window.keys, window.queries
+            messages = None if self.messages is None else self.messages[:, :, keys]
+            if messages is not None:
+                noise_weighted = grouped(window.attention) * message_units[keys].astype(np.float32)
+                clean_noise = noise_weighted.reshape(window.attention.shape).transpose(1, 2, 3, 0) @ messages
+            scaled, magnitude = np.empty_like(window.scaled_dots), np.empty_like(window.scaled_dots)
+            for index, level in enumerate(levels):
+                np.multiply(grouped(window.scaled_dots), (1.0 + level * key_units[keys]).astype(np.float32),
+                            out=grouped(scaled))
+                scaled *= (1.0 + level * query_units[..., queries]).astype(np.float32)
+                change, _, _ = window.softmax(window.scores_of_scaled(scaled))
+                change -= window.attention
+                np.abs(change, out=magnitude)
+                changes["tv"][index, :, :, queries] = 0.5 * magnitude.sum(axis=0)
+                if messages is not None:
+                    np.multiply(grouped(change), (1.0 + level * message_units[keys]).astype(np.float32), out=grouped(change))
+                    outputs = change.transpose(1, 2, 3, 0) @ messages  # (sample, head, query, d_head)
+                    outputs += np.float32(level) * clean_noise
+                    changes["output_change_sq"][index, :, :, queries] = np.einsum("shie,shie->shi", outputs, outputs)
+        return changes
+
+    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+        """The sparse instances as rows: their (sample, head, qpos) indices, (key, row) float64 arrays
+        of their scaled clean dot products and of what their score adds after the soft-cap, and their
+        clean arg-max keys."""
         sample, head, query = rows = np.nonzero(self.sparse)
         attention = self.block_attention
         offset_head = head if attention.offset.shape[2] > 1 else np.zeros_like(head)
         return (rows, attention.scaled_dots[:, sample, head, query].astype(np.float64),
-                attention.offset[:, sample, offset_head, query].astype(np.float64))
+                attention.offset[:, sample, offset_head, query].astype(np.float64),
+                self.attention[:, sample, head, query].argmax(axis=0))
 
     def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
         """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
@@ -243,9 +300,10 @@ def message_frame(w_o: np.ndarray) -> np.ndarray:
 
 
 def framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
-    """Messages v F per head (sample, head, kpos, d_head), float32; heads share kv_heads in groups."""
-    v = per_head(v, frame.shape[0])
-    return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
+    """Messages v F per head (sample, head, kpos, d_head), float32 as the attention they are weighted
+    by; heads share kv_heads in groups."""
+    v = per_head(np.asarray(as_float32(np.asarray(v)), np.float32), frame.shape[0])
+    return v.transpose(0, 2, 1, 3) @ frame.astype(np.float32)[None]
 
 
 def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, level: float,
@@ -262,35 +320,33 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+def replay_block(clean: CleanAttention, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                 n_bins: int) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
     counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
-    so that the partial sums of every range add up. The block is worked through in sub-blocks of
-    samples whose (kpos, sample, head, qpos) arrays stay in cache (``KERNEL_BYTES``): the
-    kernel's dozen passes over them then run from cache, not memory (1.7x faster at 128
-    positions and 9 heads); every instance's result is the same either way.
+    so that the partial sums of every range add up. The block's clean attention (``CleanAttention``,
+    shared with the other analyses of the call) comes in sub-blocks of samples whose arrays stay in
+    cache: the kernel's passes over them then run from cache, not memory; every instance's result is
+    the same either way.
     """
-    q, k, valid = np.asarray(q), np.asarray(k), np.asarray(valid, bool)
-    v = None if v is None else np.asarray(v)
-    per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
-    step = max(1, (DEVICE_KERNEL_BYTES if settings.device.startswith("cuda") else KERNEL_BYTES) // per_sample)
-    parts = [_replay_sub_block(q[a:a + step], k[a:a + step], None if v is None else v[a:a + step],
-                               valid[a:a + step], frame, samples=samples[a:a + step], layer=layer, draws=draws,
-                               settings=settings, terms=terms, n_bins=n_bins)
-             for a in range(0, len(q), step)]
+    v = None if v is None else np.asarray(single_block(v))
+    parts = []
+    for start, attention in clean.parts:
+        stop = start + len(attention.valid)
+        block = head_block(attention, settings.sparse_threshold, None if v is None else v[start:stop], frame,
+                           min_keys=settings.min_keys)
+        parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws, settings=settings,
+                                       n_bins=n_bins))
     return in_sample_order(parts)
 
 
-def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                      terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                      n_bins: int) -> dict[str, np.ndarray]:
     """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
     draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
     ``smooth_draws`` draws."""
-    block = head_block(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys,
-                       device=settings.device)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels, n_smooth = len(settings.levels), settings.smooth_draws
     instance, sparse = block.instance, block.sparse
@@ -324,22 +380,21 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
         if draw >= n_smooth:
             continue
         unit["m"] = settings.kappa("m", layer, samples, draw, n_pos, block.n_kv_heads)
-        for index, level in enumerate(settings.levels):
-            changes = block.attention_change(level * unit["q"], level * unit["k"], level * unit["m"])
-            for name in smooth:
-                per_sample = (sets * changes[name][None]).sum(axis=3).transpose(1, 0, 2)  # (sample, set, head)
-                sums[f"sample_smooth_{name}"][:, :, :, index] += np.stack([per_sample, per_sample**2], axis=1)
+        changes = block.smooth_changes(unit["q"], unit["k"], unit["m"], settings.levels)
+        for name in smooth:
+            per_sample = (sets[:, None] * changes[name][None]).sum(axis=4).transpose(2, 0, 1, 3)  # (sample, set, level, head)
+            sums[f"sample_smooth_{name}"] += np.stack([per_sample, per_sample**2], axis=1)
     return sums
 
 
-def head_block(q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int,
-               device: str = "cpu"):
-    """The replay's block on `device`: a ``HeadBlock`` (numpy) on "cpu", else a ``TorchHeadBlock``."""
-    if device == "cpu":
-        return HeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys)
+def head_block(attention, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
+    """The replay's block of a part of a ``CleanAttention``: a ``HeadBlock`` of a ``BlockAttention``
+    (numpy), else a ``TorchHeadBlock`` of a ``TorchAttention``."""
+    if isinstance(attention, BlockAttention):
+        return HeadBlock.of_attention(attention, sparse_threshold, v, frame, min_keys=min_keys)
     from .torch_kernels import TorchHeadBlock
 
-    return TorchHeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys, device=device)
+    return TorchHeadBlock(attention, sparse_threshold, v, frame, min_keys=min_keys)
 
 
 class SparseRows:
@@ -348,10 +403,9 @@ class SparseRows:
     (``orthosphere.analyze.critical``) and from them the counts at every level."""
 
     def __init__(self, block: HeadBlock, settings: ReplaySettings):
-        (self.sample, self.head, self.query), self.dots, self.bias = block.sparse_rows()
+        (self.sample, self.head, self.query), self.dots, self.bias, self.winner = block.sparse_rows()
         self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
         self.settings, self.softcap = settings, block.terms.softcap
-        self.winner = block.winner[self.sample, self.head, self.query]
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
 
