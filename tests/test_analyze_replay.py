@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import xarray as xr
 
 from orthosphere.analyze import attention, replay_blocks
 from orthosphere.analyze import replay as replay_module
@@ -14,6 +15,7 @@ from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.analyze.noise import unit_noise
 from orthosphere.analyze.replay import ReplayError, level_at_rate, replay
 from orthosphere.analyze.replay_blocks import HeadBlock, ReplaySettings, message_frame
+from orthosphere.analyze.results import run_analyses
 from orthosphere.store import create_store, open_store
 from tests.reference import assert_attention_close, attention_atol, attention_float64
 
@@ -495,6 +497,30 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
         monkeypatch.setattr(attention, "KERNEL_BYTES", kernel_bytes)
         split = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
         _assert_same_replay(whole, split)
+
+
+def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_their_results_alone(tmp_path,
+                                                                                                   monkeypatch):
+    """One clean attention per (layer, block of samples) for both analyses of a call, and each
+    analysis's results identical to those it gives alone."""
+    q, k, v, w_o = random_heads(n_samples=10)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)  # 3 blocks a layer
+    options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
+    alone = {name: run_analyses(ds, only=[name], options=options[name])[name] for name in options}
+    built = []
+    build = attention.CleanAttention.__init__
+
+    def counted(self, *arguments):
+        built.append(1)
+        build(self, *arguments)
+
+    monkeypatch.setattr(attention.CleanAttention, "__init__", counted)
+    together = run_analyses(ds, only=list(options), options={f"{name}.{option}": value for name, given in options.items()
+                                                             for option, value in given.items()})
+    assert len(built) == 2 * 3
+    for name in options:
+        xr.testing.assert_identical(together[name], alone[name])
+    assert alone["replay"]["/"].dataset.tv_distance.max() > 0
 
 
 def _assert_same_replay(whole, split):
