@@ -184,7 +184,7 @@ class KeyMajorScores:
 
     terms: ScoreTerms
     scaled_dots: np.ndarray
-    offset: np.ndarray
+    offset: np.ndarray | None
     no_keys: np.ndarray | None
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
@@ -222,12 +222,29 @@ class KeyMajorScores:
 @dataclass(eq=False)
 class ScoreWindow(KeyMajorScores):
     """The scores of a range of queries over the range of keys any of them may see, and their clean
-    attention, as contiguous arrays of one shape, the offset too (``BlockAttention.window``): outside
-    the keys, every query's attention is zero, clean or perturbed."""
+    attention, as contiguous arrays of one shape (``BlockAttention.window``): outside the keys, every
+    query's attention is zero, clean or perturbed. Where the score adds nothing but the mask (no
+    soft-cap, no position bias), ``scaled_dots`` holds the mask already (-inf where refused) and
+    ``offset`` is None: a perturbed score is then two products, not three passes."""
 
     attention: np.ndarray
     keys: slice
     queries: slice
+
+    def perturbed_scores(self, key_factor: np.ndarray, query_factor: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The masked score of the scaled dot products times the norm factors of the keys, float32
+        (key, sample, kv_head, 1), and of the queries (1, sample, head, query), into `out`. Heads
+        share their kv_head's factor: it multiplies (key, sample, kv_head, group x query) views, whose
+        rows are longer than one head's, where numpy's broadcasting costs most."""
+        n_keys, n_samples, n_kv_heads = key_factor.shape[:3]
+        np.multiply(self.scaled_dots.reshape(n_keys, n_samples, n_kv_heads, -1), key_factor,
+                    out=out.reshape(n_keys, n_samples, n_kv_heads, -1))
+        out *= query_factor
+        if self.offset is not None:
+            return self.scores_of_scaled(out)
+        if key_factor.min() <= 0 or query_factor.min() <= 0:  # a reversed norm: -inf times it is not -inf
+            np.copyto(out, np.float32(-np.inf), where=np.isneginf(self.scaled_dots))
+        return out
 
 
 @dataclass(eq=False)
@@ -284,11 +301,14 @@ class BlockAttention(KeyMajorScores):
         keys = slice(int(first), int(last) + 1)
         no_keys = None if self.no_keys is None else self.no_keys[:, :, queries]
 
-        def cut(array):
-            return np.ascontiguousarray(array[keys, :, :, queries])
+        def cut(array):  # a contiguous copy (ascontiguousarray would return the block's own array when whole)
+            return array[keys, :, :, queries].copy()
 
         dots = cut(self.scaled_dots)
         offset = np.ascontiguousarray(np.broadcast_to(self.offset[keys, :, :, queries], dots.shape))  # added unbroadcast: 3x faster
+        if self.terms.softcap is None and not self.terms.has_bias:
+            dots += offset
+            offset = None
         return ScoreWindow(self.terms, dots, offset, no_keys, cut(self.attention), keys, queries)
 
 

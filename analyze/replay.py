@@ -130,7 +130,7 @@ from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
 from .attention import ScoreTerms, clean_attention
-from .inputs import FiniteCheck, check_layers, layer_data
+from .inputs import FiniteCheck, check_layers
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
 from .registry import Analysis
@@ -184,13 +184,11 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     layers = check_layers(ds, layers)
     finite = FiniteCheck(ds)
     for layer in layers:
-        for name in ("q", "k", "v") if with_messages else ("q", "k"):
-            finite.watch(name, layer, layer_data(ds[name], layer))
+        finite.reads(layer, *((name, layer) for name in (("q", "k", "v") if with_messages else ("q", "k"))))
     graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
 
-    def finish(computed):
-        per_layer, flags = computed
-        finite.raise_if_any(flags)
+    def finish(per_layer):
+        finite.check({layer: sums.pop("nonfinite") for layer, sums in zip(layers, per_layer)})
         result = _assemble(per_layer, ds, layers, settings, n_bins)
         _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
         result.attrs.update({
@@ -203,7 +201,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
         })
         return result
 
-    return Plan((graphs, finite.flags), finish)
+    return Plan(graphs, finish)
 
 
 replay = Analysis("replay", ReplayConfig, plan_replay, reads=("q", "k", "v", "w_o", "valid"),

@@ -148,7 +148,7 @@ class HeadBlock:
         self.attention = attention.attention
         self.max_attention = 1.0 / attention.total
         count_instances(self, attention.valid, attention.n_allowed, min_keys)
-        self.messages = None
+        self.messages = self.output_sq = None
         if v is not None and frame is not None:
             self.messages = framed_messages(np.asarray(v), frame)
             self.output_sq = self._output_sq(self.attention)
@@ -157,6 +157,11 @@ class HeadBlock:
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
         return self.block_attention.pattern
+
+    def nonfinite(self) -> int:
+        """Instances whose clean attention or output is NaN or Inf: what a NaN or Inf in q, k (at a key a
+        query may see) or v, or scores beyond float32's range, lead to (see ``inputs.FiniteCheck``)."""
+        return nonfinite_rows(self.max_attention, self.output_sq)
 
     @functools.cached_property
     def winner(self) -> np.ndarray:
@@ -221,8 +226,8 @@ class HeadBlock:
         With a = the clean attention, a' the perturbed one and km = level * unit_m, the output changes
         by sum_j (a'_j (1 + km_j) - a_j) m_j = sum_j (a'_j - a_j)(1 + km_j) m_j + level sum_j a_j unit_m_j m_j:
         the second term once per draw, the first from the difference a' - a the total variation reads.
-        Key and message noise, shared by a group's heads, multiply (key, sample, kv_head, group x query)
-        views of the windows: rows 3x longer than per head, where numpy's broadcasting costs most.
+        Message noise, shared by a group's heads as key noise is, multiplies (key, sample, kv_head,
+        group x query) views, as ``ScoreWindow.perturbed_scores`` does.
         """
         shape = (len(levels), *self.max_attention.shape)
         changes = {"tv": np.zeros(shape)} | ({"output_change_sq": np.zeros(shape)} if self.messages is not None else {})
@@ -240,10 +245,9 @@ class HeadBlock:
                 clean_noise = noise_weighted.reshape(window.attention.shape).transpose(1, 2, 3, 0) @ messages
             scaled, magnitude = np.empty_like(window.scaled_dots), np.empty_like(window.scaled_dots)
             for index, level in enumerate(levels):
-                np.multiply(grouped(window.scaled_dots), (1.0 + level * key_units[keys]).astype(np.float32),
-                            out=grouped(scaled))
-                scaled *= (1.0 + level * query_units[..., queries]).astype(np.float32)
-                change, _, _ = window.softmax(window.scores_of_scaled(scaled))
+                scores = window.perturbed_scores((1.0 + level * key_units[keys]).astype(np.float32),
+                                                 (1.0 + level * query_units[..., queries]).astype(np.float32), scaled)
+                change, _, _ = window.softmax(scores)
                 change -= window.attention
                 np.abs(change, out=magnitude)
                 changes["tv"][index, :, :, queries] = 0.5 * magnitude.sum(axis=0)
@@ -268,6 +272,12 @@ class HeadBlock:
     def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
         """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
         return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
+
+
+def nonfinite_rows(max_attention, output_sq) -> int:
+    """(sample, head, qpos) rows whose largest attention or output norm is NaN or Inf."""
+    bad = ~np.isfinite(max_attention)
+    return int(np.count_nonzero(bad if output_sq is None else bad | ~np.isfinite(output_sq)))
 
 
 def count_instances(block, valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> None:
@@ -353,6 +363,7 @@ def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: Rep
     sets = np.stack([sparse, instance])  # INSTANCE_SETS order
     once = float(draws.start == 0)
     sums = {
+        "nonfinite": once * block.nonfinite(),
         "n_instances": once * instance.sum(axis=(0, 2)),
         "n_sparse": once * sparse.sum(axis=(0, 2)),
         "n_instances_trivial": once * block.trivial.sum(axis=(0, 2)),

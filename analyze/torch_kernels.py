@@ -15,7 +15,7 @@ import torch
 
 from .attention import ScoreFrame, ScoreTerms
 from .device import torch_device
-from .replay_blocks import count_instances, framed_messages, key_major
+from .replay_blocks import count_instances, framed_messages, key_major, nonfinite_rows
 
 
 def _tensor(array: np.ndarray, device) -> torch.Tensor:
@@ -84,7 +84,7 @@ class TorchHeadBlock:
         self.attention = attention.attention
         self.max_attention = _host(1.0 / attention.total, np.float32)
         count_instances(self, attention.valid, attention.n_allowed, min_keys)
-        self.messages = None
+        self.messages = self.output_sq = None
         if v is not None and frame is not None:
             self.messages = _tensor(framed_messages(np.asarray(v), frame), attention.device)
             self.output_sq = self._output_sq(self.attention)
@@ -92,6 +92,10 @@ class TorchHeadBlock:
     @functools.cached_property
     def winner(self) -> np.ndarray:
         return self.attention.argmax(dim=0).cpu().numpy()
+
+    def nonfinite(self) -> int:
+        """As ``HeadBlock.nonfinite``."""
+        return nonfinite_rows(self.max_attention, self.output_sq)
 
     def _output_sq(self, weights: torch.Tensor) -> np.ndarray:
         outputs = torch.matmul(weights.permute(1, 2, 3, 0), self.messages)  # (sample, head, qpos, d_head)

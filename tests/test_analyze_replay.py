@@ -519,7 +519,7 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
                                                              for option, value in given.items()})
     assert len(built) == 2 * 3
     for name in options:
-        xr.testing.assert_identical(together[name], alone[name])
+        xr.testing.assert_equal(together[name], alone[name])  # every value bit for bit (attrs hold the time of the run)
     assert alone["replay"]["/"].dataset.tv_distance.max() > 0
 
 
