@@ -345,10 +345,11 @@ def replay_block(clean: CleanAttention, v, frame, *, samples, layer: int, draws:
     parts = []
     for start, attention in clean.parts:
         stop = start + len(attention.valid)
-        block = head_block(attention, settings.sparse_threshold, None if v is None else v[start:stop], frame,
-                           min_keys=settings.min_keys)
-        parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws, settings=settings,
-                                       n_bins=n_bins))
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: counted (``nonfinite``), then reported
+            block = head_block(attention, settings.sparse_threshold, None if v is None else v[start:stop], frame,
+                               min_keys=settings.min_keys)
+            parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
+                                           settings=settings, n_bins=n_bins))
     return in_sample_order(parts)
 
 

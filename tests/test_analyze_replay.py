@@ -536,6 +536,10 @@ def test_without_resamples_the_interval_is_unknown_and_nan_activations_are_refus
     q, k, v, w_o = random_heads(n_samples=4)
     result = replay(write_store(tmp_path / "a", q=q, k=k, v=v, w_o=w_o), levels=(0.3,), n_draws=2, n_bootstrap=0)
     assert np.isnan(result.collapse_level_ci).all() and not np.isnan(result.collapse_level).any()
+    v[1, 0, 5, 1, 2] = np.inf
+    with pytest.raises(NonFiniteError, match="'v' at layer\\(s\\) \\[0\\] in 1 sample\\(s\\) \\[1\\]"):
+        replay(write_store(tmp_path / "v", q=q, k=k, v=v, w_o=w_o), n_draws=1)
+    v[1, 0, 5, 1, 2] = 0.0
     q[2, 1, 3, 0, 0] = np.nan
     with pytest.raises(NonFiniteError, match="'q' at layer\\(s\\) \\[1\\] in 1 sample\\(s\\) \\[2\\]"):
         replay(write_store(tmp_path / "b", q=q, k=k, v=v, w_o=w_o), n_draws=1)
