@@ -151,7 +151,7 @@ class HeadBlock:
         self.messages = self.output_sq = None
         if v is not None and frame is not None:
             self.messages = framed_messages(np.asarray(v), frame)
-            self.output_sq = self._output_sq(self.attention)
+            self.output_sq = self._output_sq()
 
     @property
     def pattern(self) -> np.ndarray:
@@ -175,10 +175,13 @@ class HeadBlock:
                    for start in range(0, self.n_pos, QUERY_WINDOW))
         return [window for window in windows if window is not None]
 
-    def _output_sq(self, weights: np.ndarray) -> np.ndarray:
-        """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
-        outputs = weights.transpose(1, 2, 3, 0) @ self.messages  # (sample, head, qpos, d_head)
-        return np.einsum("shie,shie->shi", outputs, outputs, dtype=np.float64)
+    def _output_sq(self) -> np.ndarray:
+        """|sum_j a_j m_j|^2 per (sample, head, qpos) of the clean attention a, window by window."""
+        output_sq = np.zeros(self.max_attention.shape)
+        for window in self.windows:
+            outputs = window.attention.transpose(1, 2, 3, 0) @ self.messages[:, :, window.keys]  # (sample, head, query, d_head)
+            output_sq[:, :, window.queries] = np.einsum("shie,shie->shi", outputs, outputs)
+        return output_sq
 
     def entropy(self) -> np.ndarray:
         """(sample, head, qpos) entropy of the clean attention (nats): float32 terms, summed in float64."""
@@ -303,10 +306,10 @@ def key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def message_frame(w_o: np.ndarray) -> np.ndarray:
-    """Per head F = U diag(S) from W_O[h] = U diag(S) V^T (head, d_head, d_head): the message
-    m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions."""
-    u, singular, _ = np.linalg.svd(np.asarray(w_o, dtype=np.float64), full_matrices=False)
-    return u * singular[:, None, :]
+    """Per head F = R^T from W_O[h]^T = Q R (head, d_head, d_head): F F^T = W_O[h] W_O[h]^T, so the
+    message m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions (a QR,
+    6x cheaper than the SVD that gives another such F)."""
+    return np.linalg.qr(np.asarray(w_o, dtype=np.float64).swapaxes(-1, -2), mode="r").swapaxes(-1, -2)
 
 
 def framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
