@@ -1,6 +1,8 @@
 """Planned analyses: each analysis builds its lazy work as a Plan, and one Dask computation per pass
 runs the plans of every chosen analysis together, so that work reading the same chunks shares the
-reads (Dask merges tasks with the same keys: one read of a chunk feeds every kernel that needs it).
+reads (Dask merges tasks with the same keys: one read of a chunk feeds every kernel that needs it),
+and work derived alike from them too: the clean attention of a block recomputed from q and k
+(``attention.clean_attention``) is one task for the norms and the replay.
 
 An analysis that needs a second pass (the spheres, when they fit their own subspaces, finish that
 fit into their results) finishes its first Plan into another Plan (or its result). Every pass logs its progress (share of tasks
