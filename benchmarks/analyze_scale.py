@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -302,7 +303,8 @@ def timed_command(arguments: list[str]) -> float:
 def extracted_language_model(args) -> None:
     """(c) `orthosphere extract` of a SmolLM2-135M-shaped model (random weights) over packed prose, then
     every default analysis in one `orthosphere analyze`; the ratio of the whole commands, at --windows
-    and at 4x as many windows, and each analysis's time alone."""
+    and at 4x as many windows, and each analysis's time alone (and the norms and the replay together, which
+compute each block's attention once for both)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from extract_overhead import build
 
@@ -315,13 +317,14 @@ def extracted_language_model(args) -> None:
             analyze_seconds = timed_command(["analyze", str(store), "--out", str(results)])
             print(f"(c) {windows} windows of 128 tokens: orthosphere extract {extract_seconds:.1f} s, orthosphere analyze "
                   f"(every default analysis) {analyze_seconds:.1f} s: analysis / extraction {analyze_seconds / extract_seconds:.2f}")
+            print(f"    load average (1, 5, 15 min) after it: {', '.join(f'{load:.1f}' for load in os.getloadavg())}")
             if windows == args.windows:
                 dataset = open_for_analysis(str(store))
-                for name in ("accuracy", "norms", "subspaces", "neighbours", "replay"):
+                for names in (["accuracy"], ["norms"], ["subspaces", "spheres"], ["neighbours"], ["replay"],
+                              ["norms", "replay"]):
                     started = time.perf_counter()
-                    alone = run_analyses(dataset, only=[name] if name != "subspaces" else ["subspaces", "spheres"])
-                    label = "subspaces and spheres" if name == "subspaces" else name
-                    print(f"    {label} alone: {time.perf_counter() - started:.1f} s")
+                    alone = run_analyses(dataset, only=names)
+                    print(f"    {' and '.join(names)} alone: {time.perf_counter() - started:.1f} s")
                 replay_result = alone["replay"].to_dataset()
                 print(f"    replay: {int(replay_result.n_sparse.sum())} sparse instances of "
                       f"{int(replay_result.n_instances.sum())}; pooled collapse rate at the swept levels "
