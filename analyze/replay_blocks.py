@@ -190,12 +190,13 @@ class HeadBlock:
         terms *= self.attention
         return -terms.sum(axis=0, dtype=np.float64)
 
-    def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
-        """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
+    def perturb(self, kq: np.ndarray, kk: np.ndarray) -> dict[str, np.ndarray]:
+        """The collapse conditions of one draw, evaluated directly: kappa arrays (sample, pos, head or
+        kv_head) of the queries and keys.
 
         Returns collapse, strict, theory_predicted (Theorem 7's first order) and exact_predicted
-        (the exact condition: the key noise alone) of the sparse instances as bools, and tv, output
-        change squared as floats (``attention_change``), all (sample, head, qpos).
+        (the exact condition: the key noise alone) of the sparse instances as bools, (sample, head,
+        qpos): what the online check compares with the model, and the critical levels' reference.
         """
         fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
         fk = key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
@@ -212,7 +213,6 @@ class HeadBlock:
             "strict": collapse & (1.0 / total >= self.threshold),
             "theory_predicted": self.sparse & theory_predicted,
             "exact_predicted": self.sparse & exact_predicted,
-            **self.attention_change(kq, kk, km),
         }
 
     def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
@@ -328,7 +328,7 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
     """
     kq, kk = (level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk)
     return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
             "collapse": effects["collapse"], "strict": effects["strict"]}
 

@@ -142,7 +142,7 @@ def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     zeros = np.zeros((10, 2, 1))
     for factor, expected in ((0.99, False), (1.01, True)):
         kk = np.stack([-factor * critical, factor * critical], axis=1)[:, :, None]
-        effects = block.perturb(zeros, kk, zeros)
+        effects = block.perturb(zeros, kk)
         for name in ("collapse", "theory_predicted", "exact_predicted"):
             assert np.all(effects[name] == expected), name
     # The study: uniform noise whose bound sqrt(3) * level stays below the smallest margin never collapses.
@@ -158,8 +158,8 @@ def _study(block, settings, layer=0):
     samples = np.arange(n_samples)
     for draw in range(settings.n_draws):
         kappa = {t: settings.levels[0] * settings.kappa(t, layer, samples, draw, n_pos, n)
-                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
-        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"])
         counts["collapse"] += int(effects["collapse"].sum())
         counts["strict"] += int(effects["strict"].sum())
         counts["instances"] += int(block.sparse.sum())
@@ -221,7 +221,7 @@ def test_output_change_in_the_heads_frame_equals_the_direct_messages():
                       message_frame(w_o[0]), min_keys=2)
     rng = np.random.default_rng(3)
     kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
-    effects = block.perturb(kq, kk, km)
+    effects = block.attention_change(kq, kk, km)
     heads_kv = np.arange(4) // 2
     messages = np.einsum("sjhd,hdm->shjm", v[:, 0][:, :, heads_kv].astype(np.float64), w_o[0].astype(np.float64))
     # Float64 references; each float32 result within what weights off by attention_atol allow (tests/reference.py).
@@ -261,7 +261,7 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     assert np.all(np.where(empty, block.pattern, 0) == 0) and np.isfinite(block.pattern).all()
     rng = np.random.default_rng(4)
     kq, kk = rng.uniform(-0.3, 0.3, (3, 8, 4)), rng.uniform(-0.3, 0.3, (3, 8, 2))
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk) | block.attention_change(kq, kk, np.zeros_like(kk))
     # float64 references (tests/reference.py): each entry within atol, so the total variation over 8 keys within 8 atol
     clean, clean_logit = attention_float64(q, k, valid, **reference)
     noisy, noisy_logit = attention_float64(q * (1 + kq[..., None]), k * (1 + kk[..., None]), valid, **reference)
@@ -342,9 +342,9 @@ def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_te
     block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), ScoreTerms(40.0, False), 0.95, min_keys=2)
     kk = np.array([[[-0.05], [0.05]]])  # exact: 0.95 < 0.945 is false -> no collapse
     kq = np.full((1, 2, 1), -0.5)  # first order: 1.0 (0.45) < 0.9 (0.55) = 0.495 -> predicted
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk)
     assert not effects["collapse"].any() and effects["theory_predicted"].all() and not effects["exact_predicted"].any()
-    assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["theory_predicted"].any()
+    assert not block.perturb(np.zeros_like(kq), kk)["theory_predicted"].any()
 
 
 @pytest.mark.parametrize("terms, kq, collapses", [
@@ -360,7 +360,7 @@ def test_the_exact_condition_holds_unless_alibi_or_a_reversed_query_breaks_the_c
     block = HeadBlock(q, k, np.ones((1, 2), bool), terms, 0.95, min_keys=2)
     assert block.sparse[0, 0, 1] and block.winner[0, 0, 1] == 0
     noise = np.zeros((1, 2, 1))
-    effects = block.perturb(noise + kq, noise, noise)
+    effects = block.perturb(noise + kq, noise)
     assert effects["collapse"][0, 0, 1] == collapses and not effects["exact_predicted"].any()
     assert effects["theory_predicted"][0, 0, 1] == collapses  # the first order keeps kq, and follows here
 
@@ -603,8 +603,8 @@ def grid_counts(block, settings, samples, layer=0):
     counts = {}
     for draw, (index, level) in itertools.product(range(settings.n_draws), enumerate(settings.levels)):
         kappa = {t: level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
-                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
-        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"])
         measured = effects["collapse"]
         indicators = {"collapse": measured, "strict": effects["strict"]}
         for rule in ("theory", "exact"):
