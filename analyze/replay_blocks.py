@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse
 
 from orthosphere.params import Interval, Items, parameter
 
@@ -423,6 +424,10 @@ class SparseRows:
         self.settings, self.softcap = settings, block.terms.softcap
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
+        n_rows = len(self.winner)
+        self.of_sample = scipy.sparse.csr_array((np.ones(n_rows), (self.sample, np.arange(n_rows))),
+                                                shape=(self.n_samples, n_rows))
+        """(sample, row) ones: a (row, ...) indicator's per-sample counts are its product with it."""
 
     @property
     def any(self) -> bool:
@@ -438,15 +443,15 @@ class SparseRows:
         a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
         critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
         measured = self.levels > critical[:, None]  # (row, level)
-        beyond = self.curve_levels > critical[:, None]
         if flagged.any():
             measured[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
-            beyond[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+            sums["sample_curve"] += self.of_sample[:, flagged] @ collapsed_at(a[:, flagged], b[:, flagged],
+                                                                               c[:, flagged], self.curve_levels)
+        sums["sample_curve"] += self._curve_counts(critical[~flagged], self.sample[~flagged])
         strict = self._strict(measured, u_query, u_key)
         for d, indicator in enumerate((measured, strict)):
             sums["collapses"][d] += self._per_head(indicator)
-            sums["sample_collapses"][:, d] += self._per_sample(indicator)
-        sums["sample_curve"] += self._per_sample(beyond)
+            sums["sample_collapses"][:, d] += self.of_sample @ indicator
         for rule, slope in (("theory", b), ("exact", beta)):
             predicted = self.levels > linear_critical(c, slope)[:, None]
             for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
@@ -472,11 +477,13 @@ class SparseRows:
         """(level, head) counts of a (row, level) indicator."""
         return np.stack([np.bincount(self.head, weights=column, minlength=self.n_heads) for column in indicator.T])
 
-    def _per_sample(self, indicator: np.ndarray) -> np.ndarray:
-        """(sample, level) counts of a (row, level) indicator."""
-        out = np.zeros((self.n_samples, indicator.shape[1]))
-        np.add.at(out, self.sample, indicator)
-        return out
+    def _curve_counts(self, critical: np.ndarray, sample: np.ndarray) -> np.ndarray:
+        """(sample, curve level) counts of rows collapsed at each curve level, of rows whose collapse holds
+        beyond their critical level: a row counts from the first curve level above its critical one on."""
+        n_levels = len(self.curve_levels)
+        first = np.searchsorted(self.curve_levels, critical, side="right")
+        counts = np.bincount(sample * (n_levels + 1) + first, minlength=self.n_samples * (n_levels + 1))
+        return np.cumsum(counts.reshape(self.n_samples, n_levels + 1), axis=1)[:, :n_levels]
 
 
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
