@@ -439,7 +439,7 @@ class SparseRows:
         if not len(self.winner):
             return
         u_query = unit_q[self.sample, self.query, self.head]
-        u_key = per_head(unit_k, self.n_heads)[self.sample, :, self.head].T
+        u_key = per_head(unit_k, self.n_heads).transpose(1, 0, 2)[:, self.sample, self.head]  # (key, row), contiguous
         a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
         critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
         measured = self.levels > critical[:, None]  # (row, level)
