@@ -45,6 +45,10 @@ STRICT_ROWS = 4096
 """Collapsed (row, level) pairs whose softmax the strict definition evaluates at once."""
 
 
+KEY_RANGE = 32
+"""Sparse rows are grouped by where their allowed keys begin and end, in steps of this many keys."""
+
+
 QUERY_WINDOW = 32
 """Queries per window of the smooth summaries' passes (``HeadBlock.smooth_changes``): each window
 spans only the keys its queries may see, so a causal model's passes skip most of the masked half
@@ -413,62 +417,86 @@ def head_block(attention, sparse_threshold: float, v=None, frame=None, *, min_ke
     return TorchHeadBlock(attention, sparse_threshold, v, frame, min_keys=min_keys)
 
 
+@dataclass(frozen=True, eq=False)
+class RowGroup:
+    """Sparse rows whose allowed keys lie in one range: their (key, row) float64 arrays over it alone."""
+
+    rows: np.ndarray
+    """Indices of the rows among the block's."""
+    keys: slice
+    dots: np.ndarray
+    bias: np.ndarray
+    winner: np.ndarray
+    """The clean arg-max key of each row, counted from keys.start."""
+
+
 class SparseRows:
     """The sparse instances of a block as rows (key, row) in float64: the scaled clean dot
     products, what the score adds after the soft-cap, the winner; per draw their critical levels
-    (``orthosphere.analyze.critical``) and from them the counts at every level."""
+    (``orthosphere.analyze.critical``) and from them the counts at every level. Rows are grouped
+    by the range of keys they may see (``KEY_RANGE``-key steps): a causal model's rows then skip
+    the keys after them, about half."""
 
     def __init__(self, block: HeadBlock, settings: ReplaySettings):
-        (self.sample, self.head, self.query), self.dots, self.bias, self.winner = block.sparse_rows()
+        (self.sample, self.head, self.query), dots, bias, winner = block.sparse_rows()
         self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
         self.settings, self.softcap = settings, block.terms.softcap
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
-        n_rows = len(self.winner)
+        n_rows = len(winner)
         self.of_sample = scipy.sparse.csr_array((np.ones(n_rows), (self.sample, np.arange(n_rows))),
                                                 shape=(self.n_samples, n_rows))
         """(sample, row) ones: a (row, ...) indicator's per-sample counts are its product with it."""
+        self.groups = _row_groups(dots, bias, winner) if n_rows else []
 
     @property
     def any(self) -> bool:
         """Whether the block has a sparse instance (without one, no draw needs its noise)."""
-        return len(self.winner) > 0
+        return bool(self.groups)
 
     def count_draw(self, sums: dict, unit_q: np.ndarray, unit_k: np.ndarray) -> None:
         """Add one draw's collapses, strict collapses, predictions and curve counts to ``sums``."""
-        if not len(self.winner):
+        if not self.groups:
             return
-        u_query = unit_q[self.sample, self.query, self.head]
-        u_key = per_head(unit_k, self.n_heads).transpose(1, 0, 2)[:, self.sample, self.head]  # (key, row), contiguous
-        a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
-        critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
-        measured = self.levels > critical[:, None]  # (row, level)
-        if flagged.any():
-            measured[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
-            sums["sample_curve"] += self.of_sample[:, flagged] @ collapsed_at(a[:, flagged], b[:, flagged],
-                                                                               c[:, flagged], self.curve_levels)
-        sums["sample_curve"] += self._curve_counts(critical[~flagged], self.sample[~flagged])
-        strict = self._strict(measured, u_query, u_key)
+        u_queries = unit_q[self.sample, self.query, self.head]
+        u_keys = per_head(unit_k, self.n_heads).transpose(1, 0, 2)  # (key, sample, head)
+        shape = (len(self.sample), len(self.levels))
+        measured, strict = np.empty(shape, bool), np.empty(shape, bool)
+        predicted = {rule: np.empty(shape, bool) for rule in PREDICTIONS}
+        for group in self.groups:
+            rows = group.rows
+            u_query, u_key = u_queries[rows], u_keys[group.keys][:, self.sample[rows], self.head[rows]]  # (key, row)
+            a, b, c, beta = key_coefficients(group.dots, group.bias, u_key, u_query, group.winner)
+            critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
+            collapsed = self.levels > critical[:, None]  # (row, level)
+            if flagged.any():
+                collapsed[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
+                sums["sample_curve"] += self.of_sample[:, rows[flagged]] @ collapsed_at(
+                    a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+            sums["sample_curve"] += self._curve_counts(critical[~flagged], self.sample[rows[~flagged]])
+            measured[rows], strict[rows] = collapsed, self._strict(group, collapsed, u_query, u_key)
+            for rule, slope in (("theory", b), ("exact", beta)):
+                predicted[rule][rows] = self.levels > linear_critical(c, slope)[:, None]
         for d, indicator in enumerate((measured, strict)):
             sums["collapses"][d] += self._per_head(indicator)
             sums["sample_collapses"][:, d] += self.of_sample @ indicator
-        for rule, slope in (("theory", b), ("exact", beta)):
-            predicted = self.levels > linear_critical(c, slope)[:, None]
-            for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
+        for rule in PREDICTIONS:
+            guessed = predicted[rule]
+            for count, indicator in zip(PREDICTION_COUNTS, (guessed, measured & ~guessed, guessed & ~measured)):
                 sums[f"{rule}_{count}"] += self._per_head(indicator)
 
-    def _strict(self, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
-        """(row, level) collapses whose new arg-max holds >= the sparse threshold: the perturbed
-        softmax of the collapsed rows only."""
+    def _strict(self, group: RowGroup, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
+        """(row, level) collapses of a group's rows whose new arg-max holds >= the sparse threshold:
+        the perturbed softmax of the collapsed rows only."""
         strict = np.zeros_like(measured)
         row, level = np.nonzero(measured)
         for start in range(0, len(row), STRICT_ROWS):
             r, at = row[start:start + STRICT_ROWS], level[start:start + STRICT_ROWS]
             s = self.levels[at]
-            scaled = self.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
+            scaled = group.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
             if self.softcap is not None:
                 scaled = self.softcap * np.tanh(scaled / self.softcap)
-            logits = scaled + self.bias[:, r]
+            logits = scaled + group.bias[:, r]
             peak_share = 1.0 / np.exp(logits - logits.max(axis=0)).sum(axis=0)
             strict[r, at] = peak_share >= self.settings.sparse_threshold
         return strict
@@ -484,6 +512,23 @@ class SparseRows:
         first = np.searchsorted(self.curve_levels, critical, side="right")
         counts = np.bincount(sample * (n_levels + 1) + first, minlength=self.n_samples * (n_levels + 1))
         return np.cumsum(counts.reshape(self.n_samples, n_levels + 1), axis=1)[:, :n_levels]
+
+
+def _row_groups(dots: np.ndarray, bias: np.ndarray, winner: np.ndarray) -> list[RowGroup]:
+    """Rows (key, row) grouped by the ``KEY_RANGE``-key steps where their allowed keys (finite bias)
+    begin and end; each group over the keys any of its rows may see. Outside them a row's scores are
+    -inf, clean and perturbed: no key there can win, and its softmax terms are zeros."""
+    allowed = np.isfinite(bias)
+    first = allowed.argmax(axis=0)
+    last = len(allowed) - 1 - allowed[::-1].argmax(axis=0)
+    steps = len(allowed) // KEY_RANGE + 1
+    code = (first // KEY_RANGE) * steps + last // KEY_RANGE
+    groups = []
+    for value in np.unique(code):
+        rows = np.flatnonzero(code == value)
+        keys = slice(int(first[rows].min()), int(last[rows].max()) + 1)
+        groups.append(RowGroup(rows, keys, dots[keys][:, rows], bias[keys][:, rows], winner[rows] - keys.start))
+    return groups
 
 
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:
