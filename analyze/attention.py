@@ -168,8 +168,10 @@ class ScoreFrame:
 KERNEL_BYTES = 2**22
 """The most bytes of one float32 (kpos, sample, head, qpos) array of a sub-block of samples
 (``CleanAttention``): the attention kernels' passes over such arrays run from cache, not memory.
-Measured with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
-per-operation costs than cache saves, 4 MiB is fastest, 16 MiB falls out of cache."""
+Measured with two Dask threads at 128 positions and 9 heads, before the replay's windows: 1 MiB
+sub-blocks spent more on Python's per-operation costs than cache saved, 4 MiB was fastest, 16 MiB
+fell out of cache; with the windows (a quarter to all of a sub-block each) the replay's cost per
+sample is flat from 2 to 10 samples a sub-block (1 to 6 MiB)."""
 
 
 DEVICE_KERNEL_BYTES = 2**28
