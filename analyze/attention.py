@@ -26,9 +26,10 @@ one block of samples at a time, never the whole pattern in memory.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
-import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
@@ -323,10 +324,11 @@ def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: Sc
 
 
 class CleanAttention:
-    """The clean attention of one Dask block of samples, computed once per analysis call and read by
-    every analysis that needs it (the norms' attention received, the replay): ``parts``, a list of
-    (first sample, ``BlockAttention``) over sub-blocks of samples whose arrays fit in cache
-    (``KERNEL_BYTES``; on a CUDA device one part, and a ``torch_kernels.TorchAttention``)."""
+    """The clean attention of one Dask block of samples: ``parts``, a list of (first sample,
+    ``BlockAttention``) over sub-blocks of samples whose arrays fit in cache (``KERNEL_BYTES``; on a
+    CUDA device one part, and a ``torch_kernels.TorchAttention``). Built inside the task that reads it,
+    never a task's output: held between two tasks, every block's attention would stay in memory
+    (``AttentionShare`` hands it on in one task instead)."""
 
     def __init__(self, q, k, valid, terms: ScoreTerms, device: str = "cpu"):
         q, k, valid = as_float32(single_block(q)), as_float32(single_block(k)), np.asarray(single_block(valid), bool)
@@ -339,26 +341,80 @@ class CleanAttention:
 
             def attention_of(*arrays):
                 return TorchAttention(*arrays, device)
-        self.device = device
+        self.device, self.valid = device, valid
         self.parts = [(start, attention_of(q[start:start + step], k[start:start + step], valid[start:start + step], terms))
                       for start in range(0, len(q), step)]
 
-    def received(self, mask: np.ndarray) -> np.ndarray:
-        """(sample, head, kpos) attention each key in `mask` receives from the queries in it (``norms``)."""
-        mask = np.asarray(single_block(mask))
+    def received(self, exclude_start: bool) -> np.ndarray:
+        """(sample, head, kpos) attention each analysed key receives from the analysed queries
+        (``analysed_tokens``), float32: what the norms weigh a key by."""
+        mask = analysed_tokens(self.valid, exclude_start)
         return np.concatenate([part.received(mask[start:start + len(part.valid)]) for start, part in self.parts])
 
 
-def clean_attention(dataset: xr.Dataset, layer: int, device: str = "cpu") -> list:
-    """The lazy ``CleanAttention`` of each sample block of one layer, recomputed from q and k on `device`
-    (resolved: see device.py): the same tasks (the same keys) for every analysis of one call, so that
-    Dask computes each block's attention once for all of them."""
-    terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
+def analysed_tokens(valid: np.ndarray, exclude_start: bool) -> np.ndarray:
+    """(sample, pos) tokens the analyses count in a block (``inputs.token_mask``): the valid ones,
+    without each sequence's first valid one when `exclude_start`."""
+    valid = np.asarray(valid, bool)
+    return valid & (np.cumsum(valid, axis=1) != 1) if exclude_start else valid
+
+
+def attention_inputs(dataset: xr.Dataset, layer: int) -> list[tuple]:
+    """The delayed (q, k, valid) blocks of one layer, along q's sample chunks: the store's read tasks,
+    the same keys for every analysis of a call."""
     q = da.asarray(dataset["q"].sel(layer=layer).data)
     q = align(q, q)
     arrays = (q, align(da.asarray(dataset["k"].sel(layer=layer).data), q), align(da.asarray(dataset["valid"].data), q))
-    blocks = [array.to_delayed(optimize_graph=False).ravel() for array in arrays]
-    return [dask.delayed(CleanAttention, pure=True)(*inputs, terms, device) for inputs in zip(*blocks)]
+    return list(zip(*(array.to_delayed(optimize_graph=False).ravel() for array in arrays)))
+
+
+def received_of_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool) -> np.ndarray:
+    """(sample, head, kpos) attention each analysed key of a block receives (``CleanAttention.received``)."""
+    return CleanAttention(q, k, valid, terms, device).received(exclude_start)
+
+
+class AttentionShare:
+    """One ``analyze`` call's sharing of each block's clean attention: the norms, planned first, wish
+    for the attention each key receives (``wish``); the replay's block tasks, which compute each
+    block's clean attention anyway, compute that too and ``provide`` it; the norms' work, built when
+    its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. One computation
+    of a block's attention per call, inside one task."""
+
+    def __init__(self):
+        self.wishes: dict[tuple[int, str], set[bool]] = {}
+        self.providers: dict[tuple[int, str], list] = {}
+
+    def wish(self, layer: int, device: str, exclude_start: bool) -> None:
+        self.wishes.setdefault((layer, device), set()).add(exclude_start)
+
+    def wished(self, layer: int, device: str) -> tuple[bool, ...]:
+        """The masks (``exclude_start``) whose received attention is wished for at this layer and device."""
+        return tuple(sorted(self.wishes.get((layer, device), ())))
+
+    def provide(self, layer: int, device: str, tasks: list) -> None:
+        """Per block of samples, a delayed dict whose "received" maps each wished mask to its array."""
+        self.providers[layer, device] = tasks
+
+    def provider(self, layer: int, device: str) -> list | None:
+        return self.providers.get((layer, device))
+
+
+_SHARE: ContextVar[AttentionShare | None] = ContextVar("attention_share", default=None)
+
+
+@contextmanager
+def sharing_attention():
+    """The analyses planned and computed inside share each block's clean attention (``AttentionShare``)."""
+    token = _SHARE.set(AttentionShare())
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
+def attention_share() -> AttentionShare | None:
+    """The sharing of the ``analyze`` call being planned, or None (an analysis run alone)."""
+    return _SHARE.get()
 
 
 def attention_source(dataset: xr.Dataset) -> str:

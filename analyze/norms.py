@@ -24,7 +24,7 @@ import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import CleanAttention, attention_source, clean_attention
+from .attention import ScoreTerms, attention_inputs, attention_share, attention_source, received_of_block
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .device import resolve_device
@@ -43,7 +43,7 @@ from .inputs import (
     token_mask,
 )
 from .options import DEVICE, FLAG, LAYERS, NAMES, POSITIVE, SHARE, SHARES, AnalysisConfig, integer
-from .plan import Plan
+from .plan import Deferred, Plan
 from .registry import Analysis
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -64,22 +64,31 @@ class NormsConfig(AnalysisConfig):
     device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
 
 
-def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, device: str = "cpu") -> da.Array:
-    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
-    the stored pattern or recomputed from q and k (on `device`, resolved: see device.py) by the
-    block's ``CleanAttention``, the task every analysis of the call shares (computed once); a block's
-    whole attention pattern is never a task's output here."""
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, exclude_start: bool, device: str = "cpu") -> da.Array:
+    """Lazy (sample, head, kpos) attention each analysed key (`mask`, the analysed tokens) receives from
+    the analysed queries: from the stored pattern, or recomputed from q and k (on `device`, resolved:
+    see device.py) block by block, by the replay's tasks when the replay of the same call provides it
+    (``attention.AttentionShare``), else by tasks of its own that keep no pattern."""
     if attention_source(dataset) == "pattern":
         pattern = dataset["pattern"].sel(layer=layer).data
         return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
                             dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
-    q = dataset["q"].sel(layer=layer).data
-    masks = align(mask, q).to_delayed(optimize_graph=False).ravel()
+    share = attention_share()
+    provider = None if share is None else share.provider(layer, device)
+    if provider is None:
+        terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
+        blocks = [dask.delayed(received_of_block, pure=True)(*inputs, terms, device, exclude_start)
+                  for inputs in attention_inputs(dataset, layer)]
+    else:
+        blocks = [dask.delayed(_provided, pure=True)(task, exclude_start) for task in provider]
     shape = (dataset.sizes["head"], dataset.sizes["pos"])
-    return da.concatenate([
-        da.from_delayed(dask.delayed(CleanAttention.received, pure=True)(clean, block_mask), (n_samples, *shape),
-                        dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
-        for clean, block_mask, n_samples in zip(clean_attention(dataset, layer, device), masks, q.chunks[0])])
+    samples = dataset["q"].sel(layer=layer).data.chunks[0]
+    return da.concatenate([da.from_delayed(block, (n_samples, *shape), dtype="float32", meta=np.empty((0, 0, 0), "float32"))
+                           for block, n_samples in zip(blocks, samples)])
+
+
+def _provided(sums: dict, exclude_start: bool) -> np.ndarray:
+    return sums["received"][exclude_start]
 
 
 def _received(mask, pattern):
@@ -188,20 +197,26 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
     mask = token_mask(dataset, exclude_start)
     n_heads = dataset.sizes["head"]
     finite = FiniteCheck(dataset)
-    attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
-    lazy = {}
-    for layer in layers:
-        attention = (received_attention(dataset, layer, mask, device),) if source is not None else ()
-        for site in sites:
-            kind = site if site in HEAD_SITES else "d_model"
-            group_dim = _group_dim(site, weighted)
-            n_groups = dataset.sizes[group_dim] if group_dim else 1
-            kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
-            uses_attention = weighted and site != "q"
-            inputs = (layer_data(dataset[site], layer), mask) + (attention if uses_attention else ())
-            lazy[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
-            names = (site,) + (attention_inputs if uses_attention else ())
-            finite.reads((site, layer), *((name, layer) for name in names))
+    attention_reads = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
+    share = attention_share() if source == "q,k" else None
+    for layer in layers if share is not None else ():
+        share.wish(layer, device, exclude_start)
+
+    def lazy():  # built when the pass computes: the replay of the call may provide the attention (AttentionShare)
+        work = {}
+        for layer in layers:
+            attention = (received_attention(dataset, layer, mask, exclude_start, device),) if source is not None else ()
+            for site in sites:
+                kind = site if site in HEAD_SITES else "d_model"
+                group_dim = _group_dim(site, weighted)
+                n_groups = dataset.sizes[group_dim] if group_dim else 1
+                kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
+                uses_attention = weighted and site != "q"
+                inputs = (layer_data(dataset[site], layer), mask) + (attention if uses_attention else ())
+                work[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
+                names = (site,) + (attention_reads if uses_attention else ())
+                finite.reads((site, layer), *((name, layer) for name in names))
+        return work
 
     def finish(sums):
         finite.check({key: vector[-1] for key, vector in sums.items()})
@@ -222,7 +237,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
             children[site] = xr.DataTree(dataset=summary)
         return xr.DataTree(children=children)
 
-    return Plan(lazy, finish)
+    return Plan(Deferred(lazy), finish)
 
 
 norm_spread = Analysis(

@@ -338,17 +338,19 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(clean: CleanAttention, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 n_bins: int) -> dict[str, np.ndarray]:
+def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                 terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = ()) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
     counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
-    so that the partial sums of every range add up. The block's clean attention (``CleanAttention``,
-    shared with the other analyses of the call) comes in sub-blocks of samples whose arrays stay in
-    cache: the kernel's passes over them then run from cache, not memory; every instance's result is
-    the same either way.
+    so that the partial sums of every range add up. The block's clean attention (``CleanAttention``)
+    comes in sub-blocks of samples whose arrays stay in cache: the kernel's passes over them then run
+    from cache, not memory; every instance's result is the same either way. With `received_for`
+    (values of ``exclude_start``), "received" maps each to the attention each analysed key receives,
+    for the norms of the same call (``attention.AttentionShare``).
     """
+    clean = CleanAttention(q, k, valid, terms, settings.device)
     v = None if v is None else np.asarray(single_block(v))
     parts = []
     for start, attention in clean.parts:
@@ -358,7 +360,10 @@ def replay_block(clean: CleanAttention, v, frame, *, samples, layer: int, draws:
                                min_keys=settings.min_keys)
             parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
                                            settings=settings, n_bins=n_bins))
-    return in_sample_order(parts)
+    sums = in_sample_order(parts)
+    if received_for:
+        sums["received"] = {exclude_start: clean.received(exclude_start) for exclude_start in received_for}
+    return sums
 
 
 def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: ReplaySettings,

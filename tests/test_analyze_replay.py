@@ -501,8 +501,9 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
 
 def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_their_results_alone(tmp_path,
                                                                                                    monkeypatch):
-    """One clean attention per (layer, block of samples) for both analyses of a call, and each
-    analysis's results identical to those it gives alone."""
+    """One clean attention per (layer, block of samples) for both analyses of a call, built inside the
+    replay's tasks (never held between tasks), and each analysis's results identical to those it
+    gives alone."""
     q, k, v, w_o = random_heads(n_samples=10)
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)  # 3 blocks a layer
     options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
@@ -640,9 +641,9 @@ def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, 
     block = HeadBlock(q, k, valid, terms, 0.8, min_keys=2)
     samples = np.arange(16)
     expected = grid_counts(block, settings, samples)
-    found = replay_blocks.replay_block(attention.CleanAttention(q, k, valid, terms), None, None, samples=samples,
-                                       layer=0, draws=range(6),
-                                       settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}), n_bins=4)
+    found = replay_blocks.replay_block(q, k, valid, None, None, samples=samples, layer=0, draws=range(6),
+                                       settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}),
+                                       terms=terms, n_bins=4)
     assert block.sparse.sum() > 20 and expected["collapse"].sum() > 20
     np.testing.assert_array_equal(found["collapses"][0], expected["collapse"])
     np.testing.assert_array_equal(found["collapses"][1], expected["strict"])
