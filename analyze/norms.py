@@ -35,6 +35,7 @@ from .inputs import (
     VECTOR_SITES,
     FiniteCheck,
     align,
+    as_float32,
     check_layers,
     layer_data,
     require_site,
@@ -98,10 +99,22 @@ def _received(mask, pattern):
     return np.einsum("shqk,sq->shk", single_block(pattern), weights) * weights[:, None, :]
 
 
-def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
+def site_norms(data: da.Array) -> da.Array:
+    """Lazy |x| (float32) of each token (and head) of one layer of a site (sample, pos, ...): a small
+    array, so that each block of the site is let go as soon as it is read, however long its
+    histograms wait for the attention (the replay's tasks, ``attention.AttentionShare``)."""
+    data = align(data, data)
+    return data.map_blocks(_norms, drop_axis=data.ndim - 1, dtype="float32",
+                           meta=np.empty((0,) * (data.ndim - 1), dtype="float32"))
+
+
+def _norms(block: np.ndarray) -> np.ndarray:
+    return np.sqrt(square_norms(as_float32(block)))
+
+
+def _site_histograms(norms, mask, *attention, site_kind, n_heads, n_groups):
     """One block's histograms (group, slot) of the norms, group = head when weighted, else layer or
     head, followed by the count of non-finite norms and attention weights."""
-    norms = np.sqrt(square_norms(x))
     nonfinite = np.count_nonzero(~np.isfinite(norms)) + sum(np.count_nonzero(~np.isfinite(a)) for a in attention)
     weights = mask.astype("float32")
     if site_kind == "d_model" and not attention:
@@ -212,7 +225,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
                 n_groups = dataset.sizes[group_dim] if group_dim else 1
                 kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
                 uses_attention = weighted and site != "q"
-                inputs = (layer_data(dataset[site], layer), mask) + (attention if uses_attention else ())
+                inputs = (site_norms(layer_data(dataset[site], layer)), mask) + (attention if uses_attention else ())
                 work[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
                 names = (site,) + (attention_reads if uses_attention else ())
                 finite.reads((site, layer), *((name, layer) for name in names))
