@@ -26,6 +26,8 @@ one block of samples at a time, never the whole pattern in memory.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import dask.array as da
@@ -34,7 +36,7 @@ import xarray as xr
 
 from .blocks import single_block
 from .errors import AnalysisError
-from .inputs import align, check_layers, require_site, store_url
+from .inputs import align, as_float32, check_layers, require_site, store_url
 
 
 @dataclass(frozen=True)
@@ -164,25 +166,29 @@ class ScoreFrame:
         return cls(n_allowed, no_keys[:, None, :] if no_keys.any() else None, refused, offset)
 
 
-class BlockAttention:
-    """One layer's score and attention for a block of samples: the one implementation.
+KERNEL_BYTES = 2**22
+"""The most bytes of one float32 (kpos, sample, head, qpos) array of a sub-block of samples
+(``CleanAttention``): the attention kernels' passes over such arrays run from cache, not memory.
+Measured with two Dask threads at 128 positions and 9 heads, before the replay's windows: 1 MiB
+sub-blocks spent more on Python's per-operation costs than cache saved, 4 MiB was fastest, 16 MiB
+fell out of cache; with the windows (a quarter to all of a sub-block each) the replay's cost per
+sample is flat from 2 to 10 samples a sub-block (1 to 6 MiB)."""
 
-    Built from q (sample, pos, head, d_head), k (sample, pos, kv_head, d_head), valid (sample, pos)
-    and the layer's score terms. Arrays are laid out key-major, (kpos, sample, head, qpos), float32:
-    every reduction over keys is an element-wise pass over contiguous memory and yields
-    per-query arrays (sample, head, qpos) directly, which the replay's kernel needs. Dot products
-    are bilinear, so the score of queries and keys scaled by norm factors (1 + kq_i), (1 + kk_j)
-    is ``scores`` of the factor (1 + kq_i)(1 + kk_j). A query that may see no key is scored
-    unmasked (so that no NaN arises) and gets an all-zero attention row.
-    """
 
-    def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms):
-        self.terms = terms
-        frame = ScoreFrame.of(valid, terms)
-        self.n_allowed, self.no_keys, self.offset = frame.n_allowed, frame.no_keys, frame.offset
-        self.scaled_dots = key_major_dots(q, k)
-        self.scaled_dots *= np.float32(terms.scale)
-        np.copyto(self.scaled_dots, np.float32(0), where=frame.refused)
+DEVICE_KERNEL_BYTES = 2**28
+"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
+
+
+@dataclass(eq=False)
+class KeyMajorScores:
+    """Scaled dot products (kpos, sample, head, qpos) and what turns them into scores and attention:
+    the layer's terms, the offset added after the soft-cap (position bias, and the mask: -inf where
+    refused) and the queries that may see no key ((sample, 1, qpos), or None)."""
+
+    terms: ScoreTerms
+    scaled_dots: np.ndarray
+    offset: np.ndarray | None
+    no_keys: np.ndarray | None
 
     def scores(self, factor: np.ndarray | None = None) -> np.ndarray:
         """The masked score (kpos, sample, head, qpos) of the scaled dot products times `factor`:
@@ -190,10 +196,11 @@ class BlockAttention:
         product of the norm factors of q and k), is used as scratch space; without it, the clean
         score."""
         scaled = self.scaled_dots.copy() if factor is None else np.multiply(factor, self.scaled_dots, out=factor)
-        return self._capped_and_offset(scaled)
+        return self.scores_of_scaled(scaled)
 
-    def _capped_and_offset(self, scaled: np.ndarray) -> np.ndarray:
-        """softcap * tanh(scaled / softcap) (the model's order of operations) plus the offset, in place."""
+    def scores_of_scaled(self, scaled: np.ndarray) -> np.ndarray:
+        """The masked score of scaled dot products (perturbed ones, of this shape), in place:
+        softcap * tanh(scaled / softcap) (the model's order of operations) plus the offset."""
         if self.terms.softcap is not None:
             softcap = np.float32(self.terms.softcap)
             np.divide(scaled, softcap, out=scaled)
@@ -214,12 +221,98 @@ class BlockAttention:
         scores /= total
         return scores, peak, total
 
+
+@dataclass(eq=False)
+class ScoreWindow(KeyMajorScores):
+    """The scores of a range of queries over the range of keys any of them may see, and their clean
+    attention, as contiguous arrays of one shape (``BlockAttention.window``): outside the keys, every
+    query's attention is zero, clean or perturbed. Where the score adds nothing but the mask (no
+    soft-cap, no position bias), ``scaled_dots`` holds the mask already (-inf where refused) and
+    ``offset`` is None: a perturbed score is then two products, not three passes."""
+
+    attention: np.ndarray
+    keys: slice
+    queries: slice
+
+    def perturbed_scores(self, key_factor: np.ndarray, query_factor: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The masked score of the scaled dot products times the norm factors of the keys, float32
+        (key, sample, kv_head, 1), and of the queries (1, sample, head, query), into `out`. Heads
+        share their kv_head's factor: it multiplies (key, sample, kv_head, group x query) views, whose
+        rows are longer than one head's, where numpy's broadcasting costs most."""
+        n_keys, n_samples, n_kv_heads = key_factor.shape[:3]
+        np.multiply(self.scaled_dots.reshape(n_keys, n_samples, n_kv_heads, -1), key_factor,
+                    out=out.reshape(n_keys, n_samples, n_kv_heads, -1))
+        out *= query_factor
+        if self.offset is not None:
+            return self.scores_of_scaled(out)
+        if key_factor.min() <= 0 or query_factor.min() <= 0:  # a reversed norm: -inf times it is not -inf
+            np.copyto(out, np.float32(-np.inf), where=np.isneginf(self.scaled_dots))
+        return out
+
+
+@dataclass(eq=False)
+class BlockAttention(KeyMajorScores):
+    """One layer's score and attention for a block of samples: the one implementation.
+
+    Built by ``of`` from q (sample, pos, head, d_head), k (sample, pos, kv_head, d_head), valid
+    (sample, pos) and the layer's score terms. Arrays are laid out key-major, (kpos, sample, head,
+    qpos), float32: every reduction over keys is an element-wise pass over contiguous memory and
+    yields per-query arrays (sample, head, qpos) directly, which the replay's kernel needs. Dot
+    products are bilinear, so the score of queries and keys scaled by norm factors (1 + kq_i),
+    (1 + kk_j) is ``scores`` of the factor (1 + kq_i)(1 + kk_j). A query that may see no key is
+    scored unmasked (so that no NaN arises) and gets an all-zero attention row. ``attention`` is
+    the clean attention, ``total`` its softmax denominators.
+    """
+
+    valid: np.ndarray
+    n_allowed: np.ndarray
+    """(sample, qpos) allowed keys."""
+    n_kv_heads: int
+    attention: np.ndarray | None = None
+    total: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> BlockAttention:
+        valid = np.asarray(valid, bool)
+        frame = ScoreFrame.of(valid, terms)
+        scaled_dots = key_major_dots(q, k)
+        scaled_dots *= np.float32(terms.scale)
+        np.copyto(scaled_dots, np.float32(0), where=frame.refused)
+        block = cls(terms, scaled_dots, frame.offset, frame.no_keys, valid, frame.n_allowed, k.shape[2])
+        block.attention, _, block.total = block.softmax(block.scores())
+        return block
+
+    @property
     def pattern(self) -> np.ndarray:
-        """The clean attention (sample, head, qpos, kpos), computed in the block's own dot products
-        (the block cannot score again after it)."""
-        attention, _, _ = self.softmax(self._capped_and_offset(self.scaled_dots))
-        self.scaled_dots = None
-        return attention.transpose(1, 2, 3, 0)
+        """The clean attention as (sample, head, qpos, kpos), a view."""
+        return self.attention.transpose(1, 2, 3, 0)
+
+    def received(self, mask: np.ndarray) -> np.ndarray:
+        """(sample, head, kpos) attention each key in `mask` (sample, pos) receives from the queries in
+        it, float32 (einsum reads the key-major attention in place; a matrix product would copy it)."""
+        weights = np.asarray(mask, np.float32)
+        return np.einsum("kshq,sq->shk", self.attention, weights) * weights[:, None, :]
+
+    def window(self, queries: slice) -> ScoreWindow | None:
+        """The scores and clean attention of `queries` over the keys any of them may see (None when
+        they may see none), as contiguous copies: what a pass over them needs, and no more."""
+        allowed = np.isfinite(self.offset[:, :, :, queries]).any(axis=2) & (self.n_allowed[:, queries] > 0)
+        seen = allowed.any(axis=(1, 2))  # (kpos,)
+        if not seen.any():
+            return None
+        first, last = np.flatnonzero(seen)[[0, -1]]
+        keys = slice(int(first), int(last) + 1)
+        no_keys = None if self.no_keys is None else self.no_keys[:, :, queries]
+
+        def cut(array):  # a contiguous copy (ascontiguousarray would return the block's own array when whole)
+            return array[keys, :, :, queries].copy()
+
+        dots = cut(self.scaled_dots)
+        offset = np.ascontiguousarray(np.broadcast_to(self.offset[keys, :, :, queries], dots.shape))  # added unbroadcast: 3x faster
+        if self.terms.softcap is None and not self.terms.has_bias:
+            dots += offset
+            offset = None
+        return ScoreWindow(self.terms, dots, offset, no_keys, cut(self.attention), keys, queries)
 
 
 def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
@@ -227,7 +320,101 @@ def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: Sc
     k (sample, pos, kv_head, d_head), valid (sample, pos) and the layer's score terms; head h reads
     kv_head h // (n_heads // n_kv_heads). A query that may see no key gets an all-zero row. A view of
     the key-major computation (not C-contiguous: copy it where that matters)."""
-    return BlockAttention(q, k, valid, terms).pattern()
+    return BlockAttention.of(q, k, valid, terms).pattern
+
+
+class CleanAttention:
+    """The clean attention of one Dask block of samples: ``parts``, a list of (first sample,
+    ``BlockAttention``) over sub-blocks of samples whose arrays fit in cache (``KERNEL_BYTES``; on a
+    CUDA device one part, and a ``torch_kernels.TorchAttention``). Built inside the task that reads it,
+    never a task's output: held between two tasks, every block's attention would stay in memory
+    (``AttentionShare`` hands it on in one task instead)."""
+
+    def __init__(self, q, k, valid, terms: ScoreTerms, device: str = "cpu"):
+        q, k, valid = as_float32(single_block(q)), as_float32(single_block(k)), np.asarray(single_block(valid), bool)
+        per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
+        step = max(1, (DEVICE_KERNEL_BYTES if device.startswith("cuda") else KERNEL_BYTES) // per_sample)
+        if device == "cpu":
+            attention_of = BlockAttention.of
+        else:
+            from .torch_kernels import TorchAttention
+
+            def attention_of(*arrays):
+                return TorchAttention(*arrays, device)
+        self.device, self.valid = device, valid
+        self.parts = [(start, attention_of(q[start:start + step], k[start:start + step], valid[start:start + step], terms))
+                      for start in range(0, len(q), step)]
+
+    def received(self, exclude_start: bool) -> np.ndarray:
+        """(sample, head, kpos) attention each analysed key receives from the analysed queries
+        (``analysed_tokens``), float32: what the norms weigh a key by."""
+        mask = analysed_tokens(self.valid, exclude_start)
+        return np.concatenate([part.received(mask[start:start + len(part.valid)]) for start, part in self.parts])
+
+
+def analysed_tokens(valid: np.ndarray, exclude_start: bool) -> np.ndarray:
+    """(sample, pos) tokens the analyses count in a block (``inputs.token_mask``): the valid ones,
+    without each sequence's first valid one when `exclude_start`."""
+    valid = np.asarray(valid, bool)
+    return valid & (np.cumsum(valid, axis=1) != 1) if exclude_start else valid
+
+
+def attention_inputs(dataset: xr.Dataset, layer: int) -> list[tuple]:
+    """The delayed (q, k, valid) blocks of one layer, along q's sample chunks: the store's read tasks,
+    the same keys for every analysis of a call."""
+    q = da.asarray(dataset["q"].sel(layer=layer).data)
+    q = align(q, q)
+    arrays = (q, align(da.asarray(dataset["k"].sel(layer=layer).data), q), align(da.asarray(dataset["valid"].data), q))
+    return list(zip(*(array.to_delayed(optimize_graph=False).ravel() for array in arrays)))
+
+
+def received_of_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool) -> np.ndarray:
+    """(sample, head, kpos) attention each analysed key of a block receives (``CleanAttention.received``)."""
+    return CleanAttention(q, k, valid, terms, device).received(exclude_start)
+
+
+class AttentionShare:
+    """One ``analyze`` call's sharing of each block's clean attention: the norms, planned first, wish
+    for the attention each key receives (``wish``); the replay's block tasks, which compute each
+    block's clean attention anyway, compute that too and ``provide`` it; the norms' work, built when
+    its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. One computation
+    of a block's attention per call, inside one task."""
+
+    def __init__(self):
+        self.wishes: dict[tuple[int, str], set[bool]] = {}
+        self.providers: dict[tuple[int, str], list] = {}
+
+    def wish(self, layer: int, device: str, exclude_start: bool) -> None:
+        self.wishes.setdefault((layer, device), set()).add(exclude_start)
+
+    def wished(self, layer: int, device: str) -> tuple[bool, ...]:
+        """The masks (``exclude_start``) whose received attention is wished for at this layer and device."""
+        return tuple(sorted(self.wishes.get((layer, device), ())))
+
+    def provide(self, layer: int, device: str, tasks: list) -> None:
+        """Per block of samples, a delayed dict whose "received" maps each wished mask to its array."""
+        self.providers[layer, device] = tasks
+
+    def provider(self, layer: int, device: str) -> list | None:
+        return self.providers.get((layer, device))
+
+
+_SHARE: ContextVar[AttentionShare | None] = ContextVar("attention_share", default=None)
+
+
+@contextmanager
+def sharing_attention():
+    """The analyses planned and computed inside share each block's clean attention (``AttentionShare``)."""
+    token = _SHARE.set(AttentionShare())
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
+def attention_share() -> AttentionShare | None:
+    """The sharing of the ``analyze`` call being planned, or None (an analysis run alone)."""
+    return _SHARE.get()
 
 
 def attention_source(dataset: xr.Dataset) -> str:

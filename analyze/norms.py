@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import ScoreTerms, attention_from_qk, attention_source
+from .attention import ScoreTerms, attention_inputs, attention_share, attention_source, received_of_block
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .device import resolve_device
@@ -34,6 +35,7 @@ from .inputs import (
     VECTOR_SITES,
     FiniteCheck,
     align,
+    as_float32,
     check_layers,
     layer_data,
     require_site,
@@ -42,7 +44,7 @@ from .inputs import (
     token_mask,
 )
 from .options import DEVICE, FLAG, LAYERS, NAMES, POSITIVE, SHARE, SHARES, AnalysisConfig, integer
-from .plan import Plan
+from .plan import Deferred, Plan
 from .registry import Analysis
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -63,29 +65,31 @@ class NormsConfig(AnalysisConfig):
     device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
 
 
-def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, device: str = "cpu") -> da.Array:
-    """Lazy (sample, head, kpos) attention each analysed key receives from the analysed queries, from
-    the stored pattern or recomputed from q and k (on `device`, resolved: see device.py); one task per
-    block, so a block's whole attention pattern is never kept as a task's output."""
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, exclude_start: bool, device: str = "cpu") -> da.Array:
+    """Lazy (sample, head, kpos) attention each analysed key (`mask`, the analysed tokens) receives from
+    the analysed queries: from the stored pattern, or recomputed from q and k (on `device`, resolved:
+    see device.py) block by block, by the replay's tasks when the replay of the same call provides it
+    (``attention.AttentionShare``), else by tasks of its own that keep no pattern."""
     if attention_source(dataset) == "pattern":
         pattern = dataset["pattern"].sel(layer=layer).data
         return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
                             dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
-    terms = ScoreTerms.of_layer(dataset.attrs.get("model", {}), layer)
-    q = dataset["q"].sel(layer=layer).data
-    k, valid, mask = (align(array, q) for array in (dataset["k"].sel(layer=layer).data, dataset["valid"].data, mask))
+    share = attention_share()
+    provider = None if share is None else share.provider(layer, device)
+    if provider is None:
+        terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
+        blocks = [dask.delayed(received_of_block, pure=True)(*inputs, terms, device, exclude_start)
+                  for inputs in attention_inputs(dataset, layer)]
+    else:
+        blocks = [dask.delayed(_provided, pure=True)(task, exclude_start) for task in provider]
+    shape = (dataset.sizes["head"], dataset.sizes["pos"])
+    samples = dataset["q"].sel(layer=layer).data.chunks[0]
+    return da.concatenate([da.from_delayed(block, (n_samples, *shape), dtype="float32", meta=np.empty((0, 0, 0), "float32"))
+                           for block, n_samples in zip(blocks, samples)])
 
-    def block(mask_block, q_block, k_block, valid_block):
-        if device != "cpu":
-            from .torch_kernels import received_attention_block
 
-            return received_attention_block(single_block(mask_block), single_block(q_block), single_block(k_block),
-                                            valid_block, terms, device)
-        pattern = attention_from_qk(single_block(q_block), single_block(k_block), valid_block, terms)
-        return _received(mask_block, pattern)
-
-    return da.blockwise(block, "shk", mask, "sq", q, "sqhd", k, "skgd", valid, "sk", concatenate=False,
-                        dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+def _provided(sums: dict, exclude_start: bool) -> np.ndarray:
+    return sums["received"][exclude_start]
 
 
 def _received(mask, pattern):
@@ -95,10 +99,22 @@ def _received(mask, pattern):
     return np.einsum("shqk,sq->shk", single_block(pattern), weights) * weights[:, None, :]
 
 
-def _site_histograms(x, mask, *attention, site_kind, n_heads, n_groups):
+def site_norms(data: da.Array) -> da.Array:
+    """Lazy |x| (float32) of each token (and head) of one layer of a site (sample, pos, ...): a small
+    array, so that each block of the site is let go as soon as it is read, however long its
+    histograms wait for the attention (the replay's tasks, ``attention.AttentionShare``)."""
+    data = align(data, data)
+    return data.map_blocks(_norms, drop_axis=data.ndim - 1, dtype="float32",
+                           meta=np.empty((0,) * (data.ndim - 1), dtype="float32"))
+
+
+def _norms(block: np.ndarray) -> np.ndarray:
+    return np.sqrt(square_norms(as_float32(block)))
+
+
+def _site_histograms(norms, mask, *attention, site_kind, n_heads, n_groups):
     """One block's histograms (group, slot) of the norms, group = head when weighted, else layer or
     head, followed by the count of non-finite norms and attention weights."""
-    norms = np.sqrt(square_norms(x))
     nonfinite = np.count_nonzero(~np.isfinite(norms)) + sum(np.count_nonzero(~np.isfinite(a)) for a in attention)
     weights = mask.astype("float32")
     if site_kind == "d_model" and not attention:
@@ -194,20 +210,26 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
     mask = token_mask(dataset, exclude_start)
     n_heads = dataset.sizes["head"]
     finite = FiniteCheck(dataset)
-    attention_inputs = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
-    lazy = {}
-    for layer in layers:
-        attention = (received_attention(dataset, layer, mask, device),) if source is not None else ()
-        for site in sites:
-            kind = site if site in HEAD_SITES else "d_model"
-            group_dim = _group_dim(site, weighted)
-            n_groups = dataset.sizes[group_dim] if group_dim else 1
-            kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
-            uses_attention = weighted and site != "q"
-            inputs = (layer_data(dataset[site], layer), mask) + (attention if uses_attention else ())
-            lazy[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
-            names = (site,) + (attention_inputs if uses_attention else ())
-            finite.reads((site, layer), *((name, layer) for name in names))
+    attention_reads = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
+    share = attention_share() if source == "q,k" else None
+    for layer in layers if share is not None else ():
+        share.wish(layer, device, exclude_start)
+
+    def lazy():  # built when the pass computes: the replay of the call may provide the attention (AttentionShare)
+        work = {}
+        for layer in layers:
+            attention = (received_attention(dataset, layer, mask, exclude_start, device),) if source is not None else ()
+            for site in sites:
+                kind = site if site in HEAD_SITES else "d_model"
+                group_dim = _group_dim(site, weighted)
+                n_groups = dataset.sizes[group_dim] if group_dim else 1
+                kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
+                uses_attention = weighted and site != "q"
+                inputs = (site_norms(layer_data(dataset[site], layer)), mask) + (attention if uses_attention else ())
+                work[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
+                names = (site,) + (attention_reads if uses_attention else ())
+                finite.reads((site, layer), *((name, layer) for name in names))
+        return work
 
     def finish(sums):
         finite.check({key: vector[-1] for key, vector in sums.items()})
@@ -228,7 +250,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
             children[site] = xr.DataTree(dataset=summary)
         return xr.DataTree(children=children)
 
-    return Plan(lazy, finish)
+    return Plan(Deferred(lazy), finish)
 
 
 norm_spread = Analysis(

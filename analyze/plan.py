@@ -1,6 +1,8 @@
 """Planned analyses: each analysis builds its lazy work as a Plan, and one Dask computation per pass
 runs the plans of every chosen analysis together, so that work reading the same chunks shares the
 reads (Dask merges tasks with the same keys: one read of a chunk feeds every kernel that needs it).
+Work that reads what a plan built after it provides is ``Deferred``: built when the pass computes
+(the norms read the attention each key receives from the replay's tasks, ``attention.AttentionShare``).
 
 An analysis that needs a second pass (the spheres, when they fit their own subspaces, finish that
 fit into their results) finishes its first Plan into another Plan (or its result). Every pass logs its progress (share of tasks
@@ -40,6 +42,17 @@ class Plan:
     lazy: Any
     finish: Callable[[Any], Any]
 
+    def work(self) -> Any:
+        """What ``dask.compute`` takes: `lazy`, or what it builds when it is ``Deferred``."""
+        return self.lazy.build() if isinstance(self.lazy, Deferred) else self.lazy
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Lazy work built by `build()` when its pass computes, once every plan of the pass is built."""
+
+    build: Callable[[], Any]
+
 
 def run_plans(plans: dict[str, Plan], ready: Callable[[dict], dict[str, Plan]] = lambda results: {}) -> dict[str, Any]:
     """Run plans to their results: one computation per pass, shared by every plan in that pass.
@@ -52,7 +65,7 @@ def run_plans(plans: dict[str, Plan], ready: Callable[[dict], dict[str, Plan]] =
         pending.update(ready(results))
         while pending:
             number += 1
-            computed = compute({name: plan.lazy for name, plan in pending.items()}, f"pass {number} ({', '.join(pending)})")
+            computed = compute({name: plan.work() for name, plan in pending.items()}, f"pass {number} ({', '.join(pending)})")
             finished = {name: plan.finish(computed[name]) for name, plan in pending.items()}
             pending = {name: value for name, value in finished.items() if isinstance(value, Plan)}
             results.update({name: value for name, value in finished.items() if not isinstance(value, Plan)})

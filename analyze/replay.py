@@ -129,8 +129,8 @@ import xarray as xr
 from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
-from .attention import ScoreTerms
-from .inputs import FiniteCheck, check_layers, layer_data
+from .attention import ScoreTerms, attention_inputs, attention_share
+from .inputs import FiniteCheck, check_layers
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
 from .registry import Analysis
@@ -184,13 +184,11 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     layers = check_layers(ds, layers)
     finite = FiniteCheck(ds)
     for layer in layers:
-        for name in ("q", "k", "v") if with_messages else ("q", "k"):
-            finite.watch(name, layer, layer_data(ds[name], layer))
+        finite.reads(layer, *((name, layer) for name in (("q", "k", "v") if with_messages else ("q", "k"))))
     graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
 
-    def finish(computed):
-        per_layer, flags = computed
-        finite.raise_if_any(flags)
+    def finish(per_layer):
+        finite.check({layer: sums.pop("nonfinite") for layer, sums in zip(layers, per_layer)})
         result = _assemble(per_layer, ds, layers, settings, n_bins)
         _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
         result.attrs.update({
@@ -203,7 +201,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
         })
         return result
 
-    return Plan((graphs, finite.flags), finish)
+    return Plan(graphs, finish)
 
 
 replay = Analysis("replay", ReplayConfig, plan_replay, reads=("q", "k", "v", "w_o", "valid"),
@@ -255,31 +253,36 @@ def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
 
 
 def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
-    """A delayed dict of one layer's reduced partial sums."""
+    """A delayed dict of one layer's reduced partial sums. In an ``analyze`` call whose norms wish for
+    the attention each key receives, the tasks of the first range of draws compute it too and provide
+    it (``attention.AttentionShare``)."""
     q = ds["q"].sel(layer=layer)
     chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
-    blocks = {name: _sample_blocks(ds[name].sel(layer=layer) if name != "valid" else ds[name], chunks)
-              for name in (("q", "k", "v") if with_messages else ("q", "k")) + ("valid",)}
+    values = _sample_blocks(ds["v"].sel(layer=layer), chunks) if with_messages else [None] * len(chunks)
     frame = dask.delayed(message_frame)(ds["w_o"].sel(layer=layer).values) if with_messages else None
     sample_ids = ds["sample"].values
     starts = np.concatenate([[0], np.cumsum(chunks)])
     draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
                    for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
+    share = attention_share()
+    wished = () if share is None else share.wished(layer, settings.device)
+    terms = ScoreTerms.of_layer(model, layer)
     partials = [
         [dask.delayed(replay_block, pure=True)(
-            blocks["q"][i], blocks["k"][i], blocks["v"][i] if with_messages else None,
-            blocks["valid"][i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
-            settings=settings, terms=ScoreTerms.of_layer(model, layer), n_bins=n_bins)
+            *inputs, values[i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
+            settings=settings, terms=terms, n_bins=n_bins, received_for=wished if draws.start == 0 else ())
          for draws in draw_ranges]
-        for i in range(len(chunks))
+        for i, inputs in enumerate(attention_inputs(ds, layer))
     ]
+    if wished:
+        share.provide(layer, settings.device, [ranges[0] for ranges in partials])
     return dask.delayed(_combine)(partials, settings.smooth_draws)
 
 
 def _combine(partials: list[list[dict]], smooth_draws: int) -> dict:
     """Partial sums per sample block and draw range -> one layer's."""
-    return in_sample_order([_within_samples({name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]},
-                                             smooth_draws)
+    return in_sample_order([_within_samples({name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]
+                                              if name != "received"}, smooth_draws)
                              for ranges in partials])
 
 

@@ -3,16 +3,20 @@ its perturbations under the study's settings (``ReplaySettings``), counted per (
 (``replay_block``); the definitions are in ``replay.py``'s docstring."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse
 
 from orthosphere.params import Interval, Items, parameter
 
-from .attention import BlockAttention, ScoreTerms, per_head
+from .attention import BlockAttention, CleanAttention, ScoreTerms, ScoreWindow, per_head
+from .blocks import single_block
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .device import resolve_device
+from .inputs import as_float32
 from .noise import unit_noise
 from .options import DEVICE, AnalysisConfig, choice, integer
 
@@ -41,15 +45,16 @@ STRICT_ROWS = 4096
 """Collapsed (row, level) pairs whose softmax the strict definition evaluates at once."""
 
 
-KERNEL_BYTES = 2**22
-"""The most bytes of one float32 (kpos, sample, head, qpos) array of a replay sub-block. Measured
-with two Dask threads at 128 positions and 9 heads: 1 MiB sub-blocks spend more on Python's
-per-operation costs than cache saves (29.7 s for two layers), 4 MiB is fastest (20.7 s), 16 MiB
-falls out of cache (26.6 s), one block of 64 samples took 35 s."""
+KEY_RANGE = 32
+"""Sparse rows are grouped by where their allowed keys begin and end, in steps of this many keys."""
 
 
-DEVICE_KERNEL_BYTES = 2**28
-"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
+QUERY_WINDOW = 32
+"""Queries per window of the smooth summaries' passes (``HeadBlock.smooth_changes``): each window
+spans only the keys its queries may see, so a causal model's passes skip most of the masked half
+of (key, query) (62.5 % of the square at 128 positions). Measured at 128 positions, 9 heads: 16
+and 32 are fastest, 64 slower, and the whole square 3-6x slower (its attention-weighted messages
+product falls off BLAS's fast path)."""
 
 
 SWITCHABLE_KEYS = 2
@@ -127,42 +132,76 @@ class HeadBlock:
     each head's own d_head-dimensional frame (``message_frame``), where their norms and dot
     products are those of W_O v; their noise multiplies the perturbed attention. ``instance`` and
     ``sparse`` mask the (sample, head, qpos) instances with at least ``min_keys`` allowed keys,
-    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring).
+    ``trivial`` and ``sparse_trivial`` the trivial ones (see the module docstring). Built from q, k
+    and valid, or (``of_attention``) from a block's clean attention computed once for every analysis.
     """
 
     def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
-        self.threshold, self.terms = sparse_threshold, terms
-        self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
-        self.block_attention = BlockAttention(q, k, valid, terms)
-        self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
-        self.max_attention = 1.0 / total
-        count_instances(self, valid, self.block_attention.n_allowed, min_keys)
-        self.winner = self.attention.argmax(axis=0)
-        self.messages = None
+        self._start(BlockAttention.of(q, k, valid, terms), sparse_threshold, v, frame, min_keys)
+
+    @classmethod
+    def of_attention(cls, attention: BlockAttention, sparse_threshold: float, v=None, frame=None, *,
+                     min_keys: int) -> HeadBlock:
+        block = cls.__new__(cls)
+        block._start(attention, sparse_threshold, v, frame, min_keys)
+        return block
+
+    def _start(self, attention: BlockAttention, sparse_threshold: float, v, frame, min_keys: int) -> None:
+        self.threshold, self.terms, self.block_attention = sparse_threshold, attention.terms, attention
+        self.n_pos, _, self.n_heads, _ = attention.attention.shape
+        self.n_kv_heads = attention.n_kv_heads
+        self.attention = attention.attention
+        self.max_attention = 1.0 / attention.total
+        count_instances(self, attention.valid, attention.n_allowed, min_keys)
+        self.messages = self.output_sq = None
         if v is not None and frame is not None:
             self.messages = framed_messages(np.asarray(v), frame)
-            self.output_sq = self._output_sq(self.attention)
+            self.output_sq = self._output_sq()
 
     @property
     def pattern(self) -> np.ndarray:
         """The clean attention as (sample, head, qpos, kpos)."""
-        return self.attention.transpose(1, 2, 3, 0)
+        return self.block_attention.pattern
 
-    def _output_sq(self, weights: np.ndarray) -> np.ndarray:
-        """|sum_j weights_j m_j|^2 per instance for weights (kpos, sample, head, qpos)."""
-        outputs = weights.transpose(1, 2, 3, 0) @ self.messages  # (sample, head, qpos, d_head)
-        return np.einsum("shie,shie->shi", outputs, outputs, dtype=np.float64)
+    def nonfinite(self) -> int:
+        """Instances whose clean attention or output is NaN or Inf: what a NaN or Inf in q, k (at a key a
+        query may see) or v, or scores beyond float32's range, lead to (see ``inputs.FiniteCheck``)."""
+        return nonfinite_rows(self.max_attention, self.output_sq)
+
+    @functools.cached_property
+    def winner(self) -> np.ndarray:
+        """(sample, head, qpos) the clean arg-max key."""
+        return self.attention.argmax(axis=0)
+
+    @functools.cached_property
+    def windows(self) -> list[ScoreWindow]:
+        """The block's ``QUERY_WINDOW``-query windows that see a key."""
+        windows = (self.block_attention.window(slice(start, start + QUERY_WINDOW))
+                   for start in range(0, self.n_pos, QUERY_WINDOW))
+        return [window for window in windows if window is not None]
+
+    def _output_sq(self) -> np.ndarray:
+        """|sum_j a_j m_j|^2 per (sample, head, qpos) of the clean attention a, window by window."""
+        output_sq = np.zeros(self.max_attention.shape)
+        for window in self.windows:
+            outputs = window.attention.transpose(1, 2, 3, 0) @ self.messages[:, :, window.keys]  # (sample, head, query, d_head)
+            output_sq[:, :, window.queries] = np.einsum("shie,shie->shi", outputs, outputs)
+        return output_sq
 
     def entropy(self) -> np.ndarray:
-        a = self.attention.astype(np.float64)
-        return -np.sum(a * np.log(np.where(a > 0, a, 1.0)), axis=0)
+        """(sample, head, qpos) entropy of the clean attention (nats): float32 terms, summed in float64."""
+        terms = np.zeros_like(self.attention)
+        np.log(self.attention, out=terms, where=self.attention > 0)
+        terms *= self.attention
+        return -terms.sum(axis=0, dtype=np.float64)
 
-    def perturb(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
-        """Per-instance effects of one draw: kappa arrays (sample, pos, head or kv_head).
+    def perturb(self, kq: np.ndarray, kk: np.ndarray) -> dict[str, np.ndarray]:
+        """The collapse conditions of one draw, evaluated directly: kappa arrays (sample, pos, head or
+        kv_head) of the queries and keys.
 
         Returns collapse, strict, theory_predicted (Theorem 7's first order) and exact_predicted
-        (the exact condition: the key noise alone) of the sparse instances as bools, and tv, output
-        change squared as floats, all (sample, head, qpos).
+        (the exact condition: the key noise alone) of the sparse instances as bools, (sample, head,
+        qpos): what the online check compares with the model, and the critical levels' reference.
         """
         fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]  # (1, sample, head, qpos)
         fk = key_major(1.0 + kk, self.n_heads)  # (kpos, sample, head, 1)
@@ -172,45 +211,81 @@ class HeadBlock:
         exact_predicted = self._winner_beaten(self.block_attention.scores(scores))
         logits = self.block_attention.scores(fq * fk)
         at_winner = np.take_along_axis(logits, self.winner[None], axis=0)[0]
-        attention, peak, total = self.block_attention.softmax(logits)
+        _, peak, total = self.block_attention.softmax(logits)
         collapse = self.sparse & (peak > at_winner)
         return {
             "collapse": collapse,
             "strict": collapse & (1.0 / total >= self.threshold),
             "theory_predicted": self.sparse & theory_predicted,
             "exact_predicted": self.sparse & exact_predicted,
-            **self._changes(attention, km),
         }
 
     def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """Total variation and output change squared (sample, head, qpos) of one draw (kappa arrays as
         in ``perturb``): the perturbed softmax without the collapse conditions."""
-        fq = np.ascontiguousarray((1.0 + kq).transpose(0, 2, 1), dtype=np.float32)[None]
-        attention, _, _ = self.block_attention.softmax(self.block_attention.scores(fq * key_major(1.0 + kk, self.n_heads)))
-        return self._changes(attention, km)
+        return {name: change[0] for name, change in self.smooth_changes(kq, kk, km, (1.0,)).items()}
 
-    def _changes(self, attention: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
-        """Total variation and output change squared of a perturbed attention, which becomes scratch space."""
-        change = attention - self.attention
-        effects = {"tv": 0.5 * np.abs(change).sum(axis=0, dtype=np.float64)}
-        if self.messages is not None:
-            attention *= key_major(km, self.n_heads)
-            change += attention  # a'_j (1 + km_j) - a_j
-            effects["output_change_sq"] = self._output_sq(change)
-        return effects
+    def smooth_changes(self, unit_q: np.ndarray, unit_k: np.ndarray, unit_m: np.ndarray,
+                       levels) -> dict[str, np.ndarray]:
+        """Total variation ``tv`` and output change squared ``output_change_sq`` (level, sample, head,
+        qpos), float64, of one draw's unit noise (arrays as in ``perturb``) at each level: the perturbed
+        softmax window by window (``windows``), every level of a window while its arrays are in cache.
 
-    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
-        """The sparse instances as rows: their (sample, head, qpos) indices, and (key, row) float64
-        arrays of their scaled clean dot products and of what their score adds after the soft-cap."""
+        With a = the clean attention, a' the perturbed one and km = level * unit_m, the output changes
+        by sum_j (a'_j (1 + km_j) - a_j) m_j = sum_j (a'_j - a_j)(1 + km_j) m_j + level sum_j a_j unit_m_j m_j:
+        the second term once per draw, the first from the difference a' - a the total variation reads.
+        Message noise, shared by a group's heads as key noise is, multiplies (key, sample, kv_head,
+        group x query) views, as ``ScoreWindow.perturbed_scores`` does.
+        """
+        shape = (len(levels), *self.max_attention.shape)
+        changes = {"tv": np.zeros(shape)} | ({"output_change_sq": np.zeros(shape)} if self.messages is not None else {})
+        query_units = np.ascontiguousarray(unit_q.transpose(0, 2, 1))[None]  # (1, sample, head, qpos)
+        key_units, message_units = (unit.transpose(1, 0, 2)[..., None] for unit in (unit_k, unit_m))  # (kpos, sample, kv_head, 1)
+
+        def grouped(array):  # (key, sample, head, query) -> (key, sample, kv_head, group x query)
+            return array.reshape(*array.shape[:2], self.n_kv_heads, -1)
+
+        for window in self.windows:
+            keys, queries = window.keys, window.queries
+            messages = None if self.messages is None else self.messages[:, :, keys]
+            if messages is not None:
+                noise_weighted = grouped(window.attention) * message_units[keys].astype(np.float32)
+                clean_noise = noise_weighted.reshape(window.attention.shape).transpose(1, 2, 3, 0) @ messages
+            scaled, magnitude = np.empty_like(window.scaled_dots), np.empty_like(window.scaled_dots)
+            for index, level in enumerate(levels):
+                scores = window.perturbed_scores((1.0 + level * key_units[keys]).astype(np.float32),
+                                                 (1.0 + level * query_units[..., queries]).astype(np.float32), scaled)
+                change, _, _ = window.softmax(scores)
+                change -= window.attention
+                np.abs(change, out=magnitude)
+                changes["tv"][index, :, :, queries] = 0.5 * magnitude.sum(axis=0)
+                if messages is not None:
+                    np.multiply(grouped(change), (1.0 + level * message_units[keys]).astype(np.float32), out=grouped(change))
+                    outputs = change.transpose(1, 2, 3, 0) @ messages  # (sample, head, query, d_head)
+                    outputs += np.float32(level) * clean_noise
+                    changes["output_change_sq"][index, :, :, queries] = np.einsum("shie,shie->shi", outputs, outputs)
+        return changes
+
+    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+        """The sparse instances as rows: their (sample, head, qpos) indices, (key, row) float64 arrays
+        of their scaled clean dot products and of what their score adds after the soft-cap, and their
+        clean arg-max keys."""
         sample, head, query = rows = np.nonzero(self.sparse)
         attention = self.block_attention
         offset_head = head if attention.offset.shape[2] > 1 else np.zeros_like(head)
         return (rows, attention.scaled_dots[:, sample, head, query].astype(np.float64),
-                attention.offset[:, sample, offset_head, query].astype(np.float64))
+                attention.offset[:, sample, offset_head, query].astype(np.float64),
+                self.attention[:, sample, head, query].argmax(axis=0))
 
     def _winner_beaten(self, scores: np.ndarray) -> np.ndarray:
         """(sample, head, qpos): some allowed key scores above the clean arg-max in `scores`."""
         return scores.max(axis=0) > np.take_along_axis(scores, self.winner[None], axis=0)[0]
+
+
+def nonfinite_rows(max_attention, output_sq) -> int:
+    """(sample, head, qpos) rows whose largest attention or output norm is NaN or Inf."""
+    bad = ~np.isfinite(max_attention)
+    return int(np.count_nonzero(bad if output_sq is None else bad | ~np.isfinite(output_sq)))
 
 
 def count_instances(block, valid: np.ndarray, n_allowed: np.ndarray, min_keys: int) -> None:
@@ -236,16 +311,17 @@ def key_major(kappa: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def message_frame(w_o: np.ndarray) -> np.ndarray:
-    """Per head F = U diag(S) from W_O[h] = U diag(S) V^T (head, d_head, d_head): the message
-    m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions."""
-    u, singular, _ = np.linalg.svd(np.asarray(w_o, dtype=np.float64), full_matrices=False)
-    return u * singular[:, None, :]
+    """Per head F = R^T from W_O[h]^T = Q R (head, d_head, d_head): F F^T = W_O[h] W_O[h]^T, so the
+    message m = v W_O[h] has |m| = |v F| and m . m' = (v F) . (v' F), in d_head dimensions (a QR,
+    6x cheaper than the SVD that gives another such F)."""
+    return np.linalg.qr(np.asarray(w_o, dtype=np.float64).swapaxes(-1, -2), mode="r").swapaxes(-1, -2)
 
 
 def framed_messages(v: np.ndarray, frame: np.ndarray) -> np.ndarray:
-    """Messages v F per head (sample, head, kpos, d_head), float32; heads share kv_heads in groups."""
-    v = per_head(v, frame.shape[0])
-    return (v.astype(np.float64).transpose(0, 2, 1, 3) @ frame[None]).astype(np.float32)
+    """Messages v F per head (sample, head, kpos, d_head), float32 as the attention they are weighted
+    by; heads share kv_heads in groups."""
+    v = per_head(np.asarray(as_float32(np.asarray(v)), np.float32), frame.shape[0])
+    return v.transpose(0, 2, 1, 3) @ frame.astype(np.float32)[None]
 
 
 def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, level: float,
@@ -257,46 +333,51 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
     """
     kq, kk = (level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
               for t, n in (("q", block.n_heads), ("k", block.n_kv_heads)))
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk)
     return {"instance": block.instance, "sparse": block.sparse, "winner": block.winner,
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                 terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = ()) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
     counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
-    so that the partial sums of every range add up. The block is worked through in sub-blocks of
-    samples whose (kpos, sample, head, qpos) arrays stay in cache (``KERNEL_BYTES``): the
-    kernel's dozen passes over them then run from cache, not memory (1.7x faster at 128
-    positions and 9 heads); every instance's result is the same either way.
+    so that the partial sums of every range add up. The block's clean attention (``CleanAttention``)
+    comes in sub-blocks of samples whose arrays stay in cache: the kernel's passes over them then run
+    from cache, not memory; every instance's result is the same either way. With `received_for`
+    (values of ``exclude_start``), "received" maps each to the attention each analysed key receives,
+    for the norms of the same call (``attention.AttentionShare``).
     """
-    q, k, valid = np.asarray(q), np.asarray(k), np.asarray(valid, bool)
-    v = None if v is None else np.asarray(v)
-    per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
-    step = max(1, (DEVICE_KERNEL_BYTES if settings.device.startswith("cuda") else KERNEL_BYTES) // per_sample)
-    parts = [_replay_sub_block(q[a:a + step], k[a:a + step], None if v is None else v[a:a + step],
-                               valid[a:a + step], frame, samples=samples[a:a + step], layer=layer, draws=draws,
-                               settings=settings, terms=terms, n_bins=n_bins)
-             for a in range(0, len(q), step)]
-    return in_sample_order(parts)
+    clean = CleanAttention(q, k, valid, terms, settings.device)
+    v = None if v is None else np.asarray(single_block(v))
+    parts = []
+    for start, attention in clean.parts:
+        stop = start + len(attention.valid)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: counted (``nonfinite``), then reported
+            block = head_block(attention, settings.sparse_threshold, None if v is None else v[start:stop], frame,
+                               min_keys=settings.min_keys)
+            parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
+                                           settings=settings, n_bins=n_bins))
+    sums = in_sample_order(parts)
+    if received_for:
+        sums["received"] = {exclude_start: clean.received(exclude_start) for exclude_start in received_for}
+    return sums
 
 
-def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                      terms: ScoreTerms, n_bins: int) -> dict[str, np.ndarray]:
+def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: ReplaySettings,
+                      n_bins: int) -> dict[str, np.ndarray]:
     """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
     draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
     ``smooth_draws`` draws."""
-    block = head_block(q, k, valid, terms, settings.sparse_threshold, v, frame, min_keys=settings.min_keys,
-                       device=settings.device)
     n_samples, n_heads, n_pos = block.instance.shape
     n_levels, n_smooth = len(settings.levels), settings.smooth_draws
     instance, sparse = block.instance, block.sparse
     sets = np.stack([sparse, instance])  # INSTANCE_SETS order
     once = float(draws.start == 0)
     sums = {
+        "nonfinite": once * block.nonfinite(),
         "n_instances": once * instance.sum(axis=(0, 2)),
         "n_sparse": once * sparse.sum(axis=(0, 2)),
         "n_instances_trivial": once * block.trivial.sum(axis=(0, 2)),
@@ -324,77 +405,103 @@ def _replay_sub_block(q, k, v, valid, frame, *, samples, layer: int, draws: rang
         if draw >= n_smooth:
             continue
         unit["m"] = settings.kappa("m", layer, samples, draw, n_pos, block.n_kv_heads)
-        for index, level in enumerate(settings.levels):
-            changes = block.attention_change(level * unit["q"], level * unit["k"], level * unit["m"])
-            for name in smooth:
-                per_sample = (sets * changes[name][None]).sum(axis=3).transpose(1, 0, 2)  # (sample, set, head)
-                sums[f"sample_smooth_{name}"][:, :, :, index] += np.stack([per_sample, per_sample**2], axis=1)
+        changes = block.smooth_changes(unit["q"], unit["k"], unit["m"], settings.levels)
+        for name in smooth:
+            per_sample = (sets[:, None] * changes[name][None]).sum(axis=4).transpose(2, 0, 1, 3)  # (sample, set, level, head)
+            sums[f"sample_smooth_{name}"] += np.stack([per_sample, per_sample**2], axis=1)
     return sums
 
 
-def head_block(q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int,
-               device: str = "cpu"):
-    """The replay's block on `device`: a ``HeadBlock`` (numpy) on "cpu", else a ``TorchHeadBlock``."""
-    if device == "cpu":
-        return HeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys)
+def head_block(attention, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
+    """The replay's block of a part of a ``CleanAttention``: a ``HeadBlock`` of a ``BlockAttention``
+    (numpy), else a ``TorchHeadBlock`` of a ``TorchAttention``."""
+    if isinstance(attention, BlockAttention):
+        return HeadBlock.of_attention(attention, sparse_threshold, v, frame, min_keys=min_keys)
     from .torch_kernels import TorchHeadBlock
 
-    return TorchHeadBlock(q, k, valid, terms, sparse_threshold, v, frame, min_keys=min_keys, device=device)
+    return TorchHeadBlock(attention, sparse_threshold, v, frame, min_keys=min_keys)
+
+
+@dataclass(frozen=True, eq=False)
+class RowGroup:
+    """Sparse rows whose allowed keys lie in one range: their (key, row) float64 arrays over it alone."""
+
+    rows: np.ndarray
+    """Indices of the rows among the block's."""
+    keys: slice
+    dots: np.ndarray
+    bias: np.ndarray
+    winner: np.ndarray
+    """The clean arg-max key of each row, counted from keys.start."""
 
 
 class SparseRows:
     """The sparse instances of a block as rows (key, row) in float64: the scaled clean dot
     products, what the score adds after the soft-cap, the winner; per draw their critical levels
-    (``orthosphere.analyze.critical``) and from them the counts at every level."""
+    (``orthosphere.analyze.critical``) and from them the counts at every level. Rows are grouped
+    by the range of keys they may see (``KEY_RANGE``-key steps): a causal model's rows then skip
+    the keys after them, about half."""
 
     def __init__(self, block: HeadBlock, settings: ReplaySettings):
-        (self.sample, self.head, self.query), self.dots, self.bias = block.sparse_rows()
+        (self.sample, self.head, self.query), dots, bias, winner = block.sparse_rows()
         self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
         self.settings, self.softcap = settings, block.terms.softcap
-        self.winner = block.winner[self.sample, self.head, self.query]
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
+        n_rows = len(winner)
+        self.of_sample = scipy.sparse.csr_array((np.ones(n_rows), (self.sample, np.arange(n_rows))),
+                                                shape=(self.n_samples, n_rows))
+        """(sample, row) ones: a (row, ...) indicator's per-sample counts are its product with it."""
+        self.groups = _row_groups(dots, bias, winner) if n_rows else []
 
     @property
     def any(self) -> bool:
         """Whether the block has a sparse instance (without one, no draw needs its noise)."""
-        return len(self.winner) > 0
+        return bool(self.groups)
 
     def count_draw(self, sums: dict, unit_q: np.ndarray, unit_k: np.ndarray) -> None:
         """Add one draw's collapses, strict collapses, predictions and curve counts to ``sums``."""
-        if not len(self.winner):
+        if not self.groups:
             return
-        u_query = unit_q[self.sample, self.query, self.head]
-        u_key = per_head(unit_k, self.n_heads)[self.sample, :, self.head].T
-        a, b, c, beta = key_coefficients(self.dots, self.bias, u_key, u_query, self.winner)
-        critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
-        measured = self.levels > critical[:, None]  # (row, level)
-        beyond = self.curve_levels > critical[:, None]
-        if flagged.any():
-            measured[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
-            beyond[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
-        strict = self._strict(measured, u_query, u_key)
+        u_queries = unit_q[self.sample, self.query, self.head]
+        u_keys = per_head(unit_k, self.n_heads).transpose(1, 0, 2)  # (key, sample, head)
+        shape = (len(self.sample), len(self.levels))
+        measured, strict = np.empty(shape, bool), np.empty(shape, bool)
+        predicted = {rule: np.empty(shape, bool) for rule in PREDICTIONS}
+        for group in self.groups:
+            rows = group.rows
+            u_query, u_key = u_queries[rows], u_keys[group.keys][:, self.sample[rows], self.head[rows]]  # (key, row)
+            a, b, c, beta = key_coefficients(group.dots, group.bias, u_key, u_query, group.winner)
+            critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
+            collapsed = self.levels > critical[:, None]  # (row, level)
+            if flagged.any():
+                collapsed[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
+                sums["sample_curve"] += self.of_sample[:, rows[flagged]] @ collapsed_at(
+                    a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+            sums["sample_curve"] += self._curve_counts(critical[~flagged], self.sample[rows[~flagged]])
+            measured[rows], strict[rows] = collapsed, self._strict(group, collapsed, u_query, u_key)
+            for rule, slope in (("theory", b), ("exact", beta)):
+                predicted[rule][rows] = self.levels > linear_critical(c, slope)[:, None]
         for d, indicator in enumerate((measured, strict)):
             sums["collapses"][d] += self._per_head(indicator)
-            sums["sample_collapses"][:, d] += self._per_sample(indicator)
-        sums["sample_curve"] += self._per_sample(beyond)
-        for rule, slope in (("theory", b), ("exact", beta)):
-            predicted = self.levels > linear_critical(c, slope)[:, None]
-            for count, indicator in zip(PREDICTION_COUNTS, (predicted, measured & ~predicted, predicted & ~measured)):
+            sums["sample_collapses"][:, d] += self.of_sample @ indicator
+        for rule in PREDICTIONS:
+            guessed = predicted[rule]
+            for count, indicator in zip(PREDICTION_COUNTS, (guessed, measured & ~guessed, guessed & ~measured)):
                 sums[f"{rule}_{count}"] += self._per_head(indicator)
 
-    def _strict(self, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
-        """(row, level) collapses whose new arg-max holds >= the sparse threshold: the perturbed
-        softmax of the collapsed rows only."""
+    def _strict(self, group: RowGroup, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
+        """(row, level) collapses of a group's rows whose new arg-max holds >= the sparse threshold:
+        the perturbed softmax of the collapsed rows only."""
         strict = np.zeros_like(measured)
         row, level = np.nonzero(measured)
         for start in range(0, len(row), STRICT_ROWS):
             r, at = row[start:start + STRICT_ROWS], level[start:start + STRICT_ROWS]
             s = self.levels[at]
-            scaled = self.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
+            scaled = group.dots[:, r] * ((1 + s * u_query[r]) * (1 + s * u_key[:, r]))
             if self.softcap is not None:
                 scaled = self.softcap * np.tanh(scaled / self.softcap)
-            logits = scaled + self.bias[:, r]
+            logits = scaled + group.bias[:, r]
             peak_share = 1.0 / np.exp(logits - logits.max(axis=0)).sum(axis=0)
             strict[r, at] = peak_share >= self.settings.sparse_threshold
         return strict
@@ -403,11 +510,30 @@ class SparseRows:
         """(level, head) counts of a (row, level) indicator."""
         return np.stack([np.bincount(self.head, weights=column, minlength=self.n_heads) for column in indicator.T])
 
-    def _per_sample(self, indicator: np.ndarray) -> np.ndarray:
-        """(sample, level) counts of a (row, level) indicator."""
-        out = np.zeros((self.n_samples, indicator.shape[1]))
-        np.add.at(out, self.sample, indicator)
-        return out
+    def _curve_counts(self, critical: np.ndarray, sample: np.ndarray) -> np.ndarray:
+        """(sample, curve level) counts of rows collapsed at each curve level, of rows whose collapse holds
+        beyond their critical level: a row counts from the first curve level above its critical one on."""
+        n_levels = len(self.curve_levels)
+        first = np.searchsorted(self.curve_levels, critical, side="right")
+        counts = np.bincount(sample * (n_levels + 1) + first, minlength=self.n_samples * (n_levels + 1))
+        return np.cumsum(counts.reshape(self.n_samples, n_levels + 1), axis=1)[:, :n_levels]
+
+
+def _row_groups(dots: np.ndarray, bias: np.ndarray, winner: np.ndarray) -> list[RowGroup]:
+    """Rows (key, row) grouped by the ``KEY_RANGE``-key steps where their allowed keys (finite bias)
+    begin and end; each group over the keys any of its rows may see. Outside them a row's scores are
+    -inf, clean and perturbed: no key there can win, and its softmax terms are zeros."""
+    allowed = np.isfinite(bias)
+    first = allowed.argmax(axis=0)
+    last = len(allowed) - 1 - allowed[::-1].argmax(axis=0)
+    steps = len(allowed) // KEY_RANGE + 1
+    code = (first // KEY_RANGE) * steps + last // KEY_RANGE
+    groups = []
+    for value in np.unique(code):
+        rows = np.flatnonzero(code == value)
+        keys = slice(int(first[rows].min()), int(last[rows].max()) + 1)
+        groups.append(RowGroup(rows, keys, dots[keys][:, rows], bias[keys][:, rows], winner[rows] - keys.start))
+    return groups
 
 
 def _histogram(max_attention: np.ndarray, instance: np.ndarray, n_bins: int) -> np.ndarray:

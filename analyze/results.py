@@ -12,6 +12,7 @@ from orthosphere.store.location import as_location, commit_metadata, zarr_quietl
 from orthosphere.store.provenance import provenance
 
 from .accuracy import accuracy
+from .attention import sharing_attention
 from .errors import AnalysisError
 from .inputs import open_for_analysis
 from .neighbours import neighbours
@@ -92,7 +93,8 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
                 else:
                     outputs[analysis.name] = started
 
-    outputs = run_plans({}, ready)
+    with sharing_attention():  # the norms read the attention each key receives from the replay's tasks
+        outputs = run_plans({}, ready)
     return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
             for analysis in analyses}
 

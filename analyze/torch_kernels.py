@@ -8,12 +8,14 @@ numpy. Imported only when a device other than "cpu" is chosen.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from .attention import ScoreFrame, ScoreTerms
 from .device import torch_device
-from .replay_blocks import count_instances, framed_messages, key_major
+from .replay_blocks import count_instances, framed_messages, key_major, nonfinite_rows
 
 
 def _tensor(array: np.ndarray, device) -> torch.Tensor:
@@ -25,23 +27,27 @@ def _host(tensor: torch.Tensor, dtype=np.float64) -> np.ndarray:
 
 
 class TorchAttention:
-    """``BlockAttention`` on a torch device: scaled dot products, offset and softmax, key-major."""
+    """``BlockAttention`` on a torch device (`device`, a resolved name: see device.py): scaled dot
+    products, offset, the clean softmax (``attention``, ``total``), key-major; ``valid``, ``n_allowed``
+    and what ``received`` returns are numpy, on the CPU."""
 
-    def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms, device):
-        self.terms, self.device = terms, device
-        frame = ScoreFrame.of(valid, terms)
+    def __init__(self, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms, device: str):
+        self.terms, self.device = terms, torch_device(device)
+        self.valid = np.asarray(valid, bool)
+        frame = ScoreFrame.of(self.valid, terms)
         self.n_allowed = frame.n_allowed
-        self.no_keys = None if frame.no_keys is None else torch.from_numpy(frame.no_keys).to(device)
-        self.offset = _tensor(frame.offset, device)
+        self.no_keys = None if frame.no_keys is None else torch.from_numpy(frame.no_keys).to(self.device)
+        self.offset = _tensor(frame.offset, self.device)
         n_samples, n_pos, n_heads, d_head = q.shape
-        n_kv_heads = k.shape[2]
-        group = n_heads // n_kv_heads
-        queries = _tensor(q, device).reshape(n_samples, n_pos, n_kv_heads, group, d_head).permute(0, 2, 3, 4, 1)
-        keys = _tensor(k, device).permute(0, 2, 1, 3)[:, :, None]  # (sample, kv_head, 1, kpos, d_head)
+        self.n_kv_heads = k.shape[2]
+        group = n_heads // self.n_kv_heads
+        queries = _tensor(q, self.device).reshape(n_samples, n_pos, self.n_kv_heads, group, d_head).permute(0, 2, 3, 4, 1)
+        keys = _tensor(k, self.device).permute(0, 2, 1, 3)[:, :, None]  # (sample, kv_head, 1, kpos, d_head)
         dots = torch.matmul(keys, queries)  # (sample, kv_head, group, kpos, qpos)
         dots = dots.reshape(n_samples, n_heads, k.shape[1], n_pos).permute(2, 0, 1, 3).contiguous()
         dots.mul_(np.float32(terms.scale))
-        self.scaled_dots = dots.masked_fill_(torch.from_numpy(frame.refused).to(device), 0.0)
+        self.scaled_dots = dots.masked_fill_(torch.from_numpy(frame.refused).to(self.device), 0.0)
+        self.attention, _, self.total = self.softmax(self.scores())
 
     def scores(self, factor: torch.Tensor | None = None) -> torch.Tensor:
         """As ``BlockAttention.scores``: `factor` (the norm factors' product) is scratch space."""
@@ -60,35 +66,36 @@ class TorchAttention:
             total.masked_fill_(self.no_keys, float("inf"))
         return scores.div_(total), peak, total
 
-
-def received_attention_block(mask: np.ndarray, q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: ScoreTerms,
-                             device: str) -> np.ndarray:
-    """(sample, head, kpos) attention each analysed key receives from the analysed queries (``norms``),
-    float32, computed on `device`."""
-    attention = TorchAttention(q, k, valid, terms, torch_device(device))
-    pattern, _, _ = attention.softmax(attention.scores())  # (kpos, sample, head, qpos)
-    weights = _tensor(mask, attention.device)  # (sample, qpos)
-    received = torch.einsum("kshq,sq->shk", pattern, weights) * weights[:, None, :]
-    return _host(received, np.float32)
+    def received(self, mask: np.ndarray) -> np.ndarray:
+        """As ``BlockAttention.received``: (sample, head, kpos) attention each key in `mask` receives from
+        the queries in it, float32."""
+        weights = _tensor(mask, self.device)  # (sample, qpos)
+        return _host(torch.einsum("kshq,sq->shk", self.attention, weights) * weights[:, None, :], np.float32)
 
 
 class TorchHeadBlock:
-    """``replay.HeadBlock`` with its dense work on a torch device; see that class for the definitions.
-    Its attributes and the values its methods return are numpy, on the CPU."""
+    """``replay.HeadBlock`` of a ``TorchAttention``, its dense work on the device; see that class for
+    the definitions. Its attributes and the values its methods return are numpy, on the CPU."""
 
-    def __init__(self, q, k, valid, terms: ScoreTerms, sparse_threshold: float, v=None, frame=None, *, min_keys: int,
-                 device: str):
-        self.threshold, self.terms = sparse_threshold, terms
-        self.n_pos, self.n_heads, self.n_kv_heads = q.shape[1], q.shape[2], k.shape[2]
-        self.block_attention = TorchAttention(q, k, valid, terms, torch_device(device))
-        self.attention, _, total = self.block_attention.softmax(self.block_attention.scores())
-        self.max_attention = _host(1.0 / total, np.float32)
-        count_instances(self, np.asarray(valid, bool), self.block_attention.n_allowed, min_keys)
-        self.winner = self.attention.argmax(dim=0).cpu().numpy()
-        self.messages = None
+    def __init__(self, attention: TorchAttention, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
+        self.threshold, self.terms, self.block_attention = sparse_threshold, attention.terms, attention
+        self.n_pos, _, self.n_heads, _ = attention.attention.shape
+        self.n_kv_heads = attention.n_kv_heads
+        self.attention = attention.attention
+        self.max_attention = _host(1.0 / attention.total, np.float32)
+        count_instances(self, attention.valid, attention.n_allowed, min_keys)
+        self.messages = self.output_sq = None
         if v is not None and frame is not None:
-            self.messages = _tensor(framed_messages(np.asarray(v), frame), self.block_attention.device)
+            self.messages = _tensor(framed_messages(np.asarray(v), frame), attention.device)
             self.output_sq = self._output_sq(self.attention)
+
+    @functools.cached_property
+    def winner(self) -> np.ndarray:
+        return self.attention.argmax(dim=0).cpu().numpy()
+
+    def nonfinite(self) -> int:
+        """As ``HeadBlock.nonfinite``."""
+        return nonfinite_rows(self.max_attention, self.output_sq)
 
     def _output_sq(self, weights: torch.Tensor) -> np.ndarray:
         outputs = torch.matmul(weights.permute(1, 2, 3, 0), self.messages)  # (sample, head, qpos, d_head)
@@ -97,6 +104,12 @@ class TorchHeadBlock:
     def entropy(self) -> np.ndarray:
         a = self.attention.double()
         return _host(-(a * torch.log(torch.where(a > 0, a, torch.ones_like(a)))).sum(dim=0))
+
+    def smooth_changes(self, unit_q: np.ndarray, unit_k: np.ndarray, unit_m: np.ndarray,
+                       levels) -> dict[str, np.ndarray]:
+        """As ``HeadBlock.smooth_changes``: (level, sample, head, qpos) changes, level by level."""
+        changes = [self.attention_change(level * unit_q, level * unit_k, level * unit_m) for level in levels]
+        return {name: np.stack([change[name] for change in changes]) for name in changes[0]}
 
     def attention_change(self, kq: np.ndarray, kk: np.ndarray, km: np.ndarray) -> dict[str, np.ndarray]:
         """As ``HeadBlock.attention_change``: total variation and output change squared (sample, head, qpos)."""
@@ -111,10 +124,12 @@ class TorchHeadBlock:
             effects["output_change_sq"] = self._output_sq(change.add_(attention))
         return effects
 
-    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+    def sparse_rows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
         """As ``HeadBlock.sparse_rows``."""
         rows = np.nonzero(self.sparse)
         sample, head, query = (torch.from_numpy(index).to(self.block_attention.device) for index in rows)
         attention = self.block_attention
         offset_head = head if attention.offset.shape[2] > 1 else torch.zeros_like(head)
-        return rows, _host(attention.scaled_dots[:, sample, head, query]), _host(attention.offset[:, sample, offset_head, query])
+        return (rows, _host(attention.scaled_dots[:, sample, head, query]),
+                _host(attention.offset[:, sample, offset_head, query]),
+                self.attention[:, sample, head, query].argmax(dim=0).cpu().numpy())

@@ -49,7 +49,7 @@ def main():
         unit = {t: settings.kappa(t, 0, samples, draw, 128, n) for t, n in (("q", 9), ("k", 3))}
         started = time.perf_counter()
         for index, level in enumerate(settings.levels):
-            effects = block.perturb(level * unit["q"], level * unit["k"], np.zeros_like(unit["k"]))
+            effects = block.perturb(level * unit["q"], level * unit["k"])
             for name in grid:
                 grid[name][index] += effects[name].sum(axis=(0, 2))
         grid_seconds += time.perf_counter() - started

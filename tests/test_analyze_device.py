@@ -19,7 +19,7 @@ from tests.reference import assert_attention_close, attention_atol, attention_fl
 from tests.test_analyze_replay import RELATIVE_BIAS, brute_force_conditions, random_heads, write_store
 
 torch = pytest.importorskip("torch")
-from orthosphere.analyze.torch_kernels import TorchHeadBlock, received_attention_block  # noqa: E402
+from orthosphere.analyze.torch_kernels import TorchAttention, TorchHeadBlock  # noqa: E402
 
 TERMS = [
     ScoreTerms(0.5, True, sliding_window=3, softcap=2.0),
@@ -45,7 +45,7 @@ def test_the_torch_block_is_the_models_attention_and_its_changes_against_float64
     valid = np.ones((3, 8), bool)
     valid[0, :3] = False
     frame = message_frame(w_o[0])
-    block = TorchHeadBlock(q, k, valid, terms, 0.5, v, frame, min_keys=2, device="cpu-torch")
+    block = TorchHeadBlock(TorchAttention(q, k, valid, terms, "cpu-torch"), 0.5, v, frame, min_keys=2)
     reference = reference_terms(terms)
     clean, clean_logit = attention_float64(q, k, valid, **reference)
     atol = attention_atol(clean_logit)
@@ -58,7 +58,7 @@ def test_the_torch_block_is_the_models_attention_and_its_changes_against_float64
     np.testing.assert_array_equal(block.winner[decided], clean.argmax(-1)[decided])
     entropy = -(clean * np.log(np.where(clean > 0, clean, 1))).sum(-1)
     np.testing.assert_allclose(block.entropy()[seen], entropy[seen], rtol=0, atol=8 * atol * (1 + np.log(8) + clean_logit))
-    (sample, head, query), dots, bias = block.sparse_rows()
+    (sample, head, query), dots, bias, winner = block.sparse_rows()
     assert len(sample) > 0
     kv = head // 2
     expected_dots = np.einsum("rkd,rd->kr", k[sample, :, kv].astype(np.float64), q[sample, query, head].astype(np.float64))
@@ -90,7 +90,7 @@ def test_the_attention_each_key_receives_on_the_device_against_float64(terms):
     valid[1, 5:] = False
     mask = valid.copy()
     mask[:, 0] = False  # the start token is not analysed
-    received = received_attention_block(mask, q, k, valid, terms, "cpu-torch")
+    received = TorchAttention(q, k, valid, terms, "cpu-torch").received(mask)
     pattern, largest = attention_float64(q, k, valid, **reference_terms(terms))
     expected = np.einsum("shqk,sq->shk", pattern, mask) * mask[:, None, :]
     np.testing.assert_allclose(received, expected, rtol=0, atol=8 * attention_atol(largest))

@@ -6,6 +6,7 @@ import pytest
 
 from orthosphere.analyze import attention_from_qk, norm_spread, open_for_analysis, store_attention
 from orthosphere.analyze.attention import ScoreTerms
+from orthosphere.analyze.inputs import as_float32
 from tests.reference import attention_atol, attention_float64
 from tests.synthetic import plant_norm_spread, pooled_ratio_band, weighted_band, write_store
 
@@ -159,6 +160,14 @@ def test_float16_stores_with_norms_beyond_float16_squares(tmp_path):
     result = norm_spread(dataset, weight_by_attention=False)["resid_pre"]
     assert result["median_norm"].item() == pytest.approx(1000.0, rel=0.01)
     assert result["band"].item() == pytest.approx(0.2, abs=0.01)
+
+
+def test_float16_blocks_become_float32_with_numpys_values_for_every_bit_pattern():
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16).reshape(16, 64, 64)[:, ::2]  # strided, NaN and Inf included
+    found = as_float32(every)
+    assert found.dtype == np.float32 and found.shape == every.shape
+    np.testing.assert_array_equal(found.view(np.uint32), every.astype(np.float32).view(np.uint32))  # bit for bit
+    assert as_float32(found) is found
 
 
 def test_the_start_token_is_excluded_unless_asked(planted):

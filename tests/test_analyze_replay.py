@@ -6,14 +6,16 @@ import math
 
 import numpy as np
 import pytest
+import xarray as xr
 
+from orthosphere.analyze import attention, replay_blocks
 from orthosphere.analyze import replay as replay_module
-from orthosphere.analyze import replay_blocks
 from orthosphere.analyze.attention import ScoreTerms
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.analyze.noise import unit_noise
 from orthosphere.analyze.replay import ReplayError, level_at_rate, replay
 from orthosphere.analyze.replay_blocks import HeadBlock, ReplaySettings, message_frame
+from orthosphere.analyze.results import run_analyses
 from orthosphere.store import create_store, open_store
 from tests.reference import assert_attention_close, attention_atol, attention_float64
 
@@ -140,7 +142,7 @@ def test_noise_below_the_margin_never_collapses_and_above_it_always_does():
     zeros = np.zeros((10, 2, 1))
     for factor, expected in ((0.99, False), (1.01, True)):
         kk = np.stack([-factor * critical, factor * critical], axis=1)[:, :, None]
-        effects = block.perturb(zeros, kk, zeros)
+        effects = block.perturb(zeros, kk)
         for name in ("collapse", "theory_predicted", "exact_predicted"):
             assert np.all(effects[name] == expected), name
     # The study: uniform noise whose bound sqrt(3) * level stays below the smallest margin never collapses.
@@ -156,8 +158,8 @@ def _study(block, settings, layer=0):
     samples = np.arange(n_samples)
     for draw in range(settings.n_draws):
         kappa = {t: settings.levels[0] * settings.kappa(t, layer, samples, draw, n_pos, n)
-                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
-        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"])
         counts["collapse"] += int(effects["collapse"].sum())
         counts["strict"] += int(effects["strict"].sum())
         counts["instances"] += int(block.sparse.sum())
@@ -219,7 +221,7 @@ def test_output_change_in_the_heads_frame_equals_the_direct_messages():
                       message_frame(w_o[0]), min_keys=2)
     rng = np.random.default_rng(3)
     kq, kk, km = rng.uniform(-0.2, 0.2, (3, 8, 4)), rng.uniform(-0.2, 0.2, (3, 8, 2)), rng.uniform(-0.2, 0.2, (3, 8, 2))
-    effects = block.perturb(kq, kk, km)
+    effects = block.attention_change(kq, kk, km)
     heads_kv = np.arange(4) // 2
     messages = np.einsum("sjhd,hdm->shjm", v[:, 0][:, :, heads_kv].astype(np.float64), w_o[0].astype(np.float64))
     # Float64 references; each float32 result within what weights off by attention_atol allow (tests/reference.py).
@@ -259,7 +261,7 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     assert np.all(np.where(empty, block.pattern, 0) == 0) and np.isfinite(block.pattern).all()
     rng = np.random.default_rng(4)
     kq, kk = rng.uniform(-0.3, 0.3, (3, 8, 4)), rng.uniform(-0.3, 0.3, (3, 8, 2))
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk) | block.attention_change(kq, kk, np.zeros_like(kk))
     # float64 references (tests/reference.py): each entry within atol, so the total variation over 8 keys within 8 atol
     clean, clean_logit = attention_float64(q, k, valid, **reference)
     noisy, noisy_logit = attention_float64(q * (1 + kq[..., None]), k * (1 + kk[..., None]), valid, **reference)
@@ -340,9 +342,9 @@ def test_theorem_7_differs_from_the_exact_rule_only_by_the_second_order_cross_te
     block = HeadBlock(q[:, 0], k[:, 0], np.ones((1, 2), bool), ScoreTerms(40.0, False), 0.95, min_keys=2)
     kk = np.array([[[-0.05], [0.05]]])  # exact: 0.95 < 0.945 is false -> no collapse
     kq = np.full((1, 2, 1), -0.5)  # first order: 1.0 (0.45) < 0.9 (0.55) = 0.495 -> predicted
-    effects = block.perturb(kq, kk, np.zeros_like(kk))
+    effects = block.perturb(kq, kk)
     assert not effects["collapse"].any() and effects["theory_predicted"].all() and not effects["exact_predicted"].any()
-    assert not block.perturb(np.zeros_like(kq), kk, np.zeros_like(kk))["theory_predicted"].any()
+    assert not block.perturb(np.zeros_like(kq), kk)["theory_predicted"].any()
 
 
 @pytest.mark.parametrize("terms, kq, collapses", [
@@ -358,7 +360,7 @@ def test_the_exact_condition_holds_unless_alibi_or_a_reversed_query_breaks_the_c
     block = HeadBlock(q, k, np.ones((1, 2), bool), terms, 0.95, min_keys=2)
     assert block.sparse[0, 0, 1] and block.winner[0, 0, 1] == 0
     noise = np.zeros((1, 2, 1))
-    effects = block.perturb(noise + kq, noise, noise)
+    effects = block.perturb(noise + kq, noise)
     assert effects["collapse"][0, 0, 1] == collapses and not effects["exact_predicted"].any()
     assert effects["theory_predicted"][0, 0, 1] == collapses  # the first order keeps kq, and follows here
 
@@ -492,9 +494,34 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=6)
     whole = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
     for kernel_bytes in (1, 4 * 8 * 8 * 4 * 4):  # one sample a sub-block; sub-blocks of 4 and 2 samples
-        monkeypatch.setattr(replay_blocks, "KERNEL_BYTES", kernel_bytes)
+        monkeypatch.setattr(attention, "KERNEL_BYTES", kernel_bytes)
         split = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
         _assert_same_replay(whole, split)
+
+
+def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_their_results_alone(tmp_path,
+                                                                                                   monkeypatch):
+    """One clean attention per (layer, block of samples) for both analyses of a call, built inside the
+    replay's tasks (never held between tasks), and each analysis's results identical to those it
+    gives alone."""
+    q, k, v, w_o = random_heads(n_samples=10)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)  # 3 blocks a layer
+    options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
+    alone = {name: run_analyses(ds, only=[name], options=options[name])[name] for name in options}
+    built = []
+    build = attention.CleanAttention.__init__
+
+    def counted(self, *arguments):
+        built.append(1)
+        build(self, *arguments)
+
+    monkeypatch.setattr(attention.CleanAttention, "__init__", counted)
+    together = run_analyses(ds, only=list(options), options={f"{name}.{option}": value for name, given in options.items()
+                                                             for option, value in given.items()})
+    assert len(built) == 2 * 3
+    for name in options:
+        xr.testing.assert_equal(together[name], alone[name])  # every value bit for bit (attrs hold the time of the run)
+    assert alone["replay"]["/"].dataset.tv_distance.max() > 0
 
 
 def _assert_same_replay(whole, split):
@@ -510,6 +537,10 @@ def test_without_resamples_the_interval_is_unknown_and_nan_activations_are_refus
     q, k, v, w_o = random_heads(n_samples=4)
     result = replay(write_store(tmp_path / "a", q=q, k=k, v=v, w_o=w_o), levels=(0.3,), n_draws=2, n_bootstrap=0)
     assert np.isnan(result.collapse_level_ci).all() and not np.isnan(result.collapse_level).any()
+    v[1, 0, 5, 1, 2] = np.inf
+    with pytest.raises(NonFiniteError, match="'v' at layer\\(s\\) \\[0\\] in 1 sample\\(s\\) \\[1\\]"):
+        replay(write_store(tmp_path / "v", q=q, k=k, v=v, w_o=w_o), n_draws=1)
+    v[1, 0, 5, 1, 2] = 0.0
     q[2, 1, 3, 0, 0] = np.nan
     with pytest.raises(NonFiniteError, match="'q' at layer\\(s\\) \\[1\\] in 1 sample\\(s\\) \\[2\\]"):
         replay(write_store(tmp_path / "b", q=q, k=k, v=v, w_o=w_o), n_draws=1)
@@ -573,8 +604,8 @@ def grid_counts(block, settings, samples, layer=0):
     counts = {}
     for draw, (index, level) in itertools.product(range(settings.n_draws), enumerate(settings.levels)):
         kappa = {t: level * settings.kappa(t, layer, samples, draw, block.n_pos, n)
-                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads), ("m", block.n_kv_heads))}
-        effects = block.perturb(kappa["q"], kappa["k"], kappa["m"])
+                 for t, n in (("q", block.n_heads), ("k", block.n_kv_heads))}
+        effects = block.perturb(kappa["q"], kappa["k"])
         measured = effects["collapse"]
         indicators = {"collapse": measured, "strict": effects["strict"]}
         for rule in ("theory", "exact"):
@@ -610,7 +641,7 @@ def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, 
     block = HeadBlock(q, k, valid, terms, 0.8, min_keys=2)
     samples = np.arange(16)
     expected = grid_counts(block, settings, samples)
-    found = replay_blocks.replay_block(q, k, None, valid, None, samples=samples, layer=0, draws=range(6),
+    found = replay_blocks.replay_block(q, k, valid, None, None, samples=samples, layer=0, draws=range(6),
                                        settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}),
                                        terms=terms, n_bins=4)
     assert block.sparse.sum() > 20 and expected["collapse"].sum() > 20
