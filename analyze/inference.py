@@ -187,22 +187,39 @@ class NoiseParts:
 
 
 def noise_parts(effects: list[FactorEffects], signs: np.ndarray, columns: np.ndarray, pairs) -> NoiseParts:
-    """The draws' Gram matrices and coordinates (``NoiseParts``), batch by batch."""
+    """The draws' Gram matrices and coordinates (``NoiseParts``), batch by batch, at a cost per draw that
+    d_model bounds but does not set: a draw's coordinates along `columns` are the same combination of
+    the influences' (``influence_coordinates``: computed once), and its inner products are those of its
+    coordinates in an orthonormal basis of the influences' rows (groups x classes of them, fewer than
+    d_model in a wide model)."""
     n = len(effects)
+    influences, along_once = influence_coordinates(effects, columns)
     gram = [[] for _ in range(n)]
-    along = [[] for _ in range(n)]
     cross = {pair: [] for pair in pairs}
-    columns32 = columns.astype("float32")
     for start in range(0, len(signs), DRAW_BATCH):
         batch = signs[start: start + DRAW_BATCH].astype("float32")
-        drawn = [np.tensordot(batch, factor.influence32, axes=(1, 0)) for factor in effects]
+        drawn = [np.tensordot(batch, influence, axes=(1, 0)) for influence in influences]
         for a, noise in enumerate(drawn):
             gram[a].append(np.matmul(noise, np.swapaxes(noise, -1, -2)).astype("float64"))
-            along[a].append((noise @ columns32).astype("float64"))
         for a, b in pairs:
             cross[a, b].append(np.matmul(drawn[a], np.swapaxes(drawn[b], -1, -2)).astype("float64"))
-    return NoiseParts([np.concatenate(g) for g in gram], [np.concatenate(x) for x in along],
-                      {pair: np.concatenate(c) for pair, c in cross.items()})
+    along = [np.tensordot(signs, once, axes=(1, 0)) for once in along_once]
+    return NoiseParts([np.concatenate(g) for g in gram], along, {pair: np.concatenate(c) for pair, c in cross.items()})
+
+
+def influence_coordinates(effects: list[FactorEffects], columns: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per factor, its influences (groups, k, m) in float32, in an orthonormal basis of every factor's
+    influence rows when those are fewer than d_model (m = their number; else the influences as they are,
+    m = d), and their coordinates along `columns` (groups, k, p) in float64."""
+    d = columns.shape[0]
+    along = [np.tensordot(factor.influence, columns, axes=(2, 0)) for factor in effects]
+    stacked = np.concatenate([factor.influence.reshape(-1, d) for factor in effects])
+    if len(stacked) >= d:
+        return [factor.influence.astype("float32") for factor in effects], along
+    rows = np.linalg.qr(stacked.T)[1].T  # stacked = rows Q': the same inner products
+    sizes = np.cumsum([0] + [factor.influence.shape[0] * factor.influence.shape[1] for factor in effects])
+    return [rows[begin:end].reshape(factor.influence.shape[:2] + (-1,)).astype("float32")
+            for factor, begin, end in zip(effects, sizes[:-1], sizes[1:])], along
 
 
 @dataclass

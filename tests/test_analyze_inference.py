@@ -221,3 +221,22 @@ def test_an_estimate_the_fixed_point_left_outside_its_interval_is_brought_inside
     np.testing.assert_allclose(estimate, [85.8, 85.8, 85.8])
     inside = np.array([40.0, 50.0, 60.0])
     np.testing.assert_array_equal(_within(inside, np.array([[30.0, 45.0], [55.0, 70.0]])), inside)
+
+
+def test_noise_draws_in_the_span_of_the_influences_keep_their_inner_products():
+    """Fewer influence rows than d_model: the draws' Gram matrices, cross products and coordinates along
+    columns equal those of the draws made in d_model (float32 draws against a float64 reference)."""
+    from orthosphere.analyze.design import FactorEffects
+    from orthosphere.analyze.inference import noise_parts, rademacher
+
+    rng = np.random.default_rng(8)
+    effects = [FactorEffects(rng.normal(size=(k, 300)), rng.normal(size=(6, k, 300))) for k in (4, 3)]
+    columns = rng.normal(size=(300, 5))
+    signs = rademacher(rng, 40, 6)
+    parts = noise_parts(effects, signs, columns, [(0, 1)])
+    drawn = [np.tensordot(signs, factor.influence, axes=(1, 0)) for factor in effects]
+    scale = max(np.abs(d @ np.swapaxes(d, -1, -2)).max() for d in drawn)
+    for a, noise in enumerate(drawn):
+        np.testing.assert_allclose(parts.gram[a], noise @ np.swapaxes(noise, -1, -2), atol=1e-5 * scale)
+        np.testing.assert_allclose(parts.along[a], noise @ columns, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(parts.cross[0, 1], drawn[0] @ np.swapaxes(drawn[1], -1, -2), atol=1e-5 * scale)
