@@ -60,6 +60,8 @@ layer, so that the draws keep the correlation of factors read on the same tokens
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,13 +227,18 @@ def influence_coordinates(effects: list[FactorEffects], columns: np.ndarray) -> 
 @dataclass
 class Drawn:
     """The leading subspaces U* of draws T + N around one truth: `scaled` (draws, k, r) maps the rows of
-    T + N to U* (U* = (T + N)' scaled), `coordinates` (draws, k, r) are those rows in U*, (T + N) U*;
-    with the truth's coordinates A = T Y and its noise's N Y."""
+    T + N to U* (U* = (T + N)' scaled); with the truth's coordinates A = T Y and its noise's N Y, and
+    `rows` (a function, called once when needed: most draws never need it) giving the rows' coordinates
+    in U*, (T + N) U* (draws, k, r)."""
 
     scaled: np.ndarray
-    coordinates: np.ndarray
     truth: np.ndarray
     noise: np.ndarray
+    rows: Callable[[], np.ndarray]
+
+    @functools.cached_property
+    def coordinates(self) -> np.ndarray:
+        return self.rows()
 
     def along(self, direction: np.ndarray, noise_along: np.ndarray) -> np.ndarray:
         """(draws, r) U*' v for a vector v with Y-coordinates `direction` and N v = noise_along (draws, k)."""
@@ -272,20 +279,28 @@ def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank
             lower = None
         if lower is not None:
             inverse = np.stack([dtrtri(factor, lower=1)[0] for factor in lower])
-            return Drawn(complement.basis @ np.swapaxes(inverse, -1, -2), complement.basis @ lower, truth, noise)
+            return Drawn(complement.basis @ np.swapaxes(inverse, -1, -2), truth, noise, lambda: complement.basis @ lower)
     mixed = truth @ np.swapaxes(noise, -1, -2)
     total = truth @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + gram
     values, vectors = np.linalg.eigh(total)
     values = np.maximum(values[:, ::-1][:, :rank], np.finfo(float).tiny)
     vectors = vectors[..., ::-1][..., :rank]
-    return Drawn(vectors / np.sqrt(values)[:, None, :], vectors * np.sqrt(values)[:, None, :], truth, noise)
+    return Drawn(vectors / np.sqrt(values)[:, None, :], truth, noise, lambda: vectors * np.sqrt(values)[:, None, :])
 
 
-def drawn_cosines(first: Drawn, second: Drawn, cross: np.ndarray) -> np.ndarray:
-    """(draws, r_a, r_b) U*_a' U*_b of two factors' draws, from N_a N_b' (draws, k_a, k_b)."""
-    mixed = first.truth @ np.swapaxes(second.noise, -1, -2) + first.noise @ second.truth.T
-    rows = first.truth @ second.truth.T + mixed + cross  # (T_a + N_a)(T_b + N_b)'
-    return np.swapaxes(first.scaled, -1, -2) @ rows @ second.scaled
+def cosines_against(fixed: Drawn, other_noise: np.ndarray, cross: np.ndarray) -> Callable[[Drawn], np.ndarray]:
+    """U*_f' U*_o (draws, r_f, r_o) between the draws of a fixed truth of one factor, f, and those of any
+    truth of another, o, whose noise is `other_noise` (N_o Y), from N_f N_o' (draws, k_f, k_o). With
+    (T_f + N_f)(T_o + N_o)' = (A_f + N_f Y) A_o' + A_f (N_o Y)' + N_f N_o', what depends on f's draws alone
+    (U*_f in Y, (A_f + N_f Y)' S_f, and S_f'(A_f (N_o Y)' + N_f N_o')) is computed once, so that each truth of
+    o costs products of (draws, r_f, q) and (draws, r_f, k_o) matrices."""
+    in_span = np.swapaxes(fixed.truth + fixed.noise, -1, -2) @ fixed.scaled
+    constant = np.swapaxes(fixed.scaled, -1, -2) @ (fixed.truth @ np.swapaxes(other_noise, -1, -2) + cross)
+
+    def cosines(other: Drawn) -> np.ndarray:
+        return (np.swapaxes(in_span, -1, -2) @ other.truth.T + constant) @ other.scaled
+
+    return cosines
 
 
 def cosine_angles(cosines: np.ndarray) -> np.ndarray:

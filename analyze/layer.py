@@ -22,8 +22,8 @@ from .inference import (
     basic_interval,
     corrected_radii,
     cosine_angles,
+    cosines_against,
     denoised,
-    drawn_cosines,
     drawn_subspaces,
     noise_parts,
     noise_rank,
@@ -282,14 +282,16 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
     m = len(pair.angles)
     low, high = (1 - settings.confidence) / 2, (1 + settings.confidence) / 2
     moving, fixed = (first, second) if first.draw_cost <= second.draw_cost else (second, first)
+    against_fixed = cosines_against(fixed.at_truth, moving.noise, cross if fixed is first else np.swapaxes(cross, -1, -2))
     drawn_angles = {}
 
     def draw(target):
         """(draws, Drawn first, Drawn second, cosines) around the truths turned to `target`."""
         drawn_moving = moving.drawn(turned(moving.truth_y, moving.basis_y, fixed.basis_y, target))
-        drawn_a, drawn_b = (drawn_moving, fixed.at_truth) if moving is first else (fixed.at_truth, drawn_moving)
-        cosines = drawn_cosines(drawn_a, drawn_b, cross)
-        return cosine_angles(cosines), drawn_a, drawn_b, cosines
+        cosines = against_fixed(drawn_moving)
+        if fixed is first:
+            return cosine_angles(cosines), fixed.at_truth, drawn_moving, cosines
+        return cosine_angles(cosines), drawn_moving, fixed.at_truth, np.swapaxes(cosines, -1, -2)
 
     def angles_at(target):
         key = tuple(np.round(target, 6))

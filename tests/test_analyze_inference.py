@@ -15,6 +15,7 @@ from orthosphere.analyze.inference import (
     Complement,
     FamilySearch,
     benjamini_hochberg,
+    cosines_against,
     denoised,
     drawn_subspaces,
     noise_rank,
@@ -192,6 +193,24 @@ def test_draws_that_keep_every_direction_are_the_eigen_decompositions_subspaces(
     np.testing.assert_allclose(projector, slow.scaled @ np.swapaxes(slow.scaled, -1, -2), atol=1e-10)
     coordinates = fast.coordinates @ np.swapaxes(fast.coordinates, -1, -2)
     np.testing.assert_allclose(coordinates, slow.coordinates @ np.swapaxes(slow.coordinates, -1, -2), atol=1e-9)
+
+
+def test_cosines_against_a_fixed_factors_draws_are_those_of_the_subspaces_in_d_model():
+    """U*_a' U*_b from the draws' Gram pieces equals the product of the two re-estimated bases built in d_model."""
+    rng = np.random.default_rng(9)
+    d, n = 15, 20
+    span = np.linalg.qr(rng.normal(size=(d, 6)))[0]  # Y
+    truths = [rng.normal(size=(k, 6)) @ span.T for k in (5, 4)]  # T in the span
+    noises = [rng.normal(size=(n, k, d)) for k in (5, 4)]
+    drawn = [drawn_subspaces(t @ span, z @ np.swapaxes(z, -1, -2), z @ span, r)
+             for t, z, r in zip(truths, noises, (3, 2))]
+    cross = noises[0] @ np.swapaxes(noises[1], -1, -2)
+    bases = [np.swapaxes(t + z, -1, -2) @ x.scaled for t, z, x in zip(truths, noises, drawn)]  # U* (n, d, r)
+    np.testing.assert_allclose(np.swapaxes(bases[0], -1, -2) @ bases[0], np.broadcast_to(np.eye(3), (n, 3, 3)), atol=1e-10)
+    expected = np.swapaxes(bases[0], -1, -2) @ bases[1]
+    np.testing.assert_allclose(cosines_against(drawn[0], noises[1] @ span, cross)(drawn[1]), expected, atol=1e-10)
+    np.testing.assert_allclose(cosines_against(drawn[1], noises[0] @ span, np.swapaxes(cross, -1, -2))(drawn[0]),
+                               np.swapaxes(expected, -1, -2), atol=1e-10)
 
 
 def test_benjamini_hochberg_is_scipys_on_the_finite_entries():
