@@ -154,13 +154,13 @@ def noise_rank(weighted: np.ndarray, gram: np.ndarray, along: np.ndarray, signif
     V the right singular vectors of `weighted` (at least `limit` of them). The rank is the first step
     whose singular value does not stand above the noise's, found by bisection: a step that fails is
     followed by failing ones (the singular values fall faster than the deflated noise's edge)."""
-    left, singular, _ = np.linalg.svd(weighted, full_matrices=False)
+    left, singular, _ = np.linalg.svd(weighted)
     thresholds = np.full(limit, np.nan)
 
     def stands_above(step: int) -> bool:
-        kept = np.eye(len(left)) - left[:, :step] @ left[:, :step].T
+        kept = left[:, step:]  # the class directions left once the leading ones are projected out
         rest = gram - along[..., :step] @ np.swapaxes(along[..., :step], -1, -2)
-        top = np.linalg.eigvalsh(kept @ rest @ kept)[:, -1]
+        top = np.linalg.eigvalsh(kept.T @ rest @ kept)[:, -1]
         thresholds[step] = np.sqrt(max(np.quantile(top, 1 - significance), 0.0))
         return singular[step] > max(thresholds[step], NUMERICAL_ZERO * singular[0])
 
