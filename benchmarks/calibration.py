@@ -98,7 +98,8 @@ COLUMNS = {
     "ranks": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_bias", "max_bias", "called_orthogonal",
               "called_dependent", "called_independent", "called_undetermined"),
     "design": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "called_independent"),
-    "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "radius_cv_coverage", "radius_cv_below", "radius_cv_above"),
+    "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "sphere_on_p05", "sphere_off_p05", "radius_cv_coverage",
+                "radius_cv_below", "radius_cv_above"),
 }
 
 

@@ -227,6 +227,8 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
         scores["sphere_wrong"] = float(np.mean(sphere == ("off sphere" if cell.sphere == "on" else "on sphere")))
         low, high = spheres["radius_cv_ci"].sel(factor=a).values.T
         scores["radius_cv_coverage"] = float(np.mean((low - 1e-9 <= planted.radius_cv) & (planted.radius_cv <= high + 1e-9)))
+        claim_p = spheres["sphere_claim_p"].sel(factor=a).values
+        scores["sphere_on_p05"], scores["sphere_off_p05"] = np.mean(claim_p <= significance, axis=0).tolist()
         scores["radius_cv_below"] = float(np.mean(planted.radius_cv < low - 1e-9))
         scores["radius_cv_above"] = float(np.mean(planted.radius_cv > high + 1e-9))
     return scores
