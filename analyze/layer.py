@@ -14,6 +14,7 @@ from .inference import (
     ANGLE_TOLERANCE,
     CLAIMS,
     CV_TOLERANCE,
+    GAP_QUANTILE,
     AngleFamilies,
     Complement,
     Drawn,
@@ -25,6 +26,7 @@ from .inference import (
     cosines_against,
     denoised,
     drawn_subspaces,
+    interval_levels,
     noise_parts,
     noise_rank,
     span_basis,
@@ -51,6 +53,10 @@ class DrawSettings:
     orthogonal_deg: float  # the boundary of "orthogonal": every angle above it
     dependent_deg: float  # the boundary of "dependent": the smallest angle below it
     radius_cv_tolerance: float
+
+    @property
+    def n_groups(self) -> int:
+        return self.draws.shape[1]
 
 
 @dataclass
@@ -280,7 +286,7 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
     truth serve every truth of the pair."""
     pair = PairFit(principal_angles(first.fit.basis, second.fit.basis))
     m = len(pair.angles)
-    low, high = (1 - settings.confidence) / 2, (1 + settings.confidence) / 2
+    low, high = interval_levels(settings.confidence, settings.n_groups)
     moving, fixed = (first, second) if first.draw_cost <= second.draw_cost else (second, first)
     against_fixed = cosines_against(fixed.at_truth, moving.noise, cross if fixed is first else np.swapaxes(cross, -1, -2))
     drawn_angles = {}
@@ -312,7 +318,8 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
              for family in ("smallest", "equal")}  # the claims' boundaries, drawn first
     if m > 1:
         spread = families.estimate[-1] - families.estimate[0]
-        families = replace(families, gap=search.crossing("spread", 0, 0.5, pair.angles[-1] - pair.angles[0], spread))
+        measured = pair.angles[-1] - pair.angles[0]
+        families = replace(families, gap=search.crossing("spread", 0, GAP_QUANTILE, measured, spread))
     for index, (lower, upper) in enumerate((("from-smallest", "equal"), ("equal", "from-largest"))):
         column = -index
         angle = pair.angles[column]
@@ -423,9 +430,9 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     search = FamilySearch(draw, 0.0, max(4 * fit.radius_cv, 4 * spread, 4 * settings.radius_cv_tolerance), CV_TOLERANCE)
     fitted = search.at("spread", spread)
     guess_low, guess_high = basic_interval(fit.radius_cv, fitted, settings.confidence)
-    fit.radius_cv_ci = np.array([
-        search.crossing("spread", None, (1 + settings.confidence) / 2, fit.radius_cv, guess_low),
-        search.crossing("spread", None, (1 - settings.confidence) / 2, fit.radius_cv, guess_high)])
+    low, high = interval_levels(settings.confidence, settings.n_groups)
+    fit.radius_cv_ci = np.array([search.crossing("spread", None, high, fit.radius_cv, guess_low),
+                                 search.crossing("spread", None, low, fit.radius_cv, guess_high)])
     fit.radius_cv_estimate = max(2 * fit.radius_cv - float(np.median(fitted)), 0.0)  # less the draws' median bias
     at_tolerance = search.at("spread", settings.radius_cv_tolerance)
     fit.sphere_p = np.array([tail_p(at_tolerance, fit.radius_cv, upper=False), tail_p(at_tolerance, fit.radius_cv, upper=True)])

@@ -18,6 +18,7 @@ from orthosphere.analyze.inference import (
     cosines_against,
     denoised,
     drawn_subspaces,
+    interval_levels,
     noise_rank,
     tail_p,
     turned,
@@ -259,3 +260,10 @@ def test_noise_draws_in_the_span_of_the_influences_keep_their_inner_products():
         np.testing.assert_allclose(parts.gram[a], noise @ np.swapaxes(noise, -1, -2), atol=1e-5 * scale)
         np.testing.assert_allclose(parts.along[a], noise @ columns, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(parts.cross[0, 1], drawn[0] @ np.swapaxes(drawn[1], -1, -2), atol=1e-5 * scale)
+
+
+def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_freedom():
+    low, high = interval_levels(0.9, 32)
+    assert low == pytest.approx(norm.cdf(-1.6955), abs=2e-5) and high == pytest.approx(1 - low)
+    assert interval_levels(0.9, 10_000)[0] == pytest.approx(0.05, abs=1e-4)  # many groups: the draws' own quantiles
+    assert interval_levels(0.9, 2)[0] < 1e-6  # two groups hardly estimate the noise's variance
