@@ -235,6 +235,11 @@ class _Source:
         return self.drawn(self.truth_y)
 
     @functools.cached_property
+    def noise_only(self) -> Drawn:
+        """The draws around no truth at all (shared by the null angles against every other factor)."""
+        return self.drawn(np.zeros_like(self.truth_y))
+
+    @functools.cached_property
     def truth_y(self) -> np.ndarray:
         return self.truth @ self.span
 
@@ -271,9 +276,8 @@ class _Source:
 def _null_angles(source: _Source, other_basis: np.ndarray, span: np.ndarray, settings: DrawSettings):
     """Median and central 1 - significance interval of the angles between the factor's noise-only
     subspaces (its rank) and the other factor's fitted one: what chance gives."""
-    drawn = source.drawn(np.zeros_like(source.truth_y))
     coordinates = span.T @ other_basis
-    cosines = np.swapaxes(drawn.scaled, -1, -2) @ (source.noise @ coordinates)
+    cosines = np.swapaxes(source.noise_only.scaled, -1, -2) @ (source.noise @ coordinates)
     angles = cosine_angles(cosines)
     tails = [settings.significance / 2, 1 - settings.significance / 2]
     return np.median(angles, axis=0), np.moveaxis(np.quantile(angles, tails, axis=0), 0, -1)
