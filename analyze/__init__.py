@@ -145,7 +145,8 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
   radius_cv_estimate, radius_cv_ci (layer, factor[, bound])   corrected for the noise's bias, interval
   sphere_null_p (layer, factor)          p-value of "exactly on a sphere"
   sphere_claim_p, sphere_claim_q (layer, factor, sphere_claim)   the claims radius_cv below / above
-                                         radius_cv_tolerance, and adjusted (Benjamini-Hochberg)
+                                         radius_cv_tolerance; q: the claim on the side of the measurement
+                                         adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
   sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
   class_radius (layer, factor, class_index)
   cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   rms of

@@ -43,7 +43,6 @@ residual to correct; ``factors.discover_classes`` pools such classes before the 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,11 +224,6 @@ class FactorEffects:
 
     weighted: np.ndarray
     influence: np.ndarray
-
-    @functools.cached_property
-    def influence32(self) -> np.ndarray:
-        """The influences in float32, converted once for every draw (a draw needs no more precision)."""
-        return self.influence.astype("float32")
 
 
 @dataclass

@@ -18,19 +18,28 @@ layer, so that the draws keep the correlation of factors read on the same tokens
 - **Draws of subspaces around a truth**: a truth T (class x d, in the span Y of the fitted bases)
   plus a noise draw, and the leading subspace of T + N re-estimated as the fit estimates it. Only
   Gram matrices are needed: (T + N)(T + N)' = AA' + A(NY)' + (NY)A' + NN' with A = TY, so each draw
-  costs its noise's Gram matrices once, and each truth a (class x class) eigen-decomposition.
+  costs its noise's Gram matrices once, and each truth a (class x class) eigen-decomposition (a
+  Cholesky factor when the factor keeps every direction), whatever d_model.
 - **Truths** to draw around: the fitted effects with each leading singular value shrunk to what
   it would be without the noise (``denoised``), so that draws around them are as noisy as the fit.
 - **Angles**: noise biases principal angles (towards 90 degrees for the noise it adds to each
   direction, towards 0 when it tilts the two estimates together, and each sorted angle by the
   others near it), so the intervals of the smallest and the largest angle come from inverting
-  draws (Neyman's construction): the denoised effects are turned (``boundary_turns``) to truths
-  whose principal angles are those of a *least favourable* family, and the bound is the truth at
-  which the draws' (1 + confidence) / 2 or (1 - confidence) / 2 quantile reaches the measured angle
-  (found by a few secant steps from the basic bootstrap interval: ``FamilySearch``). The families (``least_favourable``) are the configurations
-  that push the drawn angle furthest the way the bound needs, so the interval covers whatever
-  the other angles are (exactly when the subspaces meet in one angle, conservatively on one side
-  otherwise). The estimate is the mean of the two families' median-unbiased truths.
+  draws (Neyman's construction): one factor's denoised effects are turned (``turned``) to truths
+  at other principal angles, and a bound is the truth at which the draws' (1 + confidence) / 2 or
+  (1 - confidence) / 2 quantile reaches the measured angle (found by a few secant steps from the
+  basic bootstrap interval: ``FamilySearch``). The other angles are nuisances that pull the drawn
+  one (``AngleFamilies``): for the inner bounds (the smallest angle's upper, the largest's lower)
+  they sit at the bounded angle ("equal", the configuration that pulls most, which is also how
+  sorted estimates of equal angles behave); for the outer bounds (the smallest's lower, the
+  largest's upper) at a spread between the largest and smallest angle estimated from the draws
+  (an upper estimate: ``GAP_QUANTILE``), in the shape of the estimate ("from-smallest",
+  "from-largest"). Taking every nuisance at its least favourable value instead would cover at
+  about 95 % for a stated 90 % (one bound exact, the other conservative); these cover within a few
+  points of the stated confidence (``benchmarks/calibration.py``). The bounds are read at the
+  draws' quantiles of a t reference with groups - 1 degrees of freedom (``interval_levels``). The
+  estimate is the truth whose draws' medians are the measured angles (a fixed point, kept inside
+  the intervals).
 - **Claims** about a pair, tested on the smallest angle at the least favourable configuration of
   their nulls' boundaries: "orthogonal" (every angle within ``orthogonality_deg`` of 90: H0 smallest
   <= 90 - tol, drawn at (90 - tol, 90, ...)), "dependent" (a shared direction: H0 smallest >=
@@ -53,11 +62,14 @@ layer, so that the draws keep the correlation of factors read on the same tokens
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg import solve_triangular
+from scipy.linalg.lapack import dtrtri
 from scipy.stats import norm
+from scipy.stats import t as student_t
 
 from .design import FactorEffects, NoiseTraces
 from .geometry import column_space
@@ -68,6 +80,12 @@ ANGLE_TOLERANCE = 0.25
 """Degrees within which a bound of an angle is settled (``FamilySearch``)."""
 CV_TOLERANCE = 0.002
 """Within this a bound of a radius spread is settled (``FamilySearch``)."""
+GAP_QUANTILE = 0.25
+"""The outer bounds of the angles take the other angles at the spread whose draws' GAP_QUANTILE quantile
+is the measured spread (``AngleFamilies``): an upper estimate, leaning towards the least favourable
+side, because a spread estimated too small costs those bounds more than one too large does (at a
+median-unbiased spread a planted (80, 90) pair's smallest angle fell below its interval in 10 % of
+layers instead of 5 %)."""
 NUMERICAL_ZERO = 1e-6
 """Singular values below this share of the largest are rounding, whatever the noise (noiseless data)."""
 TAIL_DRAWS = 5
@@ -145,13 +163,13 @@ def noise_rank(weighted: np.ndarray, gram: np.ndarray, along: np.ndarray, signif
     V the right singular vectors of `weighted` (at least `limit` of them). The rank is the first step
     whose singular value does not stand above the noise's, found by bisection: a step that fails is
     followed by failing ones (the singular values fall faster than the deflated noise's edge)."""
-    left, singular, _ = np.linalg.svd(weighted, full_matrices=False)
+    left, singular, _ = np.linalg.svd(weighted)
     thresholds = np.full(limit, np.nan)
 
     def stands_above(step: int) -> bool:
-        kept = np.eye(len(left)) - left[:, :step] @ left[:, :step].T
+        kept = left[:, step:]  # the class directions left once the leading ones are projected out
         rest = gram - along[..., :step] @ np.swapaxes(along[..., :step], -1, -2)
-        top = np.linalg.eigvalsh(kept @ rest @ kept)[:, -1]
+        top = np.linalg.eigvalsh(kept.T @ rest @ kept)[:, -1]
         thresholds[step] = np.sqrt(max(np.quantile(top, 1 - significance), 0.0))
         return singular[step] > max(thresholds[step], NUMERICAL_ZERO * singular[0])
 
@@ -180,34 +198,56 @@ class NoiseParts:
 
 
 def noise_parts(effects: list[FactorEffects], signs: np.ndarray, columns: np.ndarray, pairs) -> NoiseParts:
-    """The draws' Gram matrices and coordinates (``NoiseParts``), batch by batch."""
+    """The draws' Gram matrices and coordinates (``NoiseParts``), batch by batch, at a cost per draw that
+    d_model bounds but does not set: a draw's coordinates along `columns` are the same combination of
+    the influences' (``influence_coordinates``: computed once), and its inner products are those of its
+    coordinates in an orthonormal basis of the influences' rows (groups x classes of them, fewer than
+    d_model in a wide model)."""
     n = len(effects)
+    influences, along_once = influence_coordinates(effects, columns)
     gram = [[] for _ in range(n)]
-    along = [[] for _ in range(n)]
     cross = {pair: [] for pair in pairs}
-    columns32 = columns.astype("float32")
     for start in range(0, len(signs), DRAW_BATCH):
         batch = signs[start: start + DRAW_BATCH].astype("float32")
-        drawn = [np.tensordot(batch, factor.influence32, axes=(1, 0)) for factor in effects]
+        drawn = [np.tensordot(batch, influence, axes=(1, 0)) for influence in influences]
         for a, noise in enumerate(drawn):
             gram[a].append(np.matmul(noise, np.swapaxes(noise, -1, -2)).astype("float64"))
-            along[a].append((noise @ columns32).astype("float64"))
         for a, b in pairs:
             cross[a, b].append(np.matmul(drawn[a], np.swapaxes(drawn[b], -1, -2)).astype("float64"))
-    return NoiseParts([np.concatenate(g) for g in gram], [np.concatenate(x) for x in along],
-                      {pair: np.concatenate(c) for pair, c in cross.items()})
+    along = [np.tensordot(signs, once, axes=(1, 0)) for once in along_once]
+    return NoiseParts([np.concatenate(g) for g in gram], along, {pair: np.concatenate(c) for pair, c in cross.items()})
+
+
+def influence_coordinates(effects: list[FactorEffects], columns: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per factor, its influences (groups, k, m) in float32, in an orthonormal basis of every factor's
+    influence rows when those are fewer than d_model (m = their number; else the influences as they are,
+    m = d), and their coordinates along `columns` (groups, k, p) in float64."""
+    d = columns.shape[0]
+    along = [np.tensordot(factor.influence, columns, axes=(2, 0)) for factor in effects]
+    stacked = np.concatenate([factor.influence.reshape(-1, d) for factor in effects])
+    if len(stacked) >= d:
+        return [factor.influence.astype("float32") for factor in effects], along
+    rows = np.linalg.qr(stacked.T)[1].T  # stacked = rows Q': the same inner products
+    sizes = np.cumsum([0] + [factor.influence.shape[0] * factor.influence.shape[1] for factor in effects])
+    return [rows[begin:end].reshape(factor.influence.shape[:2] + (-1,)).astype("float32")
+            for factor, begin, end in zip(effects, sizes[:-1], sizes[1:])], along
 
 
 @dataclass
 class Drawn:
     """The leading subspaces U* of draws T + N around one truth: `scaled` (draws, k, r) maps the rows of
-    T + N to U* (U* = (T + N)' scaled), `coordinates` (draws, k, r) are those rows in U*, (T + N) U*;
-    with the truth's coordinates A = T Y and its noise's N Y."""
+    T + N to U* (U* = (T + N)' scaled); with the truth's coordinates A = T Y and its noise's N Y, and
+    `rows` (a function, called once when needed: most draws never need it) giving the rows' coordinates
+    in U*, (T + N) U* (draws, k, r)."""
 
     scaled: np.ndarray
-    coordinates: np.ndarray
     truth: np.ndarray
     noise: np.ndarray
+    rows: Callable[[], np.ndarray]
+
+    @functools.cached_property
+    def coordinates(self) -> np.ndarray:
+        return self.rows()
 
     def along(self, direction: np.ndarray, noise_along: np.ndarray) -> np.ndarray:
         """(draws, r) U*' v for a vector v with Y-coordinates `direction` and N v = noise_along (draws, k)."""
@@ -215,35 +255,61 @@ class Drawn:
         return np.einsum("nkr,nk->nr", self.scaled, rows)
 
 
+@dataclass
+class Complement:
+    """What the draws of a factor that keeps every direction of its centred effects (rank k - 1) need: an
+    orthonormal basis Q (k, k - 1) of the rows' space (orthogonal to sqrt(counts)) and its noise draws in
+    it, Q'NN'Q (draws, k - 1, k - 1) and Q'NY (draws, k - 1, q)."""
+
+    basis: np.ndarray
+    gram: np.ndarray
+    noise: np.ndarray
+
+    @classmethod
+    def of(cls, counts: np.ndarray, gram: np.ndarray, noise: np.ndarray) -> Complement:
+        root = np.sqrt(counts)[:, None]
+        basis = np.linalg.svd(np.eye(len(root)) - (root @ root.T) / counts.sum())[0][:, : len(counts) - 1]
+        return cls(basis, basis.T @ gram @ basis, basis.T @ noise)
+
+
 def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank: int,
-                    complement: np.ndarray | None = None) -> Drawn:
+                    complement: Complement | None = None) -> Drawn:
     """The leading `rank` subspaces of the draws T + N around a truth with Y-coordinates `truth` (k, q),
-    from the draws' Gram N N' (draws, k, k) and N Y (draws, k, q). With `complement` (k, k - 1: an
-    orthonormal basis of the centred rows' space), a rank of k - 1 keeps every direction of T + N,
-    whose basis then comes from a Cholesky factor instead of an eigen-decomposition (5x cheaper)."""
+    from the draws' Gram N N' (draws, k, k) and N Y (draws, k, q). With `complement` (a rank of k - 1),
+    T + N keeps every direction of its rows' space: its basis comes from a Cholesky factor of
+    Q'(T + N)(T + N)'Q = L L' (U* = (T + N)'Q L^-T, its rows' coordinates (T + N) U* = Q L) instead of an
+    eigen-decomposition, several times cheaper."""
+    if complement is not None:
+        rows = complement.basis.T @ truth
+        mixed = rows @ np.swapaxes(complement.noise, -1, -2)
+        try:
+            lower = np.linalg.cholesky(rows @ rows.T + mixed + np.swapaxes(mixed, -1, -2) + complement.gram)
+        except np.linalg.LinAlgError:  # some draw spans fewer directions (little noise, d < k - 1)
+            lower = None
+        if lower is not None:
+            inverse = np.stack([dtrtri(factor, lower=1)[0] for factor in lower])
+            return Drawn(complement.basis @ np.swapaxes(inverse, -1, -2), truth, noise, lambda: complement.basis @ lower)
     mixed = truth @ np.swapaxes(noise, -1, -2)
     total = truth @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + gram
-    if complement is not None and rank == complement.shape[1]:
-        try:
-            factor = np.linalg.cholesky(complement.T @ total @ complement)
-        except np.linalg.LinAlgError:  # some draw spans fewer directions (little noise, d < k - 1)
-            factor = None
-        if factor is not None:
-            identity = np.eye(rank)
-            inverse = np.stack([solve_triangular(lower, identity, lower=True) for lower in factor])
-            scaled = complement @ np.swapaxes(inverse, -1, -2)  # U* = (T + N)' Q L^-T: orthonormal
-            return Drawn(scaled, total @ scaled, truth, noise)
     values, vectors = np.linalg.eigh(total)
     values = np.maximum(values[:, ::-1][:, :rank], np.finfo(float).tiny)
     vectors = vectors[..., ::-1][..., :rank]
-    return Drawn(vectors / np.sqrt(values)[:, None, :], vectors * np.sqrt(values)[:, None, :], truth, noise)
+    return Drawn(vectors / np.sqrt(values)[:, None, :], truth, noise, lambda: vectors * np.sqrt(values)[:, None, :])
 
 
-def drawn_cosines(first: Drawn, second: Drawn, cross: np.ndarray) -> np.ndarray:
-    """(draws, r_a, r_b) U*_a' U*_b of two factors' draws, from N_a N_b' (draws, k_a, k_b)."""
-    mixed = first.truth @ np.swapaxes(second.noise, -1, -2) + first.noise @ second.truth.T
-    rows = first.truth @ second.truth.T + mixed + cross  # (T_a + N_a)(T_b + N_b)'
-    return np.swapaxes(first.scaled, -1, -2) @ rows @ second.scaled
+def cosines_against(fixed: Drawn, other_noise: np.ndarray, cross: np.ndarray) -> Callable[[Drawn], np.ndarray]:
+    """U*_f' U*_o (draws, r_f, r_o) between the draws of a fixed truth of one factor, f, and those of any
+    truth of another, o, whose noise is `other_noise` (N_o Y), from N_f N_o' (draws, k_f, k_o). With
+    (T_f + N_f)(T_o + N_o)' = (A_f + N_f Y) A_o' + A_f (N_o Y)' + N_f N_o', what depends on f's draws alone
+    (U*_f in Y, (A_f + N_f Y)' S_f, and S_f'(A_f (N_o Y)' + N_f N_o')) is computed once, so that each truth of
+    o costs products of (draws, r_f, q) and (draws, r_f, k_o) matrices."""
+    in_span = np.swapaxes(fixed.truth + fixed.noise, -1, -2) @ fixed.scaled
+    constant = np.swapaxes(fixed.scaled, -1, -2) @ (fixed.truth @ np.swapaxes(other_noise, -1, -2) + cross)
+
+    def cosines(other: Drawn) -> np.ndarray:
+        return (np.swapaxes(in_span, -1, -2) @ other.truth.T + constant) @ other.scaled
+
+    return cosines
 
 
 def cosine_angles(cosines: np.ndarray) -> np.ndarray:
@@ -275,41 +341,72 @@ def denoised(weighted: np.ndarray, rank: int, gram: np.ndarray, along: np.ndarra
     return (left * np.sqrt(np.maximum(shrunk, 0.0))) @ right_t
 
 
-def boundary_turns(first: np.ndarray, second: np.ndarray, basis_first: np.ndarray, basis_second: np.ndarray,
-                   target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of two effect matrices (k, d) turned so that the principal angles between the bases'
-    spans become `target` (degrees, one per angle, ascending): each pair of principal vectors p_i, q_i
-    is rotated symmetrically about its bisector, in its own plane (the planes of different pairs are
-    orthogonal), p_i's rotation applied to `first` and the opposite one to `second`."""
-    left, cosines, right_t = np.linalg.svd(basis_first.T @ basis_second)
+def turned(rows: np.ndarray, basis: np.ndarray, other: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """A factor's effect rows (k, d) turned so that the principal angles between their span (`basis`,
+    (d, r)) and another factor's (`other`, fixed) become `target` (degrees, ascending, one per angle):
+    each principal vector p_i of `basis` turns in the plane of p_i and its partner q_i, from q_i
+    towards e_i (the part of p_i orthogonal to q_i); the planes of different angles are orthogonal
+    and the factor's other directions (orthogonal to the other's span) stay. A rotation: the rows keep
+    their singular values. Turning one factor of a pair leaves the other's draws the same for every
+    truth of the pair (``layer._pair``)."""
+    left, cosines, right_t = np.linalg.svd(basis.T @ other)
     m = len(cosines)
-    p, q = basis_first @ left[:, :m], basis_second @ right_t[:m].T
-    half_now = np.arccos(np.clip(cosines, 0.0, 1.0)) / 2
-    bisector, across = p + q, p - q
-    bisector /= np.linalg.norm(bisector, axis=0)
+    p, q = basis @ left[:, :m], other @ right_t[:m].T
+    now = np.arccos(np.clip(cosines, 0.0, 1.0))
+    across = p - q * cosines
     across /= np.maximum(np.linalg.norm(across, axis=0), np.finfo(float).tiny)
-    turn = np.radians(np.asarray(target)) / 2 - half_now
-    return _rotate(first, bisector, across, turn), _rotate(second, bisector, across, -turn)
-
-
-def _rotate(rows: np.ndarray, first_axis: np.ndarray, second_axis: np.ndarray, turn: np.ndarray) -> np.ndarray:
-    """Rows (k, d) rotated by `turn` (radians, one per plane) in the planes of orthonormal axes
-    (d, m), from the first axis towards the second."""
-    along, across = rows @ first_axis, rows @ second_axis
+    turn = np.radians(np.asarray(target, float)) - now
+    along, away = rows @ q, rows @ across
     cos, sin = np.cos(turn) - 1, np.sin(turn)
-    return rows + (along * cos - across * sin) @ first_axis.T + (along * sin + across * cos) @ second_axis.T
+    return rows + (along * cos - away * sin) @ q.T + (along * sin + away * cos) @ across.T
 
 
-def least_favourable(family: str, value: float, m: int) -> np.ndarray:
-    """The m principal angles (ascending) of a family's truth at `value`: "smallest" (value, 90, ...),
-    under which the drawn smallest angle is largest; "equal" (value, ..., value), under which the
-    drawn smallest angle is smallest and the drawn largest largest; "largest" (0, ..., value),
-    under which the drawn largest angle is smallest."""
-    if family == "smallest":
-        return np.array([value] + [90.0] * (m - 1))
-    if family == "largest":
-        return np.array([0.0] * (m - 1) + [value])
-    return np.full(m, float(value))
+ANGLE_FAMILIES = ("smallest", "equal", "spread", "from-smallest", "from-largest")
+
+
+@dataclass(frozen=True)
+class AngleFamilies:
+    """One-parameter families of truths (m principal angles, ascending) to draw around.
+
+    - "smallest" (v, 90, ...) and "equal" (v, ..., v): the least favourable configurations of the
+      claims' boundaries (under the first the drawn smallest angle is largest, under the second smallest);
+      "equal" is also the family of the inner bounds (the smallest angle's upper, the largest's lower),
+      where the other angles pull the drawn one towards them most;
+    - "spread" (v: the spread between the largest and the smallest angle): the estimate's angles
+      `estimate` moved apart or together about their middle, keeping their `shape` (where each lies
+      between the smallest, 0, and the largest, 1), to find the spread the draws put at the measured
+      one (``GAP_QUANTILE``);
+    - "from-smallest" (v, v + gap * shape) and "from-largest" (v - gap * (1 - shape), v): the outer
+      bounds' families, the other angles at that `gap` from the one bounded.
+    Every truth is clipped to [0, 90]; with one angle every family is (v)."""
+
+    estimate: np.ndarray
+    gap: float = 0.0
+
+    @property
+    def shape(self) -> np.ndarray:
+        m = len(self.estimate)
+        width = self.estimate[-1] - self.estimate[0]
+        if m == 1:
+            return np.zeros(1)
+        return (self.estimate - self.estimate[0]) / width if width > 0 else np.linspace(0.0, 1.0, m)
+
+    def truth(self, family: str, value: float) -> np.ndarray:
+        m, shape = len(self.estimate), self.shape
+        if family == "smallest":
+            angles = np.array([value] + [90.0] * (m - 1))
+        elif family == "equal":
+            angles = np.full(m, float(value))
+        elif family == "spread":
+            middle = (self.estimate[0] + self.estimate[-1]) / 2
+            angles = np.sort(middle + value * (shape - 0.5))
+        elif family == "from-smallest":
+            angles = value + self.gap * shape
+        elif family == "from-largest":
+            angles = value - self.gap * (1 - shape)
+        else:
+            raise ValueError(f"unknown family {family!r}: expected one of {ANGLE_FAMILIES}")
+        return np.clip(angles, 0.0, 90.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,9 +450,11 @@ class FamilySearch:
         return value
 
 
-SEARCH_STEPS = 2
-"""New truths a crossing may draw (``FamilySearch.crossing``): a guess and one secant step, beside
-the truths of the family drawn already (the claims' boundaries are drawn first)."""
+SEARCH_STEPS = 3
+"""New truths a crossing may draw (``FamilySearch.crossing``): a guess and two secant steps, beside
+the truths of the family drawn already (the claims' boundaries are drawn first). With one step fewer,
+bounds at an end of a family (0 or 90 degrees) stay short of it: the lower bound of a planted 0-degree
+angle missed it in 9 % of layers instead of 5 % (about 16 truths a pair against 20)."""
 
 
 def _next_truth(values, quantiles, measured, low, high, tolerance) -> tuple[float, bool]:
@@ -378,6 +477,16 @@ def _next_truth(values, quantiles, measured, low, high, tolerance) -> tuple[floa
     share = (measured - quantiles[i - 1]) / span if span > 0 else 0.5
     value = float(values[i - 1] + share * (values[i] - values[i - 1]))
     return value, bool(min(value - values[i - 1], values[i] - value) <= tolerance)
+
+
+def interval_levels(confidence: float, n_groups: int) -> tuple[float, float]:
+    """The quantile levels of the draws at which an interval's bounds are inverted: those of a t
+    distribution with n_groups - 1 degrees of freedom, read on the normal scale. The draws combine
+    n_groups influences, so the noise's variance they carry is estimated with n_groups - 1 degrees of
+    freedom, which their quantiles alone would ignore (the reference of the CR2 correction: Bell &
+    McCaffrey 2002); with 32 groups a 90 % interval is read at 4.5 % and 95.5 %, 3 % wider."""
+    low = float(norm.cdf(student_t.ppf((1 - confidence) / 2, n_groups - 1)))
+    return low, 1 - low
 
 
 def basic_interval(measured: float, draws: np.ndarray, confidence: float) -> np.ndarray:

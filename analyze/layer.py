@@ -3,7 +3,7 @@ noise draws say of them (``inference``): structure, intervals and claims of each
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -14,22 +14,25 @@ from .inference import (
     ANGLE_TOLERANCE,
     CLAIMS,
     CV_TOLERANCE,
+    GAP_QUANTILE,
+    AngleFamilies,
+    Complement,
     Drawn,
     FamilySearch,
     add_one_share,
     basic_interval,
-    boundary_turns,
     corrected_radii,
     cosine_angles,
+    cosines_against,
     denoised,
-    drawn_cosines,
     drawn_subspaces,
-    least_favourable,
+    interval_levels,
     noise_parts,
     noise_rank,
     span_basis,
     structure_p,
     tail_p,
+    turned,
     weighted_cv,
 )
 
@@ -50,6 +53,10 @@ class DrawSettings:
     orthogonal_deg: float  # the boundary of "orthogonal": every angle above it
     dependent_deg: float  # the boundary of "dependent": the smallest angle below it
     radius_cv_tolerance: float
+
+    @property
+    def n_groups(self) -> int:
+        return self.draws.shape[1]
 
 
 @dataclass
@@ -219,16 +226,40 @@ class _Source:
     mean_noise: np.ndarray  # N mean (draws, k)
 
     def drawn(self, truth: np.ndarray) -> Drawn:
-        return drawn_subspaces(truth @ self.span, self.gram, self.noise, self.fit.rank, self.complement)
+        """The draws around a truth given by its coordinates (k, q) in the span Y."""
+        return drawn_subspaces(truth, self.gram, self.noise, self.fit.rank, self.complement)
 
     @functools.cached_property
-    def complement(self) -> np.ndarray | None:
-        """An orthonormal basis (k, k - 1) of the centred effects' rows (orthogonal to sqrt(counts)), when
-        the factor keeps all k - 1 of their directions (``drawn_subspaces`` then needs no eigen-decomposition)."""
+    def at_truth(self) -> Drawn:
+        """The draws around the factor's own truth (shared by every pair in which it does not turn)."""
+        return self.drawn(self.truth_y)
+
+    @functools.cached_property
+    def noise_only(self) -> Drawn:
+        """The draws around no truth at all (shared by the null angles against every other factor)."""
+        return self.drawn(np.zeros_like(self.truth_y))
+
+    @functools.cached_property
+    def truth_y(self) -> np.ndarray:
+        return self.truth @ self.span
+
+    @functools.cached_property
+    def basis_y(self) -> np.ndarray:
+        return self.span.T @ self.fit.basis
+
+    @property
+    def draw_cost(self) -> float:
+        """What one set of draws costs, relatively: an eigen-decomposition of (k x k) matrices, or a
+        Cholesky factor, about four times cheaper, when the factor keeps every direction."""
+        return len(self.view.counts) ** 3 * (0.25 if self.complement is not None else 1.0)
+
+    @functools.cached_property
+    def complement(self) -> Complement | None:
+        """When the factor keeps all k - 1 directions of its centred effects, what its draws need to go
+        without an eigen-decomposition (``inference.drawn_subspaces``)."""
         if self.fit.rank != len(self.view.counts) - 1:
             return None
-        root = np.sqrt(self.view.counts)[:, None]
-        return np.linalg.svd(np.eye(len(root)) - (root @ root.T) / self.view.counts.sum())[0][:, : self.fit.rank]
+        return Complement.of(self.view.counts, self.gram, self.noise)
 
     def points(self, effects: np.ndarray, basis: np.ndarray) -> np.ndarray:
         """Class points U'(mean + E[c]) (k, r) of weighted effects in an orthonormal basis."""
@@ -245,9 +276,8 @@ class _Source:
 def _null_angles(source: _Source, other_basis: np.ndarray, span: np.ndarray, settings: DrawSettings):
     """Median and central 1 - significance interval of the angles between the factor's noise-only
     subspaces (its rank) and the other factor's fitted one: what chance gives."""
-    drawn = source.drawn(np.zeros_like(source.truth))
     coordinates = span.T @ other_basis
-    cosines = np.swapaxes(drawn.scaled, -1, -2) @ (source.noise @ coordinates)
+    cosines = np.swapaxes(source.noise_only.scaled, -1, -2) @ (source.noise @ coordinates)
     angles = cosine_angles(cosines)
     tails = [settings.significance / 2, 1 - settings.significance / 2]
     return np.median(angles, axis=0), np.moveaxis(np.quantile(angles, tails, axis=0), 0, -1)
@@ -255,50 +285,76 @@ def _null_angles(source: _Source, other_basis: np.ndarray, span: np.ndarray, set
 
 def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.ndarray, settings: DrawSettings) -> PairFit:
     """Angles of a pair with their estimates, the intervals of the smallest and largest, the claims'
-    p-values and the cross term, from draws around turned truths (``inference``)."""
-    basis_a, basis_b = first.fit.basis, second.fit.basis
-    pair = PairFit(principal_angles(basis_a, basis_b))
+    p-values and the cross term, from draws around truths turned to other angles (``inference``).
+    Only one factor of the pair turns (the one whose draws cost less): the other's draws around its
+    truth serve every truth of the pair."""
+    pair = PairFit(principal_angles(first.fit.basis, second.fit.basis))
     m = len(pair.angles)
-    low, high = (1 - settings.confidence) / 2, (1 + settings.confidence) / 2
+    low, high = interval_levels(settings.confidence, settings.n_groups)
+    moving, fixed = (first, second) if first.draw_cost <= second.draw_cost else (second, first)
+    against_fixed = cosines_against(fixed.at_truth, moving.noise, cross if fixed is first else np.swapaxes(cross, -1, -2))
+    drawn_angles = {}
 
     def draw(target):
-        truth_a, truth_b = boundary_turns(first.truth, second.truth, basis_a, basis_b, target)
-        drawn_a, drawn_b = first.drawn(truth_a), second.drawn(truth_b)
-        cosines = drawn_cosines(drawn_a, drawn_b, cross)
-        return cosine_angles(cosines), (drawn_a, drawn_b, cosines)
+        """(draws, Drawn first, Drawn second, cosines) around the truths turned to `target`."""
+        drawn_moving = moving.drawn(turned(moving.truth_y, moving.basis_y, fixed.basis_y, target))
+        cosines = against_fixed(drawn_moving)
+        if fixed is first:
+            return cosine_angles(cosines), fixed.at_truth, drawn_moving, cosines
+        return cosine_angles(cosines), drawn_moving, fixed.at_truth, np.swapaxes(cosines, -1, -2)
 
-    search = FamilySearch(lambda family, value: draw(least_favourable(family, value, m))[0], 0.0, 90.0, ANGLE_TOLERANCE)
-    fitted_angles, fitted = draw(pair.angles)
-    smallest, largest = ("smallest", "largest") if m > 1 else ("equal", "equal")
-    edges = {name: (search.at(family, settings.orthogonal_deg)[:, 0], search.at(family, settings.dependent_deg)[:, 0])
-             for name, family in (("smallest", smallest), ("equal", "equal"))}  # the claims' boundaries, drawn first
-    for index, (lower, upper) in enumerate(((smallest, "equal"), ("equal", largest))):
+    def angles_at(target):
+        key = tuple(np.round(target, 6))
+        if key not in drawn_angles:
+            drawn_angles[key] = draw(target)[0]
+        return drawn_angles[key]
+
+    fitted = draw(pair.angles)
+    drawn_angles[tuple(np.round(pair.angles, 6))] = fitted_angles = fitted[0]
+    families = AngleFamilies(_bias_corrected(pair.angles, pair.angles, fitted_angles))
+
+    def statistic(family, value):
+        angles = angles_at(families.truth(family, value))
+        return angles[:, -1:] - angles[:, :1] if family == "spread" else angles
+
+    search = FamilySearch(statistic, 0.0, 90.0, ANGLE_TOLERANCE)
+    edges = {family: (search.at(family, settings.orthogonal_deg)[:, 0], search.at(family, settings.dependent_deg)[:, 0])
+             for family in ("smallest", "equal")}  # the claims' boundaries, drawn first
+    if m > 1:
+        spread = families.estimate[-1] - families.estimate[0]
+        measured = pair.angles[-1] - pair.angles[0]
+        families = replace(families, gap=search.crossing("spread", 0, GAP_QUANTILE, measured, spread))
+    for index, (lower, upper) in enumerate((("from-smallest", "equal"), ("equal", "from-largest"))):
         column = -index
         angle = pair.angles[column]
         guess_low, guess_high = basic_interval(angle, fitted_angles[:, column], settings.confidence)
         pair.extremes_ci[index] = [search.crossing(lower, column, high, angle, guess_low),
                                    search.crossing(upper, column, low, angle, guess_high)]
-    pair.estimate = _median_unbiased(pair.angles, fitted_angles, lambda target: draw(target)[0], pair.extremes_ci)
+    pair.estimate = _median_unbiased(pair.angles, families.estimate, angles_at, pair.extremes_ci)
     first_angle = pair.angles[0]
     pair.claim_p = np.array([
         tail_p(edges["smallest"][0], first_angle, upper=True),
         tail_p(edges["equal"][1], first_angle, upper=False),
         max(tail_p(edges["equal"][0], first_angle, upper=False), tail_p(edges["smallest"][1], first_angle, upper=True)),
     ])
-    _pair_cross_terms(pair, first, second, fitted, draw(np.full(m, 90.0))[1], contingency, settings)
+    _pair_cross_terms(pair, first, second, fitted[1:], draw(np.full(m, 90.0))[1:], contingency, settings)
     return pair
 
 
-def _median_unbiased(angles: np.ndarray, fitted: np.ndarray, draw, extremes_ci: np.ndarray) -> np.ndarray:
+def _bias_corrected(angles: np.ndarray, truth: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+    """One round of the median-unbiased correction: the truth moved by the measured angles less the
+    median of the angles drawn around it (ascending, within [0, 90])."""
+    return np.sort(np.clip(truth + angles - np.median(drawn, axis=0), 0.0, 90.0))
+
+
+def _median_unbiased(angles: np.ndarray, first_round: np.ndarray, angles_at, extremes_ci: np.ndarray) -> np.ndarray:
     """The principal angles whose draws' medians are the measured ones: the fixed point of
-    c <- c + (measured - median of the angles drawn at c), from c = measured, whose draws are
-    `fitted` (ESTIMATE_ROUNDS rounds, each kept ascending, within [0, 90] and its extremes inside
+    c <- c + (measured - median of the angles drawn at c) from c = measured, whose first round is
+    `first_round` (ESTIMATE_ROUNDS rounds, each kept ascending, within [0, 90] and its extremes inside
     their intervals ``extremes_ci``, so that the next round draws around a truth the data allow)."""
-    estimate, drawn = angles.copy(), fitted
-    for round_ in range(ESTIMATE_ROUNDS):
-        estimate = _within(np.sort(np.clip(estimate + angles - np.median(drawn, axis=0), 0.0, 90.0)), extremes_ci)
-        if round_ < ESTIMATE_ROUNDS - 1:
-            drawn = draw(estimate)
+    estimate = _within(first_round, extremes_ci)
+    for _ in range(ESTIMATE_ROUNDS - 1):
+        estimate = _within(_bias_corrected(angles, estimate, angles_at(estimate)), extremes_ci)
     return estimate
 
 
@@ -372,15 +428,15 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
         moved = directions * (mean_radius + value / spread * (radii - mean_radius))[:, None]
         centre = view.weights @ moved
         mean = view.mean + fit.basis @ (centre - view.mean @ fit.basis)
-        truth = np.sqrt(view.counts)[:, None] * ((moved - centre) @ fit.basis.T)
+        truth = np.sqrt(view.counts)[:, None] * ((moved - centre) @ source.basis_y.T)
         return weighted_cv(corrected_radii(source.drawn_points(source.drawn(truth), mean), variance), view.weights)
 
     search = FamilySearch(draw, 0.0, max(4 * fit.radius_cv, 4 * spread, 4 * settings.radius_cv_tolerance), CV_TOLERANCE)
     fitted = search.at("spread", spread)
     guess_low, guess_high = basic_interval(fit.radius_cv, fitted, settings.confidence)
-    fit.radius_cv_ci = np.array([
-        search.crossing("spread", None, (1 + settings.confidence) / 2, fit.radius_cv, guess_low),
-        search.crossing("spread", None, (1 - settings.confidence) / 2, fit.radius_cv, guess_high)])
+    low, high = interval_levels(settings.confidence, settings.n_groups)
+    fit.radius_cv_ci = np.array([search.crossing("spread", None, high, fit.radius_cv, guess_low),
+                                 search.crossing("spread", None, low, fit.radius_cv, guess_high)])
     fit.radius_cv_estimate = max(2 * fit.radius_cv - float(np.median(fitted)), 0.0)  # less the draws' median bias
     at_tolerance = search.at("spread", settings.radius_cv_tolerance)
     fit.sphere_p = np.array([tail_p(at_tolerance, fit.radius_cv, upper=False), tail_p(at_tolerance, fit.radius_cv, upper=True)])

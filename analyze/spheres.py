@@ -9,9 +9,10 @@ fit's noise draws (``inference``):
 - **radius spread** of each factor: its class points, the orthogonal projections U'(mean + E[c])
   of its class means (within-class noise averaged out, what remains of it taken from the radii
   squared) onto its fitted subspace, and the coefficient of variation of their norms over classes
-  (token-weighted): 0 on a sphere. ``sphere``: "on sphere" when the interval lies below
-  ``radius_cv_tolerance``, "off sphere" when above, after Benjamini-Hochberg's correction over
-  every layer, factor and claim ("undetermined" otherwise, "no structure" without a subspace);
+  (token-weighted): 0 on a sphere. ``sphere``: "on sphere" when the spread is shown below
+  ``radius_cv_tolerance``, "off sphere" when above: the claim on the side of the measurement is
+  tested, after Benjamini-Hochberg's correction over every layer and factor (``directional_q``;
+  "undetermined" otherwise, "no structure" without a subspace);
 - **departure from orthogonality** of each pair: the smallest principal angle of the two fitted
   subspaces, with its noise-corrected estimate and interval (as in ``/subspaces``);
 - **cross term** of each pair: the root mean square of x_a . x_b between the class points of the
@@ -35,8 +36,9 @@ from .registry import Analysis
 from .subspaces import BOUNDS, FactorSubspaces, SubspacesConfig, factor_subspaces
 
 SPHERE_RULE = ("no structure: the factor has rank 0; on sphere / off sphere: the claim that radius_cv is below / above "
-               "radius_cv_tolerance, shown at significance after Benjamini-Hochberg's correction over every layer, "
-               "factor and claim; undetermined: neither; empty without noise draws")
+               "radius_cv_tolerance, the one on the side of the measurement (the smaller p-value), shown at "
+               "significance after Benjamini-Hochberg's correction over every layer and factor; undetermined: "
+               "neither; empty without noise draws")
 
 
 SpheresConfig = SubspacesConfig.optional("SpheresConfig", """The options of ``spheres``: the parameters of the fit
@@ -101,7 +103,7 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
                 per_factor[name][i, a] = getattr(factor, name)
             radius_cv_ci[i, a] = factor.radius_cv_ci
             claim_p[i, a] = factor.sphere_p
-    claim_q = benjamini_hochberg(claim_p)
+    claim_q = directional_q(claim_p)
     rank = np.array([fit.rank for fit in fits], dtype="int64")
     pairs = {name: np.full((n_layers, n_factors, n_factors) + shape, np.nan)
              for name, shape in (("cross_term", ()), ("cross_term_ci", (2,)), ("cross_term_null_ci", (2,)),
@@ -138,6 +140,18 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
     return result
 
 
+def directional_q(claim_p: np.ndarray) -> np.ndarray:
+    """(..., claim) q-values of the claim on the side of each measurement (the smaller p-value of "on" and
+    "off"; the other is NaN: not tested), adjusted by Benjamini-Hochberg over one claim per layer and
+    factor. Each claim's own error rate stays at its level (a claim on the wrong side of the tolerance is
+    chosen only when its p-value is the smaller), so the two claims of a factor count as one test, as a
+    directional decision does; only a radius spread exactly at the tolerance, where both claims are
+    false, could be claimed at up to twice the rate."""
+    tested = np.isfinite(claim_p).all(axis=-1, keepdims=True)
+    chosen = np.arange(claim_p.shape[-1]) == np.argmin(np.where(tested, claim_p, 0.0), axis=-1)[..., None]
+    return benjamini_hochberg(np.where(tested & chosen, claim_p, np.nan))
+
+
 def _verdicts(rank: np.ndarray, claim_q: np.ndarray, significance: float, drawn: bool) -> np.ndarray:
     """(layer, factor) sphere verdicts (see SPHERE_RULE)."""
     shown = claim_q <= significance
@@ -154,7 +168,8 @@ DESCRIPTIONS = {
     "radius_cv_ci": "confidence interval of the radius spread, inverted from draws around truths of scaled spread",
     "sphere_null_p": "p-value of 'exactly on a sphere' (draws around the class points moved onto a sphere)",
     "sphere_claim_p": "p-values of the claims 'on sphere' (radius spread below radius_cv_tolerance) and 'off sphere'",
-    "sphere_claim_q": "sphere_claim_p adjusted for the false-discovery rate over every layer, factor and claim",
+    "sphere_claim_q": "the p-value of the claim on the side of the measurement (the smaller) adjusted for the "
+                      "false-discovery rate over every layer and factor (Benjamini-Hochberg); NaN for the other claim",
     "class_radius": "norm of each class point (classes in the order of attrs classes)",
     "cross_term": "root mean square of x_a . x_b of the class points of two components over the tokens both read, over "
                   "the root of the product of their mean squares: 0 for orthogonal subspaces",

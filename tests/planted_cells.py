@@ -184,7 +184,11 @@ def run(planted: Planted, **options):
 
 
 def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> dict:
-    """Error rates of one cell against its planted truth (shares over the store's layers)."""
+    """Error rates of one cell against its planted truth (shares over the store's layers). An interval's
+    coverage is the share of layers whose interval holds the planted value, with the shares that miss it
+    below (`_below`: the truth under the lower bound) and above; at a planted 90 (0) degrees, or a radius
+    spread of 0, only the upper (lower) bound can miss, so coverage is one-sided there (nominal
+    (1 + confidence) / 2)."""
     cell = planted.cell
     a, b = subspaces["factor"].values
     rank = subspaces["subspace_rank"].sel(factor=a).values
@@ -207,6 +211,7 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
         covered = (low - 1e-9 <= truth) & (truth <= high + 1e-9)
         scores[f"{name}_coverage"] = float(np.mean(covered[exact])) if exact.any() else np.nan
         scores[f"{name}_above"] = float(np.mean((truth > high + 1e-9)[exact])) if exact.any() else np.nan
+        scores[f"{name}_below"] = float(np.mean((truth < low - 1e-9)[exact])) if exact.any() else np.nan
         scores[f"{name}_bias"] = float(np.mean((pair[f"{name}_angle_estimate"].values - truth)[exact])) if exact.any() else np.nan
         scores[f"{name}_raw_bias"] = float(np.mean((pair[f"{name}_angle"].values - truth)[exact])) if exact.any() else np.nan
     relation = pair["relation"].values
@@ -222,6 +227,10 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
         scores["sphere_wrong"] = float(np.mean(sphere == ("off sphere" if cell.sphere == "on" else "on sphere")))
         low, high = spheres["radius_cv_ci"].sel(factor=a).values.T
         scores["radius_cv_coverage"] = float(np.mean((low - 1e-9 <= planted.radius_cv) & (planted.radius_cv <= high + 1e-9)))
+        claim_p = spheres["sphere_claim_p"].sel(factor=a).values
+        scores["sphere_on_p05"], scores["sphere_off_p05"] = np.mean(claim_p <= significance, axis=0).tolist()
+        scores["radius_cv_below"] = float(np.mean(planted.radius_cv < low - 1e-9))
+        scores["radius_cv_above"] = float(np.mean(planted.radius_cv > high + 1e-9))
     return scores
 
 

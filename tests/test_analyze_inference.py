@@ -11,13 +11,17 @@ from scipy.stats import false_discovery_control, norm
 from orthosphere.analyze.design import Counts, Layout, noise_traces, residual_corrections, solve_joint
 from orthosphere.analyze.geometry import principal_angles
 from orthosphere.analyze.inference import (
+    AngleFamilies,
+    Complement,
     FamilySearch,
     benjamini_hochberg,
-    boundary_turns,
+    cosines_against,
     denoised,
-    least_favourable,
+    drawn_subspaces,
+    interval_levels,
     noise_rank,
     tail_p,
+    turned,
 )
 from tests.synthetic import bases_at_angles
 
@@ -126,18 +130,34 @@ def test_denoising_shrinks_singular_values_back_to_the_truth():
     assert abs(np.mean(errors_shrunk)) < 0.05 * s
 
 
-def test_turns_reach_the_target_angles_and_keep_each_factors_singular_values():
+def test_a_turn_reaches_the_target_angles_and_keeps_the_factors_singular_values():
     rng = np.random.default_rng(3)
     basis_a, basis_b = bases_at_angles(12, 3, 2, [30.0, 70.0], rng)
-    first, second = rng.normal(size=(5, 3)) @ basis_a.T, rng.normal(size=(4, 2)) @ basis_b.T
-    for target in ([0.0, 45.0], [10.0, 90.0], [80.0, 89.0], [60.0, 60.0]):
-        turned_a, turned_b = boundary_turns(first, second, basis_a, basis_b, np.array(target))
-        spans = [np.linalg.svd(m, full_matrices=False)[2].T for m in (turned_a, turned_b)]
-        np.testing.assert_allclose(principal_angles(spans[0][:, :3], spans[1][:, :2]), target, atol=1e-6)
-        np.testing.assert_allclose(np.linalg.svd(turned_a, compute_uv=False)[:3], np.linalg.svd(first, compute_uv=False)[:3])
-    assert least_favourable("smallest", 80.0, 3).tolist() == [80.0, 90.0, 90.0]
-    assert least_favourable("equal", 10.0, 2).tolist() == [10.0, 10.0]
-    assert least_favourable("largest", 40.0, 3).tolist() == [0.0, 0.0, 40.0]
+    first = rng.normal(size=(5, 3)) @ basis_a.T
+    for target in ([0.0, 45.0], [10.0, 90.0], [80.0, 89.0], [60.0, 60.0], [30.0, 70.0]):
+        moved = turned(first, basis_a, basis_b, np.array(target))
+        span = np.linalg.svd(moved, full_matrices=False)[2][:3].T
+        np.testing.assert_allclose(principal_angles(span, basis_b), target, atol=1e-6)
+        np.testing.assert_allclose(np.linalg.svd(moved, compute_uv=False)[:3], np.linalg.svd(first, compute_uv=False)[:3])
+    third = basis_a[:, 2]  # a's direction orthogonal to b's span stays where it was
+    np.testing.assert_allclose(turned(first, basis_a, basis_b, np.array([5.0, 50.0])) @ third, first @ third, atol=1e-12)
+
+
+def test_the_families_of_truths():
+    """Claims' boundaries at their least favourable configurations; the outer bounds' families keep the
+    estimate's shape at the gap found; one angle: every family is that angle."""
+    families = AngleFamilies(np.array([40.0, 50.0, 80.0]), gap=20.0)
+    assert families.truth("smallest", 80.0).tolist() == [80.0, 90.0, 90.0]
+    assert families.truth("equal", 10.0).tolist() == [10.0, 10.0, 10.0]
+    np.testing.assert_allclose(families.truth("spread", 40.0), [40.0, 50.0, 80.0])  # through the estimate
+    np.testing.assert_allclose(families.truth("spread", 0.0), [60.0, 60.0, 60.0])
+    np.testing.assert_allclose(families.truth("from-smallest", 30.0), [30.0, 30.0 + 20 / 4, 50.0])
+    np.testing.assert_allclose(families.truth("from-largest", 85.0), [65.0, 70.0, 85.0])
+    np.testing.assert_allclose(families.truth("from-smallest", 80.0), [80.0, 85.0, 90.0])  # within [0, 90]
+    single = AngleFamilies(np.array([33.0]))
+    assert {tuple(single.truth(f, 20.0)) for f in ("smallest", "equal", "from-smallest", "from-largest")} == {(20.0,)}
+    with pytest.raises(ValueError, match="unknown family 'widest'"):
+        families.truth("widest", 1.0)
 
 
 def test_the_family_search_finds_the_crossings_of_a_location_family():
@@ -156,6 +176,42 @@ def test_the_family_search_finds_the_crossings_of_a_location_family():
     assert search.crossing("f", None, 0.05, 50.0, 60.0) == pytest.approx(50.0 - np.quantile(noise, 0.05), abs=0.05)
     assert search.crossing("f", None, 0.95, 1.0, 5.0) == 0.0  # the measurement lies below every truth's draws
     assert search.crossing("f", None, 0.05, 95.0, 80.0) == 90.0
+
+
+def test_draws_that_keep_every_direction_are_the_eigen_decompositions_subspaces():
+    """The Cholesky path (rank k - 1) spans what the eigen-decomposition of (T + N)(T + N)' spans: the same
+    projector S S' = ((T + N)(T + N)')^+ on the class side, rows' coordinates with the same Gram."""
+    rng = np.random.default_rng(7)
+    counts = rng.integers(5, 40, 6).astype(float)
+    root = np.sqrt(counts)[:, None]
+    centring = np.eye(6) - root @ root.T / counts.sum()
+    truth = centring @ rng.normal(size=(6, 9))
+    noise_full = centring @ rng.normal(size=(30, 6, 20))  # 30 draws in d = 20; Y: the first 9 coordinates
+    gram, noise = noise_full @ np.swapaxes(noise_full, -1, -2), noise_full[..., :9]
+    fast = drawn_subspaces(truth, gram, noise, 5, Complement.of(counts, gram, noise))
+    slow = drawn_subspaces(truth, gram, noise, 5)
+    projector = fast.scaled @ np.swapaxes(fast.scaled, -1, -2)
+    np.testing.assert_allclose(projector, slow.scaled @ np.swapaxes(slow.scaled, -1, -2), atol=1e-10)
+    coordinates = fast.coordinates @ np.swapaxes(fast.coordinates, -1, -2)
+    np.testing.assert_allclose(coordinates, slow.coordinates @ np.swapaxes(slow.coordinates, -1, -2), atol=1e-9)
+
+
+def test_cosines_against_a_fixed_factors_draws_are_those_of_the_subspaces_in_d_model():
+    """U*_a' U*_b from the draws' Gram pieces equals the product of the two re-estimated bases built in d_model."""
+    rng = np.random.default_rng(9)
+    d, n = 15, 20
+    span = np.linalg.qr(rng.normal(size=(d, 6)))[0]  # Y
+    truths = [rng.normal(size=(k, 6)) @ span.T for k in (5, 4)]  # T in the span
+    noises = [rng.normal(size=(n, k, d)) for k in (5, 4)]
+    drawn = [drawn_subspaces(t @ span, z @ np.swapaxes(z, -1, -2), z @ span, r)
+             for t, z, r in zip(truths, noises, (3, 2))]
+    cross = noises[0] @ np.swapaxes(noises[1], -1, -2)
+    bases = [np.swapaxes(t + z, -1, -2) @ x.scaled for t, z, x in zip(truths, noises, drawn)]  # U* (n, d, r)
+    np.testing.assert_allclose(np.swapaxes(bases[0], -1, -2) @ bases[0], np.broadcast_to(np.eye(3), (n, 3, 3)), atol=1e-10)
+    expected = np.swapaxes(bases[0], -1, -2) @ bases[1]
+    np.testing.assert_allclose(cosines_against(drawn[0], noises[1] @ span, cross)(drawn[1]), expected, atol=1e-10)
+    np.testing.assert_allclose(cosines_against(drawn[1], noises[0] @ span, np.swapaxes(cross, -1, -2))(drawn[0]),
+                               np.swapaxes(expected, -1, -2), atol=1e-10)
 
 
 def test_benjamini_hochberg_is_scipys_on_the_finite_entries():
@@ -185,3 +241,29 @@ def test_an_estimate_the_fixed_point_left_outside_its_interval_is_brought_inside
     np.testing.assert_allclose(estimate, [85.8, 85.8, 85.8])
     inside = np.array([40.0, 50.0, 60.0])
     np.testing.assert_array_equal(_within(inside, np.array([[30.0, 45.0], [55.0, 70.0]])), inside)
+
+
+def test_noise_draws_in_the_span_of_the_influences_keep_their_inner_products():
+    """Fewer influence rows than d_model: the draws' Gram matrices, cross products and coordinates along
+    columns equal those of the draws made in d_model (float32 draws against a float64 reference)."""
+    from orthosphere.analyze.design import FactorEffects
+    from orthosphere.analyze.inference import noise_parts, rademacher
+
+    rng = np.random.default_rng(8)
+    effects = [FactorEffects(rng.normal(size=(k, 300)), rng.normal(size=(6, k, 300))) for k in (4, 3)]
+    columns = rng.normal(size=(300, 5))
+    signs = rademacher(rng, 40, 6)
+    parts = noise_parts(effects, signs, columns, [(0, 1)])
+    drawn = [np.tensordot(signs, factor.influence, axes=(1, 0)) for factor in effects]
+    scale = max(np.abs(d @ np.swapaxes(d, -1, -2)).max() for d in drawn)
+    for a, noise in enumerate(drawn):
+        np.testing.assert_allclose(parts.gram[a], noise @ np.swapaxes(noise, -1, -2), atol=1e-5 * scale)
+        np.testing.assert_allclose(parts.along[a], noise @ columns, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(parts.cross[0, 1], drawn[0] @ np.swapaxes(drawn[1], -1, -2), atol=1e-5 * scale)
+
+
+def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_freedom():
+    low, high = interval_levels(0.9, 32)
+    assert low == pytest.approx(norm.cdf(-1.6955), abs=2e-5) and high == pytest.approx(1 - low)
+    assert interval_levels(0.9, 10_000)[0] == pytest.approx(0.05, abs=1e-4)  # many groups: the draws' own quantiles
+    assert interval_levels(0.9, 2)[0] < 1e-6  # two groups hardly estimate the noise's variance

@@ -116,3 +116,24 @@ def test_without_noise_draws_the_spheres_hold_their_point_estimates(spheres):
     assert result["sphere"].values.tolist() == [["", ""]]
     np.testing.assert_allclose(result["radius_cv"].sel(factor="alpha"), SPREAD, atol=0.005)
     assert np.isnan(result["radius_cv_ci"].values).all()
+
+
+def test_only_the_claim_on_the_side_of_the_measurement_is_tested_and_corrected():
+    """Per layer and factor the smaller of the two claims' p-values is kept, and Benjamini-Hochberg runs over
+    those alone (one test per layer and factor); a factor without p-values stays untested."""
+    from scipy.stats import false_discovery_control
+
+    from orthosphere.analyze.spheres import directional_q
+
+    rng = np.random.default_rng(0)
+    on = rng.random((5, 3)) ** 4
+    claim_p = np.stack([on, 1 - on / 2], axis=-1)  # "on" the smaller where the measurement lies below
+    claim_p[1, 2] = [0.9, 0.001]
+    claim_p[3, 0] = np.nan
+    q = directional_q(claim_p)
+    kept = np.isfinite(claim_p).all(axis=-1)
+    smaller = claim_p.min(axis=-1)
+    np.testing.assert_allclose(q.min(axis=-1, where=np.isfinite(q), initial=np.inf)[kept],
+                               false_discovery_control(smaller[kept]))
+    assert np.isnan(q[1, 2, 0]) and np.isnan(q[0, 0, 1]) and np.isnan(q[3, 0]).all()
+    assert (np.isfinite(q).sum(axis=-1) == kept).all()  # one tested claim per layer and factor

@@ -37,8 +37,8 @@ def test_labels_that_carry_nothing_find_structure_at_the_nominal_rate(cell, tmp_
 def test_intervals_cover_and_ranks_are_exact_at_moderate_signal(tmp_path):
     found = scored(Cell(d_model=64, n_classes=8, truth="oblique", n_layers=100), tmp_path)
     assert found["rank_exact"] >= 0.9
-    for name in ("min_coverage", "max_coverage"):  # 90 % intervals
-        assert lowest(0.9, 100) <= found[name] <= highest(0.95, 100), name
+    for name in ("min_coverage", "max_coverage"):  # 90 % intervals, covering at 90 % (not conservatively)
+        assert lowest(0.9, 100) <= found[name] <= highest(0.9, 100), name
     assert abs(found["max_bias"]) < abs(found["max_raw_bias"]) / 2  # the noise's bias mostly removed
     assert found["called_orthogonal"] == 0.0 and found["called_dependent"] == 0.0
 
@@ -71,7 +71,8 @@ def test_a_factor_read_on_some_tokens_is_not_biased_by_the_others(tmp_path):
 def test_class_points_on_spheres_and_off_them_are_told_apart(sphere, tmp_path):
     found = scored(Cell(d_model=64, n_classes=8, truth="orthogonal", signal="strong", sphere=sphere, n_layers=60), tmp_path)
     assert found["sphere_right"] >= 0.9 and found["sphere_wrong"] == 0.0
-    assert found["radius_cv_coverage"] >= lowest(0.9, 60)
+    stated = 0.95 if sphere == "on" else 0.9  # a spread of 0 is the end of its range: one-sided there
+    assert lowest(stated, 60) <= found["radius_cv_coverage"] <= highest(stated, 60)
 
 
 @pytest.mark.slow
