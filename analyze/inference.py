@@ -109,6 +109,9 @@ def tail_p(draws: np.ndarray, measured: float, upper: bool) -> float:
     (add-one) when TAIL_DRAWS or more are; beyond the draws' resolution, the tail of a normal
     distribution with the draws' mean and standard deviation, never above that resolution (so that a
     false-discovery correction over many tests can succeed without ever more draws)."""
+    draws = draws[~np.isnan(draws)]  # undefined draws (radii all within noise) say nothing either way
+    if not draws.size:
+        return float("nan")
     extreme = draws >= measured if upper else draws <= measured
     if np.count_nonzero(extreme) >= TAIL_DRAWS:
         return add_one_share(extreme)
@@ -434,13 +437,14 @@ class FamilySearch:
         (of `column`, or the whole draw when None), made non-decreasing in the truth."""
         values = np.array(sorted(value for name, value in self.cache if name == family))
         draws = [self.cache[family, value] for value in values]
-        quantiles = np.array([np.quantile(d if column is None else d[:, column], level) for d in draws])
-        return values, np.maximum.accumulate(quantiles)
+        quantiles = np.array([defined_quantile(d if column is None else d[:, column], level) for d in draws])
+        defined = np.isfinite(quantiles)  # a truth whose draws are all undefined (e.g. radii all within noise)
+        return values[defined], np.maximum.accumulate(quantiles[defined])
 
     def crossing(self, family: str, column, level: float, measured: float, guess: float) -> float:
         """The truth whose draws' `level` quantile is `measured`: linear between the two drawn truths that
         bracket it, the family's end (low or high) when its draws lie beyond (SEARCH_STEPS new truths at most)."""
-        value = guess
+        value = guess if np.isfinite(guess) else (self.low + self.high) / 2
         for _ in range(SEARCH_STEPS):
             self.at(family, value)
             values, quantiles = self.curve(family, column, level)
@@ -491,8 +495,15 @@ def interval_levels(confidence: float, n_groups: int) -> tuple[float, float]:
 
 def basic_interval(measured: float, draws: np.ndarray, confidence: float) -> np.ndarray:
     """The basic bootstrap interval [2m - q_high, 2m - q_low] of draws around the fit."""
-    low, high = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
+    low, high = defined_quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
     return np.array([2 * measured - high, 2 * measured - low])
+
+
+def defined_quantile(draws: np.ndarray, level):
+    """Quantiles of draws, leaving out the undefined ones (NaN: a radius spread whose radii all lie
+    within noise); NaN when none is defined."""
+    draws = draws[~np.isnan(draws)]
+    return np.quantile(draws, level) if draws.size else np.full(np.shape(level), np.nan)
 
 
 def weighted_cv(radii: np.ndarray, weights: np.ndarray) -> np.ndarray:

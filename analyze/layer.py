@@ -24,6 +24,7 @@ from .inference import (
     corrected_radii,
     cosine_angles,
     cosines_against,
+    defined_quantile,
     denoised,
     drawn_subspaces,
     interval_levels,
@@ -418,7 +419,7 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     points = source.points(source.truth, fit.basis)
     radii = np.linalg.norm(points, axis=1)
     spread = float(weighted_cv(radii, view.weights))
-    if not spread > 0:
+    if not (spread > 0 and np.isfinite(fit.radius_cv)):  # no spread, or every corrected radius within noise
         return
     mean_radius = radii @ view.weights
     directions = points / np.maximum(radii, np.finfo(float).tiny)[:, None]
@@ -437,7 +438,7 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     low, high = interval_levels(settings.confidence, settings.n_groups)
     fit.radius_cv_ci = np.array([search.crossing("spread", None, high, fit.radius_cv, guess_low),
                                  search.crossing("spread", None, low, fit.radius_cv, guess_high)])
-    fit.radius_cv_estimate = max(2 * fit.radius_cv - float(np.median(fitted)), 0.0)  # less the draws' median bias
+    fit.radius_cv_estimate = max(2 * fit.radius_cv - float(defined_quantile(fitted, 0.5)), 0.0)  # less the draws' median bias
     at_tolerance = search.at("spread", settings.radius_cv_tolerance)
     fit.sphere_p = np.array([tail_p(at_tolerance, fit.radius_cv, upper=False), tail_p(at_tolerance, fit.radius_cv, upper=True)])
     fit.sphere_null_p = tail_p(search.at("spread", 0.0), fit.radius_cv, upper=True)

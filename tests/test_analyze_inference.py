@@ -14,8 +14,10 @@ from orthosphere.analyze.inference import (
     AngleFamilies,
     Complement,
     FamilySearch,
+    basic_interval,
     benjamini_hochberg,
     cosines_against,
+    defined_quantile,
     denoised,
     drawn_subspaces,
     interval_levels,
@@ -176,6 +178,30 @@ def test_the_family_search_finds_the_crossings_of_a_location_family():
     assert search.crossing("f", None, 0.05, 50.0, 60.0) == pytest.approx(50.0 - np.quantile(noise, 0.05), abs=0.05)
     assert search.crossing("f", None, 0.95, 1.0, 5.0) == 0.0  # the measurement lies below every truth's draws
     assert search.crossing("f", None, 0.05, 95.0, 80.0) == 90.0
+
+
+def test_undefined_draws_are_left_out_of_crossings_intervals_and_p_values():
+    """A radius spread is undefined (NaN) in a draw whose class radii all lie within noise: such draws,
+    and truths with no defined draw, are left out, never read as a truth of NaN (a KeyError before)."""
+    noise = 2.0 * np.random.default_rng(4).normal(size=400)
+
+    def draw(family, value):
+        drawn = value + noise
+        if value >= 60.0:  # a few undefined draws at the family's far truths, none defined at its end
+            drawn[:: 50 if value < 90.0 else 1] = np.nan
+        return drawn
+
+    search = FamilySearch(draw, 0.0, 90.0, 0.05)
+    assert search.crossing("f", None, 0.95, 50.0, float("nan")) == pytest.approx(50.0 - np.quantile(noise, 0.95), abs=0.05)
+    assert search.crossing("f", None, 0.95, 70.0, 80.0) == pytest.approx(70.0 - np.quantile(noise, 0.95), abs=0.2)
+    beyond = search.crossing("f", None, 0.05, 100.0, 85.0)  # towards the end, whose draws are all undefined
+    assert 85.0 <= beyond <= 90.0
+    assert all(np.isfinite(value) for _, value in search.cache)
+    with_undefined = np.append(noise, [np.nan] * 10)
+    assert np.array_equal(basic_interval(1.0, with_undefined, 0.9), basic_interval(1.0, noise, 0.9))
+    assert tail_p(with_undefined, 1.0, upper=True) == tail_p(noise, 1.0, upper=True)
+    assert np.isnan(tail_p(np.full(5, np.nan), 1.0, upper=True))
+    assert np.isnan(defined_quantile(np.full(5, np.nan), 0.5))
 
 
 def test_draws_that_keep_every_direction_are_the_eigen_decompositions_subspaces():
