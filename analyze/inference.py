@@ -448,6 +448,8 @@ class FamilySearch:
         for _ in range(SEARCH_STEPS):
             self.at(family, value)
             values, quantiles = self.curve(family, column, level)
+            if not len(values):  # no truth drawn so far has a defined draw
+                return float("nan")
             value, settled = _next_truth(values, quantiles, measured, self.low, self.high, self.tolerance)
             if settled:
                 return value

@@ -197,6 +197,8 @@ def test_undefined_draws_are_left_out_of_crossings_intervals_and_p_values():
     beyond = search.crossing("f", None, 0.05, 100.0, 85.0)  # towards the end, whose draws are all undefined
     assert 85.0 <= beyond <= 90.0
     assert all(np.isfinite(value) for _, value in search.cache)
+    nowhere = FamilySearch(lambda family, value: np.full(10, np.nan), 0.0, 90.0, 0.05)
+    assert np.isnan(nowhere.crossing("f", None, 0.5, 10.0, 20.0))  # no truth with a defined draw: no bound
     with_undefined = np.append(noise, [np.nan] * 10)
     assert np.array_equal(basic_interval(1.0, with_undefined, 0.9), basic_interval(1.0, noise, 0.9))
     assert tail_p(with_undefined, 1.0, upper=True) == tail_p(noise, 1.0, upper=True)
