@@ -388,18 +388,6 @@ def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array,
     return Discovery(classes, intercepts, strata, cells)
 
 
-def factor_tokens(dataset: xr.Dataset, factor: Factor, mask: da.Array) -> da.Array:
-    """Lazy (sample, pos) mask of the tokens the factor is read on."""
-    names = list(dict.fromkeys(factor.labels))
-    arrays = [label_data(dataset, name, mask) for name in names]
-    missing = missing_value(dataset, factor.label)
-
-    def block(mask_block, *label_blocks):
-        return _selected(factor, mask_block, dict(zip(names, label_blocks)), missing)
-
-    return da.map_blocks(block, mask, *arrays, dtype=bool, meta=np.empty((0, 0), dtype=bool))
-
-
 def _codes(classes: FactorClasses, selected: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """(sample, pos) int32 class code of each selected token (see ``FactorClasses.codes``), else -1."""
     codes = np.full(selected.shape, -1, dtype="int32")

@@ -1,35 +1,7 @@
-"""Linear algebra of subspaces: ranks, leading subspaces, principal angles, head read spaces."""
+"""Linear algebra of subspaces: column spaces, principal angles, head read spaces."""
 from __future__ import annotations
 
 import numpy as np
-
-
-def leading_subspaces(matrices: np.ndarray, rank: int) -> np.ndarray:
-    """Orthonormal bases (..., d, rank) of the leading right singular vectors of matrices (..., k, d),
-    from the eigenvectors of the smaller Gram matrix (computed in the matrices' precision, decomposed
-    in float64): much cheaper than an SVD for the many bootstrap and null draws, and accurate for
-    directions whose singular values stand clear of zero."""
-    k, d = matrices.shape[-2:]
-    if k <= d:
-        values, vectors = np.linalg.eigh((matrices @ np.swapaxes(matrices, -1, -2)).astype("float64"))
-        top = vectors[..., ::-1][..., :rank]
-        norms = np.sqrt(np.maximum(values[..., ::-1][..., None, :rank], np.finfo(float).tiny))
-        return np.swapaxes(matrices, -1, -2) @ (top / norms).astype(matrices.dtype)
-    _, vectors = np.linalg.eigh((np.swapaxes(matrices, -1, -2) @ matrices).astype("float64"))
-    return vectors[..., ::-1][..., :rank]
-
-
-def choose_rank(singular: np.ndarray, n_classes: int, threshold: float, fixed: int | None) -> int:
-    """The fixed rank, or the fewest directions holding `threshold` of the between-class variance;
-    never more than n_classes - 1 (centred means span no more)."""
-    limit = min(n_classes - 1, len(singular))
-    if fixed is not None:
-        return min(fixed, limit)
-    variance = singular[:limit] ** 2
-    if variance.sum() <= 0:
-        return 0
-    explained = np.cumsum(variance) / variance.sum()
-    return int(min(np.searchsorted(explained, threshold - 1e-12) + 1, limit))
 
 
 def column_space(matrix: np.ndarray, tolerance: float = 1e-6) -> np.ndarray:

@@ -572,10 +572,10 @@ DESCRIPTIONS = {
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",
     "min_angle_ci": "confidence interval of the smallest principal angle, inverted from draws around truths at other "
-                    "angles, the other angles equal to it (upper bound) or at their median-unbiased spread from it "
-                    "(lower bound) (inference.AngleFamilies)",
+                    "angles, the other angles equal to it (upper bound) or at an upper estimate of their spread from it "
+                    "(lower bound: inference.GAP_QUANTILE) (inference.AngleFamilies)",
     "max_angle_ci": "confidence interval of the largest principal angle (as min_angle_ci: the other angles equal to it "
-                    "for the lower bound, at their median-unbiased spread for the upper)",
+                    "for the lower bound, at an upper estimate of their spread for the upper)",
     "claim_p": "p-value of each claim (orthogonal, dependent, independent) at its null's boundary, on the smallest angle",
     "claim_q": "claim_p adjusted for the false-discovery rate over every claim of the run (Benjamini-Hochberg)",
     "null_angles": "median angles between the factor's noise-only subspaces (same rank) and the other's fitted one",
