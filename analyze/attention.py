@@ -36,7 +36,7 @@ import xarray as xr
 
 from .blocks import single_block
 from .errors import AnalysisError
-from .inputs import align, as_float32, check_layers, require_site, store_url
+from .inputs import align, as_float32, check_layers, require_site, square_norms, store_url
 
 
 @dataclass(frozen=True)
@@ -368,34 +368,62 @@ def attention_inputs(dataset: xr.Dataset, layer: int) -> list[tuple]:
     return list(zip(*(array.to_delayed(optimize_graph=False).ravel() for array in arrays)))
 
 
-def received_of_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool) -> np.ndarray:
-    """(sample, head, kpos) attention each analysed key of a block receives (``CleanAttention.received``)."""
-    return CleanAttention(q, k, valid, terms, device).received(exclude_start)
+def token_norms(block) -> np.ndarray:
+    """|x| (float32) of each token (and head) of a block of a site (sample, pos, ..., width)."""
+    return np.sqrt(square_norms(as_float32(np.asarray(single_block(block)))))
+
+
+def attention_sums(clean: CleanAttention, received_for: tuple[bool, ...], read: dict) -> dict:
+    """What a block's attention task hands to the norms of its call: "received", the attention each
+    analysed key receives for each value of ``exclude_start`` in `received_for`, and "norms", |x| of
+    each site block in `read` (``token_norms``)."""
+    return {"received": {exclude_start: clean.received(exclude_start) for exclude_start in received_for},
+            "norms": {site: token_norms(block) for site, block in read.items()}}
+
+
+def attention_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool, norm_sites: tuple[str, ...]) -> dict:
+    """The norms' own task for a block when no replay of the call provides it: ``attention_sums`` of
+    its attention, and |x| of q and k for the `norm_sites` among them."""
+    blocks = {"q": q, "k": k}
+    return attention_sums(CleanAttention(q, k, valid, terms, device), (exclude_start,),
+                          {site: blocks[site] for site in norm_sites})
+
+
+SHARED_SITES = ("q", "k", "v")
+"""The sites whose blocks the attention's tasks read (v: the replay's messages), and whose norms they
+hand to the norms of the call (``AttentionShare``)."""
 
 
 class AttentionShare:
-    """One ``analyze`` call's sharing of each block's clean attention: the norms, planned first, wish
-    for the attention each key receives (``wish``); the replay's block tasks, which compute each
-    block's clean attention anyway, compute that too and ``provide`` it; the norms' work, built when
-    its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. One computation
-    of a block's attention per call, inside one task."""
+    """One ``analyze`` call's sharing of the tasks that read a block's q, k and v and compute its clean
+    attention: the norms, planned first, ``wish`` for the attention each key receives and for |x| of
+    the shared sites they summarise; the replay's block tasks, which read those blocks and compute the
+    attention anyway, compute these too (``attention_sums``) and ``provide`` them; the norms' work,
+    built when its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. Each
+    block's attention is computed once a call, and each block of q, k and v has one reader: a second
+    one, which Dask may run long after the first, would hold the block in memory until then (every q
+    block of every layer, on a language model's store)."""
 
     def __init__(self):
-        self.wishes: dict[tuple[int, str], set[bool]] = {}
-        self.providers: dict[tuple[int, str], list] = {}
+        self.wishes: dict[tuple[int, str], tuple[set[bool], set[str]]] = {}
+        self.providers: dict[tuple[int, str], tuple[list, tuple[str, ...]]] = {}
 
-    def wish(self, layer: int, device: str, exclude_start: bool) -> None:
-        self.wishes.setdefault((layer, device), set()).add(exclude_start)
+    def wish(self, layer: int, device: str, exclude_start: bool, norm_sites: tuple[str, ...]) -> None:
+        masks, sites = self.wishes.setdefault((layer, device), (set(), set()))
+        masks.add(exclude_start)
+        sites.update(norm_sites)
 
-    def wished(self, layer: int, device: str) -> tuple[bool, ...]:
-        """The masks (``exclude_start``) whose received attention is wished for at this layer and device."""
-        return tuple(sorted(self.wishes.get((layer, device), ())))
+    def wished(self, layer: int, device: str) -> tuple[tuple[bool, ...], tuple[str, ...]]:
+        """The masks (``exclude_start``) whose received attention, and the sites whose norms, are wished
+        for at this layer and device."""
+        masks, sites = self.wishes.get((layer, device), ((), ()))
+        return tuple(sorted(masks)), tuple(site for site in SHARED_SITES if site in sites)
 
-    def provide(self, layer: int, device: str, tasks: list) -> None:
-        """Per block of samples, a delayed dict whose "received" maps each wished mask to its array."""
-        self.providers[layer, device] = tasks
+    def provide(self, layer: int, device: str, tasks: list, norm_sites: tuple[str, ...]) -> None:
+        """Per block of samples, a delayed ``attention_sums`` dict, holding the norms of `norm_sites`."""
+        self.providers[layer, device] = (tasks, norm_sites)
 
-    def provider(self, layer: int, device: str) -> list | None:
+    def provider(self, layer: int, device: str) -> tuple[list, tuple[str, ...]] | None:
         return self.providers.get((layer, device))
 
 

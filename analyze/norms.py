@@ -24,7 +24,15 @@ import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import ScoreTerms, attention_inputs, attention_share, attention_source, received_of_block
+from .attention import (
+    SHARED_SITES,
+    ScoreTerms,
+    attention_block,
+    attention_inputs,
+    attention_share,
+    attention_source,
+    token_norms,
+)
 from .blocks import sample_block_sums, single_block
 from .description import normalised_by
 from .device import resolve_device
@@ -35,11 +43,9 @@ from .inputs import (
     VECTOR_SITES,
     FiniteCheck,
     align,
-    as_float32,
     check_layers,
     layer_data,
     require_site,
-    square_norms,
     store_url,
     token_mask,
 )
@@ -65,31 +71,44 @@ class NormsConfig(AnalysisConfig):
     device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
 
 
-def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array, exclude_start: bool, device: str = "cpu") -> da.Array:
+def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Array:
     """Lazy (sample, head, kpos) attention each analysed key (`mask`, the analysed tokens) receives from
-    the analysed queries: from the stored pattern, or recomputed from q and k (on `device`, resolved:
-    see device.py) block by block, by the replay's tasks when the replay of the same call provides it
-    (``attention.AttentionShare``), else by tasks of its own that keep no pattern."""
-    if attention_source(dataset) == "pattern":
-        pattern = dataset["pattern"].sel(layer=layer).data
-        return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
-                            dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+    the analysed queries, from the stored pattern."""
+    pattern = dataset["pattern"].sel(layer=layer).data
+    return da.blockwise(_received, "shk", align(mask, pattern), "sq", pattern, "shqk", concatenate=False,
+                        dtype="float32", meta=np.empty((0, 0, 0), dtype="float32"))
+
+
+def attention_tasks(dataset: xr.Dataset, layer: int, exclude_start: bool, device: str,
+                    norm_sites: tuple[str, ...]) -> tuple[list, tuple[str, ...]]:
+    """Per block of samples, the delayed ``attention.attention_sums`` from which the norms read the
+    attention recomputed from q and k (on `device`, resolved: see device.py), and the sites whose |x|
+    it holds: the replay's tasks when the replay of the same call provides them
+    (``attention.AttentionShare``), else tasks of the norms' own, which read q and k and keep no
+    pattern."""
     share = attention_share()
-    provider = None if share is None else share.provider(layer, device)
-    if provider is None:
-        terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
-        blocks = [dask.delayed(received_of_block, pure=True)(*inputs, terms, device, exclude_start)
-                  for inputs in attention_inputs(dataset, layer)]
-    else:
-        blocks = [dask.delayed(_provided, pure=True)(task, exclude_start) for task in provider]
-    shape = (dataset.sizes["head"], dataset.sizes["pos"])
-    samples = dataset["q"].sel(layer=layer).data.chunks[0]
-    return da.concatenate([da.from_delayed(block, (n_samples, *shape), dtype="float32", meta=np.empty((0, 0, 0), "float32"))
-                           for block, n_samples in zip(blocks, samples)])
+    provided = None if share is None else share.provider(layer, device)
+    if provided is not None:
+        return provided
+    terms = ScoreTerms.of_layer(dataset.attrs["model"], layer)
+    own = tuple(site for site in norm_sites if site in ("q", "k"))
+    return [dask.delayed(attention_block, pure=True)(*inputs, terms, device, exclude_start, own)
+            for inputs in attention_inputs(dataset, layer)], own
 
 
-def _provided(sums: dict, exclude_start: bool) -> np.ndarray:
+def from_tasks(tasks: list, pick, shape: tuple[int, ...], samples: tuple[int, ...]) -> da.Array:
+    """Lazy (sample, *shape) float32 array of what `pick` takes from each block's task."""
+    return da.concatenate([da.from_delayed(dask.delayed(pick, pure=True)(task), (n, *shape), dtype="float32",
+                                           meta=np.empty((0,) * (1 + len(shape)), "float32"))
+                           for task, n in zip(tasks, samples)])
+
+
+def _provided_received(sums: dict, exclude_start: bool) -> np.ndarray:
     return sums["received"][exclude_start]
+
+
+def _provided_norms(sums: dict, site: str) -> np.ndarray:
+    return sums["norms"][site]
 
 
 def _received(mask, pattern):
@@ -102,14 +121,10 @@ def _received(mask, pattern):
 def site_norms(data: da.Array) -> da.Array:
     """Lazy |x| (float32) of each token (and head) of one layer of a site (sample, pos, ...): a small
     array, so that each block of the site is let go as soon as it is read, however long its
-    histograms wait for the attention (the replay's tasks, ``attention.AttentionShare``)."""
+    histograms wait for the attention."""
     data = align(data, data)
-    return data.map_blocks(_norms, drop_axis=data.ndim - 1, dtype="float32",
+    return data.map_blocks(token_norms, drop_axis=data.ndim - 1, dtype="float32",
                            meta=np.empty((0,) * (data.ndim - 1), dtype="float32"))
-
-
-def _norms(block: np.ndarray) -> np.ndarray:
-    return np.sqrt(square_norms(as_float32(block)))
 
 
 def _site_histograms(norms, mask, *attention, site_kind, n_heads, n_groups):
@@ -211,21 +226,38 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
     n_heads = dataset.sizes["head"]
     finite = FiniteCheck(dataset)
     attention_reads = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
+    shared_sites = tuple(site for site in SHARED_SITES if site in sites) if source == "q,k" else ()
     share = attention_share() if source == "q,k" else None
     for layer in layers if share is not None else ():
-        share.wish(layer, device, exclude_start)
+        share.wish(layer, device, exclude_start, shared_sites)
+
+    def attention_and_norms(layer: int) -> tuple[tuple, dict]:
+        """The attention each key receives (none without weighting), and the sites' norms that the
+        attention's tasks compute (so that the blocks of q, k, v those tasks read have no other reader)."""
+        if source == "pattern":
+            return (received_attention(dataset, layer, mask),), {}
+        if source is None:
+            return (), {}
+        tasks, provided = attention_tasks(dataset, layer, exclude_start, device, shared_sites)
+        samples = dataset["q"].sel(layer=layer).data.chunks[0]
+        attention = from_tasks(tasks, partial(_provided_received, exclude_start=exclude_start),
+                               (dataset.sizes["head"], dataset.sizes["pos"]), samples)
+        return (attention,), {site: from_tasks(tasks, partial(_provided_norms, site=site),
+                                               layer_data(dataset[site], layer).shape[1:-1], samples)
+                              for site in provided}
 
     def lazy():  # built when the pass computes: the replay of the call may provide the attention (AttentionShare)
         work = {}
         for layer in layers:
-            attention = (received_attention(dataset, layer, mask, exclude_start, device),) if source is not None else ()
+            attention, provided_norms = attention_and_norms(layer)
             for site in sites:
                 kind = site if site in HEAD_SITES else "d_model"
                 group_dim = _group_dim(site, weighted)
                 n_groups = dataset.sizes[group_dim] if group_dim else 1
                 kernel = partial(_site_histograms, site_kind=kind, n_heads=n_heads, n_groups=n_groups)
                 uses_attention = weighted and site != "q"
-                inputs = (site_norms(layer_data(dataset[site], layer)), mask) + (attention if uses_attention else ())
+                norms = provided_norms[site] if site in provided_norms else site_norms(layer_data(dataset[site], layer))
+                inputs = (norms, mask) + (attention if uses_attention else ())
                 work[site, layer] = sample_block_sums(kernel, n_groups * N_SLOTS + 1, *inputs)
                 names = (site,) + (attention_reads if uses_attention else ())
                 finite.reads((site, layer), *((name, layer) for name in names))

@@ -254,8 +254,8 @@ def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
 
 def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     """A delayed dict of one layer's reduced partial sums. In an ``analyze`` call whose norms wish for
-    the attention each key receives, the tasks of the first range of draws compute it too and provide
-    it (``attention.AttentionShare``)."""
+    the attention each key receives and the norms of q, k, v, the tasks of the first range of draws
+    compute those too and provide them (``attention.AttentionShare``)."""
     q = ds["q"].sel(layer=layer)
     chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
     values = _sample_blocks(ds["v"].sel(layer=layer), chunks) if with_messages else [None] * len(chunks)
@@ -265,24 +265,26 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
                    for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
     share = attention_share()
-    wished = () if share is None else share.wished(layer, settings.device)
+    masks, norm_sites = ((), ()) if share is None else share.wished(layer, settings.device)
+    norm_sites = tuple(site for site in norm_sites if site != "v" or with_messages)  # the sites its tasks read
     terms = ScoreTerms.of_layer(model, layer)
     partials = [
         [dask.delayed(replay_block, pure=True)(
             *inputs, values[i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
-            settings=settings, terms=terms, n_bins=n_bins, received_for=wished if draws.start == 0 else ())
+            settings=settings, terms=terms, n_bins=n_bins, received_for=masks if draws.start == 0 else (),
+            norms_for=norm_sites if draws.start == 0 else ())
          for draws in draw_ranges]
         for i, inputs in enumerate(attention_inputs(ds, layer))
     ]
-    if wished:
-        share.provide(layer, settings.device, [ranges[0] for ranges in partials])
+    if masks:
+        share.provide(layer, settings.device, [ranges[0] for ranges in partials], norm_sites)
     return dask.delayed(_combine)(partials, settings.smooth_draws)
 
 
 def _combine(partials: list[list[dict]], smooth_draws: int) -> dict:
     """Partial sums per sample block and draw range -> one layer's."""
     return in_sample_order([_within_samples({name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]
-                                              if name != "received"}, smooth_draws)
+                                              if name not in ("received", "norms")}, smooth_draws)
                              for ranges in partials])
 
 

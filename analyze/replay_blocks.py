@@ -12,7 +12,7 @@ import scipy.sparse
 
 from orthosphere.params import Interval, Items, parameter
 
-from .attention import BlockAttention, CleanAttention, ScoreTerms, ScoreWindow, per_head
+from .attention import BlockAttention, CleanAttention, ScoreTerms, ScoreWindow, attention_sums, per_head
 from .blocks import single_block
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .device import resolve_device
@@ -339,7 +339,8 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
 
 
 def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = ()) -> dict[str, np.ndarray]:
+                 terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = (),
+                 norms_for: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
@@ -347,8 +348,8 @@ def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, se
     so that the partial sums of every range add up. The block's clean attention (``CleanAttention``)
     comes in sub-blocks of samples whose arrays stay in cache: the kernel's passes over them then run
     from cache, not memory; every instance's result is the same either way. With `received_for`
-    (values of ``exclude_start``), "received" maps each to the attention each analysed key receives,
-    for the norms of the same call (``attention.AttentionShare``).
+    (values of ``exclude_start``) and `norms_for` (of q, k, v), what the norms of the same call read
+    from this task (``attention.attention_sums``, ``attention.AttentionShare``).
     """
     clean = CleanAttention(q, k, valid, terms, settings.device)
     v = None if v is None else np.asarray(single_block(v))
@@ -361,8 +362,9 @@ def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, se
             parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
                                            settings=settings, n_bins=n_bins))
     sums = in_sample_order(parts)
-    if received_for:
-        sums["received"] = {exclude_start: clean.received(exclude_start) for exclude_start in received_for}
+    if received_for or norms_for:
+        blocks = {"q": q, "k": k, "v": v}
+        sums.update(attention_sums(clean, received_for, {site: blocks[site] for site in norms_for}))
     return sums
 
 

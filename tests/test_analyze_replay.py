@@ -4,9 +4,11 @@ from __future__ import annotations
 import itertools
 import math
 
+import dask
 import numpy as np
 import pytest
 import xarray as xr
+from dask.callbacks import Callback
 
 from orthosphere.analyze import attention, replay_blocks
 from orthosphere.analyze import replay as replay_module
@@ -522,6 +524,31 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
     for name in options:
         xr.testing.assert_equal(together[name], alone[name])  # every value bit for bit (attrs hold the time of the run)
     assert alone["replay"]["/"].dataset.tv_distance.max() > 0
+
+
+class _Readers(Callback):
+    """The number of tasks that read each block of q, k or v (results of shape (sample, pos, head, d_head))."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = []
+
+    def _posttask(self, key, result, dsk, state, id):
+        if isinstance(result, np.ndarray) and result.ndim == 4:
+            self.counts.append(len(state["dependents"][key]))
+
+
+@pytest.mark.parametrize("only", [["norms", "replay"], ["norms"]])
+def test_each_block_of_q_k_v_has_one_reader_in_a_call(tmp_path, only):
+    """The norms take |q|, |k| (and |v|) from the tasks that read those blocks for the attention (the
+    replay's, or their own when alone): a second reader, run long after, would keep every block in
+    memory until then."""
+    q, k, v, w_o = random_heads(n_samples=10)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)
+    readers = _Readers()
+    with dask.config.set(scheduler="synchronous"), readers:
+        run_analyses(ds, only=only, options={"replay.n_draws": 3, "replay.n_bootstrap": 10} if "replay" in only else {})
+    assert len(readers.counts) >= 3 * 3 and set(readers.counts) == {1}  # q, k, v of 3 blocks, each read once
 
 
 def _assert_same_replay(whole, split):
