@@ -12,6 +12,8 @@ was expected and what to do.
     ├── StoreError: a store that cannot be created, written or read as asked
     │   ├── StoreNotFoundError, StoreExistsError, IncompleteStoreError, StoreLockedError,
     │   │   DamagedStoreError
+    │   ├── StorageFailureError (also an OSError): the storage under a store failed
+    │   ├── VerificationError: a store that cannot be verified against the model given
     │   └── JobMismatchError: a store made by another job than the one resuming it
     └── AnalysisError: an analysis that cannot run as asked
         ├── NonFiniteError: NaN or Inf in the activations read
@@ -117,6 +119,16 @@ class DamagedStoreError(StoreError):
             advice = (f"`orthosphere validate {url} --full --reopen` lists every damaged chunk and reopens their "
                       "shards; then resume the job that wrote the store (its command, with --resume) to rewrite them")
         return cls(f"store {url} is damaged ({count}): {shown}. To repair it, {advice}", damage)
+
+
+class StorageFailureError(StoreError, OSError):
+    """The storage under a store failed (a local I/O error, a full disk, an object store's outage):
+    the message names the store, the array and chunk (or the metadata, lock or flag file), the
+    cause and what to do."""
+
+
+class VerificationError(StoreError):
+    """A store that cannot be verified as asked: a model that is not the store's, bad options."""
 
 
 class JobMismatchError(StoreError):

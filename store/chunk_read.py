@@ -16,6 +16,7 @@ import google_crc32c
 import numpy as np
 
 from .errors import DamagedStoreError
+from .failures import describe_key, naming_failures
 from .integrity import ArrayPromise
 from .stream import is_layered, plain_chunk_files
 
@@ -72,18 +73,19 @@ class ChunkReader:
         """The chunk file's values into `values`; the padding of a short last chunk and the checksum aside."""
         coords = self._coords(chunk, layer)
         padding, checksum = np.empty(padding_bytes, np.uint8), np.empty(4, np.uint8)
-        try:
-            descriptor = os.open(self._path(coords), os.O_RDONLY)
-        except FileNotFoundError:
-            raise DamagedStoreError.of(self.url, self.promise.damage(coords, "missing")) from None
-        try:
-            damage = self.promise.check_size(coords, os.fstat(descriptor).st_size)
-            if damage is None:
-                read_exactly(descriptor, [values, padding, checksum])
-                damage = self.promise.check_checksum(
-                    coords, google_crc32c.extend(google_crc32c.value(values), padding), checksum)
-        finally:
-            os.close(descriptor)
+        with naming_failures(self.url, describe_key(self.promise.key(coords)), writing=False):
+            try:
+                descriptor = os.open(self._path(coords), os.O_RDONLY)
+            except FileNotFoundError:
+                raise DamagedStoreError.of(self.url, self.promise.damage(coords, "missing")) from None
+            try:
+                damage = self.promise.check_size(coords, os.fstat(descriptor).st_size)
+                if damage is None:
+                    read_exactly(descriptor, [values, padding, checksum])
+                    damage = self.promise.check_checksum(
+                        coords, google_crc32c.extend(google_crc32c.value(values), padding), checksum)
+            finally:
+                os.close(descriptor)
         if damage is not None:
             raise DamagedStoreError.of(self.url, damage)
 

@@ -2,6 +2,7 @@
 from orthosphere.errors import (  # noqa: F401
     DamagedStoreError,
     IncompleteStoreError,
+    StorageFailureError,
     StoreError,
     StoreExistsError,
     StoreLockedError,

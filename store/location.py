@@ -12,6 +12,7 @@ import fsspec
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
+from .failures import NamedFailuresStore, describe_key, naming_failures
 from .faults import crash_point
 
 REPLACING_NAME = ".orthosphere-replacing"
@@ -58,12 +59,13 @@ class Location:
             return self.local_path
         return fsspec.core.url_to_fs(self.url, **self.storage_options)[1]
 
-    def zarr_store(self, read_only: bool):
+    def zarr_store(self, read_only: bool) -> NamedFailuresStore:
+        """The zarr store of this location; its storage failures name the store and the key."""
         if self.is_local:
-            return LocalStore(self.local_path, read_only=read_only)
-        return FsspecStore.from_url(
-            self.url, storage_options=self.storage_options or None, read_only=read_only
-        )
+            store = LocalStore(self.local_path, read_only=read_only)
+        else:
+            store = FsspecStore.from_url(self.url, storage_options=self.storage_options or None, read_only=read_only)
+        return NamedFailuresStore(store, self.url)
 
     def key(self, name: str) -> str:
         """Path of a file inside the store."""
@@ -89,6 +91,10 @@ class Location:
 
     def list_files(self) -> dict[str, int]:
         """Every file under the store (symbolic links not followed): path inside the store -> bytes."""
+        with naming_failures(self.url, "its listing", writing=False):
+            return self._list_files()
+
+    def _list_files(self) -> dict[str, int]:
         if self.is_local:
             files = {}
             for folder, _, names in os.walk(self.local_path):
@@ -116,6 +122,10 @@ class Location:
     def write_atomic(self, name: str, data: bytes) -> None:
         """Replace a file inside the store in one step: a reader, or a kill, sees the old bytes or
         the new ones, never half (a local rename; one PUT on object storage)."""
+        with naming_failures(self.url, describe_key(name), writing=True):
+            self._write_atomic(name, data)
+
+    def _write_atomic(self, name: str, data: bytes) -> None:
         path = self.key(name)
         if self.is_local:
             temporary = temporary_path(path)
@@ -127,6 +137,10 @@ class Location:
 
     def remove_entry(self, name: str) -> None:
         """Remove a file or folder inside the store; a symbolic link is removed, never followed."""
+        with naming_failures(self.url, describe_key(name), writing=True):
+            self._remove_entry(name)
+
+    def _remove_entry(self, name: str) -> None:
         if self.is_local:
             path = os.path.join(self.local_path, name)
             if os.path.isdir(path) and not os.path.islink(path):

@@ -35,6 +35,7 @@ import uuid
 from datetime import UTC, datetime
 
 from .errors import StoreLockedError
+from .failures import is_storage_failure, naming_failures
 from .faults import crash_point
 from .location import PARTIAL_SUFFIX, Location, temporary_path
 
@@ -95,7 +96,13 @@ def stale_reason(location: Location, holder: dict) -> str | None:
 
 def acquire_lock(location: Location, break_lock: bool = False) -> dict:
     """Take the store's lock: a stale lock is broken (with a warning), a live one only with
-    `break_lock`; otherwise raise StoreLockedError naming the holder and what to do."""
+    `break_lock`; otherwise raise StoreLockedError naming the holder and what to do. A failure of
+    the storage raises StorageFailureError naming the lock file."""
+    with naming_failures(location.url, f"lock file {LOCK_NAME}", writing=True):
+        return _acquire_lock(location, break_lock)
+
+
+def _acquire_lock(location: Location, break_lock: bool) -> dict:
     if break_lock:
         for name in (LOCK_NAME, HEARTBEAT_NAME):
             if location.is_local and os.path.islink(location.key(name)):
@@ -112,10 +119,10 @@ def acquire_lock(location: Location, break_lock: bool = False) -> dict:
                     _holder_text(holder), reason or "--break-lock given")
         _remove_lock_if_unchanged(location, text)
     mine = holder_description()
-    try:
+    with contextlib.suppress(FileExistsError):  # it exists: another writer's lock, or this one's (see below)
         _create_exclusively(location, LOCK_NAME, json.dumps(mine))
-    except FileExistsError:
-        raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again") from None
+    # A conditional write whose response was lost is retried and meets the lock it wrote: that lock
+    # holds this job's token, and the job takes it. Any other lock is another writer's.
     if read_lock(location) != mine:
         raise StoreLockedError(f"store {location.url} was locked by another writer a moment ago; try again")
     location.write_atomic(HEARTBEAT_NAME, _beat(mine).encode())
@@ -125,7 +132,13 @@ def acquire_lock(location: Location, break_lock: bool = False) -> dict:
 def release_lock(location: Location) -> None:
     """Remove the lock if this process holds it, and with it, while it is still held, every copy
     of the lock or heartbeat written aside (left by a writer killed while taking the lock, while
-    beating or while breaking a lock). The heartbeat thread must be stopped first."""
+    beating or while breaking a lock). The heartbeat thread must be stopped first. A failure of the
+    storage raises StorageFailureError naming the lock file."""
+    with naming_failures(location.url, f"lock file {LOCK_NAME}", writing=True):
+        _release_lock(location)
+
+
+def _release_lock(location: Location) -> None:
     text, holder = current_lock(location)
     if holder is not None and _is_mine(holder):
         _remove(location, HEARTBEAT_NAME)
@@ -163,9 +176,11 @@ class Heartbeat:
                                "resume it (--resume) once the other writer is done")
                     return
                 self.location.write_atomic(HEARTBEAT_NAME, _beat(self.holder).encode())
-            except OSError as error:  # a storage hiccup: the next beat tries again
-                log.warning("could not refresh the lock heartbeat of %s: %s", url, error)
-            except Exception as error:  # any other failure stops the writer, never the heartbeat alone
+            except Exception as error:
+                if is_storage_failure(error):  # a storage hiccup (local or remote): the next beat tries again
+                    log.warning("could not refresh the lock heartbeat of %s: %s", url, error)
+                    continue
+                # any other failure stops the writer, never the heartbeat alone
                 self._fail(f"the lock of {url} could not be checked ({' '.join(str(error).split())})",
                            "resume it (--resume) once the lock file is fixed")
                 return

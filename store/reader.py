@@ -33,6 +33,8 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
             group = zarr.open_group(
                 location.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3, use_consolidated=consolidated
             )
+    except StoreError:
+        raise
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise StoreError(f"{location.url} is not a readable Zarr v3 group: {error}") from error
     version = group.attrs.get("schema")

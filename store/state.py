@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 
 from .errors import StoreError
+from .failures import naming_failures
 from .location import REPLACING_NAME, Location
 from .lock import HEARTBEAT_NAME, LOCK_NAME, is_lock_file
 
@@ -44,6 +45,12 @@ class Found:
 
 
 def inspect(location: Location) -> Found:
+    """What is at the location; a failure of the storage raises StorageFailureError naming the store."""
+    with naming_failures(location.url, "its listing and root metadata", writing=False):
+        return _inspect(location)
+
+
+def _inspect(location: Location) -> Found:
     if location.is_local and location.is_link_to_nothing():
         raise StoreError(f"{location.url} is a symbolic link to a path that does not exist: fix or remove the link")
     if not location.exists():

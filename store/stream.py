@@ -40,6 +40,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.core.metadata import ArrayV3Metadata
 
 from .errors import StoreError
+from .failures import describe_key, naming_failures
 from .faults import crash_point
 
 DIRECT_ALIGNMENT = 4096
@@ -127,6 +128,8 @@ class ChunkFiles:
     `samples_per_chunk` samples, one layer, everything else whole; or any array chunked along its
     first dim only (the weight maps: one layer a chunk)."""
 
+    store: str
+    """The store's URL (for messages)."""
     folder: str
     metadata: ArrayV3Metadata
     dtype: np.dtype
@@ -188,11 +191,12 @@ class ChunkFiles:
                 f"chunk's previous ones (a chunk is written from its first sample, in order)"
             )
         for layer, piece in self._layers(values):
-            path = self._path(chunk, layer)
             data = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
             key = (chunk, layer)
             self.checksums[key] = google_crc32c.extend(self.checksums.get(key, 0) if offset else 0, data)
-            self.direct = _write_at(path, data, offset * self.sample_bytes, truncate=offset == 0, direct=self.direct)
+            with self._naming(chunk, layer):
+                self.direct = _write_at(self._path(chunk, layer), data, offset * self.sample_bytes,
+                                        truncate=offset == 0, direct=self.direct)
         self.filled[chunk] = expected + len(values)
 
     def _finish(self, chunk: int, n_written: int) -> None:
@@ -201,7 +205,8 @@ class ChunkFiles:
             key = (chunk, layer)
             checksum = google_crc32c.extend(self.checksums.pop(key), padding) if padding.size else self.checksums.pop(key)
             tail = np.concatenate([padding, np.frombuffer(int(checksum).to_bytes(4, "little"), np.uint8)])
-            _write_at(self._path(chunk, layer), tail, n_written * self.sample_bytes, truncate=False)
+            with self._naming(chunk, layer):
+                _write_at(self._path(chunk, layer), tail, n_written * self.sample_bytes, truncate=False)
         del self.filled[chunk]
 
     def _layers(self, values: np.ndarray):
@@ -212,9 +217,18 @@ class ChunkFiles:
     def _layer_indices(self):
         return [None] if not self.has_layer else range(self.metadata.shape[1])
 
-    def _path(self, chunk: int, layer) -> str:
+    def _key(self, chunk: int, layer) -> str:
+        """The chunk's file inside its array's folder."""
         coords = (chunk,) + (() if layer is None else (layer,)) + (0,) * (len(self.metadata.shape) - 1 - self.has_layer)
-        path = os.path.join(self.folder, self.metadata.encode_chunk_key(coords))
+        return self.metadata.encode_chunk_key(coords)
+
+    def _naming(self, chunk: int, layer):
+        """Storage failures while writing the chunk, named (store, array, chunk)."""
+        key = f"{os.path.basename(self.folder)}/{self._key(chunk, layer)}"
+        return naming_failures(self.store, describe_key(key), writing=True)
+
+    def _path(self, chunk: int, layer) -> str:
+        path = os.path.join(self.folder, self._key(chunk, layer))
         folder = os.path.dirname(path)
         if folder not in self.made:
             os.makedirs(folder, exist_ok=True)
@@ -327,7 +341,7 @@ def array_files(location, name: str, array) -> ChunkFiles | None:
     shape, has_layer, dtype = metadata.shape, is_layered(metadata), np.dtype(array.dtype)
     fill = np.full(math.prod(shape[1 + has_layer:]), array.fill_value, dtype=dtype).view(np.uint8)
     folder = os.path.join(location.local_path, name)
-    return ChunkFiles(folder, metadata, dtype, fill, direct=direct_writes_work(folder))
+    return ChunkFiles(location.url, folder, metadata, dtype, fill, direct=direct_writes_work(folder))
 
 
 def is_layered(metadata: ArrayV3Metadata) -> bool:

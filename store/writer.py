@@ -21,6 +21,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import schema
 from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreExistsError, StoreLockedError
+from .failures import release_after_failure
 from .faults import crash_point
 from .integrity import Damage, find_damage, guarded_group, promises
 from .lifecycle import exists_message, refuse_foreign
@@ -126,7 +127,7 @@ def create_store(
         crash_point("progress-created")
         group = commit_metadata(location)
     except BaseException:
-        release_lock(location)
+        release_after_failure(lambda: release_lock(location), location.url)
         raise
     return StoreWriter(location, group, holder)
 
@@ -324,8 +325,12 @@ class StoreWriter:
     def __enter__(self) -> StoreWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        """Give the lock back; after a failure, a failure to give it back is logged and the first one raised."""
+        if error is None:
+            self.close()
+        else:
+            release_after_failure(self.close, self.url)
 
     def _check_lock(self) -> None:
         if self.heartbeat is not None and self.heartbeat.failure:

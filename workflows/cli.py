@@ -14,6 +14,7 @@ import click
 from orthosphere.errors import ParameterError
 from orthosphere.extract import DEFAULT_BATCH_SIZE
 from orthosphere.store import SITES, format_info, info, open_writer, validate
+from orthosphere.store.failures import is_storage_failure
 
 from .backend import Backend, dask_client
 
@@ -45,11 +46,20 @@ def one_line(error: Exception) -> str:
     if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] in EXTRA_MODULES:
         return (f"this needs {error.name.split('.')[0]}, which is not installed: install the extract extra "
                 "(pip install 'orthosphere[extract]')")
+    if is_storage_failure(error) and not isinstance(error, OSError):
+        return (f"the storage failed ({type(error).__name__}: {text or 'no detail given'}): check the endpoint, the "
+                "network and the credentials, then run the command again (a job: with --resume)")
     if isinstance(error, (ValueError, OSError)) and text:
         return text
     if isinstance(error, MemoryError):
         return f"out of memory ({text or 'MemoryError'}): ask for less (fewer samples, a smaller batch or fewer layers)"
     return f"unexpected {type(error).__name__}: {text} (run with -v for the traceback; please report it)"
+
+
+def quiet_unretrieved_failures(record: logging.LogRecord) -> bool:
+    """Drop asyncio's tracebacks of the sibling requests of a failed one (an object store's outage
+    fails many at once; the first failure is the error reported). Kept with -v."""
+    return "exception was never retrieved" not in record.getMessage()
 
 
 def layer_list(ctx, param, text):
@@ -93,6 +103,8 @@ def model_options(command=None, *, with_dtype: bool = True):
 def main(ctx, workers, scheduler, verbose):
     """orthosphere: store what transformers compute in their attention layers, analyse it offline."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        logging.getLogger("asyncio").addFilter(quiet_unretrieved_failures)
     ctx.obj = Backend(workers=workers, scheduler=scheduler)
 
 
