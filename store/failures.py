@@ -67,11 +67,7 @@ def release_after_failure(release, url: str) -> None:
 def storage_failure(url: str, what: str, error: BaseException, writing: bool) -> StorageFailureError:
     """The error for a failure of the storage while reading or writing `what` (see describe_key) of
     the store at `url`, with what to do."""
-    cause = " ".join(str(error).split()) or "no detail given"
-    if getattr(error, "errno", None) is not None and type(error).__name__ not in cause:
-        cause = f"{errno.errorcode.get(error.errno, error.errno)}: {cause}"
-    if type(error).__module__.split(".")[0] in OBJECT_STORE_MODULES or isinstance(error, asyncio.TimeoutError):
-        cause = f"{type(error).__name__}: {cause}"
+    cause = f"{type(error).__name__}: {' '.join(str(error).split()) or 'no detail given'}"
     if getattr(error, "errno", None) == errno.ENOSPC:
         advice = "free space there, then resume the job that writes it (its command, with --resume)"
     elif writing:
