@@ -37,6 +37,12 @@ COORDINATE_BLOCK = 2**20
 """Index coordinates are written this many values at a time (memory stays flat in the sample count)."""
 INDEX_DTYPE = "int64"
 """The index coordinates' dtype (sample, pos, layer, head, kv_head)."""
+SPACE_MARGIN = 0.05
+"""Room asked for beyond what the store will take: file-system metadata, the job's temporary files."""
+METADATA_BYTES = 4096
+"""An array's metadata file (zarr.json), at most: the store's space check counts this much for each."""
+STRING_LABEL_BYTES = 16
+"""A string label's bytes a position, before compression: the space check's upper estimate."""
 
 log = logging.getLogger("orthosphere.store")
 
@@ -99,8 +105,8 @@ def create_store(
     if samples_per_chunk is None:
         samples_per_chunk = samples_per_chunk_for(variables, sizes, dtype)
     _check_count("samples_per_chunk", samples_per_chunk)
-    _check_room(location, variables, sizes, dtype)
     shards = shard_bounds(n_samples, samples_per_chunk, n_shards)
+    _check_room(location, variables, labels, sizes, dtype, samples_per_chunk, len(shards))
 
     holder = _make_room(location, overwrite, break_lock)
     try:
@@ -381,18 +387,24 @@ def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
     return holder
 
 
-def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) -> None:
-    """Refuse, before anything is written, a store larger than the room where it goes, or whose
-    sample coordinate, which every reader loads into memory, would not fit in memory."""
-    per_sample = schema.bytes_per_sample(variables, sizes, dtype)
-    needed, available = per_sample * sizes["sample"], psutil.virtual_memory().available
+def _check_room(location: Location, variables: dict, labels: dict, sizes: dict, dtype: str, samples_per_chunk: int,
+                n_shards: int) -> None:
+    """Refuse, before anything is written, a store larger than the room where it goes (what it will
+    take there, with a margin), or whose sample coordinate, which every reader loads into memory,
+    would not fit in memory."""
+    available = psutil.virtual_memory().available
     room = _room(location, available)
-    if room is not None and needed > room[0]:
-        raise StoreError(
-            f"n_samples={sizes['sample']} (CLI: --samples): the store would need {_bytes(needed)} "
-            f"({_bytes(per_sample)} a sample) but {room[1]} {_bytes(room[0])} free; ask for fewer samples, "
-            "sites or layers, or write it elsewhere"
-        )
+    if room is not None:
+        free, holder, block = room
+        needed = store_footprint(variables, labels, sizes, dtype, samples_per_chunk, n_shards, block)
+        wanted = math.ceil(needed * (1 + SPACE_MARGIN))
+        if wanted > free:
+            raise StoreError(
+                f"n_samples={sizes['sample']} (CLI: --samples): the store would take {_bytes(needed)} there "
+                f"({_bytes(wanted)} with a {SPACE_MARGIN:.0%} margin; "
+                f"{_bytes(schema.bytes_per_sample(variables, sizes, dtype))} a sample) but {holder} {_bytes(free)} "
+                "free; ask for fewer samples, sites or layers, or write it elsewhere"
+            )
     per_index = np.dtype(INDEX_DTYPE).itemsize
     if per_index * sizes["sample"] > available:
         raise StoreError(
@@ -402,16 +414,40 @@ def _check_room(location: Location, variables: dict, sizes: dict, dtype: str) ->
         )
 
 
-def _room(location: Location, available_memory: int) -> tuple[int, str] | None:
-    """The bytes free where the store goes, and what holds them (for the message); None where
-    unknown (object storage)."""
+def store_footprint(variables: dict, labels: dict, sizes: dict, dtype: str, samples_per_chunk: int, n_shards: int,
+                    block: int = 1) -> int:
+    """Bytes a finished store takes where every file fills whole blocks of `block` bytes: each chunk
+    file (a short last chunk padded whole, its checksum), uncompressed; each array's metadata and
+    the root's consolidated copy of it; the index coordinates and the progress record."""
+    arrays = [(_chunks(var.dims, sizes, samples_per_chunk), [sizes[d] for d in var.dims], schema.item_size(var, dtype))
+              for var in variables.values()]
+    arrays += [((samples_per_chunk, sizes["pos"]), (sizes["sample"], sizes["pos"]),
+                STRING_LABEL_BYTES if label == "str" else np.dtype(label).itemsize) for label in labels.values()]
+    arrays += [((min(sizes[dim], COORDINATE_BLOCK),), (sizes[dim],), np.dtype(INDEX_DTYPE).itemsize)
+               for dim in schema.DIM_NAMES]
+    arrays += [((1,), (1,), 1), ((1,), (n_shards,), 1)]  # the progress record
+    # each array's zarr.json, the progress group's, and the root's, which holds a copy of them all (consolidated)
+    total = (len(arrays) + 1) * _whole_blocks(METADATA_BYTES, block) + _whole_blocks(len(arrays) * METADATA_BYTES, block)
+    for chunk, shape, item in arrays:
+        n_chunks = math.prod(math.ceil(length / size) for length, size in zip(shape, chunk))
+        total += n_chunks * _whole_blocks(math.prod(chunk) * item + 4, block)
+    return total
+
+
+def _whole_blocks(count: int, block: int) -> int:
+    return -(-count // block) * block
+
+
+def _room(location: Location, available_memory: int) -> tuple[int, str, int] | None:
+    """The bytes free where the store goes, what holds them (for the message) and the size of its
+    blocks (every file takes whole blocks); None where unknown (object storage)."""
     if location.is_local:
         folder = location.local_path
         while not os.path.exists(folder):
             folder = os.path.dirname(folder)
-        return shutil.disk_usage(folder).free, f"{folder} has"
+        return shutil.disk_usage(folder).free, f"{folder} has", os.statvfs(folder).f_frsize or 1
     if location.in_memory:
-        return available_memory, "a memory:// store lives in this process's memory, which has"
+        return available_memory, "a memory:// store lives in this process's memory, which has", 1
     return None
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zarr
 
-from orthosphere.errors import StorageFailureError
+from orthosphere.errors import StorageFailureError, StoreError
 from orthosphere.store import open_store, open_writer
 from orthosphere.store import stream as stream_module
 from orthosphere.store.chunk_read import ChunkReader
@@ -19,6 +19,7 @@ from orthosphere.store.integrity import guarded_group, promises
 from orthosphere.store.location import as_location
 from orthosphere.store.lock import acquire_lock, read_lock
 from orthosphere.store.stream import ChunkStream
+from orthosphere.store.writer import store_footprint
 from orthosphere.workflows.cli import one_line
 from tests.fault_proxy import FaultProxy
 from tests.test_store import fill, make_store, sample_block
@@ -184,3 +185,36 @@ def test_s3_faults_are_retried_or_named_and_resuming_after_an_outage_finishes_th
     written = fill(open_writer(url, storage_options=proxied(proxy), break_lock=True))
     dataset = open_store(url, storage_options=proxied(proxy))
     np.testing.assert_array_equal(dataset["q"].isel(sample=slice(0, 4)).values, written[0]["q"])
+
+
+# The up-front space check ------------------------------------------------------------------
+
+def footprint_of(url, block: int) -> int:
+    """store_footprint for the store at url (made by make_store), from its own attributes."""
+    from orthosphere.store.schema import dim_sizes, variables_for
+
+    attrs = zarr.open_group(url, mode="r").attrs
+    sizes = dim_sizes(attrs["model"], attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
+    variables = variables_for(attrs["sites"], attrs["with_weights"])
+    return store_footprint(variables, attrs["labels"], sizes, attrs["dtype"], attrs["samples_per_chunk"],
+                           len(attrs["shards"]), block)
+
+
+@pytest.mark.parametrize("samples_per_chunk", [2, 3])
+def test_space_check_counts_at_least_what_the_finished_store_takes_on_disk(tmp_path, samples_per_chunk):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url, samples_per_chunk=samples_per_chunk))
+    block = os.statvfs(tmp_path).f_frsize
+    on_disk = sum(-(-size // block) * block for size in as_location(url).list_files().values())
+    assert on_disk <= footprint_of(url, block) <= 2 * on_disk
+
+
+def test_space_check_refuses_a_store_without_its_margin_and_says_both_numbers(tmp_path, monkeypatch):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    needed = footprint_of(url, 4096)
+    monkeypatch.setattr("orthosphere.store.writer._room", lambda location, memory: (needed, "the disk has", 4096))
+    with pytest.raises(StoreError, match=r"^n_samples=11 \(CLI: --samples\): the store would take ([\d.,]+ MB) there "
+                                         r"\(([\d.,]+ MB) with a 5% margin; .* a sample\) but the disk has \1 free"):
+        make_store(str(tmp_path / "other.zarr"))
+    assert not (tmp_path / "other.zarr").exists()
