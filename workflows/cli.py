@@ -1,7 +1,7 @@
-"""The `orthosphere` command line: one verb per stage (info, validate, train, extract, analyze, report, run).
+"""The `orthosphere` command line: one verb per stage (info, validate, verify, train, extract, analyze, report, run).
 
 Every error is one line that names its input (the traceback only with -v). The verbs that need
-PyTorch (extract, train, run, analyze --online) import it when they run, so that the others work
+PyTorch (extract, verify, train, run, analyze --online) import it when they run, so that the others work
 with the base installation (`pip install orthosphere`, without the `extract` extra)."""
 from __future__ import annotations
 
@@ -139,6 +139,29 @@ def validate_command(store, full, reopen, break_lock):
     if problems:
         raise click.ClickException(f"store {store} has {len(problems)} problem(s), listed above")
     click.echo(f"store {store} is valid" + (": every chunk decodes" if full else ": every chunk is there"))
+
+
+@main.command("verify")
+@click.argument("store")
+@click.argument("model", required=False)
+@click.option("--samples", type=int, default=8, show_default=True, help="Samples to recompute, drawn at random.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the samples drawn.")
+@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True,
+              help="The extraction's batch size: each sample is recomputed in the batch the job ran it in.")
+@click.option("--exact", is_flag=True, help="Demand bitwise equality (a store written on this kind of machine).")
+@click.option("--device", default="auto", show_default=True, help="Where the model runs: auto, cpu, cuda or cuda:N.")
+def verify_command(store, model, samples, seed, batch_size, exact, device):
+    """Recompute random samples of STORE with MODEL (default: the path the store records) and compare them with the
+    stored values, per site and layer; check the recorded SHA-256 of the model's weights and the corpus."""
+    from orthosphere.extract.verify import verify
+
+    try:
+        report = verify(store, model, samples=samples, seed=seed, batch_size=batch_size, exact=exact, device=device)
+    except ParameterError as error:
+        raise error.named("--" + error.parameter.replace("_", "-")) from None
+    click.echo(report.format())
+    if not report.ok:
+        raise click.ClickException(f"store {store} is not verified: {'; '.join(report.failures()[:3])}")
 
 
 @main.command("extract")
