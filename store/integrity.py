@@ -21,7 +21,7 @@ import numpy as np
 import zarr
 from zarr.storage import WrapperStore
 
-from .errors import DamagedStoreError
+from .errors import DamagedStoreError, StorageFailureError
 from .location import group_arrays, zarr_quietly
 from .schema import WEIGHT_VARIABLES
 from .state import INDEX_ARRAYS, PROGRESS_GROUP
@@ -203,6 +203,8 @@ def _decode_damage(array: zarr.Array, promise: ArrayPromise, coords: tuple[int, 
         array[selection]
     except DamagedStoreError as error:
         return error.damage[0]
+    except StorageFailureError:
+        raise  # the storage failed reading it: no verdict on the chunk
     except Exception as error:  # whatever the codecs raise on bytes that are not theirs
         return promise.damage(coords, f"does not decode ({type(error).__name__}: {error})", listed=False)
     return None

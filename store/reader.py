@@ -8,7 +8,7 @@ import numpy as np
 import zarr
 
 from . import schema
-from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreNotFoundError
+from .errors import DamagedStoreError, IncompleteStoreError, StorageFailureError, StoreError, StoreNotFoundError
 from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
 from .state import ABSENT, DAMAGED, FOREIGN_ZARR, PROGRESS_GROUP, REMNANT, STORE, inspect
@@ -129,10 +129,13 @@ def _promises(group: zarr.Group) -> dict:
 
 def validate(url, storage_options: dict | None = None, full: bool = False) -> list[str]:
     """Every way the store departs from schema v1, and every chunk it promises that is missing or
-    of the wrong size (with `full`: that does not decode, checksums included); empty when valid."""
+    of the wrong size (with `full`: that does not decode, checksums included); empty when valid. A
+    failure of the storage itself raises StorageFailureError."""
     location = as_location(url, storage_options)
     try:
         group = open_group_checked(location, consolidated=False)
+    except StorageFailureError:
+        raise  # the storage failed, not the store
     except StoreError as error:
         return [str(error)]
     attrs = dict(group.attrs)

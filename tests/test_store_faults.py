@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 from orthosphere.errors import StorageFailureError, StoreError
-from orthosphere.store import open_store, open_writer
+from orthosphere.store import open_store, open_writer, validate
 from orthosphere.store import stream as stream_module
 from orthosphere.store.chunk_read import ChunkReader
 from orthosphere.store.integrity import guarded_group, promises
@@ -218,3 +218,60 @@ def test_space_check_refuses_a_store_without_its_margin_and_says_both_numbers(tm
                                          r"\(([\d.,]+ MB) with a 5% margin; .* a sample\) but the disk has \1 free"):
         make_store(str(tmp_path / "other.zarr"))
     assert not (tmp_path / "other.zarr").exists()
+
+
+# Through the command line ------------------------------------------------------------------
+
+def test_full_disk_mid_job_is_one_line_and_resume_finishes_it_bitwise(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from orthosphere.workflows.cli import main
+    from tests.test_extract_models import write_arithmetic_model
+
+    model = str(write_arithmetic_model(tmp_path / "model"))
+
+    def extract(out, *more):
+        arguments = ["extract", model, "--task", "arithmetic:split=test,seed=4", "--samples", "12", "--out", out,
+                     "--samples-per-chunk", "2", "--shards", "3", "--batch-size", "2", "--device", "cpu", *more]
+        return CliRunner().invoke(main, arguments)
+
+    reference, out = str(tmp_path / "reference.zarr"), str(tmp_path / "store.zarr")
+    assert extract(reference).exit_code == 0
+    failing_chunk_writes(monkeypatch, os.path.join("resid_post", "c", "3", "1"), errno.ENOSPC)
+    result = extract(out)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: store {out}: the storage failed writing array 'resid_post' chunk (3, 1, 0, 0) (OSError: [Errno 28] No "
+        "space left on device); free space there, then resume the job that writes it (its command, with --resume)")
+    monkeypatch.undo()
+    assert extract(out, "--resume").exit_code == 0
+    finished, expected = open_store(out).load(), open_store(reference).load()
+    for name in expected.variables:
+        np.testing.assert_array_equal(finished[name].values, expected[name].values)
+
+
+@pytest.mark.slow
+def test_object_store_outage_in_the_cli_is_one_line_naming_the_store(s3_bucket, proxy, monkeypatch):
+    from click.testing import CliRunner
+
+    from orthosphere.workflows.cli import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr("s3fs.S3FileSystem.retries", 2)
+    proxy.go_down()
+    url = f"{s3_bucket}/down/store.zarr"
+    result = CliRunner().invoke(main, ["validate", url])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith(f"Error: store {url}: the storage failed reading its listing and root metadata ("), lines
+    assert "please report" not in result.output and "Traceback" not in result.output
+
+
+def test_full_validation_stops_at_an_unreadable_chunk_instead_of_calling_it_damaged(tmp_path, monkeypatch):
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    failing_zarr(monkeypatch, "get", "k/c/2/0/0/0/0", errno.EIO)
+    with pytest.raises(StorageFailureError, match=r"reading array 'k' chunk \(2, 0, 0, 0, 0\)"):
+        validate(url, full=True)
+    monkeypatch.undo()
+    assert validate(url, full=True) == []
