@@ -275,3 +275,15 @@ def test_full_validation_stops_at_an_unreadable_chunk_instead_of_calling_it_dama
         validate(url, full=True)
     monkeypatch.undo()
     assert validate(url, full=True) == []
+
+
+def test_cli_drops_asyncio_tracebacks_of_sibling_requests_but_keeps_other_asyncio_logs():
+    import logging
+
+    from orthosphere.workflows.cli import quiet_unretrieved_failures
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    assert not quiet_unretrieved_failures(record("Task exception was never retrieved"))
+    assert quiet_unretrieved_failures(record("Executing <Task> took 0.5 seconds"))
