@@ -5,7 +5,7 @@ encoders, the class without a task head, loaded when a checkpoint has none), whe
 the attention module, the q/k/v and output projections and the norms are (paths of submodules,
 relative to a block unless said otherwise), where ``resid_mid`` is read, and what the score adds
 beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi, T5's learned relative
-position bias). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
+position bias, GPT-OSS's sink logits). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
 few lines here.
 
 A field may be a function of the model's transformers config where a family's layout depends
@@ -111,6 +111,12 @@ class Family:
     relative_bias: Callable | None = None
     """(attention modules) -> the learned relative position bias of each layer's score (T5), in the
     form of ``relative_position_bias``."""
+    sinks: str | None = None
+    """The attention module's parameter of learned per-head sink logits that the softmax's denominator
+    adds (GPT-OSS's ``sinks``), recorded as the score term ``sink_logits``."""
+    sliding_window: Callable | None = None
+    """(attention module) -> the window its layer attends with, where the module's ``sliding_window``
+    attribute is not it (EXAONE 4 keeps the config's window on its global layers too)."""
     norm_kind: str | None = None
     """The norms' type where their class does not say it ("rms": T5's LayerNorm without centring)."""
 
@@ -172,6 +178,27 @@ BERT_PROJECTIONS = Projections("attention.self.query", "attention.self.key", "at
 def _bert_norms(prefix: str) -> tuple[Norm, ...]:
     return (Norm("embedding", f"{prefix}.embeddings.LayerNorm"), Norm("resid_mid", "attention.output.LayerNorm"),
             Norm("resid_post", "output.LayerNorm"))
+
+
+OUTPUT_NORMS_QK_PROJECTION = (Norm("attn_output", "post_attention_layernorm"),
+                              Norm("mlp_output", "post_feedforward_layernorm"), Norm("q", "self_attn.q_norm", "projection"),
+                              Norm("k", "self_attn.k_norm", "projection"), Norm("final", "model.norm"))
+"""OLMo 2's norms: on the attention and MLP outputs, and on the whole q and k projections."""
+COHERE_NORMS = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"), Norm("final", "model.norm"))
+
+
+def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, name: str) -> Family:
+    """A BERT-shaped encoder: Post-Norm LayerNorms, learned positions, bidirectional."""
+    return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
+                  mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned",
+                  refuse=_refuse_decoder_encoder(name), base_class=base_class)
+
+
+def _electra_norms(config):
+    """BERT's norms; without the embedding norm where a projection to hidden_size follows it (the
+    first layer then reads the projection, no norm's output)."""
+    norms = _bert_norms("electra")
+    return norms if config.embedding_size == config.hidden_size else norms[1:]
 
 
 def _llama_like(model_type: str, lm_class: str, **options) -> Family:
@@ -344,10 +371,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("qwen2", "Qwen2ForCausalLM"),
     _llama_like("qwen3", "Qwen3ForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
     _llama_like("olmo", "OlmoForCausalLM", extra_config=("clip_qkv",)),
-    _llama_like("olmo2", "Olmo2ForCausalLM", mid="input:mlp",
-                norms=(Norm("attn_output", "post_attention_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
-                       Norm("q", "self_attn.q_norm", "projection"), Norm("k", "self_attn.k_norm", "projection"),
-                       Norm("final", "model.norm"))),
+    _llama_like("olmo2", "Olmo2ForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
     _llama_like("gemma", "GemmaForCausalLM", norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma")),
     _llama_like("gemma2", "Gemma2ForCausalLM", mid="input:pre_feedforward_layernorm", norms=SANDWICH_NORMS,
                 norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 2")),
@@ -377,12 +401,8 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
            mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",),
            activation_keys=("activation_function",)),
-    Family("bert", "BertForMaskedLM", "bert.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=_bert_norms("bert"), causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("BERT"), base_class="BertModel"),
-    Family("roberta", "RobertaForMaskedLM", "roberta.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=_bert_norms("roberta"), causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("RoBERTa"), base_class="RobertaModel"),
+    _bert_like("bert", "BertForMaskedLM", "bert", "BertModel", "BERT"),
+    _bert_like("roberta", "RobertaForMaskedLM", "roberta", "RobertaModel", "RoBERTa"),
     Family("distilbert", "DistilBertForMaskedLM", "distilbert.transformer.layer", "attention",
            Projections("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
            mid="output:sa_layer_norm", causal=False, positions="learned",
@@ -402,6 +422,39 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            refuse=_refuse_bloom, d_ff_keys=(),
            norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
                   Norm("mlp_input", "post_attention_layernorm"), Norm("final", "transformer.ln_f"))),
+    _llama_like("qwen2_moe", "Qwen2MoeForCausalLM"),
+    _llama_like("qwen3_moe", "Qwen3MoeForCausalLM",
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
+    _llama_like("olmoe", "OlmoeForCausalLM", extra_config=("clip_qkv",),
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "projection")),
+    _llama_like("granitemoe", "GraniteMoeForCausalLM", output_multiplier="residual_multiplier",
+                extra_config=("attention_multiplier", "residual_multiplier")),
+    _llama_like("helium", "HeliumForCausalLM"),
+    _llama_like("arcee", "ArceeForCausalLM"),
+    _llama_like("ministral", "MinistralForCausalLM"),
+    _llama_like("seed_oss", "SeedOssForCausalLM"),
+    _llama_like("smollm3", "SmolLM3ForCausalLM", extra_config=("no_rope_layers",)),
+    _llama_like("olmo3", "Olmo3ForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
+    _llama_like("exaone4", "Exaone4ForCausalLM", mid="input:mlp",
+                norms=(Norm("attn_output", "post_attention_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
+                       Norm("q", "self_attn.q_norm", "head", heads_first=True),
+                       Norm("k", "self_attn.k_norm", "head", heads_first=True), Norm("final", "model.norm")),
+                sliding_window=lambda attention: attention.sliding_window if attention.is_sliding else None),
+    _llama_like("apertus", "ApertusForCausalLM", mid="input:feedforward_layernorm",
+                norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
+                                     Norm("final", "model.norm")),
+                                    "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)),
+    _llama_like("glm4", "Glm4ForCausalLM", mid="input:post_attention_layernorm",
+                norms=(Norm("attn_input", "input_layernorm"), Norm("attn_output", "post_self_attn_layernorm"),
+                       Norm("mlp_input", "post_attention_layernorm"), Norm("mlp_output", "post_mlp_layernorm"),
+                       Norm("final", "model.norm"))),
+    _llama_like("nemotron", "NemotronForCausalLM", norm_gain="1 + weight"),
+    _llama_like("cohere", "CohereForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),
+    _llama_like("cohere2", "Cohere2ForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),
+    _bert_like("xlm-roberta", "XLMRobertaForMaskedLM", "roberta", "XLMRobertaModel", "XLM-RoBERTa"),
+    _bert_like("camembert", "CamembertForMaskedLM", "roberta", "CamembertModel", "CamemBERT"),
+    replace(_bert_like("electra", "ElectraForMaskedLM", "electra", "ElectraModel", "ELECTRA"), norms=_electra_norms),
+    _llama_like("gpt_oss", "GptOssForCausalLM", sinks="sinks"),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

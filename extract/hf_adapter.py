@@ -105,7 +105,7 @@ class HuggingFaceAdapter(Adapter):
             scales = [float(a.inv_norm_factor) for a in attentions]
         else:
             scales = [1.0 if self.spec.query_prescaled else float(a.scaling) for a in attentions]
-        windows = [getattr(a, "sliding_window", getattr(self.config, "sliding_window", None)) for a in attentions]
+        windows = [self._sliding_window(attention, layer) for layer, attention in enumerate(attentions)]
         softcaps = [getattr(a, "attn_logit_softcapping", None) for a in attentions]
         alibi = None
         if self.spec.alibi_slopes is not None:
@@ -114,7 +114,34 @@ class HuggingFaceAdapter(Adapter):
                  "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
         if self.spec.relative_bias is not None:
             terms["relative_bias"] = self.spec.relative_bias(attentions)
+        if self.spec.sinks is not None:
+            terms["sink_logits"] = [self._sink_logits(attention, layer) for layer, attention in enumerate(attentions)]
         return terms
+
+    def _sink_logits(self, attention, layer: int) -> list[float]:
+        """A layer's learned sink logits, one finite value per head; any other is an UnsupportedModelError."""
+        sinks = getattr(attention, self.spec.sinks, None)
+        values = None if sinks is None else sinks.detach().float().cpu()
+        if values is None or values.shape != (self.config.num_attention_heads,) or not bool(values.isfinite().all()):
+            found = "none" if values is None else f"shape {tuple(values.shape)}, finite: {bool(values.isfinite().all())}"
+            raise UnsupportedModelError(
+                f"layer {layer} of this {self.family} model ({type(self.model).__name__}) has sink logits "
+                f"`{self.spec.attention}.{self.spec.sinks}` ({found}) that a softmax term cannot describe: expected "
+                f"one finite logit per head ({self.config.num_attention_heads}); check the checkpoint's sinks tensors"
+            )
+        return values.tolist()
+
+    def _sliding_window(self, attention, layer: int):
+        """The layer's sliding window: the family's own rule, else the attention module's attribute, else
+        the config's window where ``layer_types`` makes the layer a sliding one (or has no layer_types)."""
+        if self.spec.sliding_window is not None:
+            return self.spec.sliding_window(attention)
+        if hasattr(attention, "sliding_window"):
+            return attention.sliding_window
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and layer_types[layer] != "sliding_attention":
+            return None
+        return getattr(self.config, "sliding_window", None)
 
     def _config_value(self, keys, default):
         for key in keys:

@@ -36,7 +36,7 @@ from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
-ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5")
+ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra")
 T5_FAMILIES = ("t5", "mt5", "umt5")
 SHARP = 0.9
 """In every layer, the median over (query, head) of the largest attention weight, for valid queries
@@ -58,12 +58,23 @@ PLACEMENTS = {
     "roberta": ("post", "layer", None, False), "distilbert": ("post", "layer", None, False),
     "bloom": ("pre", "layer", None, False), "falcon": ("pre", "layer", None, True),
     "t5": ("pre", "rms", None, False), "mt5": ("pre", "rms", None, False), "umt5": ("pre", "rms", None, False),
+    "qwen2_moe": ("pre", "rms", None, False), "qwen3_moe": ("pre", "rms", "head", False),
+    "olmoe": ("pre", "rms", "projection", False), "granitemoe": ("pre", "rms", None, False),
+    "helium": ("pre", "rms", None, False), "arcee": ("pre", "rms", None, False),
+    "ministral": ("pre", "rms", None, False), "seed_oss": ("pre", "rms", None, False),
+    "smollm3": ("pre", "rms", None, False), "olmo3": ("output", "rms", "projection", False),
+    "exaone4": ("output", "rms", "head", False), "apertus": ("pre", "rms", "head", False),
+    "glm4": ("sandwich", "rms", None, False), "nemotron": ("pre", "layer", None, False),
+    "cohere": ("pre", "layer", None, True), "cohere2": ("pre", "layer", None, True),
+    "xlm-roberta": ("post", "layer", None, False), "camembert": ("post", "layer", None, False),
+    "electra": ("post", "layer", None, False), "gpt_oss": ("pre", "rms", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
-           "gemma3_text": [WINDOW, None]}
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
+           "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
+           "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None]}
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
@@ -116,7 +127,8 @@ def eager_run(model, store):
 def terms_of(store, layer) -> dict:
     terms = ScoreTerms.of_layer(store.attrs["model"], layer)
     return {"attn_scale": terms.scale, "causal": terms.causal, "sliding_window": terms.sliding_window,
-            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias}
+            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias,
+            "sink_logits": terms.sink_logits}
 
 
 def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
@@ -214,11 +226,14 @@ def _apply_head_norm(norm, x: np.ndarray) -> np.ndarray:
 
 def assert_head_site_from_the_maps(store, eager, name, layer):
     """The stored q, k or v of `layer` is its weight map applied to attn_in, followed by the site's
-    described norm; q and k then turn by rotary embedding (identity at position 0, norms kept)."""
+    described norm; q and k then turn by rotary embedding (identity at position 0, norms kept but for
+    the attention factor of a YaRN rope, GPT-OSS's, on both)."""
     expected = _mapped(store, name, layer)
     norm = _norm_module(eager, store, name, layer)
     if norm is not None:
         expected = _apply_head_norm(norm, expected)
+    if name != "v":
+        expected = expected * getattr(getattr(eager.base_model, "rotary_emb", None), "attention_scaling", 1.0)
     stored = store[name].values[:, layer]
     if name != "v" and store.attrs["model"]["positions"] == "rotary":
         _close(stored[:, 0], expected[:, 0])
@@ -338,7 +353,7 @@ def test_norm_description_is_the_familys_placement(family):
     assert description["v_norm"] is None and description["causal"] is (model_type not in ENCODERS)
     assert set(description) <= set(MODEL_KEYS) | set(DESCRIBED[model_type].extra_config)
     gains = {norm["gain"] for norm in description["norms"]}
-    assert gains == ({"none"} if model_type == "olmo" else {"1 + weight"} if model_type.startswith("gemma") else {"weight"})
+    assert gains == ({"none"} if model_type == "olmo" else {DESCRIBED[model_type].norm_gain})
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -362,7 +377,7 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
     expected, largest = attention_float64(edited["q"][:, 1].numpy(), plain["k"][:, 1].numpy(), valid.numpy(),
                                           attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
                                           softcap=terms.softcap, alibi_slopes=terms.alibi_slopes,
-                                          relative_bias=terms.relative_bias)
+                                          relative_bias=terms.relative_bias, sink_logits=terms.sink_logits)
     np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
 
 
