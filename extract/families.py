@@ -462,10 +462,30 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
 """transformers model_type -> its family. (The project's own arithmetic transformers have their
 own hook points and adapter, in capture.py.)"""
 
+REFUSED: dict[str, str] = {
+    "deberta": "DeBERTa's disentangled attention adds content-to-position and position-to-content terms (q . r_k "
+               "and r_q . k, with learned relative position embeddings r) to q . k, which no score term describes",
+    "deberta-v2": "DeBERTa-v2/v3's disentangled attention adds content-to-position and position-to-content terms "
+                  "(q . r_k and r_q . k, with learned relative position embeddings r) to q . k, which no score term "
+                  "describes",
+    "jetmoe": "JetMoE routes each token to a few of its attention experts (mixture of attention heads), so a head's "
+              "q comes from a per-token choice of projections that one weight map per head cannot describe",
+    "longformer": "Longformer's attention mixes a sliding window with global tokens, which have their own q, k "
+                  "and v projections",
+    "big_bird": "BigBird's block-sparse attention attends to random blocks of keys",
+    "reformer": "Reformer's LSH attention attends within hash buckets and shares its q and k projection",
+    "xlnet": "XLNet's two-stream attention adds relative position and segment terms to q . k",
+}
+"""model_types whose attention is not a softmax over q . k plus the score terms the store describes, and why."""
+
+
 def family_for(model_type) -> Family:
-    """The family of a transformers model_type; an unknown one is an UnsupportedModelError."""
+    """The family of a transformers model_type; an unknown one, or one of REFUSED, is an UnsupportedModelError."""
     if model_type in FAMILIES:
         return FAMILIES[model_type]
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}; orthosphere "
+                                    "reads only models whose attention it can reproduce from the stored q and k")
     raise UnsupportedModelError(unsupported(f"model_type {model_type!r}"))
 
 

@@ -125,7 +125,12 @@ def eager_run(model, store):
 
 
 def terms_of(store, layer) -> dict:
-    terms = ScoreTerms.of_layer(store.attrs["model"], layer)
+    return reference_terms(store.attrs["model"], layer)
+
+
+def reference_terms(description: dict, layer) -> dict:
+    """A layer's score terms from a model description, as attention_float64's keywords."""
+    terms = ScoreTerms.of_layer(description, layer)
     return {"attn_scale": terms.scale, "causal": terms.causal, "sliding_window": terms.sliding_window,
             "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias,
             "sink_logits": terms.sink_logits}
@@ -410,3 +415,47 @@ def test_error_messages_name_files_that_exist():
     capture_source = (root / "extract" / "capture.py").read_text()
     named += re.findall(r'"([\w/]+\.py) \(module', capture_source)
     assert named and all((root / path).is_file() for path in named), named
+
+
+@pytest.mark.parametrize("model_type, reason", [("deberta-v2", "content-to-position"), ("deberta", "content-to-position"),
+                                                ("jetmoe", "attention experts"), ("xlnet", "two-stream")])
+def test_families_whose_score_the_store_cannot_describe_are_refused_with_the_reason(model_type, reason):
+    from orthosphere.errors import UnsupportedModelError
+    from orthosphere.extract.families import family_for
+
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}' is not supported: .*{reason}"):
+        family_for(model_type)
+
+
+def test_gpt_oss_sinks_are_described_and_take_their_share_of_the_attention():
+    """The description's sink logits are the model's, and the attention without them is not the model's:
+    the score term is needed (and test_stored_q_k_with_the_score_terms_are_the_models_eager_attention shows
+    it suffices)."""
+    model = tiny_model("gpt_oss")
+    adapter = adapter_for(model)
+    sinks = adapter.describe()["score"]["sink_logits"]
+    for layer in range(2):
+        assert sinks[layer] == model.model.layers[layer].self_attn.sinks.tolist()
+    tokens = torch.tensor([[4, 5, 7, 6, 9, 8, 10, 11, 12, 5]])
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), adapter.capture(["q", "k", "pattern"]) as recording:
+        adapter.forward(tokens, valid)
+        captured = recording.take()
+    terms = reference_terms(adapter.describe(), 0)
+    without = {**terms, "sink_logits": None}
+    q, k = captured["q"][:, 0].numpy(), captured["k"][:, 0].numpy()
+    with_sinks, _ = attention_float64(q, k, valid.numpy(), **terms)
+    plain, _ = attention_float64(q, k, valid.numpy(), **without)
+    pattern = captured["pattern"][:, 0].double().numpy()
+    assert np.abs(pattern - plain).max() > 0.1
+    np.testing.assert_allclose(pattern, with_sinks, rtol=0, atol=1e-4)
+
+
+def test_a_gpt_oss_whose_sinks_are_not_finite_is_refused_naming_the_layer():
+    from orthosphere.errors import UnsupportedModelError
+
+    model = tiny_model("gpt_oss")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.sinks[2] = float("nan")
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 of this gpt_oss model .*self_attn.sinks.*one finite logit per head"):
+        adapter_for(model)
