@@ -20,8 +20,9 @@ pattern, and the replay perturbs exactly its score, passing the norm factors of 
 - ``sink``: GPT-OSS's learned sink logit of head h, a key every query sees whose value is
   zero: it takes its share of the softmax and leaves the keys' attention summing to less than 1
   (absent: exp(sink_h) = 0, the plain softmax);
-- allowed keys: valid (not padding), j <= i when causal, and i - j < window when the layer has a
-  sliding window (transformers' convention, positions counted in the padded sequence).
+- allowed keys: valid (not padding), j <= i when causal, and |i - j| < window when the layer has a
+  sliding window (transformers' convention, positions counted in the padded sequence; two-sided
+  in a bidirectional model, ModernBERT's local layers).
 
 Stores written before the score terms were stored hold only ``attn_scale`` and ``causal``:
 their terms are those alone. ``store_attention`` gives the attention lazily for a whole store,
@@ -106,7 +107,7 @@ def allowed_keys(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
     if terms.causal:
         reach &= offset >= 0
     if terms.sliding_window is not None:
-        reach &= offset < terms.sliding_window
+        reach &= np.abs(offset) < terms.sliding_window
     return allowed & reach
 
 

@@ -249,12 +249,13 @@ class Adapter:
 
     def _scale_sources(self) -> dict[str, dict[int, ScaleSource]]:
         """Per norm-factor site that the model provides, per layer, where it is read: norm_scale from
-        the Pre-Norm, else (Post-Norm) from the norm on the previous block's residual (layer 0: the
-        embedding norm, or none); q_norm_scale and k_norm_scale from the norms on q and k."""
+        the Pre-Norm (where a layer's is the identity, ModernBERT's first, from the embedding norm whose
+        output it passes on), else (Post-Norm) from the norm on the previous block's residual (layer 0:
+        the embedding norm, or none); q_norm_scale and k_norm_scale from the norms on q and k."""
         norms, layers = {norm.site: norm for norm in self.norms()}, range(self.n_layers)
         sources = {}
         if "attn_input" in norms:
-            sources["norm_scale"] = {layer: self._scale_source(norms["attn_input"], layer) for layer in layers}
+            sources["norm_scale"] = {layer: self._input_norm_source(norms, layer) for layer in layers}
         elif "resid_post" in norms:
             first = self._scale_source(norms["embedding"], 0) if "embedding" in norms else NO_NORM
             sources["norm_scale"] = {layer: self._scale_source(norms["resid_post"], layer - 1) if layer else first
@@ -263,6 +264,11 @@ class Adapter:
             if name in norms:
                 sources[f"{name}_norm_scale"] = {layer: self._scale_source(norms[name], layer) for layer in layers}
         return sources
+
+    def _input_norm_source(self, norms: dict, layer: int) -> ScaleSource:
+        if not isinstance(self._norm_module(norms["attn_input"], layer), nn.Identity):
+            return self._scale_source(norms["attn_input"], layer)
+        return self._scale_source(norms["embedding"], 0) if layer == 0 and "embedding" in norms else NO_NORM
 
     def _scale_source(self, norm: Norm, layer: int) -> ScaleSource:
         module = self._norm_module(norm, layer)

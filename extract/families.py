@@ -109,8 +109,11 @@ class Family:
     """The class without a task head (encoders), loaded when a checkpoint lacks the head's tensors
     (its stores hold no ``pred``); paths then lose the head class's base-model prefix."""
     relative_bias: Callable | None = None
-    """(attention modules) -> the learned relative position bias of each layer's score (T5), in the
-    form of ``relative_position_bias``."""
+    """(model, attention modules) -> the learned relative position bias of each layer's score (T5, MPNet),
+    in the form of ``_t5_relative_bias``'s."""
+    scale_of: Callable | None = None
+    """(attention module) -> its scale, where the module's ``scaling`` (``inv_norm_factor`` on the
+    projection route: Bloom's, Falcon's) does not hold it."""
     sinks: str | None = None
     """The attention module's parameter of learned per-head sink logits that the softmax's denominator
     adds (GPT-OSS's ``sinks``), recorded as the score term ``sink_logits``."""
@@ -259,7 +262,7 @@ def _refuse_falcon(config):
     return None
 
 
-def _t5_relative_bias(attentions) -> dict:
+def _t5_relative_bias(model, attentions) -> dict:
     """Each layer's learned relative position bias as a table by key offset j - i from -D to D (D
     past the last distance bucket, so the table's ends hold for every farther key): computed with
     the module's own ``compute_bias``; a layer without its own bias reuses the last one (T5 passes
@@ -268,25 +271,45 @@ def _t5_relative_bias(attentions) -> dict:
     tables, table_of_layer = [], []
     for attention in attentions:
         if attention.has_relative_attention_bias:
-            tables.append(_bias_by_offset(attention, max_offset))
+            tables.append(_bias_by_offset(lambda n, module=attention: module.compute_bias(n, n), type(attention).__name__,
+                                          max_offset))
         if not tables:
             raise UnsupportedModelError("T5-style model whose first layer has no relative position bias")
         table_of_layer.append(len(tables) - 1)
     return {"max_offset": max_offset, "tables": [table.tolist() for table in tables], "table_of_layer": table_of_layer}
 
 
-def _bias_by_offset(attention, max_offset: int) -> np.ndarray:
-    """(head, 2 * max_offset + 1) float32 bias of key offsets -max_offset..max_offset, checked to
-    stay at its ends for offsets up to twice as far."""
+MPNET_MAX_DISTANCE = 128
+"""The distance past which MPNet's relative position buckets (``relative_position_bucket``'s default) stop changing."""
+
+
+def _mpnet_relative_bias(model, attentions) -> dict:
+    """MPNet's relative position bias, computed once by its encoder and shared by every layer, as
+    one table by key offset (see ``_t5_relative_bias``)."""
+    import torch
+
+    encoder = model.base_model.encoder
+    max_offset = MPNET_MAX_DISTANCE + 1
+
+    def bias(n_pos):
+        return encoder.compute_position_bias(torch.zeros(1, n_pos, 1, device=encoder.relative_attention_bias.weight.device))
+
+    table = _bias_by_offset(bias, "MPNet's encoder", max_offset)
+    return {"max_offset": max_offset, "tables": [table.tolist()], "table_of_layer": [0] * len(attentions)}
+
+
+def _bias_by_offset(bias_of, name: str, max_offset: int) -> np.ndarray:
+    """(head, 2 * max_offset + 1) float32 bias of key offsets -max_offset..max_offset, from
+    ``bias_of(n_pos)`` (1, head, n_pos, n_pos), checked to stay at its ends for offsets up to twice as far."""
     import torch
 
     far = 2 * max_offset
     with torch.no_grad():
-        row = attention.compute_bias(2 * far + 1, 2 * far + 1)[0, :, far, :].float().cpu().numpy()
+        row = bias_of(2 * far + 1)[0, :, far, :].float().cpu().numpy()
     inner = row[:, far - max_offset: far + max_offset + 1]
     if not (np.all(row[:, : far - max_offset] == inner[:, :1]) and np.all(row[:, far + max_offset:] == inner[:, -1:])):
-        raise UnsupportedModelError(f"relative position bias of {type(attention).__name__} changes beyond key offset "
-                                    f"{max_offset}: expected T5's buckets, constant past relative_attention_max_distance")
+        raise UnsupportedModelError(f"relative position bias of {name} changes beyond key offset {max_offset}: "
+                                    "expected buckets that are constant past their largest distance")
     return inner
 
 
@@ -455,6 +478,19 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _bert_like("camembert", "CamembertForMaskedLM", "roberta", "CamembertModel", "CamemBERT"),
     replace(_bert_like("electra", "ElectraForMaskedLM", "electra", "ElectraModel", "ELECTRA"), norms=_electra_norms),
     _llama_like("gpt_oss", "GptOssForCausalLM", sinks="sinks"),
+    Family("mpnet", "MPNetForMaskedLM", "mpnet.encoder.layer", "attention.attn",
+           Projections("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o"),
+           mid="output:attention", causal=False, positions="relative", route="projection", base_class="MPNetModel",
+           norms=(Norm("embedding", "mpnet.embeddings.LayerNorm"), Norm("resid_mid", "attention.LayerNorm"),
+                  Norm("resid_post", "output.LayerNorm")),
+           relative_bias=_mpnet_relative_bias, scale_of=lambda attention: attention.attention_head_size**-0.5),
+    Family("modernbert", "ModernBertForMaskedLM", "model.layers", "attn",
+           Projections("attn.Wqkv", "attn.Wqkv", "attn.Wqkv", "attn.Wo", layout="concat"),
+           mid="input:mlp_norm", causal=False, base_class="ModernBertModel",
+           norms=(Norm("embedding", "model.embeddings.norm"), Norm("attn_input", "attn_norm"),
+                  Norm("mlp_input", "mlp_norm"), Norm("final", "model.final_norm")),
+           scale_of=lambda attention: attention.head_dim**-0.5,
+           extra_config=("global_attn_every_n_layers", "local_attention")),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

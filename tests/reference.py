@@ -15,7 +15,7 @@ def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_w
     """The attention pattern (..., head, qpos, kpos) in float64 from q (..., pos, head, d_head) and
     k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores. The optional
     terms follow transformers: softcap * tanh(score / softcap); key j allowed for query i when
-    i - j < sliding_window; ALiBi adds slope_h * (number of valid tokens before j); relative_bias
+    |i - j| < sliding_window; ALiBi adds slope_h * (number of valid tokens before j); relative_bias
     (head, 2D + 1), T5's, adds row h's entry D + (j - i), its end entries for farther keys; sink_logits
     (head,), GPT-OSS's, add exp(sink_h) to the softmax's denominator."""
     q = np.swapaxes(np.asarray(q, np.float64), -2, -3)
@@ -40,7 +40,7 @@ def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_w
     if causal:
         allowed = allowed & (j <= i)
     if sliding_window is not None:
-        allowed = allowed & (i - j < sliding_window)
+        allowed = allowed & (np.abs(i - j) < sliding_window)
     largest = float(np.abs(np.where(allowed, scores, 0.0)).max())
     scores = np.where(allowed, scores, -np.inf)
     peak = scores.max(-1, keepdims=True)

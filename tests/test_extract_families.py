@@ -33,10 +33,10 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
+from tests.tiny_families import FAMILIES, MODERNBERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
-ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra")
+ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert")
 T5_FAMILIES = ("t5", "mt5", "umt5")
 SHARP = 0.9
 """In every layer, the median over (query, head) of the largest attention weight, for valid queries
@@ -68,12 +68,14 @@ PLACEMENTS = {
     "cohere": ("pre", "layer", None, True), "cohere2": ("pre", "layer", None, True),
     "xlm-roberta": ("post", "layer", None, False), "camembert": ("post", "layer", None, False),
     "electra": ("post", "layer", None, False), "gpt_oss": ("pre", "rms", None, False),
+    "mpnet": ("post", "layer", None, False), "modernbert": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
            "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
-           "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None]}
+           "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
+           "modernbert": [None, MODERNBERT_HALF_WINDOW + 1]}
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]

@@ -15,9 +15,13 @@ from tests.test_extract_models import VOCAB
 
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
 T5_DISTANCE = 6
+MODERNBERT_HALF_WINDOW = 2
+"""ModernBERT's local layers see keys up to this far on either side (local_attention = twice it)."""
 SHARPEN = 5.0
 """q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
 logits of order 10 and more."""
+RELATIVE_BIAS_STD = 3.0
+"""MPNet's relative position bias drawn with this standard deviation (its init's 0.02 would hide it)."""
 SINK_STD = 3.0
 """GPT-OSS's sink logits drawn with this standard deviation: of the order of the smaller logits."""
 EMBEDDING_STD = 1.0
@@ -118,6 +122,10 @@ def family_configs() -> dict:
         "gpt_oss": ("GptOssConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, num_local_experts=4,
                                                  num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"]),
                     "GptOssForCausalLM"),
+        "mpnet": ("MPNetConfig", _bert_sizes(max_position_embeddings=70), "MPNetForMaskedLM"),
+        "modernbert": ("ModernBertConfig", _bert_sizes(local_attention=2 * MODERNBERT_HALF_WINDOW,
+                                                       global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2),
+                       "ModernBertForMaskedLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
@@ -136,8 +144,9 @@ def tiny_config(model_type: str, **overrides):
     return getattr(transformers, config_class)(**(options | overrides), **ids, tie_word_embeddings=False)
 
 
-SHARPENED = ("q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
-             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.")
+SHARPENED = ("Wqkv", "q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
+             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.", "attn.q.",
+             "attn.k.")
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
@@ -162,6 +171,8 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                     parameter.mul_(SHARPEN)
                 else:
                     parameter.normal_(0.0, SHARPEN / D_MODEL**0.5)
+            if name.endswith("encoder.relative_attention_bias.weight") and model_type == "mpnet":
+                parameter.normal_(0.0, RELATIVE_BIAS_STD)  # MPNet's bias, of the order of the logits
             if name.endswith("self_attn.sinks"):  # GPT-OSS: sinks that take a share of the softmax where logits are small
                 parameter.normal_(0.0, SINK_STD)
             if "SelfAttention.q." in name:  # T5 scores with 1 and folds 1/sqrt(d_head) into W_Q, as its init does
