@@ -15,7 +15,9 @@ description records it.
   of ``families.py``) with safetensors weights, loaded with its language-model head; an encoder
   checkpoint without its head (and T5, read as its encoder) is loaded without one, and its store
   holds no ``pred``. A checkpoint that lacks any other tensor the model needs is refused (never
-  silently random-initialised).
+  silently random-initialised). A sentence-transformers directory is such a checkpoint (its
+  body's weights without the base model's prefix, no head); one whose transformer module sits in
+  a subfolder (``modules.json`` naming it, as older ones' ``0_Transformer/``) is read from there.
 - A ``.gguf`` file of an architecture that transformers reads from GGUF and whose model_type is a
   family (``gguf_architectures()``, derived from transformers and the gguf package at run time):
   loaded by transformers (``gguf_file=``) as that family's language-model class, dequantised to
@@ -50,6 +52,7 @@ from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 GGUF_MAGIC = b"GGUF"
+SENTENCE_TRANSFORMERS_MODULES = "modules.json"
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -296,6 +299,7 @@ def load_source(path, device: str = "auto", model_dtype: str | None = None) -> L
                               "to float32; leave --model-dtype out (or convert the model to safetensors)")
         loaded = _load_gguf(path, device)
     else:
+        path = _model_directory(path)
         config = _read_config(path)
         if config.get("family") == "arithmetic":
             loaded = _load_arithmetic(path, device, dtype)
@@ -335,6 +339,27 @@ def from_model(model, tokenizer=None, device: str = "auto") -> LoadedModel:
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == GGUF_MAGIC
+
+
+def _model_directory(directory: Path) -> Path:
+    """The folder holding the model's config.json: `directory`, or, for a sentence-transformers
+    directory without one, the folder of the transformer module its modules.json names."""
+    modules_file = directory / SENTENCE_TRANSFORMERS_MODULES
+    if (directory / CONFIG_FILE).is_file() or not modules_file.is_file():
+        return directory
+    try:
+        modules = json.loads(modules_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{modules_file} is not valid JSON ({error}): expected sentence-transformers' module list") from None
+    paths = [module.get("path", "") for module in modules if isinstance(module, dict)
+             and str(module.get("type", "")).endswith(".Transformer")] if isinstance(modules, list) else []
+    if len(paths) != 1:
+        raise ConfigError(
+            f"sentence-transformers directory {directory} has no {CONFIG_FILE} and its {SENTENCE_TRANSFORMERS_MODULES} "
+            f"names {len(paths)} Transformer modules: expected one (sentence_transformers.models.Transformer), whose "
+            "folder holds the model; give that folder"
+        )
+    return directory / paths[0]
 
 
 def _read_config(directory: Path) -> dict:
