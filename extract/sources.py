@@ -502,12 +502,18 @@ GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 """GGUF architectures that transformers reads as another model_type: the text model of a multimodal
 one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
 
+GGUF_FILE_ARCHITECTURE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+"""transformers' names of GGUF architectures that llama.cpp's files (and the gguf package) spell otherwise."""
+
 
 GGUF_MISREAD = dict.fromkeys(("t5", "umt5"), (
     "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
     "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
-    "mT5, UMT5: gated GELU), so its activations would not be the model's"))
-"""model_types whose GGUF files transformers reads as another model than the file's, and why."""
+    "mT5, UMT5: gated GELU), so its activations would not be the model's")) | {
+    "gpt_oss": ("transformers' GGUF reader maps GPT-OSS's expert tensors (llama.cpp's ffn_gate_exps, ffn_up_exps, "
+                "ffn_down_exps) to none of GptOssForCausalLM's fused mlp.experts tensors, so its experts would keep "
+                "random weights; load GPT-OSS from its safetensors directory")}
+"""model_types whose GGUF files transformers does not read as the file's model, and why."""
 
 
 def gguf_architectures() -> dict[str, str]:
@@ -518,7 +524,8 @@ def gguf_architectures() -> dict[str, str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     named = set(gguf.MODEL_ARCH_NAMES.values())
-    model_types = {name: GGUF_READ_AS.get(name, name) for name in GGUF_SUPPORTED_ARCHITECTURES if name in named}
+    model_types = {GGUF_FILE_ARCHITECTURE.get(name, name): GGUF_READ_AS.get(name, name)
+                   for name in GGUF_SUPPORTED_ARCHITECTURES if GGUF_FILE_ARCHITECTURE.get(name, name) in named}
     return {name: model_type for name, model_type in model_types.items()
             if model_type in FAMILIES and model_type not in GGUF_MISREAD}
 
@@ -622,12 +629,20 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
     model_class = _model_class(model_type)
     model, info = model_class.from_pretrained(
         path.parent, gguf_file=path.name, config=config, local_files_only=True, trust_remote_code=False,
-        dtype=torch.float32, output_loading_info=True,
+        dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
     )
     missing = sorted(info["missing_keys"])
     if missing:
         raise _incomplete(path, model_class, missing, "give a GGUF file converted by llama.cpp's "
                           "convert_hf_to_gguf.py with every tensor")
+    if info["mismatched_keys"]:
+        key, in_file, expected = sorted(info["mismatched_keys"])[0]
+        raise ConfigError(
+            f"GGUF file {path}: tensor {key} has the shape {tuple(in_file)} in the file but {model_class.__name__} "
+            f"expects {tuple(expected)} ({len(info['mismatched_keys'])} tensor(s) differ): transformers takes the sizes "
+            "the file's metadata does not state (for Qwen2-MoE and Qwen3-MoE, the experts' widths) from its config "
+            "defaults, which this model does not have; convert the model to safetensors instead"
+        )
     adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])
