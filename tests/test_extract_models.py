@@ -236,11 +236,31 @@ def _gguf_tensors(names, parameter: str, tensor: np.ndarray, config) -> list[tup
     return [(gguf_name, _gguf_tensor(gguf_name, tensor, config))]
 
 
+RAW_BYTE_LIMIT = 0x3C
+"""Bytes of the quantised blocks drawn below it where the gguf package cannot quantise a type: every
+half-precision scale then lies in [0, 1), every byte scale far below 1, so the values are finite and small."""
+
+
+def quantised(data: np.ndarray, quantisation) -> np.ndarray:
+    """`data` stored as `quantisation` (a GGMLQuantizationType), as bytes: the gguf package's quantiser
+    where it has one, else random blocks (RAW_BYTE_LIMIT), which gguf dequantises all the same."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(data.astype(np.float32), quantisation)
+    except NotImplementedError:
+        rows, width = data.shape
+        block, block_bytes = gguf.GGML_QUANT_SIZES[quantisation]
+        rng = np.random.default_rng(int(quantisation))
+        return rng.integers(0, RAW_BYTE_LIMIT, (rows, width // block * block_bytes), dtype=np.uint8)
+
+
 def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | None = None, name: str = "orthosphere-tiny",
-               tensor_dtype=np.float32):
+               tensor_dtype=np.float32, storage=None):
     """A GGUF of `model` (from gguf_model) with a byte-level BPE tokenizer, written the way llama.cpp's
     converter does; `architecture` and `name` replace the general.architecture and general.name written,
-    `tensor_dtype` the weights' storage type (for refusals)."""
+    `tensor_dtype` the weights' storage type (for refusals), and `storage`, a function of a tensor's
+    GGUF name, the quantisation type of each tensor (None: `tensor_dtype`; see quantised)."""
     import gguf
 
     config = model.config
@@ -260,7 +280,12 @@ def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | Non
             continue
         for gguf_name, stored in _gguf_tensors(names, parameter, tensor.double().numpy(), config):
             if gguf_name not in written:
-                writer.add_tensor(gguf_name, np.ascontiguousarray(stored, dtype=tensor_dtype))
+                data = np.ascontiguousarray(stored, dtype=tensor_dtype)
+                quantisation = None if storage is None else storage(gguf_name)
+                if quantisation is None:
+                    writer.add_tensor(gguf_name, data)
+                else:
+                    writer.add_tensor(gguf_name, quantised(data, quantisation), raw_dtype=quantisation)
                 written.add(gguf_name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -539,6 +564,62 @@ def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architect
     path = write_gguf(tmp_path / f"{architecture}.gguf", gguf_model(), architecture=architecture)
     with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture '{architecture}': {why}.*{ACCEPTED}"):
         load_source(path, device="cpu")
+
+
+def dequantisable_types() -> list:
+    """Every tensor type the gguf package dequantises (one block of each tried)."""
+    import gguf
+
+    types = []
+    for quantisation in gguf.GGMLQuantizationType:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[quantisation]
+        try:
+            gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), quantisation)
+        except NotImplementedError:
+            continue
+        types.append(quantisation)
+    return types
+
+
+UNPERMUTED = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+"""GGUF tensors of a Llama block that transformers reads as they are (attn_q and attn_k it permutes back)."""
+
+
+def test_a_gguf_mixing_every_tensor_type_the_gguf_package_dequantises_loads_each_as_gguf_dequantises_it(tmp_path):
+    """One Llama file whose tensors use every type the gguf package dequantises (26 with gguf 0.19): the
+    types of 256-value blocks on the feed-forward's down projections (256 wide), one a layer, the others
+    in turn on every other matrix; each is the model's tensor exactly as gguf dequantises it."""
+    import gguf
+
+    types = dequantisable_types()
+    wide = [t for t in types if gguf.GGML_QUANT_SIZES[t][0] > SIZES["d_model"]]
+    narrow = [t for t in types if t not in wide]
+    matrices = iter(range(10**6))
+
+    def storage(name):
+        if name.endswith("norm.weight"):
+            return None  # vectors stay float32, as llama.cpp keeps them
+        if name.endswith("ffn_down.weight"):
+            return wide[int(name.split(".")[1])]
+        return narrow[next(matrices) % len(narrow)]
+
+    model = gguf_model("llama", num_hidden_layers=len(wide), intermediate_size=256)
+    path = write_gguf(tmp_path / "mixed.gguf", model, storage=storage)
+    reader = gguf.GGUFReader(path)
+    assert {tensor.tensor_type for tensor in reader.tensors} == set(types)
+    loaded = load_source(path, device="cpu").adapter.model
+    compared = set()
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.<layer>.<kind>.weight
+        if parts[0] == "blk" and parts[2] in UNPERMUTED:
+            parameter = loaded.get_parameter(f"model.layers.{parts[1]}.{UNPERMUTED[parts[2]]}.weight")
+            expected = torch.tensor(gguf.dequantize(tensor.data, tensor.tensor_type).reshape(parameter.shape))
+            assert torch.equal(parameter, expected.float()), tensor.name
+            compared.add(tensor.tensor_type)
+    assert compared == set(types)
+    with torch.no_grad():
+        assert torch.isfinite(loaded(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
 
 
 def test_a_gguf_whose_tensors_differ_from_the_sizes_transformers_assumes_is_refused(tmp_path):
