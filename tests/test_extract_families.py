@@ -461,3 +461,16 @@ def test_a_gpt_oss_whose_sinks_are_not_finite_is_refused_naming_the_layer():
         model.model.layers[1].self_attn.sinks[2] = float("nan")
     with pytest.raises(UnsupportedModelError, match=r"layer 1 of this gpt_oss model .*self_attn.sinks.*one finite logit per head"):
         adapter_for(model)
+
+
+@pytest.mark.parametrize("sinks", [[[0.0] * 4], [[0.0] * 3, [0.0] * 3], [[0.0, 1.0, float("inf"), 2.0]] * 2, "sinks"],
+                         ids=["one-layer", "three-heads", "not-finite", "not-numbers"])
+def test_malformed_sink_logits_are_refused(sinks):
+    from orthosphere.store.errors import StoreError
+    from orthosphere.store.schema import check_model
+
+    score = {"scale": [0.5, 0.5], "sliding_window": [None, None], "softcap": [None, None], "alibi_slopes": None,
+             "sink_logits": sinks}
+    model = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 4, "d_head": 8, "score": score}
+    with pytest.raises(StoreError, match=r"score.sink_logits=.*expected per layer \(2\) one finite sink logit per head \(4\)"):
+        check_model(model)
