@@ -221,6 +221,7 @@ class HuggingFaceAdapter(Adapter):
         attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
 
     def _ask_pattern(self, layer):
+        """A pre-hook asking an attention module that returns its pattern only on request (MPNet) for it."""
         def hook(module, args, kwargs):
             trace = active(self)
             if trace is not None and trace.recording is not None and trace.recording.wants("pattern", layer):

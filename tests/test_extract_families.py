@@ -474,3 +474,21 @@ def test_malformed_sink_logits_are_refused(sinks):
     model = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 4, "d_head": 8, "score": score}
     with pytest.raises(StoreError, match=r"score.sink_logits=.*expected per layer \(2\) one finite sink logit per head \(4\)"):
         check_model(model)
+
+
+@pytest.mark.parametrize("model_type, change, term", [
+    ("gpt_oss", lambda model: model.model.layers[1].self_attn.sinks.add_(1.0), "sink_logits"),
+    ("mpnet", lambda model: model.mpnet.encoder.relative_attention_bias.weight.add_(1.0), "relative_bias"),
+])
+def test_a_score_term_that_no_longer_matches_the_description_is_refused(model_type, change, term):
+    """The description is read once; a forward pass whose attention is called with other sink logits or
+    another relative position bias (weights changed since) is refused, not recorded."""
+    from orthosphere.errors import UnsupportedModelError
+
+    model = tiny_model(model_type)
+    adapter = adapter_for(model)
+    with torch.no_grad():
+        change(model)
+    tokens = torch.tensor([[4, 5, 7, 6, 9, 8]])
+    with torch.no_grad(), adapter.capture(["q"]), pytest.raises(UnsupportedModelError, match=rf"attends with .*'{term}'"):
+        adapter.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
