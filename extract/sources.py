@@ -468,8 +468,12 @@ def _from_pretrained(model_class, directory: Path, dtype: torch.dtype):
         options["add_pooling_layer"] = False
     model, info = model_class.from_pretrained(
         directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
-        output_loading_info=True, **options,
+        output_loading_info=True, ignore_mismatched_sizes=True, **options,
     )
+    if info["mismatched_keys"]:
+        raise _mismatched(directory, model_class, info["mismatched_keys"],
+                          "the checkpoint does not match its config.json (a mixture of experts lacking an expert's "
+                          "tensors, for one); give a complete checkpoint")
     return model, sorted(info["missing_keys"])
 
 
@@ -478,6 +482,15 @@ def _incomplete(source: Path, model_class, missing: list[str], advice: str = "gi
     return ConfigError(
         f"checkpoint {source} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
         f"{missing[:3]}: the model would run with random weights there; {advice}"
+    )
+
+
+def _mismatched(source: Path, model_class, mismatched, why: str) -> ConfigError:
+    """The refusal of a checkpoint (directory or GGUF file) whose tensors have other shapes than the model's."""
+    key, in_file, expected = sorted(mismatched)[0]
+    return ConfigError(
+        f"checkpoint {source}: tensor {key} has the shape {tuple(in_file)} there but {model_class.__name__} expects "
+        f"{tuple(expected)} ({len(mismatched)} tensor(s) differ; the model would run with random weights there): {why}"
     )
 
 
@@ -636,13 +649,10 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
         raise _incomplete(path, model_class, missing, "give a GGUF file converted by llama.cpp's "
                           "convert_hf_to_gguf.py with every tensor")
     if info["mismatched_keys"]:
-        key, in_file, expected = sorted(info["mismatched_keys"])[0]
-        raise ConfigError(
-            f"GGUF file {path}: tensor {key} has the shape {tuple(in_file)} in the file but {model_class.__name__} "
-            f"expects {tuple(expected)} ({len(info['mismatched_keys'])} tensor(s) differ): transformers takes the sizes "
-            "the file's metadata does not state (for Qwen2-MoE and Qwen3-MoE, the experts' widths) from its config "
-            "defaults, which this model does not have; convert the model to safetensors instead"
-        )
+        raise _mismatched(path, model_class, info["mismatched_keys"],
+                          "transformers takes the sizes the file's metadata does not state (for Qwen2-MoE and "
+                          "Qwen3-MoE, the experts' widths) from its config defaults, which this model does not have; "
+                          "convert the model to safetensors instead")
     adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])

@@ -492,3 +492,21 @@ def test_a_score_term_that_no_longer_matches_the_description_is_refused(model_ty
     tokens = torch.tensor([[4, 5, 7, 6, 9, 8]])
     with torch.no_grad(), adapter.capture(["q"]), pytest.raises(UnsupportedModelError, match=rf"attends with .*'{term}'"):
         adapter.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+
+
+def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
+    """A Qwen2-MoE directory without one expert's tensor (stored one per expert, fused on loading) would run
+    with a random expert: refused, naming the fused tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from orthosphere.extract.model import ConfigError
+    from orthosphere.extract.sources import load_source
+
+    directory = tmp_path / "qwen2_moe"
+    tiny_model("qwen2_moe").save_pretrained(directory, safe_serialization=True)
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.0.down_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"tensor model.layers.1.mlp.experts.down_proj has the shape \(3, 32, 16\) "
+                                          r"there but Qwen2MoeForCausalLM expects \(4, 32, 16\).*lacking an expert"):
+        load_source(directory, device="cpu")

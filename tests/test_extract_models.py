@@ -626,8 +626,8 @@ def test_a_gguf_whose_tensors_differ_from_the_sizes_transformers_assumes_is_refu
     """transformers reads no expert width from a Qwen2-MoE GGUF (it keeps its defaults): a model with
     other widths is refused, naming the file and a tensor, not run with random experts."""
     path = write_gguf(tmp_path / "narrow-experts.gguf", gguf_model("qwen2_moe", moe_intermediate_size=16))
-    with pytest.raises(ConfigError, match=rf"GGUF file {path}: tensor model.layers.\d.mlp.\S+ has the shape .* in the "
-                                          r"file but Qwen2MoeForCausalLM expects .*config defaults"):
+    with pytest.raises(ConfigError, match=rf"checkpoint {path}: tensor model.layers.\d.mlp.\S+ has the shape .* there "
+                                          r"but Qwen2MoeForCausalLM expects .*config defaults"):
         load_source(path, device="cpu")
 
 
