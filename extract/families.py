@@ -16,10 +16,13 @@ Routes (how q, k, v are reached as they enter the score):
 - ``interface``: the family calls transformers' attention interface, which hands the
   registered function "orthosphere" q, k, v after projection, rotary embedding and any
   QK-norm (``interface.py``);
-- ``projection``: the family computes attention itself without the interface (Bloom, Falcon), so
-  q, k, v are the fused projection's output, split by its layout, with rotary embedding applied
-  by the family's own function to the cos and sin the attention module receives (Falcon), and
-  the pattern is the attention module's second output (eager attention).
+- ``projection``: the family computes attention itself without the interface (Bloom, Falcon, MPNet),
+  so q, k, v are the projections' outputs (a fused one split by its layout), with rotary embedding
+  applied by the family's own function to the cos and sin the attention module receives (Falcon),
+  and the pattern is the attention module's second output (eager attention; asked for where the
+  module returns it only on request, MPNet).
+
+Families whose score no term describes are refused with the reason (``REFUSED``).
 """
 from __future__ import annotations
 
