@@ -8,7 +8,7 @@ pattern, and the replay perturbs exactly its score, passing the norm factors of 
 (``BlockAttention.scores``). For query position i and key position j of head h:
 
     score = softcap(scale * q_i . k_j) + alibi_h(i, j) + relative_h(j - i),
-    attention = softmax_j over allowed j
+    attention_j = exp(score_j) / (sum over allowed j' of exp(score_j') + exp(sink_h))
 
 - ``scale``: the layer's multiplier of q . k (1/sqrt(d_head), Granite's attention_multiplier,
   Gemma's query_pre_attn_scalar^-1/2, GPT-2's per-layer scale_attn_by_inverse_layer_idx ...);
@@ -17,8 +17,12 @@ pattern, and the replay perturbs exactly its score, passing the norm factors of 
   softmax cannot tell it from the model's slope_h * p_j;
 - ``relative``: T5's learned relative position bias, a table of head h's bias by key offset
   j - i (positions in the padded sequence) from -D to D, whose ends hold for every farther key;
-- allowed keys: valid (not padding), j <= i when causal, and i - j < window when the layer has a
-  sliding window (transformers' convention, positions counted in the padded sequence).
+- ``sink``: GPT-OSS's learned sink logit of head h, a key every query sees whose value is
+  zero: it takes its share of the softmax and leaves the keys' attention summing to less than 1
+  (absent: exp(sink_h) = 0, the plain softmax);
+- allowed keys: valid (not padding), j <= i when causal, and |i - j| < window when the layer has a
+  sliding window (transformers' convention, positions counted in the padded sequence; two-sided
+  in a bidirectional model, ModernBERT's local layers).
 
 Stores written before the score terms were stored hold only ``attn_scale`` and ``causal``:
 their terms are those alone. ``store_attention`` gives the attention lazily for a whole store,
@@ -50,6 +54,8 @@ class ScoreTerms:
     alibi_slopes: tuple[float, ...] | None = None
     relative_bias: tuple[tuple[float, ...], ...] | None = None
     """(head, 2D + 1) bias by key offset j - i from -D to D (T5), or None."""
+    sink_logits: tuple[float, ...] | None = None
+    """One learned sink logit per head in the softmax's denominator (GPT-OSS), or None."""
 
     @property
     def has_bias(self) -> bool:
@@ -75,7 +81,12 @@ class ScoreTerms:
             sliding_window=None if window is None else int(window), softcap=None if softcap is None else float(softcap),
             alibi_slopes=None if slopes is None else tuple(float(s) for s in slopes[layer]),
             relative_bias=_relative_table(score.get("relative_bias"), layer),
+            sink_logits=None if score.get("sink_logits") is None else tuple(float(s) for s in score["sink_logits"][layer]),
         )
+
+    def sink_column(self) -> np.ndarray | None:
+        """The sink logits as a float32 (head, 1) column, which broadcasts over (sample, head, qpos); None without."""
+        return None if self.sink_logits is None else np.asarray(self.sink_logits, np.float32)[:, None]
 
 
 def _relative_table(relative: dict | None, layer: int) -> tuple[tuple[float, ...], ...] | None:
@@ -96,7 +107,7 @@ def allowed_keys(valid: np.ndarray, terms: ScoreTerms) -> np.ndarray:
     if terms.causal:
         reach &= offset >= 0
     if terms.sliding_window is not None:
-        reach &= offset < terms.sliding_window
+        reach &= np.abs(offset) < terms.sliding_window
     return allowed & reach
 
 
@@ -210,12 +221,17 @@ class KeyMajorScores:
         return scaled
 
     def softmax(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Attention over keys (axis 0) from ``scores``, in place; also the score maxima and the
-        softmax denominators (sample, head, qpos), inf for a query that may see no key."""
+        """Attention over keys (axis 0) from ``scores``, in place; also the score maxima over the keys
+        and the softmax denominators relative to them (sample, head, qpos: the sink's term included,
+        so that the largest attention is 1 / total), inf for a query that may see no key."""
         peak = scores.max(axis=0)
         scores -= peak
         np.exp(scores, out=scores)
         total = scores.sum(axis=0)
+        sink = self.terms.sink_column()
+        if sink is not None:
+            with np.errstate(over="ignore"):  # a sink far above every key's score: inf, the keys' attention 0
+                total += np.exp(sink - peak)
         if self.no_keys is not None:
             np.copyto(total, np.float32(np.inf), where=self.no_keys)
         scores /= total

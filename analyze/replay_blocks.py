@@ -448,6 +448,7 @@ class SparseRows:
         (self.sample, self.head, self.query), dots, bias, winner = block.sparse_rows()
         self.n_heads, self.n_samples = block.n_heads, block.instance.shape[0]
         self.settings, self.softcap = settings, block.terms.softcap
+        self.sinks = None if block.terms.sink_logits is None else np.asarray(block.terms.sink_logits, np.float64)
         self.levels = np.asarray(settings.levels)
         self.curve_levels = settings.curve_levels
         n_rows = len(winner)
@@ -504,7 +505,11 @@ class SparseRows:
             if self.softcap is not None:
                 scaled = self.softcap * np.tanh(scaled / self.softcap)
             logits = scaled + group.bias[:, r]
-            peak_share = 1.0 / np.exp(logits - logits.max(axis=0)).sum(axis=0)
+            peak = logits.max(axis=0)
+            total = np.exp(logits - peak).sum(axis=0)
+            if self.sinks is not None:
+                total += np.exp(self.sinks[self.head[group.rows[r]]] - peak)
+            peak_share = 1.0 / total
             strict[r, at] = peak_share >= self.settings.sparse_threshold
         return strict
 

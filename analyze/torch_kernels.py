@@ -38,6 +38,8 @@ class TorchAttention:
         self.n_allowed = frame.n_allowed
         self.no_keys = None if frame.no_keys is None else torch.from_numpy(frame.no_keys).to(self.device)
         self.offset = _tensor(frame.offset, self.device)
+        sink = terms.sink_column()
+        self.sink = None if sink is None else _tensor(sink, self.device)
         n_samples, n_pos, n_heads, d_head = q.shape
         self.n_kv_heads = k.shape[2]
         group = n_heads // self.n_kv_heads
@@ -62,6 +64,8 @@ class TorchAttention:
         peak = scores.amax(dim=0)
         scores.sub_(peak).exp_()
         total = scores.sum(dim=0)
+        if self.sink is not None:
+            total.add_((self.sink - peak).exp_())
         if self.no_keys is not None:
             total.masked_fill_(self.no_keys, float("inf"))
         return scores.div_(total), peak, total

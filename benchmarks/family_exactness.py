@@ -3,7 +3,8 @@ terms is from transformers' own eager attention.
 
 For every supported transformers family, the tiny random-weights model of the tests
 (tests/tiny_families.py: 2 layers, d_model 32, sharp attention, sliding windows of 4 positions,
-Gemma 2's soft-cap of 20, Bloom's ALiBi) is captured over a padded batch of uneven lengths
+ModernBERT's two-sided window of 2 either side, Gemma 2's soft-cap of 20, Bloom's ALiBi, T5's and
+MPNet's relative position bias, GPT-OSS's sink logits) is captured over a padded batch of uneven lengths
 (16 sequences of up to 24 tokens, so windows are much shorter than the sequences), and the eager
 pattern of the same weights (loaded with attn_implementation="eager") is compared, on valid queries,
 with the float64 softmax of the captured q, k and the score terms of the model description, and with
@@ -51,7 +52,8 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
         q, k = captured["q"][:, layer].numpy(), captured["k"][:, layer].numpy()
         reference, logit = attention_float64(q, k, valid_np, attn_scale=terms.scale, causal=terms.causal,
                                              sliding_window=terms.sliding_window, softcap=terms.softcap,
-                                             alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias)
+                                             alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias,
+                                             sink_logits=terms.sink_logits)
         eager_layer = pattern[:, layer].double().numpy()
         worst64 = max(worst64, float(np.abs(np.where(queries, eager_layer - reference, 0)).max()))
         ours = attention_from_qk(q, k, valid_np, terms)
@@ -61,7 +63,7 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
     score = description["score"]
     terms = [name for name, values in (("window", score["sliding_window"]), ("softcap", score["softcap"]))
              if any(v is not None for v in values)] + (["alibi"] if score["alibi_slopes"] else []) \
-        + (["relative"] if score.get("relative_bias") else [])
+        + (["relative"] if score.get("relative_bias") else []) + (["sinks"] if score.get("sink_logits") else [])
     return {"family": model_type, "float64": worst64, "float32": worst32, "logit": largest,
             "sharp": min(sharpness), "terms": ",".join(terms) or "-", "placement": description["norm_placement"]}
 

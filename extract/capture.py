@@ -199,18 +199,32 @@ class Adapter:
         per_layer = [self.head_weights(layer) for layer in layers]
         return {name: torch.stack([w[name] for w in per_layer]).cpu().numpy() for name in per_layer[0]}
 
-    def check_score_call(self, layer: int, scaling, sliding_window, softcap, position_bias=None) -> None:
+    def check_score_call(self, layer: int, scaling, sliding_window, softcap, position_bias=None, sinks=None) -> None:
         """Refuse a forward pass whose attention call uses other score terms than those described."""
         called = {"scale": scaling, "sliding_window": sliding_window, "softcap": softcap}
         differing = {name: value for name, value in called.items() if not same_term(self._score[name][layer], value)}
         if not self._same_position_bias(layer, position_bias):
             differing["relative_bias"] = "a position bias other than the described one"
+        if not self._same_sinks(layer, sinks):
+            differing["sink_logits"] = None if sinks is None else sinks.detach().float().cpu().tolist()
         if differing:
             raise UnsupportedModelError(
                 f"layer {layer} of this {self.family} model attends with {differing}, but its description says "
-                f"{ {name: self._score[name][layer] for name in differing} }: the family's description in "
+                f"{ {name: self._layer_term(name, layer) for name in differing} }: the family's description in "
                 "extract/families.py (module orthosphere.extract.families) does not match this model"
             )
+
+    def _layer_term(self, name: str, layer: int):
+        """The described score term `name` of a layer (None where the description has none)."""
+        terms = self._score.get(name)
+        return terms if terms is None or name == "relative_bias" else terms[layer]
+
+    def _same_sinks(self, layer: int, called) -> bool:
+        """Whether the sink logits a layer's attention is called with (GPT-OSS's ``s_aux``) are the described ones."""
+        described = self._score.get("sink_logits")
+        if described is None or called is None:
+            return described is None and called is None
+        return torch.equal(called.detach().float().cpu(), torch.tensor(described[layer], dtype=torch.float32))
 
     def _same_position_bias(self, layer: int, called) -> bool:
         """Whether the position bias a layer's attention is called with (T5: (1, head, q, k)) is the
@@ -235,12 +249,13 @@ class Adapter:
 
     def _scale_sources(self) -> dict[str, dict[int, ScaleSource]]:
         """Per norm-factor site that the model provides, per layer, where it is read: norm_scale from
-        the Pre-Norm, else (Post-Norm) from the norm on the previous block's residual (layer 0: the
-        embedding norm, or none); q_norm_scale and k_norm_scale from the norms on q and k."""
+        the Pre-Norm (where a layer's is the identity, ModernBERT's first, from the embedding norm whose
+        output it passes on), else (Post-Norm) from the norm on the previous block's residual (layer 0:
+        the embedding norm, or none); q_norm_scale and k_norm_scale from the norms on q and k."""
         norms, layers = {norm.site: norm for norm in self.norms()}, range(self.n_layers)
         sources = {}
         if "attn_input" in norms:
-            sources["norm_scale"] = {layer: self._scale_source(norms["attn_input"], layer) for layer in layers}
+            sources["norm_scale"] = {layer: self._input_norm_source(norms, layer) for layer in layers}
         elif "resid_post" in norms:
             first = self._scale_source(norms["embedding"], 0) if "embedding" in norms else NO_NORM
             sources["norm_scale"] = {layer: self._scale_source(norms["resid_post"], layer - 1) if layer else first
@@ -249,6 +264,11 @@ class Adapter:
             if name in norms:
                 sources[f"{name}_norm_scale"] = {layer: self._scale_source(norms[name], layer) for layer in layers}
         return sources
+
+    def _input_norm_source(self, norms: dict, layer: int) -> ScaleSource:
+        if not isinstance(self._norm_module(norms["attn_input"], layer), nn.Identity):
+            return self._scale_source(norms["attn_input"], layer)
+        return self._scale_source(norms["embedding"], 0) if layer == 0 and "embedding" in norms else NO_NORM
 
     def _scale_source(self, norm: Norm, layer: int) -> ScaleSource:
         module = self._norm_module(norm, layer)

@@ -5,7 +5,7 @@ encoders, the class without a task head, loaded when a checkpoint has none), whe
 the attention module, the q/k/v and output projections and the norms are (paths of submodules,
 relative to a block unless said otherwise), where ``resid_mid`` is read, and what the score adds
 beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi, T5's learned relative
-position bias). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
+position bias, GPT-OSS's sink logits). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
 few lines here.
 
 A field may be a function of the model's transformers config where a family's layout depends
@@ -16,10 +16,13 @@ Routes (how q, k, v are reached as they enter the score):
 - ``interface``: the family calls transformers' attention interface, which hands the
   registered function "orthosphere" q, k, v after projection, rotary embedding and any
   QK-norm (``interface.py``);
-- ``projection``: the family computes attention itself without the interface (Bloom, Falcon), so
-  q, k, v are the fused projection's output, split by its layout, with rotary embedding applied
-  by the family's own function to the cos and sin the attention module receives (Falcon), and
-  the pattern is the attention module's second output (eager attention).
+- ``projection``: the family computes attention itself without the interface (Bloom, Falcon, MPNet),
+  so q, k, v are the projections' outputs (a fused one split by its layout), with rotary embedding
+  applied by the family's own function to the cos and sin the attention module receives (Falcon),
+  and the pattern is the attention module's second output (eager attention; asked for where the
+  module returns it only on request, MPNet).
+
+Families whose score no term describes are refused with the reason (``REFUSED``).
 """
 from __future__ import annotations
 
@@ -109,8 +112,17 @@ class Family:
     """The class without a task head (encoders), loaded when a checkpoint lacks the head's tensors
     (its stores hold no ``pred``); paths then lose the head class's base-model prefix."""
     relative_bias: Callable | None = None
-    """(attention modules) -> the learned relative position bias of each layer's score (T5), in the
-    form of ``relative_position_bias``."""
+    """(model, attention modules) -> the learned relative position bias of each layer's score (T5, MPNet),
+    in the form of ``_t5_relative_bias``'s."""
+    scale_of: Callable | None = None
+    """(attention module) -> its scale, where the module's ``scaling`` (``inv_norm_factor`` on the
+    projection route: Bloom's, Falcon's) does not hold it."""
+    sinks: str | None = None
+    """The attention module's parameter of learned per-head sink logits that the softmax's denominator
+    adds (GPT-OSS's ``sinks``), recorded as the score term ``sink_logits``."""
+    sliding_window: Callable | None = None
+    """(attention module) -> the window its layer attends with, where the module's ``sliding_window``
+    attribute is not it (EXAONE 4 keeps the config's window on its global layers too)."""
     norm_kind: str | None = None
     """The norms' type where their class does not say it ("rms": T5's LayerNorm without centring)."""
 
@@ -174,6 +186,27 @@ def _bert_norms(prefix: str) -> tuple[Norm, ...]:
             Norm("resid_post", "output.LayerNorm"))
 
 
+OUTPUT_NORMS_QK_PROJECTION = (Norm("attn_output", "post_attention_layernorm"),
+                              Norm("mlp_output", "post_feedforward_layernorm"), Norm("q", "self_attn.q_norm", "projection"),
+                              Norm("k", "self_attn.k_norm", "projection"), Norm("final", "model.norm"))
+"""OLMo 2's norms: on the attention and MLP outputs, and on the whole q and k projections."""
+COHERE_NORMS = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"), Norm("final", "model.norm"))
+
+
+def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, name: str) -> Family:
+    """A BERT-shaped encoder: Post-Norm LayerNorms, learned positions, bidirectional."""
+    return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
+                  mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned",
+                  refuse=_refuse_decoder_encoder(name), base_class=base_class)
+
+
+def _electra_norms(config):
+    """BERT's norms; without the embedding norm where a projection to hidden_size follows it (the
+    first layer then reads the projection, no norm's output)."""
+    norms = _bert_norms("electra")
+    return norms if config.embedding_size == config.hidden_size else norms[1:]
+
+
 def _llama_like(model_type: str, lm_class: str, **options) -> Family:
     """A Llama-shaped family: model.layers[l].self_attn with q/k/v/o_proj, Pre-Norm."""
     options = {"projections": LLAMA_PROJECTIONS, "mid": "input:post_attention_layernorm", "norms": LLAMA_NORMS,
@@ -232,7 +265,7 @@ def _refuse_falcon(config):
     return None
 
 
-def _t5_relative_bias(attentions) -> dict:
+def _t5_relative_bias(model, attentions) -> dict:
     """Each layer's learned relative position bias as a table by key offset j - i from -D to D (D
     past the last distance bucket, so the table's ends hold for every farther key): computed with
     the module's own ``compute_bias``; a layer without its own bias reuses the last one (T5 passes
@@ -241,25 +274,45 @@ def _t5_relative_bias(attentions) -> dict:
     tables, table_of_layer = [], []
     for attention in attentions:
         if attention.has_relative_attention_bias:
-            tables.append(_bias_by_offset(attention, max_offset))
+            tables.append(_bias_by_offset(lambda n, module=attention: module.compute_bias(n, n), type(attention).__name__,
+                                          max_offset))
         if not tables:
             raise UnsupportedModelError("T5-style model whose first layer has no relative position bias")
         table_of_layer.append(len(tables) - 1)
     return {"max_offset": max_offset, "tables": [table.tolist() for table in tables], "table_of_layer": table_of_layer}
 
 
-def _bias_by_offset(attention, max_offset: int) -> np.ndarray:
-    """(head, 2 * max_offset + 1) float32 bias of key offsets -max_offset..max_offset, checked to
-    stay at its ends for offsets up to twice as far."""
+MPNET_MAX_DISTANCE = 128
+"""The distance past which MPNet's relative position buckets (``relative_position_bucket``'s default) stop changing."""
+
+
+def _mpnet_relative_bias(model, attentions) -> dict:
+    """MPNet's relative position bias, computed once by its encoder and shared by every layer, as
+    one table by key offset (see ``_t5_relative_bias``)."""
+    import torch
+
+    encoder = model.base_model.encoder
+    max_offset = MPNET_MAX_DISTANCE + 1
+
+    def bias(n_pos):
+        return encoder.compute_position_bias(torch.zeros(1, n_pos, 1, device=encoder.relative_attention_bias.weight.device))
+
+    table = _bias_by_offset(bias, "MPNet's encoder", max_offset)
+    return {"max_offset": max_offset, "tables": [table.tolist()], "table_of_layer": [0] * len(attentions)}
+
+
+def _bias_by_offset(bias_of, name: str, max_offset: int) -> np.ndarray:
+    """(head, 2 * max_offset + 1) float32 bias of key offsets -max_offset..max_offset, from
+    ``bias_of(n_pos)`` (1, head, n_pos, n_pos), checked to stay at its ends for offsets up to twice as far."""
     import torch
 
     far = 2 * max_offset
     with torch.no_grad():
-        row = attention.compute_bias(2 * far + 1, 2 * far + 1)[0, :, far, :].float().cpu().numpy()
+        row = bias_of(2 * far + 1)[0, :, far, :].float().cpu().numpy()
     inner = row[:, far - max_offset: far + max_offset + 1]
     if not (np.all(row[:, : far - max_offset] == inner[:, :1]) and np.all(row[:, far + max_offset:] == inner[:, -1:])):
-        raise UnsupportedModelError(f"relative position bias of {type(attention).__name__} changes beyond key offset "
-                                    f"{max_offset}: expected T5's buckets, constant past relative_attention_max_distance")
+        raise UnsupportedModelError(f"relative position bias of {name} changes beyond key offset {max_offset}: "
+                                    "expected buckets that are constant past their largest distance")
     return inner
 
 
@@ -344,10 +397,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("qwen2", "Qwen2ForCausalLM"),
     _llama_like("qwen3", "Qwen3ForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
     _llama_like("olmo", "OlmoForCausalLM", extra_config=("clip_qkv",)),
-    _llama_like("olmo2", "Olmo2ForCausalLM", mid="input:mlp",
-                norms=(Norm("attn_output", "post_attention_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
-                       Norm("q", "self_attn.q_norm", "projection"), Norm("k", "self_attn.k_norm", "projection"),
-                       Norm("final", "model.norm"))),
+    _llama_like("olmo2", "Olmo2ForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
     _llama_like("gemma", "GemmaForCausalLM", norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma")),
     _llama_like("gemma2", "Gemma2ForCausalLM", mid="input:pre_feedforward_layernorm", norms=SANDWICH_NORMS,
                 norm_gain="1 + weight", refuse=_refuse_bidirectional("Gemma 2")),
@@ -377,12 +427,8 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
            mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",),
            activation_keys=("activation_function",)),
-    Family("bert", "BertForMaskedLM", "bert.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=_bert_norms("bert"), causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("BERT"), base_class="BertModel"),
-    Family("roberta", "RobertaForMaskedLM", "roberta.encoder.layer", "attention.self", BERT_PROJECTIONS,
-           mid="output:attention", norms=_bert_norms("roberta"), causal=False, positions="learned",
-           refuse=_refuse_decoder_encoder("RoBERTa"), base_class="RobertaModel"),
+    _bert_like("bert", "BertForMaskedLM", "bert", "BertModel", "BERT"),
+    _bert_like("roberta", "RobertaForMaskedLM", "roberta", "RobertaModel", "RoBERTa"),
     Family("distilbert", "DistilBertForMaskedLM", "distilbert.transformer.layer", "attention",
            Projections("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
            mid="output:sa_layer_norm", causal=False, positions="learned",
@@ -402,6 +448,52 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            refuse=_refuse_bloom, d_ff_keys=(),
            norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
                   Norm("mlp_input", "post_attention_layernorm"), Norm("final", "transformer.ln_f"))),
+    _llama_like("qwen2_moe", "Qwen2MoeForCausalLM"),
+    _llama_like("qwen3_moe", "Qwen3MoeForCausalLM",
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
+    _llama_like("olmoe", "OlmoeForCausalLM", extra_config=("clip_qkv",),
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "projection")),
+    _llama_like("granitemoe", "GraniteMoeForCausalLM", output_multiplier="residual_multiplier",
+                extra_config=("attention_multiplier", "residual_multiplier")),
+    _llama_like("helium", "HeliumForCausalLM"),
+    _llama_like("arcee", "ArceeForCausalLM"),
+    _llama_like("ministral", "MinistralForCausalLM"),
+    _llama_like("seed_oss", "SeedOssForCausalLM"),
+    _llama_like("smollm3", "SmolLM3ForCausalLM", extra_config=("no_rope_layers",)),
+    _llama_like("olmo3", "Olmo3ForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
+    _llama_like("exaone4", "Exaone4ForCausalLM", mid="input:mlp",
+                norms=(Norm("attn_output", "post_attention_layernorm"), Norm("mlp_output", "post_feedforward_layernorm"),
+                       Norm("q", "self_attn.q_norm", "head", heads_first=True),
+                       Norm("k", "self_attn.k_norm", "head", heads_first=True), Norm("final", "model.norm")),
+                sliding_window=lambda attention: attention.sliding_window if attention.is_sliding else None),
+    _llama_like("apertus", "ApertusForCausalLM", mid="input:feedforward_layernorm",
+                norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
+                                     Norm("final", "model.norm")),
+                                    "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)),
+    _llama_like("glm4", "Glm4ForCausalLM", mid="input:post_attention_layernorm",
+                norms=(Norm("attn_input", "input_layernorm"), Norm("attn_output", "post_self_attn_layernorm"),
+                       Norm("mlp_input", "post_attention_layernorm"), Norm("mlp_output", "post_mlp_layernorm"),
+                       Norm("final", "model.norm"))),
+    _llama_like("nemotron", "NemotronForCausalLM", norm_gain="1 + weight"),
+    _llama_like("cohere", "CohereForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),
+    _llama_like("cohere2", "Cohere2ForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),
+    _bert_like("xlm-roberta", "XLMRobertaForMaskedLM", "roberta", "XLMRobertaModel", "XLM-RoBERTa"),
+    _bert_like("camembert", "CamembertForMaskedLM", "roberta", "CamembertModel", "CamemBERT"),
+    replace(_bert_like("electra", "ElectraForMaskedLM", "electra", "ElectraModel", "ELECTRA"), norms=_electra_norms),
+    _llama_like("gpt_oss", "GptOssForCausalLM", sinks="sinks"),
+    Family("mpnet", "MPNetForMaskedLM", "mpnet.encoder.layer", "attention.attn",
+           Projections("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o"),
+           mid="output:attention", causal=False, positions="relative", route="projection", base_class="MPNetModel",
+           norms=(Norm("embedding", "mpnet.embeddings.LayerNorm"), Norm("resid_mid", "attention.LayerNorm"),
+                  Norm("resid_post", "output.LayerNorm")),
+           relative_bias=_mpnet_relative_bias, scale_of=lambda attention: attention.attention_head_size**-0.5),
+    Family("modernbert", "ModernBertForMaskedLM", "model.layers", "attn",
+           Projections("attn.Wqkv", "attn.Wqkv", "attn.Wqkv", "attn.Wo", layout="concat"),
+           mid="input:mlp_norm", causal=False, base_class="ModernBertModel",
+           norms=(Norm("embedding", "model.embeddings.norm"), Norm("attn_input", "attn_norm"),
+                  Norm("mlp_input", "mlp_norm"), Norm("final", "model.final_norm")),
+           scale_of=lambda attention: attention.head_dim**-0.5,
+           extra_config=("global_attn_every_n_layers", "local_attention")),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),
@@ -409,10 +501,30 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
 """transformers model_type -> its family. (The project's own arithmetic transformers have their
 own hook points and adapter, in capture.py.)"""
 
+REFUSED: dict[str, str] = {
+    "deberta": "DeBERTa's disentangled attention adds content-to-position and position-to-content terms (q . r_k "
+               "and r_q . k, with learned relative position embeddings r) to q . k, which no score term describes",
+    "deberta-v2": "DeBERTa-v2/v3's disentangled attention adds content-to-position and position-to-content terms "
+                  "(q . r_k and r_q . k, with learned relative position embeddings r) to q . k, which no score term "
+                  "describes",
+    "jetmoe": "JetMoE routes each token to a few of its attention experts (mixture of attention heads), so a head's "
+              "q comes from a per-token choice of projections that one weight map per head cannot describe",
+    "longformer": "Longformer's attention mixes a sliding window with global tokens, which have their own q, k "
+                  "and v projections",
+    "big_bird": "BigBird's block-sparse attention attends to random blocks of keys",
+    "reformer": "Reformer's LSH attention attends within hash buckets and shares its q and k projection",
+    "xlnet": "XLNet's two-stream attention adds relative position and segment terms to q . k",
+}
+"""model_types whose attention is not a softmax over q . k plus the score terms the store describes, and why."""
+
+
 def family_for(model_type) -> Family:
-    """The family of a transformers model_type; an unknown one is an UnsupportedModelError."""
+    """The family of a transformers model_type; an unknown one, or one of REFUSED, is an UnsupportedModelError."""
     if model_type in FAMILIES:
         return FAMILIES[model_type]
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}; orthosphere "
+                                    "reads only models whose attention it can reproduce from the stored q and k")
     raise UnsupportedModelError(unsupported(f"model_type {model_type!r}"))
 
 

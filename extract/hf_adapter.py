@@ -2,6 +2,8 @@
 declarative description in ``families.py``."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -67,6 +69,8 @@ class HuggingFaceAdapter(Adapter):
         return self.n_heads, self.n_kv_heads
 
     def describe(self) -> dict:
+        """The model description (store/SCHEMA.md); its norms read from the last block, as the first may
+        lack one (ModernBERT's first layer reads the embedding norm's output, no norm of its own)."""
         norms = self.norms()
         description = {
             "family": self.family,
@@ -84,7 +88,7 @@ class HuggingFaceAdapter(Adapter):
             "score": self._score,
             "positions": self.spec.positions,
             **norm_summary(norms, parallel=self.spec.parallel),
-            **described_norms(self.model, self.blocks[0], norms, self.spec.norm_gain, self.spec.norm_kind),
+            **described_norms(self.model, self.blocks[-1], norms, self.spec.norm_gain, self.spec.norm_kind),
             "activation": self._config_value(self.spec.activation_keys, None),
             "dtype": dtype_name(self.model),
             "n_parameters": sum(p.numel() for p in self.model.parameters()),
@@ -101,11 +105,13 @@ class HuggingFaceAdapter(Adapter):
 
     def score_terms(self):
         attentions = [self.attention(layer) for layer in range(self.n_layers)]
-        if self.spec.route == "projection":
+        if self.spec.scale_of is not None:
+            scales = [float(self.spec.scale_of(a)) for a in attentions]
+        elif self.spec.route == "projection":
             scales = [float(a.inv_norm_factor) for a in attentions]
         else:
             scales = [1.0 if self.spec.query_prescaled else float(a.scaling) for a in attentions]
-        windows = [getattr(a, "sliding_window", getattr(self.config, "sliding_window", None)) for a in attentions]
+        windows = [self._sliding_window(attention, layer) for layer, attention in enumerate(attentions)]
         softcaps = [getattr(a, "attn_logit_softcapping", None) for a in attentions]
         alibi = None
         if self.spec.alibi_slopes is not None:
@@ -113,8 +119,35 @@ class HuggingFaceAdapter(Adapter):
         terms = {"scale": scales, "sliding_window": [None if w is None else int(w) for w in windows],
                  "softcap": [None if c is None else float(c) for c in softcaps], "alibi_slopes": alibi}
         if self.spec.relative_bias is not None:
-            terms["relative_bias"] = self.spec.relative_bias(attentions)
+            terms["relative_bias"] = self.spec.relative_bias(self.model, attentions)
+        if self.spec.sinks is not None:
+            terms["sink_logits"] = [self._sink_logits(attention, layer) for layer, attention in enumerate(attentions)]
         return terms
+
+    def _sink_logits(self, attention, layer: int) -> list[float]:
+        """A layer's learned sink logits, one finite value per head; any other is an UnsupportedModelError."""
+        sinks = getattr(attention, self.spec.sinks, None)
+        values = None if sinks is None else sinks.detach().float().cpu()
+        if values is None or values.shape != (self.config.num_attention_heads,) or not bool(values.isfinite().all()):
+            found = "none" if values is None else f"shape {tuple(values.shape)}, finite: {bool(values.isfinite().all())}"
+            raise UnsupportedModelError(
+                f"layer {layer} of this {self.family} model ({type(self.model).__name__}) has sink logits "
+                f"`{self.spec.attention}.{self.spec.sinks}` ({found}) that a softmax term cannot describe: expected "
+                f"one finite logit per head ({self.config.num_attention_heads}); check the checkpoint's sinks tensors"
+            )
+        return values.tolist()
+
+    def _sliding_window(self, attention, layer: int):
+        """The layer's sliding window: the family's own rule, else the attention module's attribute, else
+        the config's window where ``layer_types`` makes the layer a sliding one (or has no layer_types)."""
+        if self.spec.sliding_window is not None:
+            return self.spec.sliding_window(attention)
+        if hasattr(attention, "sliding_window"):
+            return attention.sliding_window
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and layer_types[layer] != "sliding_attention":
+            return None
+        return getattr(self.config, "sliding_window", None)
 
     def _config_value(self, keys, default):
         for key in keys:
@@ -169,9 +202,81 @@ class HuggingFaceAdapter(Adapter):
             pre_hook(block, self._hold_input(layer))
             self._install_mid_hook(layer)
             if self.spec.route == "projection":
-                pre_hook(attention, self._hold_rotation)
-                block.get_submodule(self.spec.projections.q).register_forward_hook(self._projection_hook(layer))
-                attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
+                self._install_projection_hooks(layer)
+
+    def _install_projection_hooks(self, layer):
+        """The projection route: q, k, v from the projections' outputs; the pattern from the attention
+        module's second output (asked for where its forward takes ``output_attentions``); the position
+        bias it is called with checked against the description."""
+        block, attention = self.blocks[layer], self.attention(layer)
+        pre_hook(attention, self._hold_rotation)
+        if self.spec.projections.layout == "separate":
+            self._install_separate_projection_hooks(layer)
+        else:
+            block.get_submodule(self.spec.projections.q).register_forward_hook(self._projection_hook(layer))
+        if "output_attentions" in inspect.signature(attention.forward).parameters:
+            pre_hook(attention, self._ask_pattern(layer))
+        if self.spec.relative_bias is not None:
+            pre_hook(attention, self._check_position_bias(layer))
+        attention.register_forward_hook(self._record_hook("pattern", layer, read=lambda args, output: output[1]))
+
+    def _ask_pattern(self, layer):
+        """A pre-hook asking an attention module that returns its pattern only on request (MPNet) for it."""
+        def hook(module, args, kwargs):
+            trace = active(self)
+            if trace is not None and trace.recording is not None and trace.recording.wants("pattern", layer):
+                return args, {**kwargs, "output_attentions": True}
+            return None
+
+        return hook
+
+    def _check_position_bias(self, layer):
+        """A pre-hook refusing a call with another position bias than the described one (MPNet passes it third)."""
+        def hook(module, args, kwargs):
+            if active(self) is not None:
+                bias = kwargs["position_bias"] if "position_bias" in kwargs else args[2]
+                self.check_score_call(layer, self._score["scale"][layer], None, None, bias)
+
+        return hook
+
+    def _install_separate_projection_hooks(self, layer):
+        """q, k, v from three projections, recorded by each one's hook; an edit needs all three at once,
+        so the q projection's hook computes k and v from the same input (the modules' own forward,
+        without their hooks), edits, and the k and v projections' hooks return the edited ones."""
+        block, projections = self.blocks[layer], self.spec.projections
+        modules = {name: block.get_submodule(getattr(projections, name)) for name in QKV_SITES}
+
+        def heads(output):
+            return output.view(*output.shape[:-1], -1, self.d_head)
+
+        def q_hook(module, args, output):
+            trace = active(self)
+            if trace is None:
+                return output
+            if trace.edit is not None:
+                q, k, v = trace.edit(layer, heads(output), *(heads(modules[name].forward(args[0])) for name in ("k", "v")))
+                trace.held["edited"] = {"k": k, "v": v}
+                output = q.reshape(output.shape)
+            if trace.recording is not None:
+                trace.recording.record("q", layer, heads(output))
+            return output
+
+        def held_hook(name):
+            def hook(module, args, output):
+                trace = active(self)
+                if trace is None:
+                    return output
+                if trace.edit is not None:
+                    output = trace.held["edited"].pop(name).reshape(output.shape)
+                if trace.recording is not None:
+                    trace.recording.record(name, layer, heads(output))
+                return output
+
+            return hook
+
+        modules["q"].register_forward_hook(q_hook)
+        for name in ("k", "v"):
+            modules[name].register_forward_hook(held_hook(name))
 
     def _install_mid_hook(self, layer):
         block, mid = self.blocks[layer], self.spec.mid

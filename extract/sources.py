@@ -15,7 +15,9 @@ description records it.
   of ``families.py``) with safetensors weights, loaded with its language-model head; an encoder
   checkpoint without its head (and T5, read as its encoder) is loaded without one, and its store
   holds no ``pred``. A checkpoint that lacks any other tensor the model needs is refused (never
-  silently random-initialised).
+  silently random-initialised). A sentence-transformers directory is such a checkpoint (its
+  body's weights without the base model's prefix, no head); one whose transformer module sits in
+  a subfolder (``modules.json`` naming it, as older ones' ``0_Transformer/``) is read from there.
 - A ``.gguf`` file of an architecture that transformers reads from GGUF and whose model_type is a
   family (``gguf_architectures()``, derived from transformers and the gguf package at run time):
   loaded by transformers (``gguf_file=``) as that family's language-model class, dequantised to
@@ -50,6 +52,7 @@ from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 GGUF_MAGIC = b"GGUF"
+SENTENCE_TRANSFORMERS_MODULES = "modules.json"
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -296,6 +299,7 @@ def load_source(path, device: str = "auto", model_dtype: str | None = None) -> L
                               "to float32; leave --model-dtype out (or convert the model to safetensors)")
         loaded = _load_gguf(path, device)
     else:
+        path = _model_directory(path)
         config = _read_config(path)
         if config.get("family") == "arithmetic":
             loaded = _load_arithmetic(path, device, dtype)
@@ -335,6 +339,27 @@ def from_model(model, tokenizer=None, device: str = "auto") -> LoadedModel:
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == GGUF_MAGIC
+
+
+def _model_directory(directory: Path) -> Path:
+    """The folder holding the model's config.json: `directory`, or, for a sentence-transformers
+    directory without one, the folder of the transformer module its modules.json names."""
+    modules_file = directory / SENTENCE_TRANSFORMERS_MODULES
+    if (directory / CONFIG_FILE).is_file() or not modules_file.is_file():
+        return directory
+    try:
+        modules = json.loads(modules_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{modules_file} is not valid JSON ({error}): expected sentence-transformers' module list") from None
+    paths = [module.get("path", "") for module in modules if isinstance(module, dict)
+             and str(module.get("type", "")).endswith(".Transformer")] if isinstance(modules, list) else []
+    if len(paths) != 1:
+        raise ConfigError(
+            f"sentence-transformers directory {directory} has no {CONFIG_FILE} and its {SENTENCE_TRANSFORMERS_MODULES} "
+            f"names {len(paths)} Transformer modules: expected one (sentence_transformers.models.Transformer), whose "
+            "folder holds the model; give that folder"
+        )
+    return directory / paths[0]
 
 
 def _read_config(directory: Path) -> dict:
@@ -443,8 +468,12 @@ def _from_pretrained(model_class, directory: Path, dtype: torch.dtype):
         options["add_pooling_layer"] = False
     model, info = model_class.from_pretrained(
         directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
-        output_loading_info=True, **options,
+        output_loading_info=True, ignore_mismatched_sizes=True, **options,
     )
+    if info["mismatched_keys"]:
+        raise _mismatched(directory, model_class, info["mismatched_keys"],
+                          "the checkpoint does not match its config.json (a mixture of experts lacking an expert's "
+                          "tensors, for one); give a complete checkpoint")
     return model, sorted(info["missing_keys"])
 
 
@@ -453,6 +482,15 @@ def _incomplete(source: Path, model_class, missing: list[str], advice: str = "gi
     return ConfigError(
         f"checkpoint {source} lacks {len(missing)} tensor(s) that {model_class.__name__} needs, e.g. "
         f"{missing[:3]}: the model would run with random weights there; {advice}"
+    )
+
+
+def _mismatched(source: Path, model_class, mismatched, why: str) -> ConfigError:
+    """The refusal of a checkpoint (directory or GGUF file) whose tensors have other shapes than the model's."""
+    key, in_file, expected = sorted(mismatched)[0]
+    return ConfigError(
+        f"checkpoint {source}: tensor {key} has the shape {tuple(in_file)} there but {model_class.__name__} expects "
+        f"{tuple(expected)} ({len(mismatched)} tensor(s) differ; the model would run with random weights there): {why}"
     )
 
 
@@ -477,12 +515,18 @@ GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 """GGUF architectures that transformers reads as another model_type: the text model of a multimodal
 one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
 
+GGUF_FILE_ARCHITECTURE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+"""transformers' names of GGUF architectures that llama.cpp's files (and the gguf package) spell otherwise."""
+
 
 GGUF_MISREAD = dict.fromkeys(("t5", "umt5"), (
     "transformers reads every T5 GGUF file as a T5 with a gated ReLU feed-forward (its GGUF reader sets "
     "is_gated_act and no activation), which no released T5 is (T5 1.0: ReLU without a gate; T5 1.1, Flan-T5, "
-    "mT5, UMT5: gated GELU), so its activations would not be the model's"))
-"""model_types whose GGUF files transformers reads as another model than the file's, and why."""
+    "mT5, UMT5: gated GELU), so its activations would not be the model's")) | {
+    "gpt_oss": ("transformers' GGUF reader maps GPT-OSS's expert tensors (llama.cpp's ffn_gate_exps, ffn_up_exps, "
+                "ffn_down_exps) to none of GptOssForCausalLM's fused mlp.experts tensors, so its experts would keep "
+                "random weights; load GPT-OSS from its safetensors directory")}
+"""model_types whose GGUF files transformers does not read as the file's model, and why."""
 
 
 def gguf_architectures() -> dict[str, str]:
@@ -493,7 +537,8 @@ def gguf_architectures() -> dict[str, str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     named = set(gguf.MODEL_ARCH_NAMES.values())
-    model_types = {name: GGUF_READ_AS.get(name, name) for name in GGUF_SUPPORTED_ARCHITECTURES if name in named}
+    model_types = {GGUF_FILE_ARCHITECTURE.get(name, name): GGUF_READ_AS.get(name, name)
+                   for name in GGUF_SUPPORTED_ARCHITECTURES if GGUF_FILE_ARCHITECTURE.get(name, name) in named}
     return {name: model_type for name, model_type in model_types.items()
             if model_type in FAMILIES and model_type not in GGUF_MISREAD}
 
@@ -597,12 +642,17 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
     model_class = _model_class(model_type)
     model, info = model_class.from_pretrained(
         path.parent, gguf_file=path.name, config=config, local_files_only=True, trust_remote_code=False,
-        dtype=torch.float32, output_loading_info=True,
+        dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
     )
     missing = sorted(info["missing_keys"])
     if missing:
         raise _incomplete(path, model_class, missing, "give a GGUF file converted by llama.cpp's "
                           "convert_hf_to_gguf.py with every tensor")
+    if info["mismatched_keys"]:
+        raise _mismatched(path, model_class, info["mismatched_keys"],
+                          "transformers takes the sizes the file's metadata does not state (for Qwen2-MoE and "
+                          "Qwen3-MoE, the experts' widths) from its config defaults, which this model does not have; "
+                          "convert the model to safetensors instead")
     adapter = adapter_for(model.to(device))
     tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     return LoadedModel(adapter, tokenizer, path, "gguf", [path])

@@ -26,8 +26,8 @@ MODEL_KEYS = MODEL_SIZE_KEYS + (
 )
 # model["score"]: per layer, what turns q . k into the model's score (lists of n_layers entries).
 SCORE_KEYS = ("scale", "sliding_window", "softcap", "alibi_slopes")
-OPTIONAL_SCORE_KEYS = ("relative_bias",)
-"""Score terms only some families have: T5's learned relative position bias (RELATIVE_BIAS_KEYS)."""
+OPTIONAL_SCORE_KEYS = ("relative_bias", "sink_logits")
+"""Score terms only some families have: T5's learned relative position bias (RELATIVE_BIAS_KEYS), GPT-OSS's sink logits."""
 RELATIVE_BIAS_KEYS = ("max_offset", "tables", "table_of_layer")
 # model["norms"]: one entry per norm of the model.
 NORM_KEYS = ("site", "module", "type", "scope", "eps", "gain", "bias")
@@ -196,7 +196,7 @@ def check_model(model: dict) -> dict:
 
 def check_score(score, n_layers: int, n_heads: int) -> None:
     """The score terms: a dict of SCORE_KEYS, each a list of one entry per layer (alibi_slopes may be
-    None, else per layer a list of one slope per head) and, optionally, relative_bias."""
+    None, else per layer a list of one slope per head) and, optionally, relative_bias and sink_logits."""
     if not isinstance(score, dict) or not set(SCORE_KEYS) <= set(score) <= set(SCORE_KEYS + OPTIONAL_SCORE_KEYS):
         raise StoreError(f"model description score={score!r}: expected a dict with keys {list(SCORE_KEYS)} "
                          f"(and optionally {list(OPTIONAL_SCORE_KEYS)})")
@@ -211,6 +211,19 @@ def check_score(score, n_layers: int, n_heads: int) -> None:
         raise StoreError(f"model description score.alibi_slopes: expected {n_heads} slopes (one per head) per layer")
     if score.get("relative_bias") is not None:
         check_relative_bias(score["relative_bias"], n_layers, n_heads)
+    if score.get("sink_logits") is not None:
+        check_sink_logits(score["sink_logits"], n_layers, n_heads)
+
+
+def check_sink_logits(sinks, n_layers: int, n_heads: int) -> None:
+    """score.sink_logits: per layer, one finite sink logit per head."""
+    try:
+        values = np.asarray(sinks, dtype=float)
+    except (TypeError, ValueError):
+        values = None
+    if values is None or values.shape != (n_layers, n_heads) or not np.isfinite(values).all():
+        raise StoreError(f"model description score.sink_logits={str(sinks)[:80]}: expected per layer ({n_layers}) "
+                         f"one finite sink logit per head ({n_heads}), as store/SCHEMA.md describes (re-extract the store)")
 
 
 def check_relative_bias(relative, n_layers: int, n_heads: int) -> None:

@@ -10,12 +10,14 @@ LOGIT_SCALE = 32.0
 
 
 def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_window: int | None = None,
-                      softcap: float | None = None, alibi_slopes=None, relative_bias=None) -> tuple[np.ndarray, float]:
+                      softcap: float | None = None, alibi_slopes=None, relative_bias=None,
+                      sink_logits=None) -> tuple[np.ndarray, float]:
     """The attention pattern (..., head, qpos, kpos) in float64 from q (..., pos, head, d_head) and
     k (..., pos, kv_head, d_head), and the largest |logit| among the allowed scores. The optional
     terms follow transformers: softcap * tanh(score / softcap); key j allowed for query i when
-    i - j < sliding_window; ALiBi adds slope_h * (number of valid tokens before j); relative_bias
-    (head, 2D + 1), T5's, adds row h's entry D + (j - i), its end entries for farther keys."""
+    |i - j| < sliding_window; ALiBi adds slope_h * (number of valid tokens before j); relative_bias
+    (head, 2D + 1), T5's, adds row h's entry D + (j - i), its end entries for farther keys; sink_logits
+    (head,), GPT-OSS's, add exp(sink_h) to the softmax's denominator."""
     q = np.swapaxes(np.asarray(q, np.float64), -2, -3)
     k = np.swapaxes(np.asarray(k, np.float64), -2, -3)
     k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
@@ -38,12 +40,15 @@ def attention_float64(q, k, valid, *, attn_scale: float, causal: bool, sliding_w
     if causal:
         allowed = allowed & (j <= i)
     if sliding_window is not None:
-        allowed = allowed & (i - j < sliding_window)
+        allowed = allowed & (np.abs(i - j) < sliding_window)
     largest = float(np.abs(np.where(allowed, scores, 0.0)).max())
     scores = np.where(allowed, scores, -np.inf)
     peak = scores.max(-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.exp(scores - peak)
     total = weights.sum(-1, keepdims=True)
+    if sink_logits is not None:
+        total = total + np.where(total > 0, np.exp(np.asarray(sink_logits, np.float64)[:, None, None] - peak), 0.0)
     return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0), largest
 
 

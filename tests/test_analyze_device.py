@@ -26,13 +26,15 @@ TERMS = [
     ScoreTerms(0.5, True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
     ScoreTerms(0.5, False),
     ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS),
+    ScoreTerms(0.5, True, sink_logits=(1.0, -2.0, 0.5, 3.0)),
 ]
-TERM_IDS = ["window-softcap", "alibi", "bidirectional", "relative-bias"]
+TERM_IDS = ["window-softcap", "alibi", "bidirectional", "relative-bias", "sinks"]
 
 
 def reference_terms(terms: ScoreTerms) -> dict:
     return dict(attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
-                softcap=terms.softcap, alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias)
+                softcap=terms.softcap, alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias,
+                sink_logits=terms.sink_logits)
 
 
 @pytest.mark.parametrize("terms", TERMS, ids=TERM_IDS)

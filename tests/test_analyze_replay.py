@@ -246,7 +246,8 @@ def test_output_change_in_the_heads_frame_equals_the_direct_messages():
     ScoreTerms(0.5, True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
     ScoreTerms(0.5, False),
     ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS),
-], ids=["window-softcap", "alibi", "bidirectional", "relative-bias"])
+    ScoreTerms(0.5, True, sink_logits=(1.0, -2.0, 0.5, 3.0)),
+], ids=["window-softcap", "alibi", "bidirectional", "relative-bias", "sinks"])
 def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queries_and_keys(terms):
     """The replay's clean pattern is the model's attention of q, k with the score terms, and its
     perturbed one that of the noised q, k: total variation and collapses (every instance with two
@@ -256,7 +257,8 @@ def test_clean_and_perturbed_attention_are_the_one_functions_of_the_scaled_queri
     valid = np.ones((3, 8), bool)
     valid[0, :3] = False  # left padding: a causal query there may see no key
     reference = dict(attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
-                     softcap=terms.softcap, alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias)
+                     softcap=terms.softcap, alibi_slopes=terms.alibi_slopes, relative_bias=terms.relative_bias,
+                     sink_logits=terms.sink_logits)
     block = HeadBlock(q, k, valid, terms, 0.0, min_keys=2)
     assert_attention_close(block.pattern, q, k, valid, **reference)
     empty = ~valid[:, None, :, None] if terms.causal else np.zeros((3, 1, 8, 1), bool)
@@ -652,7 +654,8 @@ def grid_counts(block, settings, samples, layer=0):
     (ScoreTerms(0.5, True), 2),
     (ScoreTerms(0.5, False), 1),
     (ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS), 4),
-], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa", "relative-bias"])
+    (ScoreTerms(0.5, True, sink_logits=(1.0, -2.0, 0.5, 3.0)), 2),
+], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa", "relative-bias", "sinks"])
 @pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
 def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, n_kv_heads, distribution):
     """Ties (two equal keys) and keys of zero score included; levels up to 0.9, where uniform noise

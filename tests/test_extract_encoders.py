@@ -23,7 +23,9 @@ from orthosphere.store.schema import check_model
 from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import tiny_config, tiny_model
 
-HEADLESS = {"bert": "BertModel", "roberta": "RobertaModel", "distilbert": "DistilBertModel"}
+HEADLESS = {"bert": "BertModel", "roberta": "RobertaModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
+            "xlm-roberta": "XLMRobertaModel", "electra": "ElectraModel", "modernbert": "ModernBertModel"}
+WITHOUT_POOLER = ("distilbert", "electra", "modernbert")
 SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
 
 
@@ -56,8 +58,8 @@ def extracted_store(directory, folder):
 @pytest.mark.parametrize("pooler", [False, True], ids=["no-pooler", "pooler"])
 @pytest.mark.parametrize("family", HEADLESS)
 def test_an_encoder_without_its_head_stores_the_same_activations_and_no_pred(tmp_path, family, pooler):
-    if pooler and family == "distilbert":
-        pytest.skip("DistilBERT has no pooler")
+    if pooler and family in WITHOUT_POOLER:
+        pytest.skip(f"{HEADLESS[family]} has no pooler")
     full = tiny_model(family)
     with_head = extracted_store(saved(full, tmp_path / "with-head"), tmp_path)
     headless_dir = saved(base_model(family, full, pooler), tmp_path / "headless")
@@ -71,6 +73,50 @@ def test_an_encoder_without_its_head_stores_the_same_activations_and_no_pred(tmp
     summary = info(str(headless))
     assert summary["model"]["lm_head"] is False and "pred" not in summary["arrays"]
     assert f"pred      none: the model ({HEADLESS[family]}) has no language-model head" in format_info(summary)
+
+
+def sentence_transformers_directory(model, directory, body: str = ""):
+    """A sentence-transformers directory as all-mpnet-base-v2's: the body (no head, no prefix) in
+    folder `body` ("": the directory itself), mean pooling, normalisation."""
+    import json
+
+    saved(model, directory / body)
+    modules = [{"idx": 0, "name": "0", "path": body, "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                                      "pooling_mode_mean_tokens": True}))
+    (directory / "2_Normalize").mkdir()
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 384, "do_lower_case": False}))
+    return directory
+
+
+@pytest.mark.parametrize("body", ["", "0_Transformer"], ids=["all-mpnet-base-v2-layout", "transformer-subfolder"])
+def test_a_sentence_transformers_directory_loads_as_its_base_model(tmp_path, body):
+    """An all-mpnet-base-v2-like directory (weights without `mpnet.`, no head, modules.json, 1_Pooling/)
+    stores what the masked-LM model's body computes; an older layout's transformer subfolder is found."""
+    from safetensors import safe_open
+
+    full = tiny_model("mpnet")
+    directory = sentence_transformers_directory(base_model("mpnet", full, pooler=True), tmp_path / "st", body)
+    with safe_open(directory / body / "model.safetensors", "pt") as weights:
+        assert not any(key.startswith("mpnet.") for key in weights.keys())
+    assert load_source(directory, device="cpu").describe()["architecture"] == "MPNetModel"
+    found = open_store(str(extracted_store(directory, tmp_path))).load()
+    expected = open_store(str(extracted_store(saved(full, tmp_path / "with-head"), tmp_path))).load()
+    for site in SITES:
+        np.testing.assert_array_equal(found[site].values, expected[site].values, err_msg=site)
+
+
+def test_a_sentence_transformers_directory_without_a_transformer_module_is_refused(tmp_path):
+    directory = sentence_transformers_directory(base_model("mpnet", tiny_model("mpnet"), pooler=False), tmp_path / "st",
+                                                "0_Transformer")
+    (directory / "modules.json").write_text('[{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]')
+    with pytest.raises(ConfigError, match=r"has no config.json and its modules.json names 0 Transformer modules: "
+                                          r"expected one .* give that folder"):
+        load_source(directory, device="cpu")
 
 
 def test_analyses_leave_accuracy_out_without_predictions_and_refuse_it_by_name(tmp_path):

@@ -33,10 +33,10 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import FAMILIES, WINDOW, family_configs, tiny_model
+from tests.tiny_families import FAMILIES, MODERNBERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
-ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5")
+ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert")
 T5_FAMILIES = ("t5", "mt5", "umt5")
 SHARP = 0.9
 """In every layer, the median over (query, head) of the largest attention weight, for valid queries
@@ -58,12 +58,25 @@ PLACEMENTS = {
     "roberta": ("post", "layer", None, False), "distilbert": ("post", "layer", None, False),
     "bloom": ("pre", "layer", None, False), "falcon": ("pre", "layer", None, True),
     "t5": ("pre", "rms", None, False), "mt5": ("pre", "rms", None, False), "umt5": ("pre", "rms", None, False),
+    "qwen2_moe": ("pre", "rms", None, False), "qwen3_moe": ("pre", "rms", "head", False),
+    "olmoe": ("pre", "rms", "projection", False), "granitemoe": ("pre", "rms", None, False),
+    "helium": ("pre", "rms", None, False), "arcee": ("pre", "rms", None, False),
+    "ministral": ("pre", "rms", None, False), "seed_oss": ("pre", "rms", None, False),
+    "smollm3": ("pre", "rms", None, False), "olmo3": ("output", "rms", "projection", False),
+    "exaone4": ("output", "rms", "head", False), "apertus": ("pre", "rms", "head", False),
+    "glm4": ("sandwich", "rms", None, False), "nemotron": ("pre", "layer", None, False),
+    "cohere": ("pre", "layer", None, True), "cohere2": ("pre", "layer", None, True),
+    "xlm-roberta": ("post", "layer", None, False), "camembert": ("post", "layer", None, False),
+    "electra": ("post", "layer", None, False), "gpt_oss": ("pre", "rms", None, False),
+    "mpnet": ("post", "layer", None, False), "modernbert": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
-           "gemma3_text": [WINDOW, None]}
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
+           "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
+           "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
+           "modernbert": [None, MODERNBERT_HALF_WINDOW + 1]}
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
@@ -114,9 +127,15 @@ def eager_run(model, store):
 
 
 def terms_of(store, layer) -> dict:
-    terms = ScoreTerms.of_layer(store.attrs["model"], layer)
+    return reference_terms(store.attrs["model"], layer)
+
+
+def reference_terms(description: dict, layer) -> dict:
+    """A layer's score terms from a model description, as attention_float64's keywords."""
+    terms = ScoreTerms.of_layer(description, layer)
     return {"attn_scale": terms.scale, "causal": terms.causal, "sliding_window": terms.sliding_window,
-            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias}
+            "softcap": terms.softcap, "alibi_slopes": terms.alibi_slopes, "relative_bias": terms.relative_bias,
+            "sink_logits": terms.sink_logits}
 
 
 def test_stored_q_k_with_the_score_terms_are_the_models_eager_attention(family):
@@ -214,11 +233,14 @@ def _apply_head_norm(norm, x: np.ndarray) -> np.ndarray:
 
 def assert_head_site_from_the_maps(store, eager, name, layer):
     """The stored q, k or v of `layer` is its weight map applied to attn_in, followed by the site's
-    described norm; q and k then turn by rotary embedding (identity at position 0, norms kept)."""
+    described norm; q and k then turn by rotary embedding (identity at position 0, norms kept but for
+    the attention factor of a YaRN rope, GPT-OSS's, on both)."""
     expected = _mapped(store, name, layer)
     norm = _norm_module(eager, store, name, layer)
     if norm is not None:
         expected = _apply_head_norm(norm, expected)
+    if name != "v":
+        expected = expected * getattr(getattr(eager.base_model, "rotary_emb", None), "attention_scaling", 1.0)
     stored = store[name].values[:, layer]
     if name != "v" and store.attrs["model"]["positions"] == "rotary":
         _close(stored[:, 0], expected[:, 0])
@@ -338,7 +360,7 @@ def test_norm_description_is_the_familys_placement(family):
     assert description["v_norm"] is None and description["causal"] is (model_type not in ENCODERS)
     assert set(description) <= set(MODEL_KEYS) | set(DESCRIBED[model_type].extra_config)
     gains = {norm["gain"] for norm in description["norms"]}
-    assert gains == ({"none"} if model_type == "olmo" else {"1 + weight"} if model_type.startswith("gemma") else {"weight"})
+    assert gains == ({"none"} if model_type == "olmo" else {DESCRIBED[model_type].norm_gain})
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -362,7 +384,7 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
     expected, largest = attention_float64(edited["q"][:, 1].numpy(), plain["k"][:, 1].numpy(), valid.numpy(),
                                           attn_scale=terms.scale, causal=terms.causal, sliding_window=terms.sliding_window,
                                           softcap=terms.softcap, alibi_slopes=terms.alibi_slopes,
-                                          relative_bias=terms.relative_bias)
+                                          relative_bias=terms.relative_bias, sink_logits=terms.sink_logits)
     np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
 
 
@@ -395,3 +417,96 @@ def test_error_messages_name_files_that_exist():
     capture_source = (root / "extract" / "capture.py").read_text()
     named += re.findall(r'"([\w/]+\.py) \(module', capture_source)
     assert named and all((root / path).is_file() for path in named), named
+
+
+@pytest.mark.parametrize("model_type, reason", [("deberta-v2", "content-to-position"), ("deberta", "content-to-position"),
+                                                ("jetmoe", "attention experts"), ("xlnet", "two-stream")])
+def test_families_whose_score_the_store_cannot_describe_are_refused_with_the_reason(model_type, reason):
+    from orthosphere.errors import UnsupportedModelError
+    from orthosphere.extract.families import family_for
+
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}' is not supported: .*{reason}"):
+        family_for(model_type)
+
+
+def test_gpt_oss_sinks_are_described_and_take_their_share_of_the_attention():
+    """The description's sink logits are the model's, and the attention without them is not the model's:
+    the score term is needed (and test_stored_q_k_with_the_score_terms_are_the_models_eager_attention shows
+    it suffices)."""
+    model = tiny_model("gpt_oss")
+    adapter = adapter_for(model)
+    sinks = adapter.describe()["score"]["sink_logits"]
+    for layer in range(2):
+        assert sinks[layer] == model.model.layers[layer].self_attn.sinks.tolist()
+    tokens = torch.tensor([[4, 5, 7, 6, 9, 8, 10, 11, 12, 5]])
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), adapter.capture(["q", "k", "pattern"]) as recording:
+        adapter.forward(tokens, valid)
+        captured = recording.take()
+    terms = reference_terms(adapter.describe(), 0)
+    without = {**terms, "sink_logits": None}
+    q, k = captured["q"][:, 0].numpy(), captured["k"][:, 0].numpy()
+    with_sinks, _ = attention_float64(q, k, valid.numpy(), **terms)
+    plain, _ = attention_float64(q, k, valid.numpy(), **without)
+    pattern = captured["pattern"][:, 0].double().numpy()
+    assert np.abs(pattern - plain).max() > 0.1
+    np.testing.assert_allclose(pattern, with_sinks, rtol=0, atol=1e-4)
+
+
+def test_a_gpt_oss_whose_sinks_are_not_finite_is_refused_naming_the_layer():
+    from orthosphere.errors import UnsupportedModelError
+
+    model = tiny_model("gpt_oss")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.sinks[2] = float("nan")
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 of this gpt_oss model .*self_attn.sinks.*one finite logit per head"):
+        adapter_for(model)
+
+
+@pytest.mark.parametrize("sinks", [[[0.0] * 4], [[0.0] * 3, [0.0] * 3], [[0.0, 1.0, float("inf"), 2.0]] * 2, "sinks"],
+                         ids=["one-layer", "three-heads", "not-finite", "not-numbers"])
+def test_malformed_sink_logits_are_refused(sinks):
+    from orthosphere.store.errors import StoreError
+    from orthosphere.store.schema import check_model
+
+    score = {"scale": [0.5, 0.5], "sliding_window": [None, None], "softcap": [None, None], "alibi_slopes": None,
+             "sink_logits": sinks}
+    model = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 4, "d_head": 8, "score": score}
+    with pytest.raises(StoreError, match=r"score.sink_logits=.*expected per layer \(2\) one finite sink logit per head \(4\)"):
+        check_model(model)
+
+
+@pytest.mark.parametrize("model_type, change, term", [
+    ("gpt_oss", lambda model: model.model.layers[1].self_attn.sinks.add_(1.0), "sink_logits"),
+    ("mpnet", lambda model: model.mpnet.encoder.relative_attention_bias.weight.add_(1.0), "relative_bias"),
+])
+def test_a_score_term_that_no_longer_matches_the_description_is_refused(model_type, change, term):
+    """The description is read once; a forward pass whose attention is called with other sink logits or
+    another relative position bias (weights changed since) is refused, not recorded."""
+    from orthosphere.errors import UnsupportedModelError
+
+    model = tiny_model(model_type)
+    adapter = adapter_for(model)
+    with torch.no_grad():
+        change(model)
+    tokens = torch.tensor([[4, 5, 7, 6, 9, 8]])
+    with torch.no_grad(), adapter.capture(["q"]), pytest.raises(UnsupportedModelError, match=rf"attends with .*'{term}'"):
+        adapter.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+
+
+def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
+    """A Qwen2-MoE directory without one expert's tensor (stored one per expert, fused on loading) would run
+    with a random expert: refused, naming the fused tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from orthosphere.extract.model import ConfigError
+    from orthosphere.extract.sources import load_source
+
+    directory = tmp_path / "qwen2_moe"
+    tiny_model("qwen2_moe").save_pretrained(directory, safe_serialization=True)
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.0.down_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"tensor model.layers.1.mlp.experts.down_proj has the shape \(3, 32, 16\) "
+                                          r"there but Qwen2MoeForCausalLM expects \(4, 32, 16\).*lacking an expert"):
+        load_source(directory, device="cpu")

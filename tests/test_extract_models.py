@@ -122,7 +122,7 @@ GGUF_VOCAB = 256 + len(GGUF_TOKENS_EXTRA)
 GGUF_SPECIAL_ID = GGUF_VOCAB - 1
 """<|endoftext|>: the GGUF tokenizer's BOS, EOS and padding token."""
 GPT2_TRANSPOSED = ("attn_qkv.weight", "ffn_down.weight", "ffn_up.weight", "attn_output.weight")
-GGUF_ARCHITECTURE = {"gemma3_text": "gemma3"}
+GGUF_ARCHITECTURE = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 """model_type -> the GGUF architecture llama.cpp writes it as, where they differ."""
 GGUF_EPS = 2.0 ** -17
 """A norm epsilon that the file's float32 metadata holds exactly."""
@@ -138,6 +138,10 @@ GGUF_CONFIGS = {
     "starcoder2": ("Starcoder2Config", dict(GGUF_LLAMA_SIZES, norm_epsilon=GGUF_EPS)),
     "gemma2": ("Gemma2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
     "gemma3_text": ("Gemma3TextConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, head_dim=8, sliding_window=4)),
+    "nemotron": ("NemotronConfig", dict(GGUF_LLAMA_SIZES, norm_eps=GGUF_EPS)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True)),
     "falcon": ("FalconConfig", dict(GGUF_SIZES, max_position_embeddings=64)),
     "bloom": ("BloomConfig", dict(hidden_size=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
                                   layer_norm_epsilon=GGUF_EPS)),
@@ -147,7 +151,7 @@ GGUF_CONFIGS = {
 """model_type -> (config class, keywords): tiny configs that state only what a GGUF file of the
 architecture states (the rest keeps the class defaults, which is how transformers reads the file: a
 GPT-2 keeps its 1024 positions and 4 * d_model feed-forward width, a Falcon is multi-query, a Qwen3
-keeps head_dim 128)."""
+keeps head_dim 128, the MoE families their experts' widths)."""
 
 
 def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config) -> np.ndarray:
@@ -161,7 +165,7 @@ def _gguf_tensor(gguf_name: str, tensor: np.ndarray, config) -> np.ndarray:
         return tensor.T
     if model_type == "bloom" and ".attn_qkv." in gguf_name:
         return _bloom_qkv_for_gguf(tensor, config.n_head)
-    if model_type.startswith("gemma") and gguf_name.endswith("norm.weight"):  # Gemma's gain 1 + weight, stored whole
+    if model_type in GAIN_PLUS_ONE and gguf_name.endswith("norm.weight"):  # a gain of 1 + weight, stored whole
         return tensor + 1
     return tensor
 
@@ -179,7 +183,8 @@ def _write_gguf_metadata(writer, architecture: str, config) -> None:
     """The architecture's keys that transformers reads (GGUF_CONFIG_MAPPING), from the config."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    mapping = GGUF_CONFIG_MAPPING[GGUF_ARCHITECTURE.get(config.model_type, config.model_type)]
+    model_type = config.model_type
+    mapping = GGUF_CONFIG_MAPPING[model_type if model_type in GGUF_CONFIG_MAPPING else GGUF_ARCHITECTURE[model_type]]
     for gguf_key, config_key in mapping.items():
         value = _gguf_metadata_value(config, config_key) if config_key else None
         if isinstance(value, bool) or value is None:
@@ -214,11 +219,48 @@ def _gguf_name(names, name: str) -> str | None:
     return None
 
 
+def _gguf_tensors(names, parameter: str, tensor: np.ndarray, config) -> list[tuple[str, np.ndarray]]:
+    """The GGUF tensors (name, array) llama.cpp writes for a parameter: none for one it does not know;
+    a mixture of experts' fused gate and up projections as two stacks of experts (Qwen2-MoE, Qwen3-MoE)."""
+    if parameter.endswith("mlp.experts.gate_up_proj"):
+        block = parameter.split(".")[2]
+        gate, up = np.split(tensor, 2, axis=1)
+        return [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
+    gguf_name = _gguf_name(names, parameter)
+    if gguf_name is None:
+        return []
+    if parameter.endswith("mlp.experts.down_proj"):
+        gguf_name += ".weight"
+    if parameter.endswith("shared_expert_gate.weight"):  # one row, stored as a vector
+        tensor = tensor[0]
+    return [(gguf_name, _gguf_tensor(gguf_name, tensor, config))]
+
+
+RAW_BYTE_LIMIT = 0x3C
+"""Bytes of the quantised blocks drawn below it where the gguf package cannot quantise a type: every
+half-precision scale then lies in [0, 1), every byte scale far below 1, so the values are finite and small."""
+
+
+def quantised(data: np.ndarray, quantisation) -> np.ndarray:
+    """`data` stored as `quantisation` (a GGMLQuantizationType), as bytes: the gguf package's quantiser
+    where it has one, else random blocks (RAW_BYTE_LIMIT), which gguf dequantises all the same."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(data.astype(np.float32), quantisation)
+    except NotImplementedError:
+        rows, width = data.shape
+        block, block_bytes = gguf.GGML_QUANT_SIZES[quantisation]
+        rng = np.random.default_rng(int(quantisation))
+        return rng.integers(0, RAW_BYTE_LIMIT, (rows, width // block * block_bytes), dtype=np.uint8)
+
+
 def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | None = None, name: str = "orthosphere-tiny",
-               tensor_dtype=np.float32):
+               tensor_dtype=np.float32, storage=None):
     """A GGUF of `model` (from gguf_model) with a byte-level BPE tokenizer, written the way llama.cpp's
     converter does; `architecture` and `name` replace the general.architecture and general.name written,
-    `tensor_dtype` the weights' storage type (for refusals)."""
+    `tensor_dtype` the weights' storage type (for refusals), and `storage`, a function of a tensor's
+    GGUF name, the quantisation type of each tensor (None: `tensor_dtype`; see quantised)."""
     import gguf
 
     config = model.config
@@ -234,12 +276,17 @@ def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | Non
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     written = set()  # a tensor that two parameters share (T5's embeddings) is written once
     for parameter, tensor in model.state_dict().items():
-        gguf_name = _gguf_name(names, parameter)
-        if gguf_name in written or gguf_name is None or (config.tie_word_embeddings and parameter == "lm_head.weight"):
+        if config.tie_word_embeddings and parameter == "lm_head.weight":
             continue
-        stored = _gguf_tensor(gguf_name, tensor.double().numpy(), config)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(stored, dtype=tensor_dtype))
-        written.add(gguf_name)
+        for gguf_name, stored in _gguf_tensors(names, parameter, tensor.double().numpy(), config):
+            if gguf_name not in written:
+                data = np.ascontiguousarray(stored, dtype=tensor_dtype)
+                quantisation = None if storage is None else storage(gguf_name)
+                if quantisation is None:
+                    writer.add_tensor(gguf_name, data)
+                else:
+                    writer.add_tensor(gguf_name, quantised(data, quantisation), raw_dtype=quantisation)
+                written.add(gguf_name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -248,27 +295,30 @@ def write_gguf(path, model, with_tokenizer: bool = True, architecture: str | Non
 
 
 GGUF_MODEL_TYPES = tuple(GGUF_CONFIGS)
+GAIN_PLUS_ONE = ("gemma2", "gemma3_text", "nemotron")
+"""Families whose norms' gain is 1 + weight, which llama.cpp stores whole."""
 GEMMA_GAIN_GRID = 2.0 ** -12
-"""Gemma's norm weights are drawn on this grid, so that the file's float32 1 + weight gives weight back exactly."""
+"""Their norm weights are drawn on this grid, so that the file's float32 1 + weight gives weight back exactly."""
 
 
-def gguf_model(model_type: str = "llama", seed: int = 0):
-    """A tiny random model of GGUF_CONFIGS' model_type, whose vocabulary is write_gguf's tokenizer's,
-    with a spread of biases and norm gains (so that no map is trivially zero or one)."""
+def gguf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A tiny random model of GGUF_CONFIGS' model_type (`overrides` replacing config values), whose
+    vocabulary is write_gguf's tokenizer's, with a spread of biases and norm gains (so that no map is
+    trivially zero or one)."""
     import transformers
 
     from orthosphere.extract.families import family_for
 
     torch.manual_seed(seed)
     config_class, options = GGUF_CONFIGS[model_type]
-    config = getattr(transformers, config_class)(**options, vocab_size=GGUF_VOCAB, bos_token_id=GGUF_SPECIAL_ID,
+    config = getattr(transformers, config_class)(**(options | overrides), vocab_size=GGUF_VOCAB, bos_token_id=GGUF_SPECIAL_ID,
                                                  eos_token_id=GGUF_SPECIAL_ID, pad_token_id=GGUF_SPECIAL_ID)
     model = getattr(transformers, family_for(model_type).lm_class)(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name.lower():
                 parameter.add_(0.1 * torch.randn_like(parameter))
-            if "norm" in name and model_type.startswith("gemma"):
+            if "norm" in name and model_type in GAIN_PLUS_ONE:
                 parameter.copy_(torch.round(parameter / GEMMA_GAIN_GRID) * GEMMA_GAIN_GRID)
     return model
 
@@ -507,12 +557,77 @@ ACCEPTED = r"GGUF files load for the architectures \['bloom', 'falcon', .*'llama
 @pytest.mark.parametrize("architecture,why", [
     ("nonesuch", "transformers does not read that architecture from GGUF"),
     ("mamba", "transformers reads it as model_type 'mamba', which has no family in extract/families.py"),
-    ("qwen2moe", "transformers reads it as model_type 'qwen2_moe', which has no family"),
+    ("gpt-oss", "transformers' GGUF reader maps GPT-OSS's expert tensors .* to none of GptOssForCausalLM's"),
     ("mistral", "transformers reads its configuration as model_type 'mistral' but cannot map its tensors .*no architecture 'mistral'"),
 ])
 def test_gguf_architecture_without_a_family_model_is_refused(tmp_path, architecture, why):
     path = write_gguf(tmp_path / f"{architecture}.gguf", gguf_model(), architecture=architecture)
     with pytest.raises(UnsupportedModelError, match=rf"GGUF file {path} has the architecture '{architecture}': {why}.*{ACCEPTED}"):
+        load_source(path, device="cpu")
+
+
+def dequantisable_types() -> list:
+    """Every tensor type the gguf package dequantises (one block of each tried)."""
+    import gguf
+
+    types = []
+    for quantisation in gguf.GGMLQuantizationType:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[quantisation]
+        try:
+            gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), quantisation)
+        except NotImplementedError:
+            continue
+        types.append(quantisation)
+    return types
+
+
+UNPERMUTED = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+"""GGUF tensors of a Llama block that transformers reads as they are (attn_q and attn_k it permutes back)."""
+
+
+def test_a_gguf_mixing_every_tensor_type_the_gguf_package_dequantises_loads_each_as_gguf_dequantises_it(tmp_path):
+    """One Llama file whose tensors use every type the gguf package dequantises (26 with gguf 0.19): the
+    types of 256-value blocks on the feed-forward's down projections (256 wide), one a layer, the others
+    in turn on every other matrix; each is the model's tensor exactly as gguf dequantises it."""
+    import gguf
+
+    types = dequantisable_types()
+    wide = [t for t in types if gguf.GGML_QUANT_SIZES[t][0] > SIZES["d_model"]]
+    narrow = [t for t in types if t not in wide]
+    matrices = iter(range(10**6))
+
+    def storage(name):
+        if name.endswith("norm.weight"):
+            return None  # vectors stay float32, as llama.cpp keeps them
+        if name.endswith("ffn_down.weight"):
+            return wide[int(name.split(".")[1])]
+        return narrow[next(matrices) % len(narrow)]
+
+    model = gguf_model("llama", num_hidden_layers=len(wide), intermediate_size=256)
+    path = write_gguf(tmp_path / "mixed.gguf", model, storage=storage)
+    reader = gguf.GGUFReader(path)
+    assert {tensor.tensor_type for tensor in reader.tensors} == set(types)
+    loaded = load_source(path, device="cpu").adapter.model
+    compared = set()
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.<layer>.<kind>.weight
+        if parts[0] == "blk" and parts[2] in UNPERMUTED:
+            parameter = loaded.get_parameter(f"model.layers.{parts[1]}.{UNPERMUTED[parts[2]]}.weight")
+            expected = torch.tensor(gguf.dequantize(tensor.data, tensor.tensor_type).reshape(parameter.shape))
+            assert torch.equal(parameter, expected.float()), tensor.name
+            compared.add(tensor.tensor_type)
+    assert compared == set(types)
+    with torch.no_grad():
+        assert torch.isfinite(loaded(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
+
+
+def test_a_gguf_whose_tensors_differ_from_the_sizes_transformers_assumes_is_refused(tmp_path):
+    """transformers reads no expert width from a Qwen2-MoE GGUF (it keeps its defaults): a model with
+    other widths is refused, naming the file and a tensor, not run with random experts."""
+    path = write_gguf(tmp_path / "narrow-experts.gguf", gguf_model("qwen2_moe", moe_intermediate_size=16))
+    with pytest.raises(ConfigError, match=rf"checkpoint {path}: tensor model.layers.\d.mlp.\S+ has the shape .* there "
+                                          r"but Qwen2MoeForCausalLM expects .*config defaults"):
         load_source(path, device="cpu")
 
 

@@ -30,7 +30,8 @@ def test_schema_version_matches():
     assert f"schema version {schema.SCHEMA_VERSION}" in DOC
 
 
-@pytest.mark.parametrize("key", schema.MODEL_KEYS + schema.SCORE_KEYS + schema.NORM_KEYS + schema.NORM_SITES
+@pytest.mark.parametrize("key", schema.MODEL_KEYS + schema.SCORE_KEYS + schema.OPTIONAL_SCORE_KEYS + schema.NORM_KEYS
+                         + schema.NORM_SITES
                          + schema.NORM_SCOPES + schema.NORM_PLACEMENTS)
 def test_every_key_of_the_model_description_is_documented(key):
     assert f"`{key}`" in DOC

@@ -15,9 +15,15 @@ from tests.test_extract_models import VOCAB
 
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
 T5_DISTANCE = 6
+MODERNBERT_HALF_WINDOW = 2
+"""ModernBERT's local layers see keys up to this far on either side (local_attention = twice it)."""
 SHARPEN = 5.0
 """q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
 logits of order 10 and more."""
+RELATIVE_BIAS_STD = 3.0
+"""MPNet's relative position bias drawn with this standard deviation (its init's 0.02 would hide it)."""
+SINK_STD = 3.0
+"""GPT-OSS's sink logits drawn with this standard deviation: of the order of the smaller logits."""
 EMBEDDING_STD = 1.0
 """Token and position embeddings drawn with this standard deviation (transformers' default is 0.02):
 the tokens then differ by more than the biases every position shares, so that the residual stream
@@ -27,6 +33,11 @@ of later layers still tells positions apart and their attention is sharp too."""
 def _llama_sizes(**extra):
     return dict(hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
                 num_key_value_heads=N_KV_HEADS, max_position_embeddings=64, **extra)
+
+
+def _bert_sizes(max_position_embeddings=64, **extra):
+    return dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS, intermediate_size=D_FF,
+                max_position_embeddings=max_position_embeddings, **extra)
 
 
 def _t5_sizes():
@@ -83,6 +94,38 @@ def family_configs() -> dict:
         "falcon": ("FalconConfig", dict(hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
                                         num_kv_heads=N_KV_HEADS, new_decoder_architecture=True, bias=True,
                                         max_position_embeddings=64), "FalconForCausalLM"),
+        "qwen2_moe": ("Qwen2MoeConfig", _llama_sizes(moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                     num_experts=4, num_experts_per_tok=2), "Qwen2MoeForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", _llama_sizes(head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                                     num_experts_per_tok=2), "Qwen3MoeForCausalLM"),
+        "olmoe": ("OlmoeConfig", _llama_sizes(num_experts=4, num_experts_per_tok=2), "OlmoeForCausalLM"),
+        "granitemoe": ("GraniteMoeConfig", _llama_sizes(num_local_experts=4, num_experts_per_tok=2,
+                                                        attention_multiplier=0.3, residual_multiplier=0.5),
+                       "GraniteMoeForCausalLM"),
+        "helium": ("HeliumConfig", _llama_sizes(head_dim=8), "HeliumForCausalLM"),
+        "arcee": ("ArceeConfig", _llama_sizes(), "ArceeForCausalLM"),
+        "ministral": ("MinistralConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW), "MinistralForCausalLM"),
+        "seed_oss": ("SeedOssConfig", _llama_sizes(head_dim=8, attention_bias=True), "SeedOssForCausalLM"),
+        "smollm3": ("SmolLM3Config", _llama_sizes(no_rope_layers=[1, 0]), "SmolLM3ForCausalLM"),
+        "olmo3": ("Olmo3Config", _llama_sizes(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), "Olmo3ForCausalLM"),
+        "exaone4": ("Exaone4Config", _llama_sizes(head_dim=8, sliding_window=WINDOW, sliding_window_pattern=2),
+                    "Exaone4ForCausalLM"),
+        "apertus": ("ApertusConfig", _llama_sizes(head_dim=8), "ApertusForCausalLM"),
+        "glm4": ("Glm4Config", _llama_sizes(head_dim=8), "Glm4ForCausalLM"),
+        "nemotron": ("NemotronConfig", _llama_sizes(head_dim=8, partial_rotary_factor=0.5), "NemotronForCausalLM"),
+        "cohere": ("CohereConfig", _llama_sizes(use_qk_norm=False), "CohereForCausalLM"),
+        "cohere2": ("Cohere2Config", _llama_sizes(head_dim=8, sliding_window=WINDOW, sliding_window_pattern=2),
+                    "Cohere2ForCausalLM"),
+        "xlm-roberta": ("XLMRobertaConfig", _bert_sizes(max_position_embeddings=70), "XLMRobertaForMaskedLM"),
+        "camembert": ("CamembertConfig", _bert_sizes(max_position_embeddings=70), "CamembertForMaskedLM"),
+        "electra": ("ElectraConfig", _bert_sizes(embedding_size=D_MODEL), "ElectraForMaskedLM"),
+        "gpt_oss": ("GptOssConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, num_local_experts=4,
+                                                 num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"]),
+                    "GptOssForCausalLM"),
+        "mpnet": ("MPNetConfig", _bert_sizes(max_position_embeddings=70), "MPNetForMaskedLM"),
+        "modernbert": ("ModernBertConfig", _bert_sizes(local_attention=2 * MODERNBERT_HALF_WINDOW,
+                                                       global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2),
+                       "ModernBertForMaskedLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
@@ -101,8 +144,9 @@ def tiny_config(model_type: str, **overrides):
     return getattr(transformers, config_class)(**(options | overrides), **ids, tie_word_embeddings=False)
 
 
-SHARPENED = ("q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
-             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.")
+SHARPENED = ("Wqkv", "q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
+             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.", "attn.q.",
+             "attn.k.")
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
@@ -127,6 +171,10 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                     parameter.mul_(SHARPEN)
                 else:
                     parameter.normal_(0.0, SHARPEN / D_MODEL**0.5)
+            if name.endswith("encoder.relative_attention_bias.weight") and model_type == "mpnet":
+                parameter.normal_(0.0, RELATIVE_BIAS_STD)  # MPNet's bias, of the order of the logits
+            if name.endswith("self_attn.sinks"):  # GPT-OSS: sinks that take a share of the softmax where logits are small
+                parameter.normal_(0.0, SINK_STD)
             if "SelfAttention.q." in name:  # T5 scores with 1 and folds 1/sqrt(d_head) into W_Q, as its init does
                 parameter.mul_(model.config.d_kv**-0.5)
     return model
