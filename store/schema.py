@@ -271,14 +271,21 @@ def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> 
     }
 
 
-def variables_for(sites, with_weights: bool, lm_head: bool = True) -> dict[str, Variable]:
-    """Every array that a store with these sites holds (labels aside): no ``pred`` without a
-    language-model head (model description ``lm_head`` false)."""
-    variables = {name: var for name, var in TOKEN_VARIABLES.items() if lm_head or name != "pred"}
+def variables_for(sites, with_weights: bool, pred: bool = True) -> dict[str, Variable]:
+    """Every array that a store with these sites holds (labels aside): ``pred`` only where `pred`
+    (``holds_pred``)."""
+    variables = {name: var for name, var in TOKEN_VARIABLES.items() if pred or name != "pred"}
     variables.update({site: SITE_VARIABLES[site] for site in sites})
     if with_weights:
         variables.update(WEIGHT_VARIABLES)
     return variables
+
+
+def holds_pred(attrs: dict) -> bool:
+    """Whether a store holds ``pred``: its model has a language-model head (model description
+    ``lm_head``) and its job kept the predictions (root attribute ``pred``; stores written before it
+    existed kept them)."""
+    return bool(attrs.get("pred", True)) and bool((attrs.get("model") or {}).get("lm_head", True))
 
 
 def resolved_dtype(variable: Variable, activation_dtype: str) -> str:

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from orthosphere.errors import JobMismatchError
 from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError, load_model
+from orthosphere.store import format_info, info, open_store, validate
 from tests.test_extract_models import write_arithmetic_model
 
 BLOCK_SITES = ("z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
@@ -99,3 +102,24 @@ def test_a_capture_that_stops_early_records_the_same_values_and_runs_no_later_bl
     ran.clear()
     logits, _ = captured(model, sites, layers=[1, 3], stop_early=True)
     assert logits is not None and ran == [0, 1, 2, 3]  # the last layer is asked for: the whole pass runs
+
+
+def test_a_job_without_predictions_stops_early_and_stores_the_same_activations(tmp_path):
+    """pred=False: the store holds no pred (and says why), its activations are bitwise those of a job
+    that ran the whole model, and resuming it with predictions is another job."""
+    model_dir = write_arithmetic_model(tmp_path / "model", n_layers=3)
+    stores = {}
+    for pred in (True, False):
+        out = str(tmp_path / f"pred-{pred}.zarr")
+        extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=out, n_samples=6, layers=[0, 1],
+                           sites=["resid_post", "q", "mlp_out"], pred=pred, batch_size=4, device="cpu"), progress=False)
+        stores[pred] = open_store(out)
+    assert "pred" in stores[True] and "pred" not in stores[False]
+    assert validate(str(tmp_path / "pred-False.zarr")) == []
+    for site in ("resid_post", "q", "mlp_out"):
+        np.testing.assert_array_equal(stores[False][site].values, stores[True][site].values)
+    assert "the job left the predictions out" in format_info(info(str(tmp_path / "pred-False.zarr")))
+    with pytest.raises(JobMismatchError, match="its pred is False, this job.s is True"):
+        extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=str(tmp_path / "pred-False.zarr"),
+                           n_samples=6, layers=[0, 1], sites=["resid_post", "q", "mlp_out"], resume=True, device="cpu"),
+                progress=False)
