@@ -481,3 +481,28 @@ def test_a_site_the_family_does_not_have_is_refused_with_the_reason(model_type, 
     adapter = adapter_for(tiny_model(model_type))
     with pytest.raises(ConfigError, match=rf"\['{site}'\] cannot be provided by this {model_type} model.*{site} {named}"):
         adapter.check_sites(["resid_pre", site])
+
+
+def test_notebook_views_are_the_models_attention(family):
+    """ds.ortho.pattern and ds.ortho.attn_scores, recomputed from the stored q, k with the score terms
+    (the stored pattern and z dropped, the store chunked along sample), for every head and for chosen
+    ones, are the model's own eager attention; ds.ortho.z recomputed from them and v is the stored z."""
+    model_type, store, eager = family
+    pattern, _ = eager_run(eager, store)
+    lazy = store.drop_vars(["pattern", "z"]).chunk({"sample": 4})
+    queries = store["valid"].values[:, None, :, None]
+    chosen = [1, 2]  # heads of two key/value heads in grouped-query families
+    for layer in range(store.sizes["layer"]):
+        _, largest = attention_float64(store["q"].values[:, layer], store["k"].values[:, layer], store["valid"].values,
+                                       **terms_of(store, layer))
+        atol = 2 * attention_atol(largest)  # the view and the model each within attention_atol of float64
+        every = lazy.ortho.pattern(layer=layer)
+        assert every.chunks[0] == lazy["q"].chunks[0] and every.attrs["transformer_lens"] == f"blocks.{layer}.attn.hook_pattern"
+        scores = lazy.ortho.attn_scores(layer=layer, head=chosen).values.astype(np.float64)
+        softmax = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        for found, expected in ((every.values, pattern[:, layer]), (softmax / softmax.sum(axis=-1, keepdims=True),
+                                                                    pattern[:, layer][:, chosen])):
+            np.testing.assert_allclose(np.where(queries, found, 0), np.where(queries, expected, 0), rtol=0, atol=atol,
+                                       err_msg=f"{model_type}, layer {layer}")
+        z = lazy.ortho.z(layer=layer, head=chosen).values
+        _close(z[store["valid"].values], store["z"].values[:, layer][:, :, chosen][store["valid"].values])
