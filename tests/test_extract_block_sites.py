@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from orthosphere.data import TokenLoader
 from orthosphere.errors import JobMismatchError
 from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.job import ExtractJob, extract
@@ -123,3 +124,21 @@ def test_a_job_without_predictions_stops_early_and_stores_the_same_activations(t
         extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=str(tmp_path / "pred-False.zarr"),
                            n_samples=6, layers=[0, 1], sites=["resid_post", "q", "mlp_out"], resume=True, device="cpu"),
                 progress=False)
+
+
+def test_the_token_loader_reads_the_block_outputs(tmp_path):
+    """attn_out and mlp_out of one layer side by side, as an SAE trainer reads them: every analysed
+    token's stored rows, once an epoch."""
+    model_dir = write_arithmetic_model(tmp_path / "model")
+    out = str(tmp_path / "store.zarr")
+    extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=5", out=out, n_samples=6,
+                       sites=["attn_out", "mlp_out", "z"], batch_size=4, device="cpu"), progress=False)
+    store = open_store(out)
+    loader = TokenLoader(out, [("attn_out", 1), ("mlp_out", 1)], batch_size=8, buffer_tokens=1024, seed=0)
+    delivered = torch.cat(list(loader)).numpy()
+    valid = store["valid"].values & (np.cumsum(store["valid"].values, axis=1) != 1)  # no start tokens
+    stored = np.stack([store[site].sel(layer=1).values[valid] for site in ("attn_out", "mlp_out")], axis=1)
+    assert delivered.shape == stored.shape
+    np.testing.assert_array_equal(np.sort(delivered[:, 0, 0]), np.sort(stored[:, 0, 0]))
+    np.testing.assert_array_equal(np.sort(delivered[:, 1, 0]), np.sort(stored[:, 1, 0]))
+    assert TokenLoader(out, [("z", 0)], batch_size=8, buffer_tokens=1024, seed=0).width == 32  # 4 heads of 8
