@@ -73,8 +73,9 @@ from .recording import Recording
 from .trace import active, tracing
 
 
-class StopForward(Exception):
-    """Raised by the hook after the last layer a capture needs, and caught by ``Adapter.forward``."""
+class StopForward(BaseException):
+    """Raised by the hook after the last layer a capture needs, and caught by ``Adapter.forward``: control
+    flow, not an error (a BaseException, so that no ``except Exception`` in a model's code takes it)."""
 
 
 @dataclass(frozen=True)
