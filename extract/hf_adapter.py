@@ -194,10 +194,15 @@ class HuggingFaceAdapter(Adapter):
             module.register_forward_hook(self._record_hook("resid_mid", layer, read=self._token_shaped(first_output)))
 
     def output_refusals(self):
+        refusals = {}
         if self.spec.mlp is None:
-            return {"mlp_out": f"needs the MLP module: the {self.family} description in extract/families.py (module "
-                               "orthosphere.extract.families) names none (Family.mlp) and its blocks have no 'mlp'"}
-        return {}
+            refusals["mlp_out"] = (f"needs the MLP module: the {self.family} description in extract/families.py (module "
+                                   "orthosphere.extract.families) names none (Family.mlp) and its blocks have no 'mlp'")
+        if getattr(self.config, "pretraining_tp", 1) > 1 and getattr(self.config, "slow_but_exact", False):
+            why = ("is not read: with pretraining_tp > 1 and slow_but_exact=True this model multiplies by slices of its "
+                   "output projections' weights, outside the modules whose hooks record it")
+            refusals.update({site: why for site in ("z", "attn_out", "mlp_out")})
+        return refusals
 
     def _install_output_hooks(self):
         """z from the output projection's input; attn_out and mlp_out from what the block adds to the

@@ -506,3 +506,10 @@ def test_notebook_views_are_the_models_attention(family):
                                        err_msg=f"{model_type}, layer {layer}")
         z = lazy.ortho.z(layer=layer, head=chosen).values
         _close(z[store["valid"].values], store["z"].values[:, layer][:, :, chosen][store["valid"].values])
+
+
+def test_a_bloom_computing_its_projections_by_slices_refuses_the_block_outputs():
+    adapter = adapter_for(tiny_model("bloom", pretraining_tp=2, slow_but_exact=True))
+    with pytest.raises(ConfigError, match=r"\['z', 'attn_out'\] cannot be provided by this bloom model.*"
+                                          r"z is not read: with pretraining_tp > 1 and slow_but_exact=True"):
+        adapter.check_sites(["q", "z", "attn_out"])
