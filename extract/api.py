@@ -29,7 +29,7 @@ def extract(model, data: str | ArithmeticData | CorpusData, out: str | os.PathLi
             storage_options: dict | None = None, client=None, progress: bool = False) -> xr.Dataset:
     """Run (or, with resume=True, continue) an extraction of `model` over `data` into the store
     `out` and return the store. The keywords are the CLI's options (``orthosphere extract --help``):
-    sites (default all but pattern), layers (default all), dtype of the store, n_samples (default
+    sites (default all but pattern, z, attn_out, mlp_in, mlp_norm_scale, mlp_out), layers (default all), dtype of the store, n_samples (default
     the whole task or corpus), batch_size, n_shards, samples_per_chunk, pred (False: no predictions,
     and the forward pass stops after the last of the layers), device, model_dtype (a
     path only), storage_options (fsspec, for an object-storage `out`), client (a

@@ -105,7 +105,7 @@ class ExtractJob(Config):
     out: str = parameter(REQUIRED, Normalised(_store_url, "a store path or fsspec URL"), help="the store to write")
     n_samples: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples (None: the whole task or corpus)")
     sites: tuple[str, ...] | None = parameter(None, Items(Text("a site name"), single=True), None,
-                                              help="sites to store (None: all but pattern)")
+                                              help="sites to store (None: DEFAULT_SITES, all but pattern and the block outputs)")
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers to store (None: all)")
     dtype: str = parameter("float32", Normalised(check_dtype, f"one of {list(ACTIVATION_DTYPES)}"),
                            help="the stored activations' dtype")
