@@ -45,6 +45,10 @@ an ``AnalysisParameterError`` naming the option as the caller gave it:
   sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins, device)``
   (norm-perturbation replay; see its module)
 
+Views for notebooks: importing this package registers the xarray accessor ``ds.ortho`` (``views.py``):
+``ds.ortho.attn_scores(layer, head)``, ``ds.ortho.pattern(layer, head)`` and ``ds.ortho.z(layer, head)``,
+lazy and exact, named as TransformerLens's ``hook_attn_scores``, ``hook_pattern`` and ``hook_z``.
+
 ``device`` (norms, replay): where the dense attention work runs, numpy on the CPU by default or torch
 on a GPU (``orthosphere.analyze.device``).
 
@@ -172,6 +176,7 @@ from .norms import norm_spread
 from .results import ANALYSES, analyze, open_results, run_analyses, write_results
 from .spheres import sphere_structure
 from .subspaces import FactorSubspaces, factor_subspaces
+from .views import OrthoAccessor
 
 __all__ = [
     "ANALYSES",
@@ -179,6 +184,7 @@ __all__ = [
     "Factor",
     "FactorSubspaces",
     "NonFiniteError",
+    "OrthoAccessor",
     "ScoreTerms",
     "analyze",
     "attention_from_qk",

@@ -8,19 +8,25 @@ repository's own documentation, one a line) and a byte-level BPE tokenizer train
 --threads): the bare forward (load the model and tokenizer, tokenise and pack the corpus into the
 same windows -- documents joined by EOS, BOS per window -- and run transformers' default attention,
 logits only), and `extract` of those windows with every default site, in float16 and in bfloat16.
-Each repeat runs bare, both extractions, bare (float16 first in odd repeats, bfloat16 first in even
-ones, so that neither always follows the other's writes); a ratio uses the mean of the bare runs
-around it, and the summary gives the median over repeats.
+Each repeat runs bare, the extractions, bare (the extractions' order reversed in even repeats, so
+that none always follows another's writes); a ratio uses the mean of the bare runs around it, and
+the summary gives the median over repeats.
+
+Further extractions (``--kinds``, float16): ``all-sites``, every default site plus z, attn_out,
+mlp_in, mlp_norm_scale and mlp_out (the block's outputs, one forward pass); ``half`` and
+``half-pred``, every default site of the first half of the layers, without the predictions (the
+forward pass stops after the last of them) and with them (the whole forward pass runs).
 
 Printed: wall and CPU seconds; the loop (extraction's batches) / bare forward; the whole command
 (each child process from its start: imports, loading, set-up and forward passes) / the bare one;
 extraction's set-up (imports, load, hash, tokenise, create the store, write the weights and token
 arrays: whole less loop) / the bare one's (imports, load, tokenise); stored bytes per real token /
 the sites' bytes per token; and the peak resident memory of extraction at --windows and 4x as many
-windows (flat in the number of windows when the write queue bounds memory).
+windows (flat in the number of windows when the write queue bounds memory); with half and half-pred,
+the loop of the extraction that stops early over the one that runs the whole model.
 
 Usage: python benchmarks/extract_overhead.py [--windows 32] [--batch-size 8] [--context 128] [--layers 30]
-       [--repeats 2] [--threads N] [--dir DIR]
+       [--repeats 2] [--threads N] [--dir DIR] [--kinds float16,bfloat16,all-sites,half,half-pred]
 """
 from __future__ import annotations
 
@@ -48,6 +54,9 @@ SHAPE = {  # SmolLM2-135M
 SPECIALS = ["<pad>", "<s>", "</s>"]
 REPOSITORY = Path(__file__).resolve().parent.parent
 SOURCES = ("README.md", "store/SCHEMA.md", "benchmarks/RESULTS.md")
+DEFAULT_KINDS = ("float16", "bfloat16")
+KINDS = DEFAULT_KINDS + ("all-sites", "half", "half-pred")
+NEW_SITES = ("z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
 
 
 def prose(n_paragraphs: int, seed: int = 0) -> list[str]:
@@ -128,12 +137,26 @@ def child_bare(model_dir: str, corpus: str, context: int, windows: int, batch_si
             "peak_rss_mb": peak_rss_mb(), "tokens": int(tokens.numel())}
 
 
-def child_extract(model_dir: str, corpus: str, context: int, windows: int, batch_size: int, dtype: str, out: str) -> dict:
+def kind_options(kind: str, n_layers: int) -> dict:
+    """The extraction's dtype and options of a kind (see the module docstring)."""
+    from orthosphere.store.schema import DEFAULT_SITES, NORM_SCALE_SITES
+
+    if kind in DEFAULT_KINDS:
+        return {"dtype": kind}
+    if kind == "all-sites":  # the Llama's defaults: it has no QK-norm
+        defaults = tuple(site for site in DEFAULT_SITES if site not in NORM_SCALE_SITES[1:])
+        return {"dtype": "float16", "sites": defaults + NEW_SITES}
+    return {"dtype": "float16", "layers": tuple(range(n_layers // 2)), "pred": kind == "half-pred"}
+
+
+def child_extract(model_dir: str, corpus: str, context: int, windows: int, batch_size: int, kind: str, n_layers: int,
+                  out: str) -> dict:
     from orthosphere.extract.job import ExtractJob, extract
     from orthosphere.store import info
 
     result = extract(ExtractJob(model=model_dir, task=f"text:path={corpus},context={context}", out=out, n_samples=windows,
-                                dtype=dtype, batch_size=batch_size, device="cpu", overwrite=True), progress=False)
+                                batch_size=batch_size, device="cpu", overwrite=True, **kind_options(kind, n_layers)),
+                     progress=False)
     whole = time.perf_counter() - STARTED
     summary = info(out)
     return {"whole": whole, "seconds": result.seconds, "cpu_seconds": result.cpu_seconds, "setup": whole - result.seconds,
@@ -142,10 +165,10 @@ def child_extract(model_dir: str, corpus: str, context: int, windows: int, batch
             "weight_mb": summary["weight_bytes"] / 2**20}
 
 
-def run_child(kind: str, arguments, model_dir: str, corpus: str, windows: int, dtype: str = "float16") -> dict:
-    command = [sys.executable, __file__, "--child", kind, "--model-dir", model_dir, "--corpus", corpus,
+def run_child(child: str, arguments, model_dir: str, corpus: str, windows: int, kind: str = "float16") -> dict:
+    command = [sys.executable, __file__, "--child", child, "--model-dir", model_dir, "--corpus", corpus,
                "--windows", str(windows), "--batch-size", str(arguments.batch_size), "--context", str(arguments.context),
-               "--dtype", dtype, "--dir", arguments.dir]
+               "--kind", kind, "--layers", str(arguments.layers), "--dir", arguments.dir]
     if arguments.threads:
         command += ["--threads", str(arguments.threads)]
     environment = dict(os.environ, ORTHOSPHERE_CACHE=os.path.join(arguments.dir, "cache"))
@@ -167,29 +190,34 @@ def report(arguments, repeats: list[dict], memory: dict, loads: tuple[float, flo
     print(f"model: Llama of SmolLM2-135M's shape with {arguments.layers} layers; {arguments.windows} packed windows of "
           f"{arguments.context} tokens ({first['bare'][0]['tokens']} tokens) in batches of {arguments.batch_size}; "
           f"torch threads {arguments.threads or f'default ({torch.get_num_threads()})'}")
+    kinds = arguments.kinds
     for index, runs in enumerate(repeats):
         bare = runs["bare"]
         print(f"repeat {index + 1}: bare forward {bare[0]['seconds']:.2f} s and {bare[1]['seconds']:.2f} s "
               f"(CPU {bare[0]['cpu_seconds']:.2f} s, {bare[1]['cpu_seconds']:.2f} s); bare set-up (imports, load, "
               f"tokenise) {bare[0]['setup']:.2f} s, {bare[1]['setup']:.2f} s")
-        for dtype in ("float16", "bfloat16"):
-            run = runs[dtype]
-            print(f"  extract {dtype:<8}: whole {run['whole']:.2f} s = set-up {run['setup']:.2f} s + loop {run['seconds']:.2f} s "
+        for kind in kinds:
+            run = runs[kind]
+            print(f"  extract {kind:<9}: whole {run['whole']:.2f} s = set-up {run['setup']:.2f} s + loop {run['seconds']:.2f} s "
                   f"(CPU {run['cpu_seconds']:.2f} s); peak RSS {run['peak_rss_mb']:,.0f} MB")
     print("ratios (median over repeats; each against the mean of the bare runs around it):")
-    for dtype in ("float16", "bfloat16"):
-        def ratio(key, bare_key, dtype=dtype):
-            return median(r[dtype][key] / statistics.mean(b[bare_key] for b in r["bare"]) for r in repeats)
+    for kind in kinds:
+        def ratio(key, bare_key, kind=kind):
+            return median(r[kind][key] / statistics.mean(b[bare_key] for b in r["bare"]) for r in repeats)
 
-        run = repeats[0][dtype]
-        print(f"  {dtype:<8}: loop / bare forward {ratio('seconds', 'seconds'):.3f} wall, "
+        run = repeats[0][kind]
+        print(f"  {kind:<9}: loop / bare forward {ratio('seconds', 'seconds'):.3f} wall, "
               f"{ratio('cpu_seconds', 'cpu_seconds'):.3f} CPU; whole / bare whole {ratio('whole', 'whole'):.3f}; "
               f"set-up / bare set-up {ratio('setup', 'setup'):.2f}; bytes per real token / sites' bytes "
               f"{run['bytes_per_real_token'] / run['site_bytes']:.4f} ({run['bytes_per_real_token'] / 1e3:,.1f} kB vs "
               f"{run['site_bytes'] / 1e3:,.1f} kB; store {run['store_mb']:,.0f} MB besides {run['weight_mb']:,.0f} MB of weight maps)")
-    small, large = memory
-    print(f"peak RSS of float16 extraction: {memory[small]:,.0f} MB at {small} windows, {memory[large]:,.0f} MB at "
-          f"{large} windows; bare forward {repeats[0]['bare'][0]['peak_rss_mb']:,.0f} MB")
+    if {"half", "half-pred"} <= set(kinds):
+        stopped = median(r["half"]["seconds"] / r["half-pred"]["seconds"] for r in repeats)
+        print(f"  stopping early at half the layers: loop / the same extraction running the whole model {stopped:.3f}")
+    if memory:
+        small, large = memory
+        print(f"peak RSS of float16 extraction: {memory[small]:,.0f} MB at {small} windows, {memory[large]:,.0f} MB at "
+              f"{large} windows; bare forward {repeats[0]['bare'][0]['peak_rss_mb']:,.0f} MB")
 
 
 def main():
@@ -204,8 +232,13 @@ def main():
     parser.add_argument("--child", choices=["bare", "extract"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", default="float16", help=argparse.SUPPRESS)
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), type=lambda text: tuple(text.split(",")),
+                        help=f"Extractions to run beside the bare forward, of {list(KINDS)} (see above).")
+    parser.add_argument("--kind", default="float16", choices=KINDS, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    unknown = [kind for kind in arguments.kinds if kind not in KINDS]
+    if unknown:
+        parser.error(f"--kinds: {unknown} unknown, expected some of {list(KINDS)}")
     if arguments.child:
         if arguments.threads:
             import torch
@@ -214,9 +247,9 @@ def main():
         if arguments.child == "bare":
             result = child_bare(arguments.model_dir, arguments.corpus, arguments.context, arguments.windows, arguments.batch_size)
         else:
-            out = os.path.join(arguments.dir, f"store-{arguments.dtype}-{arguments.windows}.zarr")
+            out = os.path.join(arguments.dir, f"store-{arguments.kind}-{arguments.windows}.zarr")
             result = child_extract(arguments.model_dir, arguments.corpus, arguments.context, arguments.windows,
-                                   arguments.batch_size, arguments.dtype, out)
+                                   arguments.batch_size, arguments.kind, arguments.layers, out)
             shutil.rmtree(out, ignore_errors=True)
         print(json.dumps(result))
         return
@@ -230,12 +263,14 @@ def main():
         repeats = []
         for index in range(arguments.repeats):
             runs = {"bare": [run_child("bare", arguments, model_dir, corpus, arguments.windows)]}
-            for dtype in ("float16", "bfloat16")[:: 1 if index % 2 == 0 else -1]:
-                runs[dtype] = run_child("extract", arguments, model_dir, corpus, arguments.windows, dtype)
+            for kind in arguments.kinds[:: 1 if index % 2 == 0 else -1]:
+                runs[kind] = run_child("extract", arguments, model_dir, corpus, arguments.windows, kind)
             runs["bare"].append(run_child("bare", arguments, model_dir, corpus, arguments.windows))
             repeats.append(runs)
-        large = run_child("extract", arguments, model_dir, corpus, 4 * arguments.windows)
-        memory = {arguments.windows: repeats[-1]["float16"]["peak_rss_mb"], 4 * arguments.windows: large["peak_rss_mb"]}
+        memory = {}
+        if "float16" in arguments.kinds:
+            large = run_child("extract", arguments, model_dir, corpus, 4 * arguments.windows)
+            memory = {arguments.windows: repeats[-1]["float16"]["peak_rss_mb"], 4 * arguments.windows: large["peak_rss_mb"]}
         loads.append(os.getloadavg()[0])
     finally:
         if own_dir:

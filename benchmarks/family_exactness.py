@@ -9,7 +9,10 @@ MPNet's relative position bias, GPT-OSS's sink logits) is captured over a padded
 pattern of the same weights (loaded with attn_implementation="eager") is compared, on valid queries,
 with the float64 softmax of the captured q, k and the score terms of the model description, and with
 the float32 orthosphere function (``orthosphere.analyze.attention_from_qk``). Also printed: the
-largest |logit| and the median over valid queries of the largest attention weight (sharpness).
+largest |logit|, the median over valid queries of the largest attention weight (sharpness), and how
+far the captured attn_out and mlp_out are from the residual differences they add up to
+(resid_mid - resid_pre, resid_post - resid_mid, in float64 from the captured streams, relative to the
+largest |resid|; "post" where a Post-Norm's norm lies between).
 
 Usage: python benchmarks/family_exactness.py [--samples 16] [--length 24]
 """
@@ -39,7 +42,8 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
         eager = getattr(transformers, family_configs()[model_type][2]).from_pretrained(
             folder, attn_implementation="eager").eval()
         adapter = adapter_for(getattr(transformers, family_configs()[model_type][2]).from_pretrained(folder).eval())
-    with torch.no_grad(), adapter.capture(["q", "k"]) as recording:
+    sites = ["resid_pre", "resid_mid", "resid_post", "q", "k", "attn_out", "mlp_out"]
+    with torch.no_grad(), adapter.capture(sites) as recording:
         adapter.forward(tokens, valid)
         captured = recording.take()
         pattern = torch.stack(eager(input_ids=tokens, attention_mask=valid.long(), output_attentions=True).attentions, 1)
@@ -65,7 +69,20 @@ def measure(model_type: str, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
              if any(v is not None for v in values)] + (["alibi"] if score["alibi_slopes"] else []) \
         + (["relative"] if score.get("relative_bias") else []) + (["sinks"] if score.get("sink_logits") else [])
     return {"family": model_type, "float64": worst64, "float32": worst32, "logit": largest,
-            "sharp": min(sharpness), "terms": ",".join(terms) or "-", "placement": description["norm_placement"]}
+            "sharp": min(sharpness), "terms": ",".join(terms) or "-", "placement": description["norm_placement"],
+            "outputs": residual_differences(captured, valid_np, description)}
+
+
+def residual_differences(captured: dict, valid: np.ndarray, description: dict) -> str:
+    """The largest |attn_out - (resid_mid - resid_pre)| and |mlp_out - (resid_post - resid_mid)| over valid
+    tokens and layers, relative to the largest |resid|; "post" for Post-Norm models."""
+    if description["norm_placement"] == "post":
+        return "post"
+    pre, mid, post, attn_out, mlp_out = (captured[name].double().numpy().swapaxes(0, 1)[:, valid]
+                                         for name in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"))
+    scale = max(np.abs(pre).max(), np.abs(mid).max(), np.abs(post).max())
+    worst = max(np.abs(attn_out - (mid - pre)).max(), np.abs(mlp_out - (post - mid)).max())
+    return f"{worst / scale:.1e}"
 
 
 def main() -> None:
@@ -82,12 +99,13 @@ def main() -> None:
     tokens[~valid] = 0
     print(f"{args.samples} sequences of {int(lengths.min())}-{args.length} tokens (right-padded)")
     print("| family | placement | score terms | max abs diff, float64 softmax of stored q, k | "
-          "max abs diff, float32 orthosphere function | largest logit | sharpness (min over layers) |")
-    print("|---|---|---|---|---|---|---|")
+          "max abs diff, float32 orthosphere function | largest logit | sharpness (min over layers) | "
+          "attn_out, mlp_out vs residual differences (relative) |")
+    print("|---|---|---|---|---|---|---|---|")
     for model_type in FAMILIES:
         row = measure(model_type, tokens, valid)
         print(f"| {row['family']} | {row['placement']} | {row['terms']} | {row['float64']:.1e} | {row['float32']:.1e} | "
-              f"{row['logit']:.1f} | {row['sharp']:.3f} |")
+              f"{row['logit']:.1f} | {row['sharp']:.3f} | {row['outputs']} |")
 
 
 if __name__ == "__main__":

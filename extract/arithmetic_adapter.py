@@ -56,7 +56,7 @@ class ArithmeticAdapter(Adapter):
     def head_weights(self, layer):
         return self.attention(layer).head_weights()
 
-    def forward(self, tokens, valid=None):
+    def _logits(self, tokens, valid):
         """Logits; padding sits after the real tokens, so causal attention needs no mask."""
         return self.model(tokens)
 
@@ -71,6 +71,13 @@ class ArithmeticAdapter(Adapter):
             attention.hook_q.register_forward_hook(self._hold("q"))
             attention.hook_k.register_forward_hook(self._hold("k"))
             attention.hook_v.register_forward_hook(self._complete(layer))
+
+    def _install_output_hooks(self):
+        """z at the attention's hook_z; attn_out and mlp_out: the attention's and feed-forward's outputs."""
+        for layer, block in enumerate(self.blocks):
+            block.attn.hook_z.register_forward_hook(self._record_hook("z", layer, read=first_output))
+            block.attn.register_forward_hook(self._record_hook("attn_out", layer, read=first_output))
+            block.ff.register_forward_hook(self._record_hook("mlp_out", layer, read=first_output))
 
     def _hold(self, name):
         """q and k wait in the trace until v arrives."""

@@ -73,6 +73,11 @@ from .recording import Recording
 from .trace import active, tracing
 
 
+class StopForward(BaseException):
+    """Raised by the hook after the last layer a capture needs, and caught by ``Adapter.forward``: control
+    flow, not an error (a BaseException, so that no ``except Exception`` in a model's code takes it)."""
+
+
 @dataclass(frozen=True)
 class ScaleSource:
     """Where a norm-factor site of one layer is read: the norm module (None: no norm, NaN), its type
@@ -95,14 +100,23 @@ class Adapter:
 
     family = ""
 
+    parallel = False
+    """Whether attention and MLP both read the block input."""
+
     def __init__(self, model: nn.Module):
         self.model = model
         self.layer_of: dict[nn.Module, int] = {self.attention(layer): layer for layer in range(self.n_layers)}
         self._position_bias: dict = {}
         self._score = self.score_terms()
+        self.mlp_norm, self.refusals = self._mlp_input_norm()
+        self.refusals.update(self.output_refusals())
         self.scale_sources = self._scale_sources()
         self._install_hooks()
         self._install_scale_hooks()
+        self._install_output_hooks()
+        self._install_mlp_input_hooks()
+        for layer in range(self.n_layers):
+            self.blocks[layer].register_forward_hook(self._stop_hook(layer))
 
     # --- what a family defines -------------------------------------------------------
     @property
@@ -129,12 +143,20 @@ class Adapter:
         once, into its stack): copy before changing them."""
         raise NotImplementedError
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Logits (batch, pos, vocab); None for a model without a language-model head."""
+    def _logits(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's forward pass: logits (batch, pos, vocab), None without a language-model head."""
         raise NotImplementedError
 
     def _install_hooks(self) -> None:
         """Install the (stateless) hooks that serve every capture and edit of this model."""
+        raise NotImplementedError
+
+    def output_refusals(self) -> dict[str, str]:
+        """Why the model cannot provide z, attn_out or mlp_out (site -> reason), for those it cannot."""
+        return {}
+
+    def _install_output_hooks(self) -> None:
+        """Install the hooks recording z, attn_out and mlp_out (see the module docstring)."""
         raise NotImplementedError
 
     def norms(self) -> tuple[Norm, ...]:
@@ -155,19 +177,25 @@ class Adapter:
 
     @property
     def sites(self) -> tuple[str, ...]:
-        """The sites this model provides: all but the norm factors of norms it does not have."""
-        return tuple(site for site in SITES if site not in NORM_SCALE_SITES or site in self.scale_sources)
+        """The sites this model provides: all but the norm factors of norms it does not have and the
+        sites it refuses (``refusals``)."""
+        return tuple(site for site in SITES if site not in self.refusals
+                     and (site not in NORM_SCALE_SITES or site in self.scale_sources))
 
     def check_sites(self, sites) -> tuple[str, ...]:
         """The requested sites in schema order (None: DEFAULT_SITES that the model provides); one
-        the model cannot provide is an error."""
+        the model cannot provide is an error that says why."""
         sites = tuple(site for site in DEFAULT_SITES if site in self.sites) if sites is None else tuple(sites)
         unknown = [site for site in sites if site not in self.sites]
         if unknown or not sites:
-            lacking = [site for site in unknown if site in NORM_SCALE_SITES]
-            why = (f"; {lacking} are the factors of norms this model does not have (norm_scale: a norm whose "
-                   "output the attention reads; q_norm_scale, k_norm_scale: a norm on q and k), see the norms of "
-                   "its description in extract/families.py (module orthosphere.extract.families)") if lacking else ""
+            reasons = [f"{site} {self.refusals[site]}" for site in unknown if site in self.refusals]
+            lacking = [site for site in unknown if site in NORM_SCALE_SITES and site not in self.refusals]
+            if lacking:
+                reasons.append(f"{lacking} are the factors of norms this model does not have (norm_scale: a norm "
+                               "whose output the attention reads; q_norm_scale, k_norm_scale: a norm on q and k; "
+                               "mlp_norm_scale: a norm whose output the MLP reads), see the norms of its description "
+                               "in extract/families.py (module orthosphere.extract.families)")
+            why = "".join(f"; {reason}" for reason in reasons)
             raise ConfigError(
                 f"site(s) {unknown or 'none'} cannot be provided by this {self.family} model: "
                 f"expected one or more of {list(self.sites)}{why}"
@@ -178,13 +206,24 @@ class Adapter:
         """Sorted, unique layer indices; one the model does not have is an error."""
         return tuple(model_layers(layers, self.n_layers, ConfigError))
 
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits (batch, pos, vocab); None for a model without a language-model head, or when a
+        capture that stops early ended the pass after its last layer."""
+        try:
+            return self._logits(tokens, valid)
+        except StopForward:
+            return None
+
     @contextlib.contextmanager
-    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32, allocate=None):
+    def capture(self, sites=None, layers=None, dtype: torch.dtype = torch.float32, allocate=None,
+                stop_early: bool = False):
         """Record the sites of the layers on every forward pass of this thread inside the block;
-        take() returns and resets them (buffers from allocate, see Recording)."""
+        take() returns and resets them (buffers from allocate, see Recording). With `stop_early`, each
+        pass stops after the last of the layers (forward then returns None: no logits)."""
         sites, layers = self.check_sites(sites), self.check_layers(layers)
         recording = Recording(sites, layers, dtype, pin_memory=self.device.type == "cuda", allocate=allocate)
-        with tracing(self, recording=recording):
+        stop_after = layers[-1] if stop_early and layers[-1] < self.n_layers - 1 else None
+        with tracing(self, recording=recording, stop_after=stop_after):
             yield recording
 
     @contextlib.contextmanager
@@ -263,12 +302,58 @@ class Adapter:
         for name in ("q", "k"):
             if name in norms:
                 sources[f"{name}_norm_scale"] = {layer: self._scale_source(norms[name], layer) for layer in layers}
+        if self.mlp_norm is not None:
+            sources["mlp_norm_scale"] = {layer: self._scale_source(self.mlp_norm, layer) for layer in layers}
         return sources
 
     def _input_norm_source(self, norms: dict, layer: int) -> ScaleSource:
         if not isinstance(self._norm_module(norms["attn_input"], layer), nn.Identity):
             return self._scale_source(norms["attn_input"], layer)
         return self._scale_source(norms["embedding"], 0) if layer == 0 and "embedding" in norms else NO_NORM
+
+    def _mlp_input_norm(self) -> tuple[Norm | None, dict[str, str]]:
+        """The norm whose output the MLP reads (its Pre-Norm; in Post-Norm models the norm giving
+        resid_mid), or None; and why mlp_in and mlp_norm_scale are not sites of their own where they
+        are not (site -> reason)."""
+        norms = {norm.site: norm for norm in self.norms()}
+        own, attention = norms.get("mlp_input"), norms.get("attn_input")
+        if own is not None and (attention is None or own.module != attention.module):
+            return own, {}
+        if own is not None or self.parallel:
+            why = "in this model's parallel blocks the MLP reads the output of the attention's input norm"
+            return None, {"mlp_in": f"equals attn_in: {why} (store attn_in)",
+                          "mlp_norm_scale": f"equals norm_scale: {why} (store norm_scale)"}
+        if "resid_mid" in norms:
+            return norms["resid_mid"], {"mlp_in": "equals resid_mid: in this Post-Norm model the MLP reads the "
+                                                  "normalised resid_mid (store resid_mid)"}
+        why = "the MLP reads resid_mid with no norm before it"
+        return None, {"mlp_in": f"equals resid_mid: {why} (store resid_mid)",
+                      "mlp_norm_scale": f"does not exist: {why}"}
+
+    def _install_mlp_input_hooks(self) -> None:
+        if self.mlp_norm is None:
+            return
+        for layer in range(self.n_layers):
+            module = self._norm_module(self.mlp_norm, layer)
+            module.register_forward_hook(self._record_hook("mlp_in", layer, read=self._token_shaped(first_output)))
+
+    def _token_shaped(self, read):
+        """read, with a (batch * pos, d_model) value (OPT flattens the stream around its MLP) put back
+        to (batch, pos, d_model)."""
+        def shaped(args, *rest):
+            value = read(args, *rest)
+            return value.view(active(self).held["resid_pre"].shape) if value.dim() == 2 else value
+
+        return shaped
+
+    def _stop_hook(self, layer: int):
+        """A hook on block `layer` that ends the forward pass when the trace asks to stop after it."""
+        def hook(module, args, output):
+            trace = active(self)
+            if trace is not None and trace.stop_after == layer:
+                raise StopForward
+
+        return hook
 
     def _scale_source(self, norm: Norm, layer: int) -> ScaleSource:
         module = self._norm_module(norm, layer)

@@ -125,6 +125,9 @@ class Family:
     attribute is not it (EXAONE 4 keeps the config's window on its global layers too)."""
     norm_kind: str | None = None
     """The norms' type where their class does not say it ("rms": T5's LayerNorm without centring)."""
+    mlp: str | None = None
+    """The block's submodule whose output is the MLP's contribution to the residual (before any
+    ``mlp_output`` norm), for the site ``mlp_out``; None: the block's ``mlp`` where it has one."""
 
     def __post_init__(self):
         if self.route not in ROUTES or self.projections.layout not in LAYOUTS:
@@ -196,7 +199,7 @@ COHERE_NORMS = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_
 def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, name: str) -> Family:
     """A BERT-shaped encoder: Post-Norm LayerNorms, learned positions, bidirectional."""
     return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
-                  mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned",
+                  mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned", mlp="output.dense",
                   refuse=_refuse_decoder_encoder(name), base_class=base_class)
 
 
@@ -329,6 +332,7 @@ def _t5_encoder(model_type: str, encoder_class: str) -> Family:
                   Projections("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
                               "layer.0.SelfAttention.o"),
                   mid="output:layer.0", causal=False, positions="relative", base_class=encoder_class,
+                  mlp="layer.1.DenseReluDense",
                   norms=(Norm("attn_input", "layer.0.layer_norm"), Norm("mlp_input", "layer.1.layer_norm"),
                          Norm("final", "encoder.final_layer_norm")),
                   norm_kind="rms", relative_bias=_t5_relative_bias, refuse=_refuse_t5_decoder,
@@ -425,13 +429,13 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            d_ff_keys=("n_inner",), activation_keys=("activation_function",)),
     Family("opt", "OPTForCausalLM", "model.decoder.layers", "self_attn",
            Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-           mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",),
+           mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",), mlp="fc2",
            activation_keys=("activation_function",)),
     _bert_like("bert", "BertForMaskedLM", "bert", "BertModel", "BERT"),
     _bert_like("roberta", "RobertaForMaskedLM", "roberta", "RobertaModel", "RoBERTa"),
     Family("distilbert", "DistilBertForMaskedLM", "distilbert.transformer.layer", "attention",
            Projections("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
-           mid="output:sa_layer_norm", causal=False, positions="learned",
+           mid="output:sa_layer_norm", causal=False, positions="learned", mlp="ffn",
            norms=(Norm("embedding", "distilbert.embeddings.LayerNorm"), Norm("resid_mid", "sa_layer_norm"),
                   Norm("resid_post", "output_layer_norm")),
            d_ff_keys=("hidden_dim",), activation_keys=("activation",), base_class="DistilBertModel"),
@@ -445,7 +449,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            Projections("self_attention.query_key_value", "self_attention.query_key_value",
                        "self_attention.query_key_value", "self_attention.dense", layout="grouped"),
            mid="output:self_attention", route="projection", positions="alibi", alibi_slopes=_bloom_slopes,
-           refuse=_refuse_bloom, d_ff_keys=(),
+           refuse=_refuse_bloom, d_ff_keys=(), mlp="mlp.dense_4h_to_h",
            norms=(Norm("embedding", "transformer.word_embeddings_layernorm"), Norm("attn_input", "input_layernorm"),
                   Norm("mlp_input", "post_attention_layernorm"), Norm("final", "transformer.ln_f"))),
     _llama_like("qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -453,7 +457,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                 norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
     _llama_like("olmoe", "OlmoeForCausalLM", extra_config=("clip_qkv",),
                 norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "projection")),
-    _llama_like("granitemoe", "GraniteMoeForCausalLM", output_multiplier="residual_multiplier",
+    _llama_like("granitemoe", "GraniteMoeForCausalLM", output_multiplier="residual_multiplier", mlp="block_sparse_moe",
                 extra_config=("attention_multiplier", "residual_multiplier")),
     _llama_like("helium", "HeliumForCausalLM"),
     _llama_like("arcee", "ArceeForCausalLM"),
@@ -484,6 +488,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("mpnet", "MPNetForMaskedLM", "mpnet.encoder.layer", "attention.attn",
            Projections("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o"),
            mid="output:attention", causal=False, positions="relative", route="projection", base_class="MPNetModel",
+           mlp="output.dense",
            norms=(Norm("embedding", "mpnet.embeddings.LayerNorm"), Norm("resid_mid", "attention.LayerNorm"),
                   Norm("resid_post", "output.LayerNorm")),
            relative_bias=_mpnet_relative_bias, scale_of=lambda attention: attention.attention_head_size**-0.5),

@@ -3,6 +3,7 @@ declarative description in ``families.py``."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,6 +26,8 @@ class HuggingFaceAdapter(Adapter):
             import transformers
 
             self.spec = self.spec.without_head(getattr(transformers, family.lm_class).base_model_prefix)
+        if self.spec.mlp is None and hasattr(model.get_submodule(self.spec.blocks)[0], "mlp"):
+            self.spec = replace(self.spec, mlp="mlp")
         self.family, self.causal = family.model_type, family.causal
         if family.route == "interface":
             register_attention()
@@ -52,7 +55,11 @@ class HuggingFaceAdapter(Adapter):
     def attention(self, layer):
         return self.blocks[layer].get_submodule(self.spec.attention)
 
-    def forward(self, tokens, valid=None):
+    @property
+    def parallel(self) -> bool:
+        return self.spec.parallel
+
+    def _logits(self, tokens, valid):
         mask = None if valid is None else valid.to(torch.long)
         options = {"use_cache": False} if self.causal else {}
         output = self.model(input_ids=tokens, attention_mask=mask, **options)
@@ -286,18 +293,52 @@ class HuggingFaceAdapter(Adapter):
         where, _, path = mid.partition(":")
         module = block.get_submodule(path)
         if where == "input":
-            pre_hook(module, self._record_hook("resid_mid", layer, read=self._stream(first_input)))
+            pre_hook(module, self._record_hook("resid_mid", layer, read=self._token_shaped(first_input)))
         else:
-            module.register_forward_hook(self._record_hook("resid_mid", layer, read=self._stream(first_output)))
+            module.register_forward_hook(self._record_hook("resid_mid", layer, read=self._token_shaped(first_output)))
 
-    def _stream(self, read):
-        """read, with a (batch * pos, d_model) value (OPT flattens before its MLP) put back to (batch, pos, d_model)."""
-        def stream(args, *rest):
-            value = read(args, *rest)
-            trace = active(self)
-            return value.view(trace.held["resid_pre"].shape) if value.dim() == 2 else value
+    def output_refusals(self):
+        refusals = {}
+        if self.spec.mlp is None:
+            refusals["mlp_out"] = (f"needs the MLP module: the {self.family} description in extract/families.py (module "
+                                   "orthosphere.extract.families) names none (Family.mlp) and its blocks have no 'mlp'")
+        if getattr(self.config, "pretraining_tp", 1) > 1 and getattr(self.config, "slow_but_exact", False):
+            why = ("is not read: with pretraining_tp > 1 and slow_but_exact=True this model multiplies by slices of its "
+                   "output projections' weights, outside the modules whose hooks record it")
+            refusals.update({site: why for site in ("z", "attn_out", "mlp_out")})
+        return refusals
 
-        return stream
+    def _install_output_hooks(self):
+        """z from the output projection's input; attn_out and mlp_out from what the block adds to the
+        residual: the output norm's output (sandwich, output-norm families), else the output
+        projection's and the MLP's output times the output multiplier (Granite)."""
+        norms = {norm.site: norm for norm in self.norms()}
+        for layer in range(self.n_layers):
+            block = self.blocks[layer]
+            output = block.get_submodule(self.spec.projections.o)
+            pre_hook(output, self._record_hook("z", layer, read=self._heads_of))
+            self._install_added_hook("attn_out", layer, norms.get("attn_output"), output)
+            if self.spec.mlp is not None:
+                self._install_added_hook("mlp_out", layer, norms.get("mlp_output"), block.get_submodule(self.spec.mlp))
+
+    def _heads_of(self, args, kwargs):
+        """The output projection's input (batch, pos, head * d_head) as (batch, pos, head, d_head)."""
+        return first_input(args, kwargs).unflatten(-1, (self.n_heads, self.d_head))
+
+    def _install_added_hook(self, site, layer, norm, module):
+        """Record `site`: the output of `norm` (a Norm of the block, or None) or else of `module`, times
+        the output multiplier; a copy on a GPU, where the model may change it in place before the
+        recording's copy runs (Falcon adds the attention output into the MLP's)."""
+        multiplier = 1.0 if norm is not None else self.output_multiplier
+
+        def read(args, output):
+            value = first_output(args, output)
+            if multiplier != 1.0:
+                return value * multiplier
+            return value.clone() if value.is_cuda else value
+
+        source = self._norm_module(norm, layer) if norm is not None else module
+        source.register_forward_hook(self._record_hook(site, layer, read=self._token_shaped(read)))
 
     def _hold_input(self, layer):
         """Keep the block input in the trace for resid_mid (parallel families add to it) and the

@@ -11,6 +11,10 @@
    unfinished shards; a complete store is left alone;
 4. write the attention maps, run every unfinished shard, then finish the store.
 
+The model's predictions (``pred``) need its logits, so the forward pass runs through every layer;
+a job that keeps none (``pred=False``, CLI ``--no-pred``; or a model without a language-model
+head) stops each pass after the last of its layers.
+
 A corpus is tokenised once, by this process (packing.py), which writes every pending shard's
 token arrays and labels into the store before the shards run; each shard then reads its tokens
 back from the store, so no worker needs the corpus or a tokenizer.
@@ -65,7 +69,7 @@ from orthosphere.store import create_store
 from orthosphere.store.faults import crash_point
 from orthosphere.store.lifecycle import check_same_job, chunk_samples, found_for_job, reopen_to_resume
 from orthosphere.store.location import as_location
-from orthosphere.store.schema import ACTIVATION_DTYPES, check_dtype, layer_indices
+from orthosphere.store.schema import ACTIVATION_DTYPES, check_dtype, holds_pred, layer_indices
 from orthosphere.store.state import REMNANT, STORE
 
 from . import DEFAULT_BATCH_SIZE
@@ -101,13 +105,15 @@ class ExtractJob(Config):
     out: str = parameter(REQUIRED, Normalised(_store_url, "a store path or fsspec URL"), help="the store to write")
     n_samples: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples (None: the whole task or corpus)")
     sites: tuple[str, ...] | None = parameter(None, Items(Text("a site name"), single=True), None,
-                                              help="sites to store (None: all but pattern)")
+                                              help="sites to store (None: DEFAULT_SITES, all but pattern and the block outputs)")
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers to store (None: all)")
     dtype: str = parameter("float32", Normalised(check_dtype, f"one of {list(ACTIVATION_DTYPES)}"),
                            help="the stored activations' dtype")
     batch_size: int = parameter(DEFAULT_BATCH_SIZE, POSITIVE_INTEGER, help="samples per forward pass")
     n_shards: int = parameter(1, POSITIVE_INTEGER, help="chunk-aligned shards: the unit of Dask tasks and of resuming")
     samples_per_chunk: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples per chunk (None: about 4 MB)")
+    pred: bool = parameter(True, Flag(), help="store the model's predictions, which needs the whole forward pass "
+                           "(False: the pass stops after the last stored layer)")
     resume: bool = parameter(False, Flag(), help="continue an interrupted job")
     overwrite: bool = parameter(False, Flag(), help="replace an existing store")
     break_lock: bool = parameter(False, Flag(), help="break the store's lock even if its holder looks alive")
@@ -178,6 +184,7 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
     identity = {
         "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
+        "pred": holds_pred({"pred": job.pred, "model": description}),
     }
     if found.kind == STORE and job.resume:
         check_same_job(job.out, found.attrs, identity)
@@ -194,7 +201,7 @@ def _extract(job, data, loaded, dataset, description, sites, layers, found, clie
     crash_point("store-created")
     plan = ShardPlan(
         "" if job.in_memory else os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, sites, layers,
-        job.dtype, job.batch_size, _absolute_url(writer.url), job.storage_options,
+        job.dtype, job.batch_size, _absolute_url(writer.url), job.storage_options, identity["pred"],
     )
     with writer:
         if not writer.weights_written():
@@ -282,7 +289,7 @@ def _create(job: ExtractJob, identity: dict, replacing: bool):
         job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
         n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
         labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replacing,
-        break_lock=job.break_lock, command=job.command, storage_options=job.storage_options,
+        break_lock=job.break_lock, command=job.command, storage_options=job.storage_options, pred=identity["pred"],
     )
 
 

@@ -4,7 +4,7 @@ The hooks an adapter installs on a model hold no state: each asks ``active(adapt
 trace of the forward pass running in its own thread (a ``contextvars.ContextVar``, so two threads
 capturing on one model, e.g. two shards on one multi-threaded Dask worker, each see only their
 own) and does nothing when there is none. A trace carries what to record (a ``Recording``), how
-to edit q, k, v, and what one pass hands from one hook to a later one (``held``).
+to edit q, k, v, after which layer to stop the pass, and what one pass hands from one hook to a later one (``held``).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ class Trace:
     owner: object
     recording: Recording | None = None
     edit: EditFn | None = None
+    stop_after: int | None = None
+    """The layer after which the forward pass stops (``capture.StopForward``), or None."""
     held: dict = field(default_factory=dict)
 
 

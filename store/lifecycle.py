@@ -13,14 +13,14 @@ from orthosphere.errors import JobMismatchError, StoreError, StoreExistsError
 
 from .location import Location
 from .reader import not_a_store_error
-from .schema import bytes_per_sample, dim_sizes, variables_for
+from .schema import bytes_per_sample, dim_sizes, holds_pred, variables_for
 from .state import ABSENT, DAMAGED, EMPTY, FOREIGN_ZARR, REMNANT, Found, inspect
 
 log = logging.getLogger("orthosphere.store")
 
 CHUNK_ROW_BYTES = 256 * 2**20
 """Most memory that one chunk of every site and layer may take (the writer holds up to one)."""
-IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos")
+IDENTITY_KEYS = ("model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "pred")
 """Store attributes that must match for a job to resume a store."""
 IDENTITY_IGNORED = {"model": ("source",), "task": ("path",)}
 """Where a model or file lives may change between runs; its SHA-256 may not."""
@@ -64,6 +64,7 @@ def exists_message(location: Location, found: Found) -> str:
 
 def check_same_job(url: str, attrs: dict, identity: dict) -> None:
     """Refuse to resume a store made by another job, naming the first attribute that differs."""
+    attrs = {**attrs, "pred": holds_pred(attrs)}  # stores written before the attribute existed say it so
     for key in IDENTITY_KEYS:
         stored, wanted = _normalised(attrs.get(key)), _normalised(identity[key])
         for ignored in IDENTITY_IGNORED.get(key, ()):
@@ -75,7 +76,7 @@ def check_same_job(url: str, attrs: dict, identity: dict) -> None:
             name, old, new = difference
             raise JobMismatchError(
                 f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is "
-                f"{_short(new)}; resume with the original model, task, sites, layers, dtype and n_samples, "
+                f"{_short(new)}; resume with the original model, task, sites, layers, dtype, pred and n_samples, "
                 "or pass overwrite=True (CLI: --overwrite) to replace the store"
             )
 
@@ -106,7 +107,7 @@ def chunk_samples(model: dict, n_samples: int, n_pos: int, sites, n_layers: int,
     from .writer import samples_per_chunk_for
 
     sizes = dim_sizes(model, n_samples, n_pos, n_layers)
-    variables = variables_for(sites, with_weights=False, lm_head=model.get("lm_head", True))
+    variables = variables_for(sites, with_weights=False, pred=model.get("lm_head", True))
     row = bytes_per_sample(variables, sizes, dtype)
     samples = max(1, min(samples_per_chunk_for(variables, sizes, dtype), CHUNK_ROW_BYTES // row,
                          math.ceil(n_samples / n_shards)))

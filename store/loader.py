@@ -39,7 +39,7 @@ from .location import as_location
 from .reader import _promises, open_group_checked, open_store
 from .schema import is_bfloat16
 
-VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
+VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "z", "attn_out", "mlp_in", "mlp_out")
 OUTPUT_DTYPES = ("float32", "stored")
 
 
@@ -56,7 +56,7 @@ def _url_of(store):
 class TokenLoader(torch.utils.data.IterableDataset):
     """Token vectors of `sites` ([(site, layer), ...]) of a store (a path, URL, or the Dataset of
     ``open_store``, whose own storage options must be given again for object storage) in shuffled batches, each a tensor
-    (batch, len(sites), width) (q, k, v flattened over heads), or with `with_labels` a dict of it
+    (batch, len(sites), width) (q, k, v, z flattened over heads), or with `with_labels` a dict of it
     (`activations`) and each token's `sample`, `pos`, `token` and labels.
 
     Filters: valid tokens only; the first valid token of each sample unless `exclude_start=False`;
@@ -113,7 +113,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
                 raise ValueError(f"site {site!r} is not a token-vector site of this store; it holds {', '.join(stored)}")
             if layer not in self.attrs["layers"]:
                 raise ValueError(f"layer {layer} of site {site!r} is not stored; the store holds layers {self.attrs['layers']}")
-            heads = {"q": model["n_heads"], "k": model["n_kv_heads"], "v": model["n_kv_heads"]}.get(site)
+            heads = {"q": model["n_heads"], "z": model["n_heads"], "k": model["n_kv_heads"], "v": model["n_kv_heads"]}.get(site)
             widths.add(model["d_model"] if heads is None else heads * model["d_head"])
         if len(widths) > 1:
             raise ValueError(f"sites {self.sites} have different widths {sorted(widths)}: choose sites of one width")

@@ -149,7 +149,7 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     except StoreError as error:
         return [str(error)]
     sizes = schema.dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
-    for name, var in schema.variables_for(sites, attrs.get("with_weights", True), model.get("lm_head", True)).items():
+    for name, var in schema.variables_for(sites, attrs.get("with_weights", True), schema.holds_pred(attrs)).items():
         problems += _variable_problems(group, name, var.dims, schema.resolved_dtype(var, attrs["dtype"]), sizes)
     for name in attrs["labels"]:
         problems += _variable_problems(group, name, schema.PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
@@ -214,6 +214,7 @@ def info(url, storage_options: dict | None = None) -> dict:
         "n_pos": attrs.get("n_pos"),
         "samples_per_chunk": attrs.get("samples_per_chunk"),
         "codec": attrs.get("codec"),
+        "pred": schema.holds_pred(attrs),
         "arrays": arrays,
         "size_bytes": size,
         **_token_bytes(group, attrs, size),
@@ -257,6 +258,16 @@ def _shown_model(model: dict) -> dict:
     return {**model, "score": {**model["score"], "relative_bias": summary}}
 
 
+def _pred_line(pred: bool, model: dict) -> list[str]:
+    """The info line saying why a store holds no predictions (none when it holds them)."""
+    if pred:
+        return []
+    if not model.get("lm_head", True):
+        return [f"pred      none: the model ({model.get('architecture')}) has no language-model head"]
+    return ["pred      none: the job left the predictions out (pred=False), so the forward pass stopped after the "
+            "last stored layer"]
+
+
 def format_info(summary: dict) -> str:
     """The info summary as text for a terminal."""
     model = summary["model"] or {}
@@ -272,8 +283,7 @@ def format_info(summary: dict) -> str:
         f"{summary['samples_per_chunk']} samples per chunk",
         f"dtype     {summary['dtype']} (codec {summary['codec']})",
         f"labels    {', '.join(summary['labels'] or {}) or '-'}",
-        *([] if model.get("lm_head", True) else
-          [f"pred      none: the model ({model.get('architecture')}) has no language-model head"]),
+        *_pred_line(summary["pred"], model),
         f"size      {summary['size_bytes'] / 2**20:.2f} MiB on disk, of which {summary['weight_bytes'] / 2**20:.2f} MiB "
         "weight maps",
         f"tokens    {summary['real_tokens']:,} real of {summary['positions']:,} positions "

@@ -67,12 +67,19 @@ SITE_VARIABLES = {
     "q_norm_scale": Variable(("sample", "layer", "pos", "head"), "activation"),
     "k_norm_scale": Variable(("sample", "layer", "pos", "kv_head"), "activation"),
     "pattern": Variable(("sample", "layer", "head", "qpos", "kpos"), "activation"),
+    "z": Variable(("sample", "layer", "pos", "head", "d_head"), "activation"),
+    "attn_out": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "mlp_in": Variable(("sample", "layer", "pos", "d_model"), "activation"),
+    "mlp_norm_scale": Variable(("sample", "layer", "pos"), "activation"),
+    "mlp_out": Variable(("sample", "layer", "pos", "d_model"), "activation"),
 }
 SITES = tuple(SITE_VARIABLES)
-DEFAULT_SITES = tuple(site for site in SITES if site != "pattern")
-"""An extraction's default: every site but "pattern", less those its model has no norm for."""
-NORM_SCALE_SITES = ("norm_scale", "q_norm_scale", "k_norm_scale")
-"""The norm factors of attn_in, q and k (see SCHEMA.md): only a model with that norm provides one."""
+OPT_IN_SITES = ("pattern", "z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
+"""Sites stored only when asked for: the attention pattern, and the block's outputs and MLP input."""
+DEFAULT_SITES = tuple(site for site in SITES if site not in OPT_IN_SITES)
+"""An extraction's default: every site but OPT_IN_SITES, less those its model has no norm for."""
+NORM_SCALE_SITES = ("norm_scale", "q_norm_scale", "k_norm_scale", "mlp_norm_scale")
+"""The norm factors of attn_in, q, k and mlp_in (see SCHEMA.md): only a model with that norm provides one."""
 
 # Per site, the TransformerLens hook holding the same tensor, and the one of a model with rotary
 # positions where that differs ("none": TransformerLens has no equivalent); SCHEMA.md's table says
@@ -89,6 +96,11 @@ TRANSFORMER_LENS = {
     "q_norm_scale": ("none", None),
     "k_norm_scale": ("none", None),
     "pattern": ("blocks.{layer}.attn.hook_pattern", None),
+    "z": ("blocks.{layer}.attn.hook_z", None),
+    "attn_out": ("blocks.{layer}.hook_attn_out", None),
+    "mlp_in": ("blocks.{layer}.ln2.hook_normalized", None),
+    "mlp_norm_scale": ("1 / blocks.{layer}.ln2.hook_scale", None),
+    "mlp_out": ("blocks.{layer}.hook_mlp_out", None),
 }
 
 
@@ -153,7 +165,7 @@ def check_sites(sites) -> tuple[str, ...]:
     if unknown:
         raise StoreError(
             f"unknown site(s) {unknown}: expected any of {list(SITES)}; "
-            "pick sites from that list (the default is all but 'pattern')"
+            f"pick sites from that list (the default is all but {list(OPT_IN_SITES)})"
         )
     if not sites:
         raise StoreError("no sites given: expected at least one of " f"{list(SITES)}")
@@ -272,14 +284,21 @@ def dim_sizes(model: dict, n_samples: int, n_pos: int, n_layers_stored: int) -> 
     }
 
 
-def variables_for(sites, with_weights: bool, lm_head: bool = True) -> dict[str, Variable]:
-    """Every array that a store with these sites holds (labels aside): no ``pred`` without a
-    language-model head (model description ``lm_head`` false)."""
-    variables = {name: var for name, var in TOKEN_VARIABLES.items() if lm_head or name != "pred"}
+def variables_for(sites, with_weights: bool, pred: bool = True) -> dict[str, Variable]:
+    """Every array that a store with these sites holds (labels aside): ``pred`` only where `pred`
+    (``holds_pred``)."""
+    variables = {name: var for name, var in TOKEN_VARIABLES.items() if pred or name != "pred"}
     variables.update({site: SITE_VARIABLES[site] for site in sites})
     if with_weights:
         variables.update(WEIGHT_VARIABLES)
     return variables
+
+
+def holds_pred(attrs: dict) -> bool:
+    """Whether a store holds ``pred``: its model has a language-model head (model description
+    ``lm_head``) and its job kept the predictions (root attribute ``pred``; stores written before it
+    existed kept them)."""
+    return bool(attrs.get("pred", True)) and bool((attrs.get("model") or {}).get("lm_head", True))
 
 
 def resolved_dtype(variable: Variable, activation_dtype: str) -> str:

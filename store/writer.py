@@ -85,11 +85,13 @@ def create_store(
     break_lock: bool = False,
     command: str | None = None,
     storage_options: dict | None = None,
+    pred: bool = True,
 ) -> StoreWriter:
     """Create an empty store of schema v1 and return its writer, which holds the store's lock.
 
     overwrite=True replaces a store (or the remnant of an interrupted creation) at `url`;
-    break_lock=True breaks a lock that looks alive (a stale one is broken anyway)."""
+    break_lock=True breaks a lock that looks alive (a stale one is broken anyway); pred=False
+    leaves the model's predictions out (a job that stops the forward pass early has none)."""
     location = as_location(url, storage_options)
     model = schema.check_model(model)
     sites = schema.check_sites(sites)
@@ -101,7 +103,8 @@ def create_store(
     if codec not in CODECS:
         raise StoreError(f"codec {codec!r}: expected one of {list(CODECS)}")
     sizes = schema.dim_sizes(model, n_samples, n_pos, len(layers))
-    variables = schema.variables_for(sites, with_weights, model.get("lm_head", True))
+    pred = schema.holds_pred({"pred": pred, "model": model})
+    variables = schema.variables_for(sites, with_weights, pred)
     if samples_per_chunk is None:
         samples_per_chunk = samples_per_chunk_for(variables, sizes, dtype)
     _check_count("samples_per_chunk", samples_per_chunk)
@@ -113,7 +116,7 @@ def create_store(
         group = zarr.create_group(location.zarr_store(read_only=False), zarr_format=3, attributes={
             "schema": schema.SCHEMA_VERSION, "model": model, "task": task, "sites": list(sites), "layers": layers,
             "dtype": dtype, "labels": labels, "with_weights": with_weights, "n_samples": n_samples, "n_pos": n_pos,
-            "samples_per_chunk": samples_per_chunk, "shards": shards, "codec": codec, "complete": False,
+            "samples_per_chunk": samples_per_chunk, "shards": shards, "codec": codec, "pred": pred, "complete": False,
             "provenance": provenance(command),
         })
         crash_point("root-written")

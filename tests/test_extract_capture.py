@@ -203,8 +203,8 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(tmp_path):
 
 def test_capture_refuses_sites_and_layers_the_model_lacks(tmp_path):
     adapter = adapter_for(load_model(write_arithmetic_model(tmp_path / "model")))
-    with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_out'\] cannot be provided.*expected one or more of"):
-        with adapter.capture(["q", "mlp_out"]):
+    with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_hidden'\] cannot be provided.*expected one or more of"):
+        with adapter.capture(["q", "mlp_hidden"]):
             pass
     with pytest.raises(ConfigError, match=r"layer\(s\) \[2\] out of range: the model has 2 layers"):
         with adapter.capture(["q"], layers=[0, 2]):

@@ -13,7 +13,11 @@ own eager attention, from the store alone:
 - the stored maps reproduce v from attn_in, and q, k before rotary and QK-norm (and with OLMo's
   clip_qkv clamp, which the description records, for a clipping OLMo);
 - the norm description is right: each described norm, at its site, gives or reads the stored
-  sites; and its summary is the family's known placement.
+  sites; and its summary is the family's known placement;
+- the block's outputs are exact: attn_out and mlp_out are what the block adds to the residual
+  stream, z is the attention-weighted sum of v and, through w_o, attn_out; mlp_in and
+  mlp_norm_scale are the MLP's norm's output and factor; every family provides z, attn_out and
+  mlp_out, and refuses mlp_in only where it equals another site.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import pytest
 import torch
 
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys, store_attention
+from orthosphere.errors import ConfigError
 from orthosphere.extract.capture import adapter_for
 from orthosphere.extract.families import FAMILIES as DESCRIBED
 from orthosphere.extract.families import OUTSIDE_BLOCKS, unsupported
@@ -37,6 +42,8 @@ from tests.tiny_families import FAMILIES, MODERNBERT_HALF_WINDOW, WINDOW, family
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert")
+BLOCK_SITES = ("z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
+"""Stored too, where the family provides them (mlp_in and mlp_norm_scale are refused by some)."""
 T5_FAMILIES = ("t5", "mt5", "umt5")
 SHARP = 0.9
 """In every layer, the median over (query, head) of the largest attention weight, for valid queries
@@ -93,8 +100,10 @@ def extracted(model_type: str, folder, model):
     model.save_pretrained(folder / "model", safe_serialization=True)
     word_tokenizer("bert" if model_type in ENCODERS else "llama").save_pretrained(folder / "model")
     text = write_text(folder / "text.txt")
+    provided = adapter_for(model).sites
+    sites = ALL_SITES + tuple(site for site in BLOCK_SITES if site in provided)
     job = ExtractJob(model=str(folder / "model"), task=f"text:path={text},max_length=12", out=str(folder / "store.zarr"),
-                     sites=ALL_SITES, dtype="float32", batch_size=4, device="cpu")
+                     sites=sites, dtype="float32", batch_size=4, device="cpu")
     extract(job, progress=False)
     eager = getattr(transformers, family_configs()[model_type][2]).from_pretrained(
         folder / "model", attn_implementation="eager").eval()
@@ -510,3 +519,114 @@ def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"tensor model.layers.1.mlp.experts.down_proj has the shape \(3, 32, 16\) "
                                           r"there but Qwen2MoeForCausalLM expects \(4, 32, 16\).*lacking an expert"):
         load_source(directory, device="cpu")
+MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "bert": "resid_mid", "roberta": "resid_mid",
+                  "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
+                  "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in"}
+"""Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
+input norm (parallel blocks) or the Post-Norm's resid_mid."""
+
+
+def test_every_family_provides_the_block_outputs_and_refuses_mlp_in_only_where_it_is_another_site(family):
+    model_type, store, _ = family
+    assert {"z", "attn_out", "mlp_out"} <= set(store.attrs["sites"])
+    assert ("mlp_in" in store.attrs["sites"]) is (model_type not in MLP_IN_REFUSED)
+    for site in BLOCK_SITES:
+        if site in store.attrs["sites"]:
+            assert store[site].attrs["transformer_lens"].startswith(("blocks.", "1 / blocks."))
+
+
+def test_block_outputs_are_what_the_block_adds_to_the_residual(family):
+    """attn_out = resid_mid - resid_pre and mlp_out = resid_post - resid_mid (Pre-Norm, sandwich and
+    output-norm families after their output norms, parallel blocks); in Post-Norm ones resid_mid =
+    LN(resid_pre + attn_out) and resid_post = LN(resid_mid + mlp_out). z is pattern . v, and z @ w_o
+    + b_o is attn_out before any output norm."""
+    model_type, store, eager = family
+    valid = store["valid"].values
+    group = store.attrs["model"]["n_heads"] // store.attrs["model"]["n_kv_heads"]
+    for layer in range(store.sizes["layer"]):
+        pre, mid, post, attn_out, mlp_out = (store[name].values[:, layer][valid].astype(np.float64)
+                                             for name in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"))
+        for before, after, added, norm_site in ((pre, mid, attn_out, "resid_mid"), (mid, post, mlp_out, "resid_post")):
+            norm = _norm_module(eager, store, norm_site, layer)
+            if norm is None:
+                _close(added, after - before, scale_of=before)
+            else:
+                _close(after, _apply(norm[1], before + added))
+        v = np.repeat(store["v"].values[:, layer].astype(np.float64), group, axis=2)
+        z = np.einsum("shqk,skhd->sqhd", store["pattern"].values[:, layer].astype(np.float64), v)
+        _close(store["z"].values[:, layer][valid], z[valid])
+        projected = np.einsum("sqhd,hdm->sqm", store["z"].values[:, layer].astype(np.float64),
+                              store["w_o"].values[layer]) + store["b_o"].values[layer]
+        norm_out = _norm_module(eager, store, "attn_output", layer)
+        if norm_out is not None:
+            projected = _apply(norm_out[1], projected)
+        _close(attn_out, projected[valid], scale_of=attn_out)
+
+
+def test_mlp_input_and_its_norm_factor_are_the_mlps_norms(family):
+    """mlp_in is the MLP's norm applied to the stream it reads (resid_mid, or resid_pre in parallel
+    blocks); mlp_norm_scale is that norm's factor 1 / sqrt(mean((x - m)^2) + eps) of its input (in
+    Post-Norm models the norm giving resid_mid, whose input is resid_pre + attn_out)."""
+    model_type, store, eager = family
+    if "mlp_norm_scale" not in store.attrs["sites"]:
+        return
+    valid = store["valid"].values
+    description = store.attrs["model"]
+    post_norm = "mlp_in" not in store.attrs["sites"]
+    for layer in range(store.sizes["layer"]):
+        if post_norm:
+            entry, _ = _norm_module(eager, store, "resid_mid", layer)
+            read = store["resid_pre"].values[:, layer] + store["attn_out"].values[:, layer].astype(np.float64)
+        else:
+            entry, module = _norm_module(eager, store, "mlp_input", layer)
+            read = store["resid_pre" if description["parallel"] else "resid_mid"].values[:, layer]
+            _close(store["mlp_in"].values[:, layer][valid], _apply(module, read)[valid])
+        x = np.asarray(read, np.float64)[valid]
+        if entry["type"] == "layer":
+            x = x - x.mean(axis=-1, keepdims=True)
+        factor = 1 / np.sqrt((x**2).mean(axis=-1) + entry["eps"])
+        np.testing.assert_allclose(store["mlp_norm_scale"].values[:, layer][valid], factor, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("model_type", "site", "named"), [("phi", "mlp_in", "equals attn_in"),
+                                                          ("bert", "mlp_in", "equals resid_mid"),
+                                                          ("gptj", "mlp_norm_scale", "equals norm_scale")])
+def test_a_site_the_family_does_not_have_is_refused_with_the_reason(model_type, site, named):
+    adapter = adapter_for(tiny_model(model_type))
+    with pytest.raises(ConfigError, match=rf"\['{site}'\] cannot be provided by this {model_type} model.*{site} {named}"):
+        adapter.check_sites(["resid_pre", site])
+
+
+def test_notebook_views_are_the_models_attention(family):
+    """ds.ortho.pattern and ds.ortho.attn_scores, recomputed from the stored q, k with the score terms
+    (the stored pattern and z dropped, the store chunked along sample), for every head and for chosen
+    ones, are the model's own eager attention; ds.ortho.z recomputed from them and v is the stored z."""
+    model_type, store, eager = family
+    pattern, _ = eager_run(eager, store)
+    lazy = store.drop_vars(["pattern", "z"]).chunk({"sample": 4})
+    queries = store["valid"].values[:, None, :, None]
+    chosen = [1, 2]  # heads of two key/value heads in grouped-query families
+    for layer in range(store.sizes["layer"]):
+        _, largest = attention_float64(store["q"].values[:, layer], store["k"].values[:, layer], store["valid"].values,
+                                       **terms_of(store, layer))
+        atol = 2 * attention_atol(largest)  # the view and the model each within attention_atol of float64
+        every = lazy.ortho.pattern(layer=layer)
+        assert every.chunks[0] == lazy["q"].chunks[0] and every.attrs["transformer_lens"] == f"blocks.{layer}.attn.hook_pattern"
+        scores = lazy.ortho.attn_scores(layer=layer, head=chosen).values.astype(np.float64)
+        peak = scores.max(axis=-1, keepdims=True)
+        softmax = np.exp(scores - peak)
+        sinks = store.attrs["model"]["score"].get("sink_logits")  # a column of the softmax, not of the scores
+        sink = 0 if sinks is None else np.exp(np.asarray(sinks[layer])[chosen][None, :, None, None] - peak)
+        for found, expected in ((every.values, pattern[:, layer]), (softmax / (softmax.sum(axis=-1, keepdims=True) + sink),
+                                                                    pattern[:, layer][:, chosen])):
+            np.testing.assert_allclose(np.where(queries, found, 0), np.where(queries, expected, 0), rtol=0, atol=atol,
+                                       err_msg=f"{model_type}, layer {layer}")
+        z = lazy.ortho.z(layer=layer, head=chosen).values
+        _close(z[store["valid"].values], store["z"].values[:, layer][:, :, chosen][store["valid"].values])
+
+
+def test_a_bloom_computing_its_projections_by_slices_refuses_the_block_outputs():
+    adapter = adapter_for(tiny_model("bloom", pretraining_tp=2, slow_but_exact=True))
+    with pytest.raises(ConfigError, match=r"\['z', 'attn_out'\] cannot be provided by this bloom model.*"
+                                          r"z is not read: with pretraining_tp > 1 and slow_but_exact=True"):
+        adapter.check_sites(["q", "z", "attn_out"])

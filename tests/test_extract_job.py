@@ -136,8 +136,8 @@ def test_text_needs_a_tokenizer(tmp_path):
 def test_layer_out_of_range_and_missing_site_leave_no_store(tmp_path, arithmetic_dir):
     with pytest.raises(ConfigError, match=r"layer\(s\) \[5\] out of range: the model has 2 layers"):
         extract(job(arithmetic_dir, tmp_path / "a.zarr", layers=(0, 5)), progress=False)
-    with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_out'\] cannot be provided"):
-        extract(job(arithmetic_dir, tmp_path / "b.zarr", sites=("q", "mlp_out")), progress=False)
+    with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_hidden'\] cannot be provided"):
+        extract(job(arithmetic_dir, tmp_path / "b.zarr", sites=("q", "mlp_hidden")), progress=False)
     with pytest.raises(ConfigError, match="needs a sample count"):
         extract(job(arithmetic_dir, tmp_path / "c.zarr", n_samples=None), progress=False)
     with pytest.raises(ConfigError, match="contradict"):

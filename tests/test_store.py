@@ -579,7 +579,7 @@ def test_validate_reports_wrong_dtype(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"sites": ["resid_pre", "attn_out"]}, r"unknown site\(s\) \['attn_out'\]: expected any of"),
+        ({"sites": ["resid_pre", "attn_hidden"]}, r"unknown site\(s\) \['attn_hidden'\]: expected any of"),
         ({"n_samples": 0}, r"n_samples=0: expected a positive integer"),
         ({"n_pos": -1}, r"n_pos=-1: expected a positive integer"),
         ({"dtype": "float64"}, r"dtype 'float64' is not supported"),

@@ -18,7 +18,7 @@ from orthosphere.store.failures import is_storage_failure
 
 from .backend import Backend, dask_client
 
-EXTRACT_FLAGS = {"model": "MODEL", "n_samples": "--samples", "n_shards": "--shards"}
+EXTRACT_FLAGS = {"model": "MODEL", "n_samples": "--samples", "n_shards": "--shards", "pred": "--no-pred"}
 """The flag of each ExtractJob parameter whose flag is not its name (--batch-size: batch_size)."""
 
 EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm", "pyarrow")
@@ -172,8 +172,8 @@ def verify_command(store, model, samples, seed, batch_size, exact, device):
 @click.option("--samples", type=int, default=None, help="Number of samples (a corpus: default all its windows or documents).")
 @click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
 @click.option("--sites", default=None, metavar="LIST",
-              help="Comma-separated sites, default all but pattern (the norm factors where the model has the norm): "
-                   f"{','.join(SITES)}.")
+              help="Comma-separated sites, default all but pattern, z, attn_out, mlp_in, mlp_norm_scale, mlp_out (the "
+                   f"norm factors where the model has the norm): {','.join(SITES)}.")
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="Stored activations: float16 refuses values beyond 65504; bfloat16 keeps float32's range.")
@@ -184,13 +184,15 @@ def verify_command(store, model, samples, seed, batch_size, exact, device):
 @model_options
 @click.option("--workers", type=int, default=None, help="Run the shards on a LocalCluster of N worker processes.")
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
+@click.option("--no-pred", "no_pred", is_flag=True,
+              help="Store no predictions: the forward pass then stops after the last of --layers.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
 @click.option("--break-lock", is_flag=True,
               help="Break the store's lock even if its holder looks alive (a stale lock is broken anyway).")
 @click.pass_context
 def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
-                    samples_per_chunk, device, model_dtype, workers, scheduler, resume, overwrite, break_lock):
+                    samples_per_chunk, device, model_dtype, workers, scheduler, no_pred, resume, overwrite, break_lock):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
     from orthosphere.extract.job import ExtractJob, extract
 
@@ -200,7 +202,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
             model=model, task=task_spec, out=out, n_samples=samples,
             sites=None if sites is None else tuple(filter(None, sites.split(","))),
             layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-            resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
+            pred=not no_pred, resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
             command=" ".join(sys.argv),
         )
     except ParameterError as error:
