@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import dask
+import dask.array as da
 import numpy as np
 import xarray as xr
 from scipy import sparse
@@ -64,7 +65,6 @@ from .inputs import (
     check_layers,
     layer_data,
     require_site,
-    sample_values,
     square_norms,
     store_url,
     token_mask,
@@ -73,6 +73,7 @@ from .layer import DrawSettings, LayerFit, fit_layer
 from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
+from .units import GROUP_BY_HELP, check_units, resampling_units, unit_groups
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -81,14 +82,6 @@ NULL_DRAWS = 9999
 """The structure test's draws unless the false-discovery correction needs more (each costs groups^2)."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
-def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
-    """A seeded hash (splitmix64) of each sample index into one of n_groups groups."""
-    z = (np.uint64(seed) << np.uint64(32)) ^ np.asarray(samples).astype(np.uint64)
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return (z % np.uint64(n_groups)).astype("int64")
 
 
 def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
@@ -162,6 +155,8 @@ class SubspacesConfig(AnalysisConfig):
                                         help="none keeps every class")
     n_bootstrap: int = parameter(200, integer(0), help="noise draws of the ranks, intervals, claims and spheres")
     bootstrap_groups: int = parameter(32, integer(2), help="groups of samples the draws resample")
+    group_by: str | None = parameter(None, Text("a label name, or 'sample' for one sample a unit"), None,
+                                     help=GROUP_BY_HELP)
     confidence: float = parameter(0.9, PROBABILITY, help="the intervals' confidence")
     n_null: int | None = parameter(None, integer(0), None, help="draws of the structure test (default: enough for "
                                                                "the correction)")
@@ -235,7 +230,8 @@ class FactorSubspaces:
         """The parameters that fix the fit, as fitted (layers and factors resolved)."""
         options = self.config.as_dict()
         if hasattr(self, "layers_"):
-            options.update(layers=list(self.layers_), factors=list(self.factors_), intercepts=self.intercepts_)
+            options.update(layers=list(self.layers_), factors=list(self.factors_), intercepts=self.intercepts_,
+                           group_by=self.units_.label)
         return as_attrs(options)
 
     def fit(self, dataset: xr.Dataset) -> FactorSubspaces:
@@ -253,7 +249,9 @@ class FactorSubspaces:
         url = store_url(dataset)
         mask = token_mask(dataset, self.exclude_start)
         n_groups = self.bootstrap_groups if (self.n_bootstrap or self.n_null_) else 1
-        groups = sample_values(dataset, mask).map_blocks(bootstrap_group, self.seed, n_groups, dtype="int64")
+        units = resampling_units(dataset, self.group_by)
+        check_units(units, self.seed, n_groups, "bootstrap_groups", url)
+        groups = da.from_array(unit_groups(units, self.seed, n_groups), chunks=(mask.chunks[0],))
         intercepts = parse_intercepts(dataset, self.intercepts, factors)
         discovery = discover_classes(dataset, factors, mask, self.max_classes, groups, n_groups, intercepts)
         classes = discovery.classes
@@ -281,7 +279,8 @@ class FactorSubspaces:
         def finish(computed):
             finite.check({layer: nonfinite for layer, (nonfinite, _) in computed.items()})
             self.site_, self.layers_, self.factors_, self.intercepts_ = self.site, layers, names, intercepts
-            self.classes_, self.design_ = classes, design
+            self.classes_, self.design_, self.units_ = classes, design, units
+            self.resampling_ = units.attrs(self.seed, n_groups)
             self.n_tokens_ = {name: int(classes[name].counts.sum()) for name in names}
             self.fits_ = {layer: fit for layer, (_, fit) in computed.items()}
             self.has_weights_ = bool(heads)
@@ -553,6 +552,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "fit": fitted.fit_options,
         "relation_rule": RELATION_RULE,
         "n_null": fitted.n_null_,
+        **fitted.resampling_,
         **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "significance",
                                                     "seed", "independence_deg", "orthogonality_deg")},
     }
