@@ -73,7 +73,7 @@ from .layer import DrawSettings, LayerFit, fit_layer
 from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
-from .units import GROUP_BY_HELP, check_units, resampling_units, unit_groups
+from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, unit_groups, warn_fewer_units_than_groups
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -155,8 +155,7 @@ class SubspacesConfig(AnalysisConfig):
                                         help="none keeps every class")
     n_bootstrap: int = parameter(200, integer(0), help="noise draws of the ranks, intervals, claims and spheres")
     bootstrap_groups: int = parameter(32, integer(2), help="groups of samples the draws resample")
-    group_by: str | None = parameter(None, Text("a label name, or 'sample' for one sample a unit"), None,
-                                     help=GROUP_BY_HELP)
+    group_by: str | None = parameter(None, GROUP_BY, None, help=GROUP_BY_HELP)
     confidence: float = parameter(0.9, PROBABILITY, help="the intervals' confidence")
     n_null: int | None = parameter(None, integer(0), None, help="draws of the structure test (default: enough for "
                                                                "the correction)")
@@ -250,7 +249,9 @@ class FactorSubspaces:
         mask = token_mask(dataset, self.exclude_start)
         n_groups = self.bootstrap_groups if (self.n_bootstrap or self.n_null_) else 1
         units = resampling_units(dataset, self.group_by)
-        check_units(units, self.seed, n_groups, "bootstrap_groups", url)
+        if n_groups > 1:
+            check_units(units, url)
+            warn_fewer_units_than_groups(units, self.seed, n_groups, url)
         groups = da.from_array(unit_groups(units, self.seed, n_groups), chunks=(mask.chunks[0],))
         intercepts = parse_intercepts(dataset, self.intercepts, factors)
         discovery = discover_classes(dataset, factors, mask, self.max_classes, groups, n_groups, intercepts)

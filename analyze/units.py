@@ -26,6 +26,8 @@ import xarray as xr
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
+from orthosphere.params import Text
+
 from .errors import AnalysisError
 from .factors import applies, missing_value, store_labels
 from .inputs import store_url
@@ -38,6 +40,7 @@ SAMPLE = "sample"
 """``group_by`` for one sample a unit."""
 MIN_UNITS = 2
 """Fewer units than this leave nothing to resample: the draws' nulls and intervals would be meaningless."""
+GROUP_BY = Text("a label name, or 'sample' for one sample a unit")
 GROUP_BY_HELP = ("the label whose values tie samples into resampling units (documents chained across windows): "
                  "default document when the store has it, else one sample a unit ('sample')")
 
@@ -133,21 +136,25 @@ def chained_units(n_samples: int, rows: list[np.ndarray], values: list[np.ndarra
     return first[component]
 
 
-def check_units(units: Units, seed: int, n_groups: int, option: str, url: str) -> None:
-    """Refuse fewer than MIN_UNITS units where draws resample them; log a warning when the units are
-    fewer than the groups (some groups stay empty: the draws resample only as many as there are units)."""
-    if n_groups <= 1:
-        return
-    n_units = units.n_units
-    described = ("one sample a unit" if units.label == SAMPLE
-                 else f"samples tied by label {units.label!r}, chained across windows")
-    if n_units < MIN_UNITS:
+def check_units(units: Units, url: str) -> None:
+    """Refuse fewer than MIN_UNITS units to resample."""
+    if units.n_units < MIN_UNITS:
         raise AnalysisError(
-            f"store {url} holds {n_units} resampling unit ({described}): the draws' nulls and intervals need "
-            f"at least {MIN_UNITS} independent units to resample; analyse a store of more documents, or give "
+            f"store {url} holds {units.n_units} resampling unit ({_described(units)}): the nulls and intervals "
+            f"need at least {MIN_UNITS} independent units to resample; analyse a store of more documents, or give "
             f"group_by={SAMPLE!r} only if its samples are independent"
         )
-    if n_units < n_groups:
-        log.warning("store %s holds %d resampling units (%s), fewer than %s=%d: only %d groups are resampled, "
-                    "and the nulls and intervals are coarser; analyse more documents or lower %s",
-                    url, n_units, described, option, n_groups, units.occupied_groups(seed, n_groups), option)
+
+
+def warn_fewer_units_than_groups(units: Units, seed: int, n_groups: int, url: str) -> None:
+    """Log a warning when the units are fewer than the groups: some groups stay empty, and the draws
+    resample only as many as there are units."""
+    if units.n_units < n_groups:
+        log.warning("store %s holds %d resampling units (%s), fewer than bootstrap_groups=%d: only %d groups are "
+                    "resampled, and the nulls and intervals are coarser; analyse more documents or lower "
+                    "bootstrap_groups", url, units.n_units, _described(units), n_groups,
+                    units.occupied_groups(seed, n_groups))
+
+
+def _described(units: Units) -> str:
+    return "one sample a unit" if units.label == SAMPLE else f"samples tied by label {units.label!r}, chained across windows"
