@@ -149,10 +149,11 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
                                          adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
   sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
   class_radius (layer, factor, class_index)
-  cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   rms of
-                                         x_a . x_b of the two components' class points over their shared
-                                         tokens, over sqrt(mean |x_a|^2 mean |x_b|^2): 0 for orthogonal
-                                         subspaces; its interval, its null (orthogonal subspaces) and p-value
+  cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   RMS cosine
+                                         of the two components' class points over their shared tokens, each
+                                         token weighted by |x_a|^2 |x_b|^2: sqrt(mean (x_a . x_b)^2 / mean
+                                         |x_a|^2 |x_b|^2), in [0, 1], 0 for orthogonal subspaces; its
+                                         interval, its null (orthogonal subspaces) and p-value (uncorrected)
   min_angle, min_angle_estimate, min_angle_ci, relation   the departure from orthogonality, as in /subspaces
   attrs: site, factors, estimator, intercepts, classes, sphere_rule, fit, subspaces ("from the subspaces
   results" | "fitted here"), radius_cv_tolerance, confidence, significance, n_bootstrap
