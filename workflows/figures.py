@@ -205,7 +205,7 @@ def figure_collapse(runs: list[Run]):
         axis.legend(fontsize=7)
     if without:
         axis.text(0.02, 0.95, f"no sparse heads: {', '.join(without)}", transform=axis.transAxes, va="top")
-    axis.set(xlabel="noise RMS (%)", ylabel="sparse heads collapsed (%)",
+    axis.set(xlabel="noise RMS (%)", ylabel="sparse (query, head, draw) instances collapsed (%)",
              title="Circuit collapse under norm noise (one layer at a time)")
     return figure
 
