@@ -71,7 +71,8 @@ Definitions (every count below is over these instances and draws):
   bias is refused (no family does both).
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
   ``smooth_draws`` draws (2 by default, 2 at least), with its Monte Carlo standard error
-  (``*_mc_error``): samples draw independent noise, so each sample's sum over its instances varies
+  (``*_mc_error``: the error over noise draws only, of these samples; not a standard error over
+  documents or samples): samples draw independent noise, so each sample's sum over its instances varies
   between draws independently of the others', and the error is sqrt(sum over samples of that
   variance / smooth_draws) over the number of instances (n_samples (smooth_draws - 1) degrees of
   freedom: two draws state it well on a store of many samples).
@@ -84,8 +85,13 @@ Definitions (every count below is over these instances and draws):
   collapse, without interpolation: for collapse, the first level of the collapse-rate curve
   (``curve_level``: the swept levels and 64 levels an octave from a quarter of the lowest to the
   highest, 1.1 % apart) where its rate reaches the target; for strict collapse, the first swept
-  level. inf when the sweep never reaches it, NaN without sparse instances. Its confidence interval
-  comes from a seeded bootstrap over samples (per-sample counts resampled with replacement).
+  level. inf when the sweep never reaches it, NaN without sparse instances.
+- **Intervals** of the collapse levels, the pooled collapse rates and each condition's pooled recall
+  and precision: percentile intervals of one seeded cluster bootstrap over the resampling units
+  (``orthosphere.analyze.units``: documents, chained across packed windows, when the store has them;
+  else samples; ``group_by``): each resample draws units with replacement and weighs every sample as
+  often as its unit was drawn, so that the instances of one document move together. Every rate counts
+  (query, head, draw) instances: "1 % of sparse heads" is 1 % of the sparse instances over the draws.
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
 
@@ -109,8 +115,10 @@ sparse/all, max_attention_bin, bound = low/high):
   collapse_rate_pooled (definition, level) over layers and heads
   collapse_rate_curve (layer, curve_level), collapse_rate_curve_pooled (curve_level): collapse only
   collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
+  collapse_rate_pooled_ci (definition, level, bound); theory_recall_pooled_ci, theory_precision_pooled_ci,
+  exact_recall_pooled_ci, exact_precision_pooled_ci (level, bound): intervals from resampling units
   attrs: seed, n_draws, smooth_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
-  n_bootstrap, confidence, device (where the dense attention work ran: see ``orthosphere.analyze.device``),
+  n_bootstrap, confidence, group_by, n_units (the resampling units), device (where the dense attention work ran: see ``orthosphere.analyze.device``),
   attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
@@ -131,6 +139,7 @@ from orthosphere.params import Interval, parameter
 
 from .attention import ScoreTerms, attention_inputs, attention_share
 from .inputs import FiniteCheck, check_layers, store_url
+from .multiplicity import state_multiplicity
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
 from .registry import Analysis
@@ -205,7 +214,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
-        return result
+        return state_multiplicity(result, "replay")
 
     return Plan(graphs, finish)
 

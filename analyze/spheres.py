@@ -31,6 +31,7 @@ import xarray as xr
 
 from .errors import AnalysisError
 from .inference import SPHERE_CLAIMS, benjamini_hochberg
+from .multiplicity import state_multiplicity
 from .options import as_attrs
 from .plan import Plan
 from .registry import Analysis
@@ -138,7 +139,7 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
         result[name].attrs["description"] = description
-    return result
+    return state_multiplicity(result, "spheres")
 
 
 def directional_q(claim_p: np.ndarray) -> np.ndarray:

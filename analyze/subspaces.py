@@ -70,6 +70,7 @@ from .inputs import (
     token_mask,
 )
 from .layer import DrawSettings, LayerFit, fit_layer
+from .multiplicity import state_multiplicity
 from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
@@ -560,7 +561,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
         result[name].attrs["description"] = description
-    return result
+    return state_multiplicity(result, "subspaces")
 
 
 DESCRIPTIONS = {
