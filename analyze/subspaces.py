@@ -20,8 +20,9 @@ same whatever the vocabulary or context. Classes whose tokens all lie in one gro
 pooled too (their noise could not be resampled).
 
 Every statistic is judged against noise draws: the groups' corrected influences with random signs
-(``bootstrap_groups`` seeded groups of samples, so tokens of one sequence, which are not
-independent, stay together; ``design.py`` for the correction, ``inference.py`` for the methods):
+(``bootstrap_groups`` seeded groups of resampling units, so tokens of one document, which are not
+independent, stay together: ``units.py``; ``design.py`` for the correction, ``inference.py`` for the
+methods):
 
 - ``structure_p`` (``n_null`` draws): does the factor show more than noise;
 - the rank, and each pair's angles with median-unbiased estimates and ``confidence`` intervals
