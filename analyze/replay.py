@@ -118,8 +118,9 @@ sparse/all, max_attention_bin, bound = low/high):
   collapse_rate_pooled_ci (definition, level, bound); theory_recall_pooled_ci, theory_precision_pooled_ci,
   exact_recall_pooled_ci, exact_precision_pooled_ci (level, bound): intervals from resampling units
   attrs: seed, n_draws, smooth_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
-  n_bootstrap, confidence, group_by, n_units (the resampling units), device (where the dense attention work ran: see ``orthosphere.analyze.device``),
-  attn_scale, causal, n_samples
+  n_bootstrap, confidence, group_by, n_units (the resampling units), resamples (n_bootstrap, or 0 where the
+  store holds a single unit: then every interval is NaN and a warning says why), device (where the dense
+  attention work ran: see ``orthosphere.analyze.device``), attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
 partial sums (float64), reduced and computed once. This module never imports torch or the
@@ -153,7 +154,7 @@ from .replay_blocks import (
     message_frame,
     replay_block,
 )
-from .units import GROUP_BY, GROUP_BY_HELP, Units, check_units, resampling_units
+from .units import GROUP_BY, GROUP_BY_HELP, Units, resampled, resampling_units
 
 DRAWS_PER_TASK = 32
 """Draws per Dask task: tasks are (layer, sample chunk, range of draws). The default number of draws,
@@ -195,8 +196,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     with_messages = check_variables(ds, settings)
     layers = check_layers(ds, layers)
     units = resampling_units(ds, config.group_by)
-    if n_bootstrap:
-        check_units(units, store_url(ds))
+    resamples = n_bootstrap if resampled(units, store_url(ds), "the replay's intervals are NaN") else 0
     finite = FiniteCheck(ds)
     for layer in layers:
         finite.reads(layer, *((name, layer) for name in (("q", "k", "v") if with_messages else ("q", "k"))))
@@ -205,12 +205,13 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     def finish(per_layer):
         finite.check({layer: sums.pop("nonfinite") for layer, sums in zip(layers, per_layer)})
         result = _assemble(per_layer, ds, layers, settings, n_bins)
-        _add_collapse_levels(result, per_layer, settings, collapse_target, units, n_bootstrap, confidence)
+        _add_collapse_levels(result, per_layer, settings, collapse_target, units, resamples, confidence)
         result.attrs.update({
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
             "min_keys": settings.min_keys, "smooth_draws": settings.smooth_draws, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
             "confidence": confidence, "device": settings.device, "group_by": units.label, "n_units": units.n_units,
+            "resamples": resamples,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })

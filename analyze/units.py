@@ -117,8 +117,8 @@ def _sample_values(block: np.ndarray, start: int, missing) -> tuple[np.ndarray, 
     present = applies(block, missing)
     rows = np.nonzero(present)[0] + start
     values, codes = np.unique(block[present], return_inverse=True)
-    pairs = np.unique(np.stack([rows, codes.ravel()]), axis=1)
-    return pairs[0], values[pairs[1]]
+    pairs = np.unique(rows.astype("int64") * max(len(values), 1) + codes.ravel())
+    return pairs // max(len(values), 1), values[pairs % max(len(values), 1)]
 
 
 def chained_units(n_samples: int, rows: list[np.ndarray], values: list[np.ndarray]) -> np.ndarray:
@@ -144,6 +144,17 @@ def check_units(units: Units, url: str) -> None:
             f"need at least {MIN_UNITS} independent units to resample; analyse a store of more documents, or give "
             f"group_by={SAMPLE!r} only if its samples are independent"
         )
+
+
+def resampled(units: Units, url: str, otherwise: str) -> bool:
+    """Whether the units can be resampled (MIN_UNITS or more); if not, log a warning saying what happens
+    `otherwise` instead."""
+    if units.n_units >= MIN_UNITS:
+        return True
+    log.warning("store %s holds %d resampling unit (%s): nothing to resample, so %s; analyse a store of more "
+                "documents, or give group_by=%r only if its samples are independent", url, units.n_units,
+                _described(units), otherwise, SAMPLE)
+    return False
 
 
 def warn_fewer_units_than_groups(units: Units, seed: int, n_groups: int, url: str) -> None:

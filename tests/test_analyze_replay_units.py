@@ -1,13 +1,14 @@
 """The replay's intervals resample documents (a cluster bootstrap), not samples."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import xarray as xr
 
-from orthosphere.analyze import AnalysisError, open_for_analysis
+from orthosphere.analyze import open_for_analysis
 from orthosphere.analyze.replay import _add_collapse_levels
 from orthosphere.analyze.results import run_analyses
 from orthosphere.analyze.units import Units
@@ -70,7 +71,7 @@ def replay_store(url, documents: np.ndarray) -> str:
 
 
 @pytest.mark.slow
-def test_the_replay_resamples_the_stores_documents_and_refuses_a_single_one(tmp_path):
+def test_the_replay_resamples_the_stores_documents_and_says_a_single_one_gives_no_interval(tmp_path, caplog):
     documents = np.repeat(np.arange(6), 2)[:, None].repeat(8, axis=1)  # six documents of two windows
     dataset = open_for_analysis(replay_store(tmp_path / "six.zarr", documents))
     result = run_analyses(dataset, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 50})["replay"]
@@ -79,6 +80,7 @@ def test_the_replay_resamples_the_stores_documents_and_refuses_a_single_one(tmp_
     rate = result.collapse_rate_pooled.sel(definition="collapse").values
     assert np.all((low <= rate) & (rate <= high))
     one = open_for_analysis(replay_store(tmp_path / "one.zarr", np.zeros_like(documents)))
-    with pytest.raises(AnalysisError, match=r"holds 1 resampling unit .*group_by='sample'"):
-        run_analyses(one, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 50})
-    assert "collapse_level_ci" in run_analyses(one, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 0})["replay"]
+    with caplog.at_level(logging.WARNING, logger="orthosphere.analyze"):
+        single = run_analyses(one, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 50})["replay"]
+    assert "holds 1 resampling unit" in caplog.text and "the replay's intervals are NaN" in caplog.text
+    assert single.attrs["resamples"] == 0 and np.isnan(single.collapse_rate_pooled_ci.values).all()
