@@ -32,7 +32,7 @@ an ``AnalysisParameterError`` naming the option as the caller gave it:
 - ``norms`` (``NormsConfig``): ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
   quantiles, ratio_max, ratio_bins, device)``
 - ``subspaces`` (``SubspacesConfig``): ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
-  intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, confidence, n_null,
+  intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, group_by, confidence, n_null,
   significance, seed, independence_deg, orthogonality_deg, radius_cv_tolerance)``, the parameters of
   the estimator ``FactorSubspaces`` (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``,
   ``design.py`` for the fit and ``inference.py`` for the statistics)
@@ -42,7 +42,8 @@ an ``AnalysisParameterError`` naming the option as the caller gave it:
   (fit options given besides must agree); else fitted here
 - ``neighbours`` (``NeighboursConfig``): ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
 - ``replay`` (``ReplayConfig``): ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
-  sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, layers, n_bins, device)``
+  sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, group_by, layers, n_bins,
+  device)``
   (norm-perturbation replay; see its module)
 
 Views for notebooks: importing this package registers the xarray accessor ``ds.ortho`` (``views.py``):
@@ -98,7 +99,10 @@ and ``kv_head`` for k, v:
 ``basis_vector``, ``d_model``, ``angle`` (principal angle index, ascending), ``bound`` ("low", "high"),
 ``claim`` ("orthogonal", "dependent", "independent"), ``head``, ``kv_head``; NaN pads ranks and angles
 that do not exist (and the diagonal factor == other). Noise draws: ``n_bootstrap`` sign flips of the
-corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``):
+corrected influences of ``bootstrap_groups`` groups of resampling units (``inference.py``; ``units.py``: documents
+chained across packed windows when the store has ``document``, else samples, or the values of ``group_by``).
+Every p-value and interval's description says the correction it enters or that it is uncorrected
+(``multiplicity.py``):
   n_classes, n_tokens (factor)           classes (the pooled one included) and tokens each factor is read on
   pooled_classes, pooled_tokens (factor) classes pooled into one beyond max_classes or held by one group
   label_nmi (factor, other)              normalised mutual information of the two labels on the tokens
@@ -138,7 +142,9 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
                                          only when the store holds weights (point estimates)
   attrs: site, factors, estimator, intercepts, classes ({factor: [values]}), fit (the fit's options),
   head_angles, relation_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
-  independence_deg, orthogonality_deg; each variable's ``description``
+  independence_deg, orthogonality_deg; group_by (the label tying samples into resampling units, "sample" for
+  one sample a unit), n_units, occupied_groups (groups holding a unit: fewer than bootstrap_groups when the
+  units are few, which is also logged); each variable's ``description``
 
 ``/spheres``; dims ``layer``, ``factor``, ``other``, ``bound``, ``sphere_claim`` ("on", "off"),
 ``class_index`` (a factor's classes, in the order of attrs classes):
@@ -153,10 +159,11 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
                                          adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
   sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
   class_radius (layer, factor, class_index)
-  cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   rms of
-                                         x_a . x_b of the two components' class points over their shared
-                                         tokens, over sqrt(mean |x_a|^2 mean |x_b|^2): 0 for orthogonal
-                                         subspaces; its interval, its null (orthogonal subspaces) and p-value
+  cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   RMS cosine
+                                         of the two components' class points over their shared tokens, each
+                                         token weighted by |x_a|^2 |x_b|^2: sqrt(mean (x_a . x_b)^2 / mean
+                                         |x_a|^2 |x_b|^2), in [0, 1], 0 for orthogonal subspaces; its
+                                         interval, its null (orthogonal subspaces) and p-value (uncorrected)
   min_angle, min_angle_estimate, min_angle_ci, relation   the departure from orthogonality, as in /subspaces
   attrs: site, factors, estimator, intercepts, classes, sphere_rule, fit, subspaces ("from the subspaces
   results" | "fitted here"), radius_cv_tolerance, confidence, significance, n_bootstrap

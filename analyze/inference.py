@@ -55,8 +55,8 @@ layer, so that the draws keep the correlation of factors read on the same tokens
   their radii squared). Their radius spread (coefficient of variation over classes, token-weighted)
   is inverted like the angles, over truths whose radii are spread t times as much (t = 0: a
   perfect sphere), with claims "on sphere" (H0 cv >= ``radius_cv_tolerance``) and "off sphere"
-  (H0 cv <= tolerance). The **cross term** of two factors, the mean over their shared tokens of
-  x_a . x_b between the class points of their components over the root of their mean squares (0
+  (H0 cv <= tolerance). The **cross term** of two factors, the RMS cosine between the class points of
+  their components over their shared tokens, each token weighted by |x_a|^2 |x_b|^2 (within [0, 1]; 0
   for orthogonal subspaces), has an interval from the draws around the fit (basic bootstrap) and a
   null from draws around orthogonal subspaces.
 """

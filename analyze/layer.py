@@ -387,18 +387,18 @@ def _pair_cross_terms(pair: PairFit, first: _Source, second: _Source, fitted: tu
 
 
 def _cross_term(points_a: np.ndarray, points_b: np.ndarray, cosines: np.ndarray, contingency: np.ndarray) -> np.ndarray:
-    """(draws,) root mean square of x_a . x_b over the tokens both factors read (contingency: tokens
-    per pair of classes) over the root of the product of the mean squares of |x_a|^2 and |x_b|^2 (a
-    mean cosine between the two components: 0 for orthogonal subspaces), from class points
-    (draws, k, r) and the cosines between the two bases (draws, r_a, r_b)."""
-    total = contingency.sum()
-    if total == 0:
+    """(draws,) the RMS cosine between the two components over the tokens both factors read, each token
+    weighted by |x_a|^2 |x_b|^2: sqrt(mean (x_a . x_b)^2 / mean |x_a|^2 |x_b|^2) (contingency: tokens per
+    pair of classes). Within [0, 1] (Cauchy-Schwarz, token by token), 0 for orthogonal subspaces, the
+    cosine itself when every token's is the same; from class points (draws, k, r) and the cosines between
+    the two bases (draws, r_a, r_b)."""
+    if contingency.sum() == 0:
         return np.full(len(points_a), np.nan)
     products = (points_a @ cosines) @ np.swapaxes(points_b, -1, -2)
-    mean = np.sqrt(np.einsum("nkl,kl->n", products**2, contingency) / total)
-    square_a = np.einsum("nkr,nkr->nk", points_a, points_a) @ contingency.sum(axis=1) / total
-    square_b = np.einsum("nkr,nkr->nk", points_b, points_b) @ contingency.sum(axis=0) / total
-    return mean / np.sqrt(np.maximum(square_a * square_b, np.finfo(float).tiny))
+    square_a = np.einsum("nkr,nkr->nk", points_a, points_a)
+    square_b = np.einsum("nkr,nkr->nk", points_b, points_b)
+    norms = np.einsum("nk,nl,kl->n", square_a, square_b, contingency)
+    return np.sqrt(np.einsum("nkl,kl->n", products**2, contingency) / np.maximum(norms, np.finfo(float).tiny))
 
 
 def _class_radii(view: FactorView, fit: FactorFit) -> None:

@@ -71,7 +71,8 @@ Definitions (every count below is over these instances and draws):
   bias is refused (no family does both).
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
   ``smooth_draws`` draws (2 by default, 2 at least), with its Monte Carlo standard error
-  (``*_mc_error``): samples draw independent noise, so each sample's sum over its instances varies
+  (``*_mc_error``: the error over noise draws only, of these samples; not a standard error over
+  documents or samples): samples draw independent noise, so each sample's sum over its instances varies
   between draws independently of the others', and the error is sqrt(sum over samples of that
   variance / smooth_draws) over the number of instances (n_samples (smooth_draws - 1) degrees of
   freedom: two draws state it well on a store of many samples).
@@ -84,8 +85,13 @@ Definitions (every count below is over these instances and draws):
   collapse, without interpolation: for collapse, the first level of the collapse-rate curve
   (``curve_level``: the swept levels and 64 levels an octave from a quarter of the lowest to the
   highest, 1.1 % apart) where its rate reaches the target; for strict collapse, the first swept
-  level. inf when the sweep never reaches it, NaN without sparse instances. Its confidence interval
-  comes from a seeded bootstrap over samples (per-sample counts resampled with replacement).
+  level. inf when the sweep never reaches it, NaN without sparse instances.
+- **Intervals** of the collapse levels, the pooled collapse rates and each condition's pooled recall
+  and precision: percentile intervals of one seeded cluster bootstrap over the resampling units
+  (``orthosphere.analyze.units``: documents, chained across packed windows, when the store has them;
+  else samples; ``group_by``): each resample draws units with replacement and weighs every sample as
+  often as its unit was drawn, so that the instances of one document move together. Every rate counts
+  (query, head, draw) instances: "1 % of sparse heads" is 1 % of the sparse instances over the draws.
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
 
@@ -109,9 +115,12 @@ sparse/all, max_attention_bin, bound = low/high):
   collapse_rate_pooled (definition, level) over layers and heads
   collapse_rate_curve (layer, curve_level), collapse_rate_curve_pooled (curve_level): collapse only
   collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
+  collapse_rate_pooled_ci (definition, level, bound); theory_recall_pooled_ci, theory_precision_pooled_ci,
+  exact_recall_pooled_ci, exact_precision_pooled_ci (level, bound): intervals from resampling units
   attrs: seed, n_draws, smooth_draws, distribution, targets, sparse_threshold, min_keys, collapse_target,
-  n_bootstrap, confidence, device (where the dense attention work ran: see ``orthosphere.analyze.device``),
-  attn_scale, causal, n_samples
+  n_bootstrap, confidence, group_by, n_units (the resampling units), resamples (n_bootstrap, or 0 where the
+  store holds a single unit: then every interval is NaN and a warning says why), device (where the dense
+  attention work ran: see ``orthosphere.analyze.device``), attn_scale, causal, n_samples
 
 Work is split per (layer, sample chunk, range of draws) into Dask tasks that return small
 partial sums (float64), reduced and computed once. This module never imports torch or the
@@ -130,7 +139,8 @@ from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
 from .attention import ScoreTerms, attention_inputs, attention_share
-from .inputs import FiniteCheck, check_layers
+from .inputs import FiniteCheck, check_layers, store_url
+from .multiplicity import state_multiplicity
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
 from .registry import Analysis
@@ -144,6 +154,7 @@ from .replay_blocks import (
     message_frame,
     replay_block,
 )
+from .units import GROUP_BY, GROUP_BY_HELP, Units, resampled, resampling_units
 
 DRAWS_PER_TASK = 32
 """Draws per Dask task: tasks are (layer, sample chunk, range of draws). The default number of draws,
@@ -164,8 +175,10 @@ class ReplayConfig(ReplaySettings):
 
     collapse_target: float = parameter(0.01, Interval(float, 0, 1, closed="neither", hint="a rate, e.g. 0.01 for 1 %"),
                                        help="the collapse rate whose level collapse_level reports")
-    n_bootstrap: int = parameter(1000, integer(0), help="bootstrap resamples of the samples for the collapse level's interval")
-    confidence: float = parameter(0.95, PROBABILITY, help="the confidence of that interval")
+    n_bootstrap: int = parameter(1000, integer(0), help="bootstrap resamples of the resampling units (documents) for "
+                                                        "the intervals of the collapse levels, rates, recall and precision")
+    confidence: float = parameter(0.95, PROBABILITY, help="the confidence of those intervals")
+    group_by: str | None = parameter(None, GROUP_BY, None, help=GROUP_BY_HELP)
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
     n_bins: int = parameter(20, integer(1, "histogram bins"), help="bins of the histogram of the largest attention")
 
@@ -182,6 +195,8 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     _check_score_terms(model, check_layers(ds, layers))
     with_messages = check_variables(ds, settings)
     layers = check_layers(ds, layers)
+    units = resampling_units(ds, config.group_by)
+    resamples = n_bootstrap if resampled(units, store_url(ds), "the replay's intervals are NaN") else 0
     finite = FiniteCheck(ds)
     for layer in layers:
         finite.reads(layer, *((name, layer) for name in (("q", "k", "v") if with_messages else ("q", "k"))))
@@ -190,16 +205,17 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     def finish(per_layer):
         finite.check({layer: sums.pop("nonfinite") for layer, sums in zip(layers, per_layer)})
         result = _assemble(per_layer, ds, layers, settings, n_bins)
-        _add_collapse_levels(result, per_layer, settings, collapse_target, n_bootstrap, confidence)
+        _add_collapse_levels(result, per_layer, settings, collapse_target, units, resamples, confidence)
         result.attrs.update({
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
             "min_keys": settings.min_keys, "smooth_draws": settings.smooth_draws, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
-            "confidence": confidence, "device": settings.device,
+            "confidence": confidence, "device": settings.device, "group_by": units.label, "n_units": units.n_units,
+            "resamples": resamples,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
-        return result
+        return state_multiplicity(result, "replay")
 
     return Plan(graphs, finish)
 
@@ -395,47 +411,62 @@ def level_at_rate(levels, rates: np.ndarray, target: float) -> np.ndarray:
     return np.where(np.isnan(rates).any(axis=-1), np.nan, level)
 
 
-def _add_collapse_levels(result, per_layer, settings, target, n_bootstrap, confidence) -> None:
-    """Per layer and pooled over layers: the level of ``target`` collapse rate and its bootstrap CI;
-    collapse on the fine curve of its critical levels, strict collapse on the swept levels."""
+def _add_collapse_levels(result, per_layer, settings, target, units: Units, n_bootstrap, confidence) -> None:
+    """Per layer and pooled over layers: the level of ``target`` collapse rate (collapse on the fine curve of
+    its critical levels, strict collapse on the swept levels); the pooled collapse rates and the conditions'
+    pooled recall and precision; each with its interval from one cluster bootstrap of the resampling units."""
     sparse = np.stack([part["sample_sparse"] for part in per_layer], axis=1) * settings.n_draws  # (sample, layer)
     curves = (np.stack([part["sample_curve"] for part in per_layer], axis=1),  # (sample, layer, curve level)
               np.stack([part["sample_collapses"][:, DEFINITIONS.index("strict")] for part in per_layer], axis=1))
+    collapses = np.stack([part["sample_collapses"] for part in per_layer], axis=1).sum(axis=1)  # (sample, def, level)
+    predictions = np.stack([part["sample_predictions"] for part in per_layer], axis=1).sum(axis=1)  # (sample, rule, count, level)
     grids = (settings.curve_levels, settings.levels)
 
-    def levels_for(weights):
-        """(replicate, def, layer) and (replicate, def) levels for sample weights (replicate, sample)."""
+    def statistics_for(weights):
+        """For sample weights (replicate, sample): the levels (replicate, def, layer) and (replicate, def),
+        the pooled collapse rates (replicate, def, level) and recall and precision (replicate, rule, level)."""
         den = weights @ sparse  # (replicate, layer)
         by_layer, pooled = [], []
         for grid, counts in zip(grids, curves):
             num = np.einsum("bs,slv->blv", weights, counts)
             by_layer.append(level_at_rate(grid, _rate(num, den[..., None]), target))
             pooled.append(level_at_rate(grid, _rate(num.sum(axis=1), den.sum(axis=1)[:, None]), target))
-        return np.stack(by_layer, axis=1), np.stack(pooled, axis=1)
+        measured = weights @ collapses[:, DEFINITIONS.index("collapse")]  # (replicate, level)
+        predicted, _, false_alarm = np.moveaxis(np.einsum("bs,srcv->brcv", weights, predictions), 2, 0)
+        hits = predicted - false_alarm
+        return (np.stack(by_layer, axis=1), np.stack(pooled, axis=1),
+                _rate(np.einsum("bs,sdv->bdv", weights, collapses), den.sum(axis=1)[:, None, None]),
+                _rate(hits, measured[:, None]), _rate(hits, predicted))
 
-    by_layer, pooled = levels_for(np.ones((1, sparse.shape[0])))
-    ci_layer, ci_pooled = _bootstrap_intervals(levels_for, sparse.shape[0], n_bootstrap, confidence, settings.seed,
-                                               (by_layer[0], pooled[0]))
+    points = [statistic[0] for statistic in statistics_for(np.ones((1, sparse.shape[0])))]
+    unit = np.unique(units.key, return_inverse=True)[1].ravel()
+    intervals = _bootstrap_intervals(statistics_for, unit, n_bootstrap, confidence, settings.seed, points)
+    by_layer, pooled = points[:2]
     result.coords["bound"] = _names(("low", "high"))
-    result["collapse_level"] = (("definition", "layer"), by_layer[0])
-    result["collapse_level_ci"] = (("definition", "layer", "bound"), ci_layer)
-    result["collapse_level_pooled"] = (("definition",), pooled[0])
-    result["collapse_level_pooled_ci"] = (("definition", "bound"), ci_pooled)
-    collapses = np.stack([part["sample_collapses"] for part in per_layer], axis=1)  # (sample, layer, def, level)
-    result["collapse_rate_pooled"] = (("definition", "level"), _rate(collapses.sum(axis=(0, 1)), sparse.sum()))
+    result["collapse_level"] = (("definition", "layer"), by_layer)
+    result["collapse_level_ci"] = (("definition", "layer", "bound"), intervals[0])
+    result["collapse_level_pooled"] = (("definition",), pooled)
+    result["collapse_level_pooled_ci"] = (("definition", "bound"), intervals[1])
+    result["collapse_rate_pooled"] = (("definition", "level"), points[2])
+    result["collapse_rate_pooled_ci"] = (("definition", "level", "bound"), intervals[2])
+    for r, rule in enumerate(PREDICTIONS):
+        for measure, interval in (("recall", intervals[3]), ("precision", intervals[4])):
+            result[f"{rule}_{measure}_pooled_ci"] = (("level", "bound"), interval[r])
     result["collapse_rate_curve"] = (("layer", "curve_level"), _rate(curves[0].sum(axis=0), sparse.sum(axis=0)[:, None]))
     result["collapse_rate_curve_pooled"] = (("curve_level",), _rate(curves[0].sum(axis=(0, 1)), sparse.sum()))
 
 
-def _bootstrap_intervals(levels_for, n_samples, n_bootstrap, confidence, seed, points) -> list[np.ndarray]:
-    """(..., bound) percentile intervals of each output of levels_for(weights) over one set of
-    resampled samples (NaN without resamples); inf bounds mean the resamples' curves stay below
-    the target."""
+def _bootstrap_intervals(statistics_for, unit: np.ndarray, n_bootstrap, confidence, seed, points) -> list[np.ndarray]:
+    """(..., bound) percentile intervals of each output of statistics_for(weights) over one set of
+    resamples of the units (a cluster bootstrap: `unit` (sample,) numbers each sample's unit, and a
+    sample weighs as often as its unit was drawn; NaN without resamples); inf bounds of a level mean
+    the resamples' curves stay below the target."""
     if n_bootstrap == 0:
         return [np.full(point.shape + (2,), np.nan) for point in points]
     rng = np.random.default_rng(seed)
+    n_units = int(unit.max()) + 1
     batches = [min(100, n_bootstrap - start) for start in range(0, n_bootstrap, 100)]
-    outputs = [levels_for(rng.multinomial(n_samples, np.full(n_samples, 1.0 / n_samples), size=size).astype(float))
+    outputs = [statistics_for(rng.multinomial(n_units, np.full(n_units, 1.0 / n_units), size=size)[:, unit].astype(float))
                for size in batches]
     tails = [(1 - confidence) / 2, (1 + confidence) / 2]
     with warnings.catch_warnings():

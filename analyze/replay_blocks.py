@@ -391,6 +391,7 @@ def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: Rep
         "sample_sparse": once * sparse.sum(axis=(1, 2)),
         "sample_collapses": np.zeros((n_samples, len(DEFINITIONS), n_levels)),
         "sample_curve": np.zeros((n_samples, len(settings.curve_levels))),
+        "sample_predictions": np.zeros((n_samples, len(PREDICTIONS), len(PREDICTION_COUNTS), n_levels)),
     }
     smooth = ("tv", "output_change_sq") if block.messages is not None else ("tv",)
     for name in smooth:  # per sample, over the task's smooth draws: the sum and the sum of squares
@@ -488,10 +489,11 @@ class SparseRows:
         for d, indicator in enumerate((measured, strict)):
             sums["collapses"][d] += self._per_head(indicator)
             sums["sample_collapses"][:, d] += self.of_sample @ indicator
-        for rule in PREDICTIONS:
+        for r, rule in enumerate(PREDICTIONS):
             guessed = predicted[rule]
-            for count, indicator in zip(PREDICTION_COUNTS, (guessed, measured & ~guessed, guessed & ~measured)):
+            for c, (count, indicator) in enumerate(zip(PREDICTION_COUNTS, (guessed, measured & ~guessed, guessed & ~measured))):
                 sums[f"{rule}_{count}"] += self._per_head(indicator)
+                sums["sample_predictions"][:, r, c] += self.of_sample @ indicator
 
     def _strict(self, group: RowGroup, measured: np.ndarray, u_query: np.ndarray, u_key: np.ndarray) -> np.ndarray:
         """(row, level) collapses of a group's rows whose new arg-max holds >= the sparse threshold:

@@ -15,9 +15,10 @@ fit's noise draws (``inference``):
   "undetermined" otherwise, "no structure" without a subspace);
 - **departure from orthogonality** of each pair: the smallest principal angle of the two fitted
   subspaces, with its noise-corrected estimate and interval (as in ``/subspaces``);
-- **cross term** of each pair: the root mean square of x_a . x_b between the class points of the
-  two components over the tokens both factors read, over the root of the product of their mean
-  |x_a|^2 and |x_b|^2 (a mean cosine between the components: 0 for orthogonal subspaces), with an
+- **cross term** of each pair: the RMS cosine between the class points of the two components over
+  the tokens both factors read, each token weighted by |x_a|^2 |x_b|^2, i.e.
+  sqrt(mean (x_a . x_b)^2 / mean |x_a|^2 |x_b|^2): within [0, 1] whatever the norms do (a ratio of
+  the two means' roots would exceed 1 where the norms correlate), 0 for orthogonal subspaces, with an
   interval and its null (draws around orthogonal subspaces).
 
 The spheres need no pass over the store of their own: they read the fit of the subspaces (given,
@@ -30,6 +31,7 @@ import xarray as xr
 
 from .errors import AnalysisError
 from .inference import SPHERE_CLAIMS, benjamini_hochberg
+from .multiplicity import state_multiplicity
 from .options import as_attrs
 from .plan import Plan
 from .registry import Analysis
@@ -137,7 +139,7 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
         result[name].attrs["description"] = description
-    return result
+    return state_multiplicity(result, "spheres")
 
 
 def directional_q(claim_p: np.ndarray) -> np.ndarray:
@@ -171,8 +173,9 @@ DESCRIPTIONS = {
     "sphere_claim_q": "the p-value of the claim on the side of the measurement (the smaller) adjusted for the "
                       "false-discovery rate over every layer and factor (Benjamini-Hochberg); NaN for the other claim",
     "class_radius": "norm of each class point (classes in the order of attrs classes)",
-    "cross_term": "root mean square of x_a . x_b of the class points of two components over the tokens both read, over "
-                  "the root of the product of their mean squares: 0 for orthogonal subspaces",
+    "cross_term": "RMS cosine between the class points of two components over the tokens both read, each token "
+                  "weighted by |x_a|^2 |x_b|^2: sqrt(mean (x_a . x_b)^2 / mean |x_a|^2 |x_b|^2), within [0, 1], 0 for "
+                  "orthogonal subspaces",
     "cross_term_ci": "basic bootstrap interval of the cross term (draws around the fit)",
     "cross_term_null_ci": "central 1 - significance range of the cross term when the subspaces are orthogonal",
     "cross_term_p": "p-value of 'the subspaces are orthogonal' from the cross term (draws around orthogonal subspaces)",

@@ -20,8 +20,9 @@ same whatever the vocabulary or context. Classes whose tokens all lie in one gro
 pooled too (their noise could not be resampled).
 
 Every statistic is judged against noise draws: the groups' corrected influences with random signs
-(``bootstrap_groups`` seeded groups of samples, so tokens of one sequence, which are not
-independent, stay together; ``design.py`` for the correction, ``inference.py`` for the methods):
+(``bootstrap_groups`` seeded groups of resampling units, so tokens of one document, which are not
+independent, stay together: ``units.py``; ``design.py`` for the correction, ``inference.py`` for the
+methods):
 
 - ``structure_p`` (``n_null`` draws): does the factor show more than noise;
 - the rank, and each pair's angles with median-unbiased estimates and ``confidence`` intervals
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import dask
+import dask.array as da
 import numpy as np
 import xarray as xr
 from scipy import sparse
@@ -64,15 +66,16 @@ from .inputs import (
     check_layers,
     layer_data,
     require_site,
-    sample_values,
     square_norms,
     store_url,
     token_mask,
 )
 from .layer import DrawSettings, LayerFit, fit_layer
+from .multiplicity import state_multiplicity
 from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
+from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, unit_groups, warn_fewer_units_than_groups
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -81,14 +84,6 @@ NULL_DRAWS = 9999
 """The structure test's draws unless the false-discovery correction needs more (each costs groups^2)."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
-def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
-    """A seeded hash (splitmix64) of each sample index into one of n_groups groups."""
-    z = (np.uint64(seed) << np.uint64(32)) ^ np.asarray(samples).astype(np.uint64)
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return (z % np.uint64(n_groups)).astype("int64")
 
 
 def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
@@ -162,6 +157,7 @@ class SubspacesConfig(AnalysisConfig):
                                         help="none keeps every class")
     n_bootstrap: int = parameter(200, integer(0), help="noise draws of the ranks, intervals, claims and spheres")
     bootstrap_groups: int = parameter(32, integer(2), help="groups of samples the draws resample")
+    group_by: str | None = parameter(None, GROUP_BY, None, help=GROUP_BY_HELP)
     confidence: float = parameter(0.9, PROBABILITY, help="the intervals' confidence")
     n_null: int | None = parameter(None, integer(0), None, help="draws of the structure test (default: enough for "
                                                                "the correction)")
@@ -235,7 +231,8 @@ class FactorSubspaces:
         """The parameters that fix the fit, as fitted (layers and factors resolved)."""
         options = self.config.as_dict()
         if hasattr(self, "layers_"):
-            options.update(layers=list(self.layers_), factors=list(self.factors_), intercepts=self.intercepts_)
+            options.update(layers=list(self.layers_), factors=list(self.factors_), intercepts=self.intercepts_,
+                           group_by=self.units_.label)
         return as_attrs(options)
 
     def fit(self, dataset: xr.Dataset) -> FactorSubspaces:
@@ -253,7 +250,11 @@ class FactorSubspaces:
         url = store_url(dataset)
         mask = token_mask(dataset, self.exclude_start)
         n_groups = self.bootstrap_groups if (self.n_bootstrap or self.n_null_) else 1
-        groups = sample_values(dataset, mask).map_blocks(bootstrap_group, self.seed, n_groups, dtype="int64")
+        units = resampling_units(dataset, self.group_by)
+        if n_groups > 1:
+            check_units(units, url)
+            warn_fewer_units_than_groups(units, self.seed, n_groups, url)
+        groups = da.from_array(unit_groups(units, self.seed, n_groups), chunks=(mask.chunks[0],))
         intercepts = parse_intercepts(dataset, self.intercepts, factors)
         discovery = discover_classes(dataset, factors, mask, self.max_classes, groups, n_groups, intercepts)
         classes = discovery.classes
@@ -281,7 +282,8 @@ class FactorSubspaces:
         def finish(computed):
             finite.check({layer: nonfinite for layer, (nonfinite, _) in computed.items()})
             self.site_, self.layers_, self.factors_, self.intercepts_ = self.site, layers, names, intercepts
-            self.classes_, self.design_ = classes, design
+            self.classes_, self.design_, self.units_ = classes, design, units
+            self.resampling_ = units.attrs(self.seed, n_groups)
             self.n_tokens_ = {name: int(classes[name].counts.sum()) for name in names}
             self.fits_ = {layer: fit for layer, (_, fit) in computed.items()}
             self.has_weights_ = bool(heads)
@@ -553,13 +555,14 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "fit": fitted.fit_options,
         "relation_rule": RELATION_RULE,
         "n_null": fitted.n_null_,
+        **fitted.resampling_,
         **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "significance",
                                                     "seed", "independence_deg", "orthogonality_deg")},
     }
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
         result[name].attrs["description"] = description
-    return result
+    return state_multiplicity(result, "subspaces")
 
 
 DESCRIPTIONS = {

@@ -6,7 +6,7 @@ import pytest
 
 from orthosphere.analyze import AnalysisError, factor_subspaces, open_for_analysis
 from orthosphere.analyze.geometry import principal_angles
-from orthosphere.analyze.subspaces import bootstrap_group
+from orthosphere.analyze.units import bootstrap_group
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
 
 PLANTED_ANGLES = (0.0, 30.0, 60.0, 90.0)

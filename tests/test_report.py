@@ -148,7 +148,8 @@ def test_headline_gives_mean_and_spread_over_seeds_and_judges_the_direction():
 def test_headline_gives_theorem_7s_recall_and_precision_at_10_percent_noise_where_swept():
     runs = runs_of({"pre": [0.9, 0.8], "qkv": [0.7, 0.75]}, recall=0.9, precision=0.75)
     rows = {row[0]: row[1:] for row in report.headline_rows(runs)}
-    theorem = "Pre-Norm / QKV-Norm: Theorem 7's first-order condition at 10 % noise, layers and heads pooled: "
+    theorem = ("Pre-Norm / QKV-Norm: Theorem 7's first-order condition at 10 % noise, (query, head, draw) instances "
+               "of every layer and head pooled: ")
     assert rows[theorem + "recall (share of the measured collapses it predicted)"][0] == (
         "90.0 % [90.0–90.0] / 90.0 % [90.0–90.0]")
     assert rows[theorem + "precision (share of its predicted collapses that happened)"] == (
@@ -156,6 +157,24 @@ def test_headline_gives_theorem_7s_recall_and_precision_at_10_percent_noise_wher
     for run in runs:  # a replay that did not sweep 10 %: no row
         run.tree["replay"] = xr.DataTree(run.tree["replay"].to_dataset().isel(level=[0]))
     assert not [row for row in report.headline_rows(runs) if "Theorem 7" in row[0]]
+
+
+def test_one_seeds_headline_gives_its_interval_from_resampling_documents():
+    runs = runs_of({"pre": [0.9], "qkv": [0.7]})
+    for run in runs:
+        replay = run.tree["replay"].to_dataset()
+        replay["collapse_level_pooled_ci"] = (("definition", "bound"), [[0.09, 0.115], [0.18, np.inf]])
+        replay["theory_recall_pooled_ci"] = (("level", "bound"), [[np.nan, np.nan], [0.85, 0.95]])
+        replay.attrs["confidence"] = 0.95
+        run.tree["replay"] = xr.DataTree(replay)
+    rows = {row[0]: row[1] for row in report.headline_rows(runs)}
+    collapse = "noise RMS at which 1 % of sparse (query, head) instances collapse, counted over instances and noise draws"
+    assert rows[f"Pre-Norm / QKV-Norm: {collapse}"] == " / ".join(
+        ["10.0 % (95 % interval 9.0 %–11.5 %, documents resampled)"] * 2)
+    strict = [value for key, value in rows.items() if "strictly collapse" in key]
+    assert strict == [" / ".join(["20.0 % (95 % interval 18.0 %–beyond the noise tested, documents resampled)"] * 2)]
+    recall = [value for key, value in rows.items() if "Theorem 7" in key and "recall" in key]
+    assert recall == [" / ".join(["90.0 % (95 % interval 85.0 %–95.0 %, documents resampled)"] * 2)]
 
 
 def test_the_norm_spread_figure_gives_each_layers_band_and_the_pooled_one():

@@ -105,7 +105,7 @@ def test_pipeline_writes_stores_results_and_report(tiny_run):
     markdown = (out / "report" / "report.md").read_text()
     assert "| Pre-Norm / QKV-Norm: per-token accuracy, test |" in markdown
     assert "n/a (needs both placements)" in markdown
-    assert "noise RMS at which 1 % of sparse heads collapse" in markdown
+    assert "noise RMS at which 1 % of sparse (query, head) instances collapse" in markdown
     assert "store" in markdown and "pre-test.zarr" in markdown
     assert "online" in tree["replay"].children
     assert "accuracy drop with 1 % noise in all layers" in markdown

@@ -166,7 +166,7 @@ def figure_spheres(runs: list[Run]):
                             marker="o", label=f"{first} / {second}")
             null_low, null_high = pair.cross_term_null_ci.values.T
             bottom.fill_between(spheres.layer.values, null_low, null_high, color=f"C{number}", alpha=0.15)
-        bottom.set(title="cross term (rms cosine of the components)", xlabel="layer", ylim=(0, None),
+        bottom.set(title="cross term (RMS cosine of the components, norm-weighted)", xlabel="layer", ylim=(0, None),
                    xticks=spheres.layer.values)
         bottom.legend(fontsize=6)
     shown = ", ".join(f"{marker} {name}" for name, marker in SPHERE_MARKERS.items())
@@ -205,7 +205,7 @@ def figure_collapse(runs: list[Run]):
         axis.legend(fontsize=7)
     if without:
         axis.text(0.02, 0.95, f"no sparse heads: {', '.join(without)}", transform=axis.transAxes, va="top")
-    axis.set(xlabel="noise RMS (%)", ylabel="sparse heads collapsed (%)",
+    axis.set(xlabel="noise RMS (%)", ylabel="sparse (query, head, draw) instances collapsed (%)",
              title="Circuit collapse under norm noise (one layer at a time)")
     return figure
 

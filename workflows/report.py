@@ -126,6 +126,22 @@ def _collapse_level(definition: str):
     return measure
 
 
+def _collapse_level_interval(definition: str):
+    """The pooled collapse level's interval from resampling documents (None where the replay has none)."""
+    def interval(run: Run) -> tuple[float, float, float] | None:
+        replay = run.group("replay")
+        if replay is None or "collapse_level_pooled_ci" not in replay:
+            return None
+        return _replay_interval(replay, replay.collapse_level_pooled_ci.sel(definition=definition))
+    return interval
+
+
+def _replay_interval(replay, bounds) -> tuple[float, float, float] | None:
+    """(low, high, confidence) of a replay interval; None where it was not computed (no resamples)."""
+    low, high = (float(value) for value in bounds.values)
+    return None if np.isnan(low) or np.isnan(high) else (low, high, float(replay.attrs["confidence"]))
+
+
 def _sparse_share(run: Run) -> float | None:
     """Share of (query, head) instances whose max attention is at least the sparse threshold."""
     replay = run.group("replay")
@@ -151,6 +167,17 @@ def _theory(measure: str):
     return value
 
 
+def _theory_interval(measure: str):
+    """The interval of ``_theory(measure)`` from resampling documents (None where the replay has none)."""
+    def interval(run: Run) -> tuple[float, float, float] | None:
+        replay = run.group("replay")
+        name = f"theory_{measure}_pooled_ci"
+        if replay is None or name not in replay or THEORY_LEVEL not in replay.level.values:
+            return None
+        return _replay_interval(replay, replay[name].sel(level=THEORY_LEVEL))
+    return interval
+
+
 def _online_drop(run: Run) -> float | None:
     """The online check's accuracy drop at 1 % noise in all layers, on the model's test data."""
     online = run.group("replay/online")
@@ -162,19 +189,32 @@ def _online_drop(run: Run) -> float | None:
 HEADLINE = (
     ("half-width of the band holding 90 % of |x| / median (each head's ratios to its own median, "
      "attention-weighted, pooled over layers and heads)",
-     _band, "±20 % / much wider", -1),
-    ("noise RMS at which 1 % of sparse heads collapse", _collapse_level("collapse"), "11 % (Pre-Norm)", 0),
-    ("noise RMS at which 1 % of sparse heads strictly collapse", _collapse_level("strict"), "17 % (Pre-Norm)", 0),
-    ("per-token accuracy drop with 1 % noise in all layers (online check)", _online_drop, "≳10 % (Pre-Norm)", 0),
+     _band, "±20 % / much wider", -1, None),
+    ("noise RMS at which 1 % of sparse (query, head) instances collapse, counted over instances and noise draws",
+     _collapse_level("collapse"), "11 % (Pre-Norm)", 0, _collapse_level_interval("collapse")),
+    ("noise RMS at which 1 % of sparse (query, head) instances strictly collapse, counted over instances and noise "
+     "draws", _collapse_level("strict"), "17 % (Pre-Norm)", 0, _collapse_level_interval("strict")),
+    ("per-token accuracy drop with 1 % noise in all layers (online check)", _online_drop, "≳10 % (Pre-Norm)", 0, None),
     ("share of queries and heads with max attention ≥ 0.95 (sparse), among queries with at least the replay's "
-     "min_keys allowed keys", _sparse_share, "peaks at 1 / does not", 1),
-    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, layers and heads pooled: recall "
-     "(share of the measured collapses it predicted)", _theory("recall"), "—", 0),
-    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, layers and heads pooled: precision "
-     "(share of its predicted collapses that happened)", _theory("precision"), "—", 0),
+     "min_keys allowed keys", _sparse_share, "peaks at 1 / does not", 1, None),
+    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, (query, head, draw) instances of every "
+     "layer and head pooled: recall (share of the measured collapses it predicted)", _theory("recall"), "—", 0,
+     _theory_interval("recall")),
+    (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, (query, head, draw) instances of every "
+     "layer and head pooled: precision (share of its predicted collapses that happened)", _theory("precision"), "—", 0,
+     _theory_interval("precision")),
 )
 """(quantity, measure of one model's in-distribution run, the paper's figure, the paper's
-direction: +1 Pre-Norm above QKV-Norm, -1 below, 0 no comparison)."""
+direction: +1 Pre-Norm above QKV-Norm, -1 below, 0 no comparison, the measure's interval within one
+run (from resampling documents) or None)."""
+
+
+def _with_interval(text: str, interval: tuple[float, float, float] | None) -> str:
+    """One run's value with its interval from resampling the run's documents (its samples where it has none)."""
+    if interval is None:
+        return text
+    low, high = ("beyond the noise tested" if np.isinf(bound) else f"{bound * 100:.1f} %" for bound in interval[:2])
+    return f"{text} ({interval[2] * 100:g} % interval {low}–{high}, documents resampled)"
 
 
 def headline_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
@@ -186,10 +226,12 @@ def headline_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
     for family in found:
         pre, qkv = family.get("pre", []), family.get("qkv", [])
         prefix = f"{model_size((pre or qkv)[0].model)}: " if len(found) > 1 else ""
-        for quantity, measure, paper, direction in HEADLINE:
+        for quantity, measure, paper, direction, interval in HEADLINE:
             values = [[measure(run) for run in members] for members in (pre, qkv)]
             if any(v is not None for v in values[0] + values[1]):
-                rows.append((f"{prefix}Pre-Norm / QKV-Norm: {quantity}", " / ".join(_spread(v) for v in values),
+                shown = [_with_interval(_spread(v), interval(members[0]) if interval and len(members) == 1 else None)
+                         for v, members in zip(values, (pre, qkv))]
+                rows.append((f"{prefix}Pre-Norm / QKV-Norm: {quantity}", " / ".join(shown),
                              paper, direction_verdict(*values, direction)))
         for split in SPLIT_ORDER:
             values = [[accuracy.get(run.name, {}).get(split, np.nan) / 100 for run in members] for members in (pre, qkv)]
@@ -283,7 +325,8 @@ def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
     return out_dir
 
 
-HEADLINE_COLUMNS = ("quantity", "here: mean [min–max] over seeds", "paper", "paper's direction beyond the seed spread?")
+HEADLINE_COLUMNS = ("quantity", "here: mean [min–max] over seeds (one seed: its value and its interval within the run)",
+                    "paper", "paper's direction beyond the seed spread?")
 
 
 def _markdown(title, rows, figures, provenance, made) -> str:
