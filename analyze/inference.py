@@ -336,12 +336,25 @@ def denoised(weighted: np.ndarray, rank: int, gram: np.ndarray, along: np.ndarra
     every entry, a = s2 k and b = s2 d), so s^2 = (y^2 - a - b + sqrt((y^2 - a - b)^2 - 4ab)) / 2.
     gram: the draws' N N' (draws, k, k); along: N V (draws, k, p), V the right singular vectors."""
     left, singular, right_t = np.linalg.svd(weighted, full_matrices=False)
-    left, singular, right_t = left[:, :rank], singular[:rank], right_t[:rank]
-    right_energy = np.mean(np.sum(along[..., :rank] ** 2, axis=1), axis=0)
+    shrunk = shrunk_variances(left[:, :rank], singular[:rank], gram, along[..., :rank])
+    return (left[:, :rank] * np.sqrt(shrunk)) @ right_t[:rank]
+
+
+def shrunk_variances(left: np.ndarray, singular: np.ndarray, gram: np.ndarray, along: np.ndarray) -> np.ndarray:
+    """Each direction's squared singular value s^2 without the noise that inflates it (see ``denoised``),
+    from its left singular vectors (k, p), singular values (p,), the draws' N N' (draws, k, k) and N V
+    (draws, k, p)."""
+    right_energy = np.mean(np.sum(along**2, axis=1), axis=0)
     left_energy = np.einsum("kr,kl,lr->r", left, gram.mean(axis=0), left)
     excess = singular**2 - right_energy - left_energy
-    shrunk = (excess + np.sqrt(np.maximum(excess**2 - 4 * right_energy * left_energy, 0.0))) / 2
-    return (left * np.sqrt(np.maximum(shrunk, 0.0))) @ right_t
+    return np.maximum((excess + np.sqrt(np.maximum(excess**2 - 4 * right_energy * left_energy, 0.0))) / 2, 0.0)
+
+
+def relevant_rank(shares: np.ndarray, floor: float) -> int:
+    """The number of leading directions whose share of their factor's between-class variance reaches
+    the relevance floor (the first one below it ends the count)."""
+    below = np.flatnonzero(~(shares >= floor))
+    return int(below[0]) if below.size else len(shares)
 
 
 def turned(rows: np.ndarray, basis: np.ndarray, other: np.ndarray, target: np.ndarray) -> np.ndarray:

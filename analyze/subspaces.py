@@ -70,7 +70,7 @@ from .inputs import (
     token_mask,
 )
 from .layer import DrawSettings, LayerFit, fit_layer
-from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
+from .options import FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
 
@@ -79,6 +79,9 @@ log = logging.getLogger("orthosphere.analyze")
 BOUNDS = ("low", "high")
 NULL_DRAWS = 9999
 """The structure test's draws unless the false-discovery correction needs more (each costs groups^2)."""
+RELEVANCE_FLOOR = 0.01
+"""The default relevance floor: a direction carrying less than 1 % of its factor's between-class variance
+is not part of the factor's subspace, however significant (with 10^5 tokens and more every direction is)."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
 def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
@@ -157,6 +160,8 @@ class SubspacesConfig(AnalysisConfig):
                                             "factors.default_intercepts)")
     rank: int | None = parameter(None, integer(1), None, help="a fixed rank (default: the noise-aware rank)")
     rank_significance: float = parameter(0.01, PROBABILITY, help="each step of the noise-aware rank's test")
+    relevance_floor: float = parameter(RELEVANCE_FLOOR, FLOOR, help="share of its factor's between-class variance "
+                                       "below which a significant direction does not count in the rank")
     max_classes: int | None = parameter(64, integer(2, "the most classes a factor keeps (its rarest classes beyond "
                                                      "that are pooled into one)"), None,
                                         help="none keeps every class")
@@ -326,7 +331,8 @@ class FactorSubspaces:
         draws = rademacher(rng, self.n_bootstrap, n_groups)
         null = rademacher(rng, self.n_null_, n_groups)
         return DrawSettings(self.rank, null, draws, self.confidence, self.significance, self.rank_significance,
-                            90.0 - self.orthogonality_deg, self.independence_deg, self.radius_cv_tolerance)
+                            self.relevance_floor, 90.0 - self.orthogonality_deg, self.independence_deg,
+                            self.radius_cv_tolerance)
 
     def bases(self, layer: int) -> list[np.ndarray]:
         """Each factor's orthonormal basis (d_model, rank) at a fitted layer, in the order of factors_."""
@@ -339,7 +345,8 @@ class FactorSubspaces:
 
 def _fit_layer_of_design(vector, design: Design, **kwargs) -> LayerFit:
     return fit_layer(vector, counts=design.counts, layout=design.layout, solution=design.solution,
-                     traces=design.traces, **kwargs)
+                     traces=design.traces, radial=[design.classes[name].sphere_classes for name in design.layout.names],
+                     **kwargs)
 
 
 def label_association(counts: Counts, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -414,6 +421,13 @@ def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, si
     return relation.astype(object)
 
 
+RANK_RULE = (
+    "a fixed rank is the rank; else the structure test decides whether a factor has a subspace (subspace_rank 0 "
+    "when structure_q > significance) and the significant directions (significance_rank) how many, counted while "
+    "each carries at least relevance_floor of the factor's between-class variance (variance_share); the angles, "
+    "claims, head angles and bases of a factor of rank 0 are NaN"
+)
+
 RELATION_RULE = (
     "no structure: either factor has rank 0 or its structure_q > significance; else the claim whose "
     "claim_q <= significance (Benjamini-Hochberg over every claim of the run): orthogonal (every principal "
@@ -466,6 +480,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     shape = (n_layers, n_factors)
     singular, explained = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
     noise_singular = np.full(shape + (n_components,), np.nan)
+    share, site_share = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
+    significance_rank = np.full(shape, np.nan)
     basis = np.full(shape + (fitted.d_model_, max_rank), np.nan)
     pairs, null_angles, heads = {}, {}, {"q": {}, "k": {}}
     for i, layer in enumerate(layers):
@@ -474,6 +490,11 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
             variance = factor.singular**2
             singular[i, a, : len(variance)] = factor.singular
             noise_singular[i, a, : len(factor.noise_singular)] = factor.noise_singular
+            if factor.significance_rank is not None:
+                significance_rank[i, a] = factor.significance_rank
+                share[i, a, : len(variance)] = factor.variance_share
+                if factor.site_variance > 0:
+                    site_share[i, a, : len(variance)] = factor.signal_variance / factor.site_variance
             if variance.sum() > 0:
                 explained[i, a, : len(variance)] = np.cumsum(variance) / variance.sum()
             basis[i, a, :, : factor.rank] = factor.basis
@@ -481,6 +502,14 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         null_angles.update({(i, a, b): value for (a, b), value in fit.null_angles.items()})
         for (kind, a, h), value in fit.head_angles.items():
             heads[kind][i, a, h] = value
+    structure_p = np.array([[factor.structure_p for factor in fits[layer].factors] for layer in layers])
+    structure_q = benjamini_hochberg(structure_p)
+    rank = np.array([fits[layer].rank for layer in layers], dtype="int64")
+    if fitted.rank is None:  # the structure test decides whether there is a subspace: see RANK_RULE
+        rank = np.where(structure_q > fitted.significance, 0, rank)
+    structured = rank > 0
+    both = structured[:, :, None] & structured[:, None, :]
+    basis[~structured] = np.nan
     pair_shape = shape + (n_factors,)
     angles = _padded(_symmetric(pairs, pair_shape, "angles"), pair_shape, max_rank)
     estimate = _padded(_symmetric(pairs, pair_shape, "estimate"), pair_shape, max_rank)
@@ -488,15 +517,15 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     claim_p = np.full(pair_shape + (len(CLAIMS),), np.nan)
     for index, value in _symmetric(pairs, pair_shape, "claim_p").items():
         claim_p[index] = value
+    for values in (angles, estimate, extremes_ci, claim_p):
+        values[~both] = np.nan
     upper = np.triu(np.ones((n_factors, n_factors), bool), 1)[None, :, :, None] & np.isfinite(claim_p)
     claim_q = np.full(claim_p.shape, np.nan)
     claim_q[upper] = benjamini_hochberg(claim_p[upper])
     claim_q = np.fmin(claim_q, np.swapaxes(claim_q, 1, 2))
     null_median = _padded({index: value[0] for index, value in null_angles.items()}, pair_shape, max_rank)
     null_ci = _padded({index: value[1] for index, value in null_angles.items()}, pair_shape, max_rank, 2)
-    structure_p = np.array([[factor.structure_p for factor in fits[layer].factors] for layer in layers])
-    structure_q = benjamini_hochberg(structure_p)
-    rank = np.array([fits[layer].rank for layer in layers], dtype="int64")
+    null_median[~both], null_ci[~both] = np.nan, np.nan
     relation = relations(rank, structure_q, claim_q, fitted.significance)
     fd, pair = ("layer", "factor"), ("layer", "factor", "other")
     solution = design.solution
@@ -510,6 +539,9 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "variance_inflation": (("factor",), solution.variance_inflation if solution else np.full(n_factors, np.nan)),
         "condition_number": ((), solution.condition if solution else np.nan),
         "subspace_rank": (fd, rank),
+        "significance_rank": (fd, significance_rank),
+        "variance_share": (fd + ("component",), share),
+        "site_variance_share": (fd + ("component",), site_share),
         "singular_value": (fd + ("component",), singular),
         "noise_singular_value": (fd + ("component",), noise_singular),
         "explained": (fd + ("component",), explained),
@@ -525,7 +557,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "max_angle": (pair, _largest(angles)),
         "max_angle_estimate": (pair, _largest(estimate)),
         "max_angle_ci": (pair + ("bound",), extremes_ci[..., 1, :]),
-        "overlap": (pair, _overlap(_symmetric(pairs, pair_shape, "angles"), pair_shape)),
+        "overlap": (pair, np.where(both, _overlap(_symmetric(pairs, pair_shape, "angles"), pair_shape), np.nan)),
         "null_angles": (pair + ("angle",), null_median),
         "null_angles_ci": (pair + ("angle", "bound"), null_ci),
         "null_min_angle": (pair, null_median[..., 0]),
@@ -538,6 +570,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         for kind, head_dim in (("q", "head"), ("k", "kv_head")):
             table = _padded(heads[kind], shape + (len(fitted.heads_[kind]),), max_rank)
             head_overlap = _overlap(heads[kind], shape + (len(fitted.heads_[kind]),))
+            table[~structured], head_overlap[~structured] = np.nan, np.nan
             data.update({
                 f"{kind}_angles": (fd + (head_dim, "angle"), table),
                 f"{kind}_min_angle": (fd + (head_dim,), table[..., 0]),
@@ -552,9 +585,10 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "head_angles": "computed from w_q, w_k" if fitted.has_weights_ else "not computed: the store has no weights",
         "fit": fitted.fit_options,
         "relation_rule": RELATION_RULE,
+        "rank_rule": RANK_RULE,
         "n_null": fitted.n_null_,
         **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "significance",
-                                                    "seed", "independence_deg", "orthogonality_deg")},
+                                                    "seed", "independence_deg", "orthogonality_deg", "relevance_floor")},
     }
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
@@ -563,8 +597,16 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
 
 
 DESCRIPTIONS = {
-    "subspace_rank": "directions of the factor's effects standing above noise (deflated parallel analysis, each step "
-                     "at rank_significance), or the fixed rank",
+    "subspace_rank": "the rank that decides the factor's basis, angles, claims and spheres (attrs rank_rule): the "
+                     "fixed rank, or the significant directions reaching the relevance floor, 0 when the structure "
+                     "test is not shown",
+    "significance_rank": "directions of the factor's effects standing above noise (deflated parallel analysis, each "
+                         "step at rank_significance), before the relevance floor; NaN without noise draws",
+    "variance_share": "each direction's share of the factor's between-class variance: its squared singular value "
+                      "without the noise's inflation (inference.shrunk_variances) over that of the significant "
+                      "directions together",
+    "site_variance_share": "each direction's noise-corrected variance as a share of the site's total variance over the "
+                           "factor's tokens",
     "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the noise draws' largest "
                             "singular value with the leading directions before it projected out",
     "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
