@@ -74,3 +74,69 @@ def test_a_relevance_floor_of_zero_keeps_every_significant_direction(rounded):
 def test_a_relevance_floor_outside_zero_to_one_is_refused(rounded, floor):
     with pytest.raises(AnalysisError, match=rf"relevance_floor={floor!r}: expected a share in \[0, 1\)"):
         factor_subspaces(rounded, factors=["alpha"], relevance_floor=floor)
+
+
+def test_a_factor_whose_structure_is_not_shown_has_no_subspace(tmp_path):
+    """One direction of a 64-class factor, strong enough for the rank's test (which compares it with the
+    noise's largest direction) but not for the structure test (which adds the noise of all 63): the
+    structure test decides, so that no factor reads "no structure" and a subspace at once."""
+    rng = np.random.default_rng(11)
+    n_samples, n_pos, d, n_layers = 320, 21, 32, 6
+    n_tokens = n_samples * (n_pos - 1)
+    classes = rng.permutation(np.arange(n_tokens) % 64)
+    direction = random_basis(d, 1, rng)[:, 0]
+    effects = rng.normal(size=64)
+    effects *= 12.0 / np.sqrt(100 * np.sum((effects - effects.mean()) ** 2))  # a weighted singular value of 12
+    x = effects[classes][None, :, None] * direction + rng.normal(size=(n_layers, n_tokens, d))
+    url = write_store(tmp_path / "weak.zarr", {"resid_pre": as_layers(x, n_samples, n_pos)},
+                      labels={"tok": as_label(classes, n_samples, n_pos)}, samples_per_chunk=80)
+    result = factor_subspaces(open_for_analysis(url), factors=["tok"], seed=2)
+    unshown = result["structure_q"].values[:, 0] > result.attrs["significance"]
+    significant = result["significance_rank"].values[:, 0] > 0
+    assert np.any(unshown & significant)  # the two tests disagree in some layers...
+    assert np.all(result["subspace_rank"].values[unshown] == 0)  # ...and the structure test decides there
+    assert np.all(result["subspace_rank"].values[~unshown] == result["significance_rank"].values[~unshown])
+    assert np.all(np.isnan(result["basis"].values[unshown]))
+
+
+def test_a_vocabulary_on_a_sphere_reads_on_sphere_beside_its_pooled_class(tmp_path):
+    """Every one of 300 Zipf-distributed token types on a sphere of radius 3: the 15 most frequent keep
+    their class, the rest pool into one whose mean sits near the centre; it stays out of the radii."""
+    rng = np.random.default_rng(5)
+    n_tokens = N_SAMPLES * (N_POS - 1)
+    probabilities = 1 / np.arange(1, 301)
+    types = rng.choice(300, size=n_tokens, p=probabilities / probabilities.sum())
+    points = sphere_points(300, random_basis(D_MODEL, 4, rng), 3.0, rng)
+    x = points[types] + 0.3 * rng.normal(size=(n_tokens, D_MODEL))
+    url = write_store(tmp_path / "zipf.zarr", {"resid_pre": as_layers(x[None])}, labels={"tok": as_label(types)},
+                      samples_per_chunk=100)
+    result = sphere_structure(open_for_analysis(url), factors=["tok"], max_classes=16, seed=1)
+    assert result["sphere_classes"].values.tolist() == [15]
+    assert result["radius_cv"].values[0, 0] < 0.05
+    assert result["radius_mean"].values[0, 0] == pytest.approx(3.0, rel=0.05)
+    assert result["sphere"].values[0, 0] == "on sphere"
+
+
+def test_binned_positions_are_refused_a_sphere_with_the_reason(tmp_path):
+    """Positions on a circle of radius 2 (a turn every 12 positions) in padded samples (later positions
+    rarer), cut into 8 ranges: a range's mean averages points of the circle and falls inside it, so no
+    verdict is given."""
+    rng = np.random.default_rng(6)
+    n_pos = 49
+    positions = np.arange(1, n_pos)
+    angle = 2 * np.pi * positions / 12
+    circle_points = 2.0 * np.stack([np.cos(angle), np.sin(angle)], axis=1) @ random_basis(D_MODEL, 2, rng).T
+    x = np.broadcast_to(circle_points, (N_SAMPLES, n_pos - 1, D_MODEL)).reshape(-1, D_MODEL)
+    x = x + 0.1 * rng.normal(size=x.shape)
+    valid = np.arange(n_pos)[None, :] < rng.integers(n_pos // 2, n_pos + 1, size=N_SAMPLES)[:, None]
+    url = write_store(tmp_path / "circle.zarr", {"resid_pre": as_layers(x[None], n_pos=n_pos)}, valid=valid,
+                      labels={"other": as_label(rng.integers(0, 3, N_SAMPLES * (n_pos - 1)), n_pos=n_pos)},
+                      samples_per_chunk=100)
+    result = sphere_structure(open_for_analysis(url), factors=["pos"], max_classes=8, seed=1)
+    assert result["sphere_classes"].values.tolist() == [0]
+    assert result["sphere"].values[0, 0] == "undetermined"
+    assert "ranges of positions" in result.attrs["sphere_refused"]["pos"]
+    assert np.isnan(result["radius_cv"].values[0, 0])
+    every_position = sphere_structure(open_for_analysis(url), factors=["pos"], seed=1)  # 48 positions, 64 classes
+    assert every_position["sphere_classes"].values.tolist() == [48]
+    assert every_position["sphere"].values[0, 0] == "on sphere"
