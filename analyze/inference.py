@@ -70,6 +70,7 @@ import numpy as np
 from scipy.linalg.lapack import dtrtri
 from scipy.stats import norm
 from scipy.stats import t as student_t
+from sklearn.covariance import ledoit_wolf_shrinkage
 
 from .design import FactorEffects, NoiseTraces
 from .geometry import column_space
@@ -134,6 +135,36 @@ def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
         out[order] = np.minimum(adjusted, 1.0)
         q[finite] = out
     return q
+
+
+# ---------------------------------------------------------------------------------------------
+# Whitening: which directions stand above the noise is judged against the noise's own covariance.
+
+
+def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
+    """A symmetric map P (d, d) with P S P = I, S the noise covariance of the layer estimated from the
+    rows of every factor's group influences (each row a sum of token noises) and shrunk towards a multiple
+    of the identity (Ledoit & Wolf 2004), so that a few dimensions of huge variance (massive activations,
+    sink tokens) do not hide directions that stand above the noise elsewhere; None without noise."""
+    d = influences[0].shape[-1]
+    rows = np.concatenate([influence.reshape(-1, d) for influence in influences])
+    covariance = rows.T @ rows / len(rows)
+    level = np.trace(covariance) / d
+    if not level > 0:
+        return None
+    shrinkage = ledoit_wolf_shrinkage(rows, assume_centered=True)
+    values, vectors = np.linalg.eigh(covariance)
+    shrunk = (1 - shrinkage) * np.maximum(values, 0.0) + shrinkage * level
+    if not shrunk.min() > NUMERICAL_ZERO * level:
+        return None  # noise in too few directions to whiten (no shrinkage with as many groups as dimensions)
+    return (vectors / np.sqrt(shrunk)) @ vectors.T
+
+
+def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:
+    """A factor's effects and influences in whitened coordinates (as they are without a whitening)."""
+    if whitening is None:
+        return effects
+    return FactorEffects(effects.weighted @ whitening, effects.influence @ whitening)
 
 
 # ---------------------------------------------------------------------------------------------

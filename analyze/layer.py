@@ -30,6 +30,7 @@ from .inference import (
     interval_levels,
     noise_parts,
     noise_rank,
+    noise_whitening,
     relevant_rank,
     shrunk_variances,
     span_basis,
@@ -37,6 +38,7 @@ from .inference import (
     tail_p,
     turned,
     weighted_cv,
+    whitened,
 )
 
 ESTIMATE_ROUNDS = 2
@@ -75,6 +77,7 @@ class FactorFit:
     structure_p: float = np.nan
     noise_singular: np.ndarray = field(default_factory=lambda: np.zeros(0))
     significance_rank: int | None = None  # directions standing above noise, before the relevance floor
+    white_singular: np.ndarray | None = None  # (component,) singular values of the whitened effects
     signal_variance: np.ndarray | None = None  # (component,) squared singular values without their noise
     radii: np.ndarray | None = None  # (classes,) of the class points, noise taken out
     noise_variance: np.ndarray | None = None  # (classes,) of each class effect in the subspace
@@ -170,12 +173,14 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         total = sums[:, block].sum(axis=(0, 1))
         left, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
-    fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
+    whitening = noise_whitening([factor.influence for factor in effects]) if traces is not None else None
+    white = [whitened(factor, whitening) for factor in effects]
+    fits = [_factor_fit(view, white[a], parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a]) for a, view in enumerate(views)]
     layer = LayerFit(fits)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
-        _infer(layer, views, counts, layout, pairs, settings)
+        _infer(layer, views, white, counts, layout, pairs, settings)
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -189,9 +194,10 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     return layer
 
 
-def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
+def _factor_fit(view: FactorView, white: FactorEffects, squares: np.ndarray, n_classes: int, settings: DrawSettings,
                 traces: NoiseTraces | None) -> FactorFit:
-    """Singular values, between-class fraction and structure test of one factor; its rank when fixed."""
+    """Singular values, between-class fraction and structure test (on the whitened effects `white`) of one
+    factor; its rank when fixed."""
     weighted = view.effects.weighted
     singular = np.linalg.svd(weighted, compute_uv=False)[: min(n_classes - 1, min(weighted.shape))]
     spread = squares.sum() - view.counts.sum() * view.mean @ view.mean
@@ -199,18 +205,28 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
     fit = FactorFit(singular, rank, view.directions[:, :rank],
                     float((singular**2).sum() / spread) if spread > 0 else np.nan, float(spread))
     if len(settings.null):
-        fit.structure_p = structure_p(view.effects, settings.null, traces)
+        fit.structure_p = structure_p(white, settings.null, traces)
     return fit
 
 
-def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings) -> None:
-    """Ranks (unless fixed), then intervals, claims and spheres, from one set of noise draws."""
+def _infer(layer: LayerFit, views: list[FactorView], white: list[FactorEffects], counts: Counts, layout: Layout, pairs,
+           settings: DrawSettings) -> None:
+    """Ranks (judged on the whitened effects `white`; kept unless fixed), then intervals, claims and spheres
+    in the original coordinates, from one set of noise draws."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
     noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
     starts = np.concatenate([[0], np.cumsum(widths)])
+    white_svd = [np.linalg.svd(factor.weighted, full_matrices=False)[1:] for factor in white]
+    white_directions = [right_t.T for _, right_t in white_svd]
+    white_noise = noise_parts(white, settings.draws, np.hstack(white_directions), [])
+    white_starts = np.concatenate([[0], np.cumsum([directions.shape[1] for directions in white_directions])])
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
-        _rank(fit, view, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings)
+        fit.white_singular = white_svd[a][0][: len(fit.singular)]
+        significance = noise_rank(white[a].weighted, white_noise.gram[a],
+                                  white_noise.along[a][..., white_starts[a]: white_starts[a + 1]],
+                                  settings.rank_significance, len(fit.singular))
+        _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings)
     structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
     if not structured:
         return
@@ -236,12 +252,14 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
             layer.pairs[a, b] = _pair(sources[a], sources[b], noise.cross[a, b], contingency, settings)
 
 
-def _rank(fit: FactorFit, view: FactorView, gram: np.ndarray, along: np.ndarray, settings: DrawSettings) -> None:
-    """The significance rank (deflated parallel analysis), each direction's variance without its noise,
-    and the rank: the fixed one, or the leading significant directions that reach the relevance floor.
-    gram: the draws' N N' (draws, k, k); along: N V (draws, k, p)."""
+def _rank(fit: FactorFit, view: FactorView, significance: tuple[int, np.ndarray], gram: np.ndarray, along: np.ndarray,
+          settings: DrawSettings) -> None:
+    """The significance rank with its noise thresholds (``noise_rank`` of the whitened effects), each
+    direction's variance without its noise, and the rank: the fixed one, or the leading significant
+    directions that reach the relevance floor. gram: the draws' N N' (draws, k, k); along: N V (draws, k, p),
+    in the original coordinates."""
     n = len(fit.singular)
-    fit.significance_rank, fit.noise_singular = noise_rank(view.effects.weighted, gram, along, settings.rank_significance, n)
+    fit.significance_rank, fit.noise_singular = significance
     fit.signal_variance = shrunk_variances(view.left[:, :n], fit.singular, gram, along[..., :n])
     if settings.rank is None:
         relevant = relevant_rank(fit.variance_share[: fit.significance_rank], settings.relevance_floor)

@@ -479,7 +479,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     n_components = max(len(factor.singular) for fit in fits.values() for factor in fit.factors)
     shape = (n_layers, n_factors)
     singular, explained = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
-    noise_singular = np.full(shape + (n_components,), np.nan)
+    noise_singular, white_singular = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
     share, site_share = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
     significance_rank = np.full(shape, np.nan)
     basis = np.full(shape + (fitted.d_model_, max_rank), np.nan)
@@ -492,6 +492,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
             noise_singular[i, a, : len(factor.noise_singular)] = factor.noise_singular
             if factor.significance_rank is not None:
                 significance_rank[i, a] = factor.significance_rank
+                white_singular[i, a, : len(variance)] = factor.white_singular
                 share[i, a, : len(variance)] = factor.variance_share
                 if factor.site_variance > 0:
                     site_share[i, a, : len(variance)] = factor.signal_variance / factor.site_variance
@@ -544,6 +545,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "site_variance_share": (fd + ("component",), site_share),
         "singular_value": (fd + ("component",), singular),
         "noise_singular_value": (fd + ("component",), noise_singular),
+        "whitened_singular_value": (fd + ("component",), white_singular),
         "explained": (fd + ("component",), explained),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
@@ -600,16 +602,21 @@ DESCRIPTIONS = {
     "subspace_rank": "the rank that decides the factor's basis, angles, claims and spheres (attrs rank_rule): the "
                      "fixed rank, or the significant directions reaching the relevance floor, 0 when the structure "
                      "test is not shown",
-    "significance_rank": "directions of the factor's effects standing above noise (deflated parallel analysis, each "
-                         "step at rank_significance), before the relevance floor; NaN without noise draws",
+    "significance_rank": "directions of the factor's effects standing above noise (deflated parallel analysis of the "
+                         "whitened effects, each step at rank_significance), before the relevance floor; NaN without "
+                         "noise draws",
+    "whitened_singular_value": "singular values of the weighted effects in coordinates whitened by the noise "
+                               "covariance (inference.noise_whitening): what the rank's test compares",
     "variance_share": "each direction's share of the factor's between-class variance: its squared singular value "
                       "without the noise's inflation (inference.shrunk_variances) over that of the significant "
                       "directions together",
     "site_variance_share": "each direction's noise-corrected variance as a share of the site's total variance over the "
                            "factor's tokens",
-    "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the noise draws' largest "
-                            "singular value with the leading directions before it projected out",
-    "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
+    "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the whitened noise "
+                            "draws' largest singular value with the leading directions before it projected out (to "
+                            "compare with whitened_singular_value)",
+    "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences, in "
+                   "whitened coordinates; add-one)",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

@@ -9,6 +9,7 @@ import pytest
 from orthosphere.analyze import AnalysisError, factor_subspaces, open_for_analysis, sphere_structure
 from tests.synthetic import (
     NOT_APPLICABLE,
+    balanced_effects,
     correlated_labels,
     random_basis,
     skewed,
@@ -140,3 +141,28 @@ def test_binned_positions_are_refused_a_sphere_with_the_reason(tmp_path):
     every_position = sphere_structure(open_for_analysis(url), factors=["pos"], seed=1)  # 48 positions, 64 classes
     assert every_position["sphere_classes"].values.tolist() == [48]
     assert every_position["sphere"].values[0, 0] == "on sphere"
+
+
+def test_factors_beside_rogue_dimensions_and_sink_tokens_keep_their_ranks(tmp_path):
+    """Two factors (ranks 2 and 3) away from two dimensions of 8 times the others' noise, in which 1 % of
+    the tokens (sinks) sit 60 units out: judged in raw coordinates the rogue dimensions' noise hides the
+    factors' directions; judged against the whitened noise they are found at their rank."""
+    rng = np.random.default_rng(2)
+    n_samples, n_layers = 200, 8
+    n_tokens = n_samples * (N_POS - 1)
+    a, b = rng.integers(0, 8, n_tokens), rng.integers(0, 6, n_tokens)
+    layers = []
+    for _ in range(n_layers):
+        basis = np.zeros((D_MODEL, 5))
+        basis[2:] = random_basis(D_MODEL - 2, 5, rng)
+        effects_a = balanced_effects(np.full(8, 1 / 8), basis[:, :2], 30.0 / np.sqrt(n_tokens), rng)
+        effects_b = balanced_effects(np.full(6, 1 / 6), basis[:, 2:], 30.0 / np.sqrt(n_tokens), rng)
+        noise = rng.normal(size=(n_tokens, D_MODEL))
+        noise[:, :2] *= 8.0
+        noise[rng.random(n_tokens) < 0.01, 0] += 60.0
+        layers.append(effects_a[a] + effects_b[b] + noise)
+    url = write_store(tmp_path / "rogue.zarr", {"resid_pre": as_layers(np.stack(layers), n_samples)},
+                      labels={"a": as_label(a, n_samples), "b": as_label(b, n_samples)}, samples_per_chunk=50)
+    result = factor_subspaces(open_for_analysis(url), factors=["a", "b"], seed=1)
+    assert np.all(result["structure_q"].values <= 0.05)
+    assert np.sum(result["subspace_rank"].values == [2, 3]) >= 15  # of 16 (judged in raw coordinates: 5 of 16)
