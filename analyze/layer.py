@@ -173,14 +173,12 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         total = sums[:, block].sum(axis=(0, 1))
         left, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
-    whitening = noise_whitening([factor.influence for factor in effects]) if traces is not None else None
-    white = [whitened(factor, whitening) for factor in effects]
-    fits = [_factor_fit(view, white[a], parts["squares"][layout.block(a)], layout.sizes[a], settings,
+    fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a]) for a, view in enumerate(views)]
     layer = LayerFit(fits)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
-        _infer(layer, views, white, counts, layout, pairs, settings)
+        _infer(layer, views, counts, layout, pairs, settings)
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -194,10 +192,9 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     return layer
 
 
-def _factor_fit(view: FactorView, white: FactorEffects, squares: np.ndarray, n_classes: int, settings: DrawSettings,
+def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
                 traces: NoiseTraces | None) -> FactorFit:
-    """Singular values, between-class fraction and structure test (on the whitened effects `white`) of one
-    factor; its rank when fixed."""
+    """Singular values, between-class fraction and structure test of one factor; its rank when fixed."""
     weighted = view.effects.weighted
     singular = np.linalg.svd(weighted, compute_uv=False)[: min(n_classes - 1, min(weighted.shape))]
     spread = squares.sum() - view.counts.sum() * view.mean @ view.mean
@@ -205,24 +202,26 @@ def _factor_fit(view: FactorView, white: FactorEffects, squares: np.ndarray, n_c
     fit = FactorFit(singular, rank, view.directions[:, :rank],
                     float((singular**2).sum() / spread) if spread > 0 else np.nan, float(spread))
     if len(settings.null):
-        fit.structure_p = structure_p(white, settings.null, traces)
+        fit.structure_p = structure_p(view.effects, settings.null, traces)
     return fit
 
 
-def _infer(layer: LayerFit, views: list[FactorView], white: list[FactorEffects], counts: Counts, layout: Layout, pairs,
-           settings: DrawSettings) -> None:
-    """Ranks (judged on the whitened effects `white`; kept unless fixed), then intervals, claims and spheres
-    in the original coordinates, from one set of noise draws."""
+def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings) -> None:
+    """Ranks (judged on the effects whitened by the noise covariance when it is anisotropic; kept unless
+    fixed), then intervals, claims and spheres in the original coordinates, from one set of noise draws."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
     noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
     starts = np.concatenate([[0], np.cumsum(widths)])
-    white_svd = [np.linalg.svd(factor.weighted, full_matrices=False)[1:] for factor in white]
-    white_directions = [right_t.T for _, right_t in white_svd]
-    white_noise = noise_parts(white, settings.draws, np.hstack(white_directions), [])
-    white_starts = np.concatenate([[0], np.cumsum([directions.shape[1] for directions in white_directions])])
+    whitening = noise_whitening([view.effects.influence for view in views])
+    white = [whitened(view.effects, whitening) for view in views]
+    white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
+    if whitening is not None:
+        directions = [np.linalg.svd(factor.weighted, full_matrices=False)[2].T for factor in white]
+        white_noise = noise_parts(white, settings.draws, np.hstack(directions), [])
+        white_starts = np.concatenate([[0], np.cumsum([part.shape[1] for part in directions])])
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
-        fit.white_singular = white_svd[a][0][: len(fit.singular)]
+        fit.white_singular = np.linalg.svd(white[a].weighted, compute_uv=False)[: len(fit.singular)]
         significance = noise_rank(white[a].weighted, white_noise.gram[a],
                                   white_noise.along[a][..., white_starts[a]: white_starts[a + 1]],
                                   settings.rank_significance, len(fit.singular))

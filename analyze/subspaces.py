@@ -603,10 +603,11 @@ DESCRIPTIONS = {
                      "fixed rank, or the significant directions reaching the relevance floor, 0 when the structure "
                      "test is not shown",
     "significance_rank": "directions of the factor's effects standing above noise (deflated parallel analysis of the "
-                         "whitened effects, each step at rank_significance), before the relevance floor; NaN without "
+                         "effects, whitened where the noise is anisotropic, each step at rank_significance), before the relevance floor; NaN without "
                          "noise draws",
     "whitened_singular_value": "singular values of the weighted effects in coordinates whitened by the noise "
-                               "covariance (inference.noise_whitening): what the rank's test compares",
+                               "covariance where it is anisotropic (inference.noise_whitening; else singular_value): "
+                               "what the rank's test compares",
     "variance_share": "each direction's share of the factor's between-class variance: its squared singular value "
                       "without the noise's inflation (inference.shrunk_variances) over that of the significant "
                       "directions together",
@@ -615,8 +616,7 @@ DESCRIPTIONS = {
     "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the whitened noise "
                             "draws' largest singular value with the leading directions before it projected out (to "
                             "compare with whitened_singular_value)",
-    "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences, in "
-                   "whitened coordinates; add-one)",
+    "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",
