@@ -108,6 +108,8 @@ corrected influences of ``bootstrap_groups`` groups of samples (``inference.py``
                                          rank_rule): the fixed rank, or the significant directions that carry
                                          at least relevance_floor of the factor's between-class variance; 0
                                          when the structure test is not shown (then its angles are NaN)
+  outlier_tokens (layer)                 analysed tokens of norm above 10 times their block's median (sinks):
+                                         counted, not left out
   significance_rank (layer, factor)      directions standing above noise (deflated parallel analysis of the
                                          effects, whitened where the noise is anisotropic; each step at
                                          rank_significance), before the floor

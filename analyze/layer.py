@@ -118,6 +118,7 @@ class LayerFit:
     interval)} for ordered pairs) and head angles ({(kind, a, head): angles})."""
 
     factors: list[FactorFit]
+    outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -175,7 +176,7 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a]) for a, view in enumerate(views)]
-    layer = LayerFit(fits)
+    layer = LayerFit(fits, int(parts["outliers"]))
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
         _infer(layer, views, counts, layout, pairs, settings)

@@ -82,6 +82,10 @@ NULL_DRAWS = 9999
 RELEVANCE_FLOOR = 0.01
 """The default relevance floor: a direction carrying less than 1 % of its factor's between-class variance
 is not part of the factor's subspace, however significant (with 10^5 tokens and more every direction is)."""
+OUTLIER_NORM = 10.0
+"""An analysed token whose norm exceeds this multiple of the median norm of its block of samples is
+counted as an outlier (a sink beyond the start token): counted, not left out; its variance enters the
+noise covariance that whitens the rank's test."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
 def bootstrap_group(samples: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
@@ -106,8 +110,9 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 
 
 def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups: int):
-    """Sums of the token vectors per (group, design column), of their squared norms per column, and
-    the count of non-finite ones. A (group, class) cell of one block sums few tokens, so float32
+    """Sums of the token vectors per (group, design column), of their squared norms per column, the
+    count of non-finite ones and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the
+    block's median). A (group, class) cell of one block sums few tokens, so float32
     sums lose nothing that matters; blocks are then accumulated in float64."""
     squares = square_norms(x).ravel()
     vectors = x.reshape(-1, x.shape[-1])
@@ -118,7 +123,9 @@ def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups
     onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
                                shape=(n_groups * n_columns, len(vectors)))
     column_squares = np.bincount(columns[rows, which], weights=squares[rows].astype("float64"), minlength=n_columns)
-    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "sums": onehot @ vectors,
+    counted = squares[columns[:, 0] >= 0]
+    outliers = np.count_nonzero(counted > OUTLIER_NORM**2 * np.median(counted)) if counted.size else 0
+    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "outliers": outliers, "sums": onehot @ vectors,
                         "squares": column_squares})
 
 
@@ -267,7 +274,7 @@ class FactorSubspaces:
         layout = Layout(tuple(names), tuple(classes[name].size for name in names), tuple(int(c) for c in discovery.cells))
         columns = design_columns(dataset, factors, discovery, layout, mask)
         design = self._design(discovery, layout, columns, groups, n_groups, url)
-        packer = Packer({"nonfinite": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
+        packer = Packer({"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
                          "squares": (layout.n_columns,)})
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
         settings = self._draw_settings(n_groups)
@@ -547,6 +554,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "noise_singular_value": (fd + ("component",), noise_singular),
         "whitened_singular_value": (fd + ("component",), white_singular),
         "explained": (fd + ("component",), explained),
+        "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -617,6 +625,8 @@ DESCRIPTIONS = {
                             "draws' largest singular value with the leading directions before it projected out (to "
                             "compare with whitened_singular_value)",
     "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
+    "outlier_tokens": "analysed tokens whose norm exceeds OUTLIER_NORM (10) times the median of their block of "
+                      "samples (sink tokens beyond the start token): counted, not left out of the fit",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

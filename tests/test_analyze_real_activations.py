@@ -166,3 +166,18 @@ def test_factors_beside_rogue_dimensions_and_sink_tokens_keep_their_ranks(tmp_pa
     result = factor_subspaces(open_for_analysis(url), factors=["a", "b"], seed=1)
     assert np.all(result["structure_q"].values <= 0.05)
     assert np.sum(result["subspace_rank"].values == [2, 3]) >= 15  # of 16 (judged in raw coordinates: 5 of 16)
+
+
+def test_tokens_of_outlying_norm_are_counted(tmp_path):
+    rng = np.random.default_rng(8)
+    n_samples = 100
+    n_tokens = n_samples * (N_POS - 1)
+    labels = rng.integers(0, 3, n_tokens)
+    x = np.eye(D_MODEL)[labels] + rng.normal(size=(2, n_tokens, D_MODEL))
+    sinks = [rng.choice(n_tokens, 7, replace=False), rng.choice(n_tokens, 3, replace=False)]
+    for layer, tokens in enumerate(sinks):
+        x[layer, tokens, 0] += 100.0  # about 20 times the median norm
+    url = write_store(tmp_path / "sinks.zarr", {"resid_pre": as_layers(x, n_samples)},
+                      labels={"tok": as_label(labels, n_samples)}, samples_per_chunk=n_samples)
+    result = factor_subspaces(open_for_analysis(url), factors=["tok"], seed=1)
+    assert result["outlier_tokens"].values.tolist() == [7, 3]
