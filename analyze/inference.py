@@ -72,7 +72,6 @@ import numpy as np
 from scipy.linalg.lapack import dtrtri
 from scipy.stats import norm
 from scipy.stats import t as student_t
-from sklearn.covariance import ledoit_wolf_shrinkage
 
 from .design import FactorEffects, NoiseTraces
 from .geometry import column_space
@@ -162,7 +161,7 @@ def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
     level = np.trace(covariance) / d
     if not level > 0:
         return None
-    shrinkage = ledoit_wolf_shrinkage(rows, assume_centered=True)
+    shrinkage = ledoit_wolf_shrinkage(rows, covariance, level)
     values, vectors = np.linalg.eigh(covariance)
     shrunk = (1 - shrinkage) * np.maximum(values, 0.0) + shrinkage * level
     if not shrunk.min() > NUMERICAL_ZERO * level:
@@ -170,6 +169,16 @@ def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
     if shrunk[-1] <= ANISOTROPY * np.median(shrunk):
         return None
     return (vectors / np.sqrt(shrunk)) @ vectors.T
+
+
+def ledoit_wolf_shrinkage(rows: np.ndarray, covariance: np.ndarray, level: float) -> float:
+    """Ledoit & Wolf's (2004) shrinkage intensity towards level * I of the covariance of rows (n, d) with
+    mean zero, covariance = rows' rows / n: the rows' own spread of x x' around it, sum_i |x_i x_i' - S|^2 / n^2
+    = (mean |x_i|^4 - |S|^2) / n, over |S - level I|^2 (at most 1)."""
+    square = np.sum(covariance**2)
+    spread = (np.mean(np.sum(rows**2, axis=1) ** 2) - square) / len(rows)
+    distance = square - covariance.shape[0] * level**2
+    return float(min(max(spread, 0.0) / distance, 1.0)) if distance > 0 else 1.0
 
 
 def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:
