@@ -32,7 +32,7 @@ an ``AnalysisParameterError`` naming the option as the caller gave it:
 - ``norms`` (``NormsConfig``): ``norm_spread(dataset, *, sites, layers, weight_by_attention, exclude_start, mass,
   quantiles, ratio_max, ratio_bins, device)``
 - ``subspaces`` (``SubspacesConfig``): ``factor_subspaces(dataset, *, site, factors, layers, exclude_start, estimator,
-  intercepts, rank, rank_significance, max_classes, n_bootstrap, bootstrap_groups, group_by, confidence, n_null,
+  intercepts, rank, rank_significance, relevance_floor, max_classes, n_bootstrap, bootstrap_groups, group_by, confidence, n_null,
   significance, seed, independence_deg, orthogonality_deg, radius_cv_tolerance)``, the parameters of
   the estimator ``FactorSubspaces`` (``FactorSubspaces(...).fit(dataset)``; see ``subspaces.py``,
   ``design.py`` for the fit and ``inference.py`` for the statistics)
@@ -112,10 +112,23 @@ Every p-value and interval's description says the correction it enters or that i
                                          factor alone (1: balanced crossed design; NaN: marginal estimator)
   condition_number ()                    of the unit-diagonal Z'Z beyond its trivial null directions (joint
                                          fit; above 100 a warning is logged)
-  subspace_rank (layer, factor)          directions standing above noise (deflated parallel analysis, each
-                                         step at rank_significance), or the fixed rank
+  subspace_rank (layer, factor)          the rank that decides basis, angles, claims and spheres (attrs
+                                         rank_rule): the fixed rank, or the significant directions that carry
+                                         at least relevance_floor of the factor's between-class variance; 0
+                                         when the structure test is not shown (then its angles are NaN)
+  outlier_tokens (layer)                 analysed tokens of norm above 10 times their block's median (sinks):
+                                         counted, not left out
+  significance_rank (layer, factor)      directions standing above noise (deflated parallel analysis of the
+                                         effects, whitened where the noise is anisotropic; each step at
+                                         rank_significance), before the floor
+  variance_share, site_variance_share (layer, factor, component)   each direction's noise-corrected
+                                         variance over that of the significant directions, and over the
+                                         site's total variance on the factor's tokens
   singular_value (layer, factor, component)   of the sqrt(n_c)-weighted centred effects (joint or marginal)
-  noise_singular_value (layer, factor, component)   what each step of the rank's test compared it with
+  whitened_singular_value (layer, factor, component)   the same in coordinates whitened by the noise
+                                         covariance where it is anisotropic (Ledoit-Wolf, from the groups' influences)
+  noise_singular_value (layer, factor, component)   what each step of the rank's test compared the
+                                         whitened singular value with
   explained (layer, factor, component)   cumulative share of their variance
   between_fraction (layer, factor)       their variance / total variance of the factor's tokens
   structure_p, structure_q (layer, factor)   p-value of "the labels carry no information" (add-one over
@@ -141,7 +154,7 @@ Every p-value and interval's description says the correction it enters or that i
                                          space of w_q[h] (w_k[g]) in the space of attn_in; present
                                          only when the store holds weights (point estimates)
   attrs: site, factors, estimator, intercepts, classes ({factor: [values]}), fit (the fit's options),
-  head_angles, relation_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
+  head_angles, relation_rule, rank_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
   independence_deg, orthogonality_deg; group_by (the label tying samples into resampling units, "sample" for
   one sample a unit), n_units, occupied_groups (groups holding a unit: fewer than bootstrap_groups when the
   units are few, which is also logged); each variable's ``description``
@@ -158,6 +171,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          radius_cv_tolerance; q: the claim on the side of the measurement
                                          adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
   sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
+  sphere_classes (factor)                classes in the radius statistics: all but a pooled one; 0 when
+                                         the factor's classes are ranges of positions (attrs sphere_refused)
   class_radius (layer, factor, class_index)
   cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   RMS cosine
                                          of the two components' class points over their shared tokens, each
@@ -165,8 +180,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          |x_a|^2 |x_b|^2), in [0, 1], 0 for orthogonal subspaces; its
                                          interval, its null (orthogonal subspaces) and p-value (uncorrected)
   min_angle, min_angle_estimate, min_angle_ci, relation   the departure from orthogonality, as in /subspaces
-  attrs: site, factors, estimator, intercepts, classes, sphere_rule, fit, subspaces ("from the subspaces
-  results" | "fitted here"), radius_cv_tolerance, confidence, significance, n_bootstrap
+  attrs: site, factors, estimator, intercepts, classes, sphere_rule, sphere_refused ({factor: reason}), fit,
+  subspaces ("from the subspaces results" | "fitted here"), radius_cv_tolerance, confidence, significance, n_bootstrap
 
 ``/neighbours``; dim ``layer``: rank_collapse, rank_collapse_std (over sequences), angular_step,
 angular_step_std (degrees, over tokens), log_norm_ratio, log_norm_ratio_std (log |post| / |pre|),

@@ -237,6 +237,26 @@ class FactorClasses:
         pooled = [f"<{self.pooled_classes} other classes>"] if self.pooled_classes else []
         return [str(value) for value in self.values] + pooled
 
+    @property
+    def sphere_refusal(self) -> str:
+        """Why the factor's classes cannot show a sphere: "" when they can."""
+        if self.bin_ends is not None and np.any(self.bin_ends > self.values):
+            return ("its classes are ranges of positions (max_classes), whose means average points along a curve "
+                    "and fall inside any sphere; give max_classes at least the number of positions")
+        if self.size - (1 if self.pooled_classes else 0) < 2:
+            return "fewer than two classes besides the pooled one"
+        return ""
+
+    @property
+    def sphere_classes(self) -> np.ndarray:
+        """(size,) which classes enter the radius statistics: none when the sphere is refused
+        (``sphere_refusal``), else every class but the pooled one (the mean of many classes' points
+        sits near the centre, on no sphere)."""
+        kept = np.full(self.size, not self.sphere_refusal)
+        if self.pooled_classes:
+            kept[-1] = False
+        return kept
+
     def codes(self, values: np.ndarray) -> np.ndarray:
         """The class code of each value (one of the factor's values)."""
         if self.bin_ends is not None:

@@ -30,11 +30,15 @@ from .inference import (
     interval_levels,
     noise_parts,
     noise_rank,
+    noise_whitening,
+    relevant_rank,
+    shrunk_variances,
     span_basis,
     structure_p,
     tail_p,
     turned,
     weighted_cv,
+    whitened,
 )
 
 ESTIMATE_ROUNDS = 2
@@ -51,6 +55,7 @@ class DrawSettings:
     confidence: float
     significance: float
     rank_significance: float  # the level of each step of the rank's test
+    relevance_floor: float  # the share of between-class variance a direction needs to count in the rank
     orthogonal_deg: float  # the boundary of "orthogonal": every angle above it
     dependent_deg: float  # the boundary of "dependent": the smallest angle below it
     radius_cv_tolerance: float
@@ -68,8 +73,12 @@ class FactorFit:
     rank: int
     basis: np.ndarray  # (d, rank)
     between_fraction: float
+    site_variance: float  # the summed squared distances of the factor's tokens from their mean
     structure_p: float = np.nan
     noise_singular: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    significance_rank: int | None = None  # directions standing above noise, before the relevance floor
+    white_singular: np.ndarray | None = None  # (component,) singular values of the whitened effects
+    signal_variance: np.ndarray | None = None  # (component,) squared singular values without their noise
     radii: np.ndarray | None = None  # (classes,) of the class points, noise taken out
     noise_variance: np.ndarray | None = None  # (classes,) of each class effect in the subspace
     radius_cv: float = np.nan
@@ -77,6 +86,15 @@ class FactorFit:
     radius_cv_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
     sphere_null_p: float = np.nan  # "exactly on a sphere" (cv 0)
     sphere_p: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))  # claims "on", "off"
+
+    @property
+    def variance_share(self) -> np.ndarray:
+        """Each direction's share of the factor's between-class variance: its noise-free variance over
+        that of the significant directions together (NaN without draws or significant directions)."""
+        if self.signal_variance is None or not self.significance_rank:
+            return np.full(len(self.singular), np.nan)
+        total = self.signal_variance[: self.significance_rank].sum()
+        return self.signal_variance / total if total > 0 else np.full(len(self.singular), np.nan)
 
 
 @dataclass
@@ -100,6 +118,7 @@ class LayerFit:
     interval)} for ordered pairs) and head angles ({(kind, a, head): angles})."""
 
     factors: list[FactorFit]
+    outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -115,22 +134,33 @@ class LayerFit:
 
 @dataclass
 class FactorView:
-    """What the draws of one factor need: its effects, class counts, the mean of its tokens and its directions."""
+    """What the draws of one factor need: its effects, class counts, the mean of its tokens, its directions
+    and which of its classes enter the radius statistics (``FactorClasses.sphere_classes``)."""
 
     effects: FactorEffects
     counts: np.ndarray
     mean: np.ndarray
+    left: np.ndarray  # (k, p) left singular vectors of the weighted effects
     directions: np.ndarray  # (d, p) right singular vectors of the weighted effects
+    radial: np.ndarray  # (k,) bool
 
     @property
     def weights(self) -> np.ndarray:
         return self.counts / self.counts.sum()
 
+    @property
+    def sphere_weights(self) -> np.ndarray:
+        """The token weights of the classes in the radius statistics (all zero when none is)."""
+        kept = np.where(self.radial, self.counts, 0.0)
+        return kept / kept.sum() if kept.sum() > 0 else kept
+
 
 def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
-              traces: list[NoiseTraces] | None, settings: DrawSettings, heads: dict[str, list[np.ndarray]]) -> LayerFit | None:
+              traces: list[NoiseTraces] | None, settings: DrawSettings, heads: dict[str, list[np.ndarray]],
+              radial: list[np.ndarray]) -> LayerFit | None:
     """Every factor's subspace at one layer and what its draws say (None when the layer holds NaN or
-    Inf: the finite check then names them). traces: ``design.noise_traces`` (None without groups)."""
+    Inf: the finite check then names them). traces: ``design.noise_traces`` (None without groups);
+    radial: per factor, which classes enter the radius statistics."""
     parts = packer.unpack(vector)
     if parts["nonfinite"]:
         return None
@@ -142,11 +172,11 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         block = layout.block(a)
         n = counts.factor_counts(layout, a)
         total = sums[:, block].sum(axis=(0, 1))
-        _, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
-        views.append(FactorView(factor, n, total / n.sum(), right_t.T))
+        left, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
+        views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a]) for a, view in enumerate(views)]
-    layer = LayerFit(fits)
+    layer = LayerFit(fits, int(parts["outliers"]))
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
         _infer(layer, views, counts, layout, pairs, settings)
@@ -171,24 +201,32 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
     spread = squares.sum() - view.counts.sum() * view.mean @ view.mean
     rank = min(settings.rank, len(singular)) if settings.rank is not None else 0
     fit = FactorFit(singular, rank, view.directions[:, :rank],
-                    float((singular**2).sum() / spread) if spread > 0 else np.nan)
+                    float((singular**2).sum() / spread) if spread > 0 else np.nan, float(spread))
     if len(settings.null):
         fit.structure_p = structure_p(view.effects, settings.null, traces)
     return fit
 
 
 def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings) -> None:
-    """Ranks (unless fixed), then intervals, claims and spheres, from one set of noise draws."""
+    """Ranks (judged on the effects whitened by the noise covariance when it is anisotropic; kept unless
+    fixed), then intervals, claims and spheres in the original coordinates, from one set of noise draws."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
     noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
     starts = np.concatenate([[0], np.cumsum(widths)])
+    whitening = noise_whitening([view.effects.influence for view in views])
+    white = [whitened(view.effects, whitening) for view in views]
+    white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
+    if whitening is not None:
+        directions = [np.linalg.svd(factor.weighted, full_matrices=False)[2].T for factor in white]
+        white_noise = noise_parts(white, settings.draws, np.hstack(directions), [])
+        white_starts = np.concatenate([[0], np.cumsum([part.shape[1] for part in directions])])
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
-        own = noise.along[a][..., starts[a]: starts[a + 1]]
-        if settings.rank is None:
-            fit.rank, fit.noise_singular = noise_rank(view.effects.weighted, noise.gram[a], own, settings.rank_significance,
-                                                      len(fit.singular))
-            fit.basis = view.directions[:, :fit.rank]
+        fit.white_singular = np.linalg.svd(white[a].weighted, compute_uv=False)[: len(fit.singular)]
+        significance = noise_rank(white[a].weighted, white_noise.gram[a],
+                                  white_noise.along[a][..., white_starts[a]: white_starts[a + 1]],
+                                  settings.rank_significance, len(fit.singular))
+        _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings)
     structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
     if not structured:
         return
@@ -212,6 +250,21 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
         if a in sources and b in sources:
             contingency = counts.contingency(layout, a, b)
             layer.pairs[a, b] = _pair(sources[a], sources[b], noise.cross[a, b], contingency, settings)
+
+
+def _rank(fit: FactorFit, view: FactorView, significance: tuple[int, np.ndarray], gram: np.ndarray, along: np.ndarray,
+          settings: DrawSettings) -> None:
+    """The significance rank with its noise thresholds (``noise_rank`` of the whitened effects), each
+    direction's variance without its noise, and the rank: the fixed one, or the leading significant
+    directions that reach the relevance floor. gram: the draws' N N' (draws, k, k); along: N V (draws, k, p),
+    in the original coordinates."""
+    n = len(fit.singular)
+    fit.significance_rank, fit.noise_singular = significance
+    fit.signal_variance = shrunk_variances(view.left[:, :n], fit.singular, gram, along[..., :n])
+    if settings.rank is None:
+        relevant = relevant_rank(fit.variance_share[: fit.significance_rank], settings.relevance_floor)
+        fit.rank = min(fit.significance_rank, relevant)
+        fit.basis = view.directions[:, : fit.rank]
 
 
 @dataclass
@@ -408,7 +461,7 @@ def _class_radii(view: FactorView, fit: FactorFit) -> None:
     variance = np.einsum("gkr,gkr->k", along, along) / view.counts
     points = (view.mean + view.effects.weighted / np.sqrt(view.counts)[:, None]) @ fit.basis
     fit.radii = corrected_radii(points, variance)
-    fit.radius_cv = float(weighted_cv(fit.radii, view.weights))
+    fit.radius_cv = float(weighted_cv(fit.radii, view.sphere_weights))
     fit.noise_variance = variance
 
 
@@ -418,19 +471,22 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     variance = fit.noise_variance
     points = source.points(source.truth, fit.basis)
     radii = np.linalg.norm(points, axis=1)
-    spread = float(weighted_cv(radii, view.weights))
+    weights = view.sphere_weights
+    spread = float(weighted_cv(radii, weights))
     if not (spread > 0 and np.isfinite(fit.radius_cv)):  # no spread, or every corrected radius within noise
         return
-    mean_radius = radii @ view.weights
+    mean_radius = radii @ weights
     directions = points / np.maximum(radii, np.finfo(float).tiny)[:, None]
 
     def draw(family, value):
-        """Radius spreads of draws around the truth whose radii are spread to a spread of `value`."""
-        moved = directions * (mean_radius + value / spread * (radii - mean_radius))[:, None]
+        """Radius spreads of draws around the truth whose radii are spread to a spread of `value` (the
+        classes outside the radius statistics, such as a pooled one, stay where they are)."""
+        scaled = directions * (mean_radius + value / spread * (radii - mean_radius))[:, None]
+        moved = np.where(view.radial[:, None], scaled, points)
         centre = view.weights @ moved
         mean = view.mean + fit.basis @ (centre - view.mean @ fit.basis)
         truth = np.sqrt(view.counts)[:, None] * ((moved - centre) @ source.basis_y.T)
-        return weighted_cv(corrected_radii(source.drawn_points(source.drawn(truth), mean), variance), view.weights)
+        return weighted_cv(corrected_radii(source.drawn_points(source.drawn(truth), mean), variance), weights)
 
     search = FamilySearch(draw, 0.0, max(4 * fit.radius_cv, 4 * spread, 4 * settings.radius_cv_tolerance), CV_TOLERANCE)
     fitted = search.at("spread", spread)

@@ -37,10 +37,12 @@ from .plan import Plan
 from .registry import Analysis
 from .subspaces import BOUNDS, FactorSubspaces, SubspacesConfig, factor_subspaces
 
-SPHERE_RULE = ("no structure: the factor has rank 0; on sphere / off sphere: the claim that radius_cv is below / above "
+SPHERE_RULE = ("no structure: the factor has rank 0 (subspaces' subspace_rank); on sphere / off sphere: the claim that radius_cv is below / above "
                "radius_cv_tolerance, the one on the side of the measurement (the smaller p-value), shown at "
-               "significance after Benjamini-Hochberg's correction over every layer and factor; undetermined: "
-               "neither; empty without noise draws")
+               "significance after Benjamini-Hochberg's correction over every layer and factor, over the classes of "
+               "sphere_classes (a pooled class never enters the radius statistics); undetermined: neither, or the "
+               "factor's classes cannot show a sphere (attrs sphere_refused gives the reason: binned positions); "
+               "empty without noise draws")
 
 
 SpheresConfig = SubspacesConfig.optional("SpheresConfig", """The options of ``spheres``: the parameters of the fit
@@ -98,15 +100,18 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
         for a, factor in enumerate(fit.factors):
             if factor.radii is None:
                 continue
-            weights = fitted.classes_[names[a]].counts / fitted.classes_[names[a]].counts.sum()
+            classes = fitted.classes_[names[a]]
+            kept = np.where(classes.sphere_classes, classes.counts, 0)
+            weights = kept / kept.sum() if kept.sum() else kept
             class_radius[i, a, : len(factor.radii)] = factor.radii
-            per_factor["radius_mean"][i, a] = factor.radii @ weights
+            per_factor["radius_mean"][i, a] = factor.radii @ weights if kept.sum() else np.nan
             for name in ("radius_cv", "radius_cv_estimate", "sphere_null_p"):
                 per_factor[name][i, a] = getattr(factor, name)
             radius_cv_ci[i, a] = factor.radius_cv_ci
             claim_p[i, a] = factor.sphere_p
     claim_q = directional_q(claim_p)
-    rank = np.array([fit.rank for fit in fits], dtype="int64")
+    subspaces = fitted.to_dataset()
+    rank = subspaces["subspace_rank"].values
     pairs = {name: np.full((n_layers, n_factors, n_factors) + shape, np.nan)
              for name, shape in (("cross_term", ()), ("cross_term_ci", (2,)), ("cross_term_null_ci", (2,)),
                                  ("cross_term_p", ()))}
@@ -115,9 +120,9 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
             for name in pairs:
                 pairs[name][i, a, b] = pairs[name][i, b, a] = getattr(pair, name)
     lf, lfo = ("layer", "factor"), ("layer", "factor", "other")
-    subspaces = fitted.to_dataset()
     data = {
         "subspace_rank": (lf, rank),
+        "sphere_classes": (("factor",), [int(fitted.classes_[name].sphere_classes.sum()) for name in names]),
         **{name: (lf, values) for name, values in per_factor.items()},
         "radius_cv_ci": (lf + ("bound",), radius_cv_ci),
         "sphere_claim_p": (lf + ("sphere_claim",), claim_p),
@@ -135,6 +140,8 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
     attrs = {"site": fitted.site_, "factors": names, "estimator": fitted.estimator,
              "intercepts": fitted.intercepts_ or "none", "classes": {name: fitted.classes_[name].names for name in names},
              "sphere_rule": SPHERE_RULE, "fit": fitted.fit_options, "subspaces": source,
+             "sphere_refused": {name: fitted.classes_[name].sphere_refusal for name in names
+                                if fitted.classes_[name].sphere_refusal},
              **{name: getattr(fitted, name) for name in ("radius_cv_tolerance", "confidence", "significance", "n_bootstrap")}}
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
@@ -173,6 +180,8 @@ DESCRIPTIONS = {
     "sphere_claim_q": "the p-value of the claim on the side of the measurement (the smaller) adjusted for the "
                       "false-discovery rate over every layer and factor (Benjamini-Hochberg); NaN for the other claim",
     "class_radius": "norm of each class point (classes in the order of attrs classes)",
+    "sphere_classes": "classes in the radius statistics: every class but a pooled one; 0 when the factor's classes "
+                      "cannot show a sphere (attrs sphere_refused)",
     "cross_term": "RMS cosine between the class points of two components over the tokens both read, each token "
                   "weighted by |x_a|^2 |x_b|^2: sqrt(mean (x_a . x_b)^2 / mean |x_a|^2 |x_b|^2), within [0, 1], 0 for "
                   "orthogonal subspaces",

@@ -72,7 +72,7 @@ from .inputs import (
 )
 from .layer import DrawSettings, LayerFit, fit_layer
 from .multiplicity import state_multiplicity
-from .options import FLAG, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
+from .options import FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
 from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, unit_groups, warn_fewer_units_than_groups
@@ -82,6 +82,13 @@ log = logging.getLogger("orthosphere.analyze")
 BOUNDS = ("low", "high")
 NULL_DRAWS = 9999
 """The structure test's draws unless the false-discovery correction needs more (each costs groups^2)."""
+RELEVANCE_FLOOR = 0.01
+"""The default relevance floor: a direction carrying less than 1 % of its factor's between-class variance
+is not part of the factor's subspace, however significant (with 10^5 tokens and more every direction is)."""
+OUTLIER_NORM = 10.0
+"""An analysed token whose norm exceeds this multiple of the median norm of its block of samples is
+counted as an outlier (a sink beyond the start token): counted, not left out; its variance enters the
+noise covariance that whitens the rank's test."""
 CONDITION_WARNING = 100.0
 """A joint fit whose condition number (of the unit-diagonal Z'Z) exceeds this is logged as a warning."""
 
@@ -98,8 +105,9 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 
 
 def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups: int):
-    """Sums of the token vectors per (group, design column), of their squared norms per column, and
-    the count of non-finite ones. A (group, class) cell of one block sums few tokens, so float32
+    """Sums of the token vectors per (group, design column), of their squared norms per column, the
+    count of non-finite ones and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the
+    block's median). A (group, class) cell of one block sums few tokens, so float32
     sums lose nothing that matters; blocks are then accumulated in float64."""
     squares = square_norms(x).ravel()
     vectors = x.reshape(-1, x.shape[-1])
@@ -110,7 +118,9 @@ def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups
     onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
                                shape=(n_groups * n_columns, len(vectors)))
     column_squares = np.bincount(columns[rows, which], weights=squares[rows].astype("float64"), minlength=n_columns)
-    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "sums": onehot @ vectors,
+    counted = squares[columns[:, 0] >= 0]
+    outliers = np.count_nonzero(counted > OUTLIER_NORM**2 * np.median(counted)) if counted.size else 0
+    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "outliers": outliers, "sums": onehot @ vectors,
                         "squares": column_squares})
 
 
@@ -152,6 +162,8 @@ class SubspacesConfig(AnalysisConfig):
                                             "factors.default_intercepts)")
     rank: int | None = parameter(None, integer(1), None, help="a fixed rank (default: the noise-aware rank)")
     rank_significance: float = parameter(0.01, PROBABILITY, help="each step of the noise-aware rank's test")
+    relevance_floor: float = parameter(RELEVANCE_FLOOR, FLOOR, help="share of its factor's between-class variance "
+                                       "below which a significant direction does not count in the rank")
     max_classes: int | None = parameter(64, integer(2, "the most classes a factor keeps (its rarest classes beyond "
                                                      "that are pooled into one)"), None,
                                         help="none keeps every class")
@@ -263,7 +275,7 @@ class FactorSubspaces:
         layout = Layout(tuple(names), tuple(classes[name].size for name in names), tuple(int(c) for c in discovery.cells))
         columns = design_columns(dataset, factors, discovery, layout, mask)
         design = self._design(discovery, layout, columns, groups, n_groups, url)
-        packer = Packer({"nonfinite": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
+        packer = Packer({"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
                          "squares": (layout.n_columns,)})
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
         settings = self._draw_settings(n_groups)
@@ -328,7 +340,8 @@ class FactorSubspaces:
         draws = rademacher(rng, self.n_bootstrap, n_groups)
         null = rademacher(rng, self.n_null_, n_groups)
         return DrawSettings(self.rank, null, draws, self.confidence, self.significance, self.rank_significance,
-                            90.0 - self.orthogonality_deg, self.independence_deg, self.radius_cv_tolerance)
+                            self.relevance_floor, 90.0 - self.orthogonality_deg, self.independence_deg,
+                            self.radius_cv_tolerance)
 
     def bases(self, layer: int) -> list[np.ndarray]:
         """Each factor's orthonormal basis (d_model, rank) at a fitted layer, in the order of factors_."""
@@ -341,7 +354,8 @@ class FactorSubspaces:
 
 def _fit_layer_of_design(vector, design: Design, **kwargs) -> LayerFit:
     return fit_layer(vector, counts=design.counts, layout=design.layout, solution=design.solution,
-                     traces=design.traces, **kwargs)
+                     traces=design.traces, radial=[design.classes[name].sphere_classes for name in design.layout.names],
+                     **kwargs)
 
 
 def label_association(counts: Counts, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -416,6 +430,13 @@ def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, si
     return relation.astype(object)
 
 
+RANK_RULE = (
+    "a fixed rank is the rank; else the structure test decides whether a factor has a subspace (subspace_rank 0 "
+    "when structure_q > significance) and the significant directions (significance_rank) how many, counted while "
+    "each carries at least relevance_floor of the factor's between-class variance (variance_share); the angles, "
+    "claims, head angles and bases of a factor of rank 0 are NaN"
+)
+
 RELATION_RULE = (
     "no structure: either factor has rank 0 or its structure_q > significance; else the claim whose "
     "claim_q <= significance (Benjamini-Hochberg over every claim of the run): orthogonal (every principal "
@@ -467,7 +488,9 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     n_components = max(len(factor.singular) for fit in fits.values() for factor in fit.factors)
     shape = (n_layers, n_factors)
     singular, explained = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
-    noise_singular = np.full(shape + (n_components,), np.nan)
+    noise_singular, white_singular = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
+    share, site_share = np.full(shape + (n_components,), np.nan), np.full(shape + (n_components,), np.nan)
+    significance_rank = np.full(shape, np.nan)
     basis = np.full(shape + (fitted.d_model_, max_rank), np.nan)
     pairs, null_angles, heads = {}, {}, {"q": {}, "k": {}}
     for i, layer in enumerate(layers):
@@ -476,6 +499,12 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
             variance = factor.singular**2
             singular[i, a, : len(variance)] = factor.singular
             noise_singular[i, a, : len(factor.noise_singular)] = factor.noise_singular
+            if factor.significance_rank is not None:
+                significance_rank[i, a] = factor.significance_rank
+                white_singular[i, a, : len(variance)] = factor.white_singular
+                share[i, a, : len(variance)] = factor.variance_share
+                if factor.site_variance > 0:
+                    site_share[i, a, : len(variance)] = factor.signal_variance / factor.site_variance
             if variance.sum() > 0:
                 explained[i, a, : len(variance)] = np.cumsum(variance) / variance.sum()
             basis[i, a, :, : factor.rank] = factor.basis
@@ -483,6 +512,14 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         null_angles.update({(i, a, b): value for (a, b), value in fit.null_angles.items()})
         for (kind, a, h), value in fit.head_angles.items():
             heads[kind][i, a, h] = value
+    structure_p = np.array([[factor.structure_p for factor in fits[layer].factors] for layer in layers])
+    structure_q = benjamini_hochberg(structure_p)
+    rank = np.array([fits[layer].rank for layer in layers], dtype="int64")
+    if fitted.rank is None:  # the structure test decides whether there is a subspace: see RANK_RULE
+        rank = np.where(structure_q > fitted.significance, 0, rank)
+    structured = rank > 0
+    both = structured[:, :, None] & structured[:, None, :]
+    basis[~structured] = np.nan
     pair_shape = shape + (n_factors,)
     angles = _padded(_symmetric(pairs, pair_shape, "angles"), pair_shape, max_rank)
     estimate = _padded(_symmetric(pairs, pair_shape, "estimate"), pair_shape, max_rank)
@@ -490,15 +527,15 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     claim_p = np.full(pair_shape + (len(CLAIMS),), np.nan)
     for index, value in _symmetric(pairs, pair_shape, "claim_p").items():
         claim_p[index] = value
+    for values in (angles, estimate, extremes_ci, claim_p):
+        values[~both] = np.nan
     upper = np.triu(np.ones((n_factors, n_factors), bool), 1)[None, :, :, None] & np.isfinite(claim_p)
     claim_q = np.full(claim_p.shape, np.nan)
     claim_q[upper] = benjamini_hochberg(claim_p[upper])
     claim_q = np.fmin(claim_q, np.swapaxes(claim_q, 1, 2))
     null_median = _padded({index: value[0] for index, value in null_angles.items()}, pair_shape, max_rank)
     null_ci = _padded({index: value[1] for index, value in null_angles.items()}, pair_shape, max_rank, 2)
-    structure_p = np.array([[factor.structure_p for factor in fits[layer].factors] for layer in layers])
-    structure_q = benjamini_hochberg(structure_p)
-    rank = np.array([fits[layer].rank for layer in layers], dtype="int64")
+    null_median[~both], null_ci[~both] = np.nan, np.nan
     relation = relations(rank, structure_q, claim_q, fitted.significance)
     fd, pair = ("layer", "factor"), ("layer", "factor", "other")
     solution = design.solution
@@ -512,9 +549,14 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "variance_inflation": (("factor",), solution.variance_inflation if solution else np.full(n_factors, np.nan)),
         "condition_number": ((), solution.condition if solution else np.nan),
         "subspace_rank": (fd, rank),
+        "significance_rank": (fd, significance_rank),
+        "variance_share": (fd + ("component",), share),
+        "site_variance_share": (fd + ("component",), site_share),
         "singular_value": (fd + ("component",), singular),
         "noise_singular_value": (fd + ("component",), noise_singular),
+        "whitened_singular_value": (fd + ("component",), white_singular),
         "explained": (fd + ("component",), explained),
+        "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -527,7 +569,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "max_angle": (pair, _largest(angles)),
         "max_angle_estimate": (pair, _largest(estimate)),
         "max_angle_ci": (pair + ("bound",), extremes_ci[..., 1, :]),
-        "overlap": (pair, _overlap(_symmetric(pairs, pair_shape, "angles"), pair_shape)),
+        "overlap": (pair, np.where(both, _overlap(_symmetric(pairs, pair_shape, "angles"), pair_shape), np.nan)),
         "null_angles": (pair + ("angle",), null_median),
         "null_angles_ci": (pair + ("angle", "bound"), null_ci),
         "null_min_angle": (pair, null_median[..., 0]),
@@ -540,6 +582,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         for kind, head_dim in (("q", "head"), ("k", "kv_head")):
             table = _padded(heads[kind], shape + (len(fitted.heads_[kind]),), max_rank)
             head_overlap = _overlap(heads[kind], shape + (len(fitted.heads_[kind]),))
+            table[~structured], head_overlap[~structured] = np.nan, np.nan
             data.update({
                 f"{kind}_angles": (fd + (head_dim, "angle"), table),
                 f"{kind}_min_angle": (fd + (head_dim,), table[..., 0]),
@@ -554,10 +597,11 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "head_angles": "computed from w_q, w_k" if fitted.has_weights_ else "not computed: the store has no weights",
         "fit": fitted.fit_options,
         "relation_rule": RELATION_RULE,
+        "rank_rule": RANK_RULE,
         "n_null": fitted.n_null_,
         **fitted.resampling_,
         **{name: getattr(fitted, name) for name in ("n_bootstrap", "bootstrap_groups", "confidence", "significance",
-                                                    "seed", "independence_deg", "orthogonality_deg")},
+                                                    "seed", "independence_deg", "orthogonality_deg", "relevance_floor")},
     }
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
@@ -566,11 +610,26 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
 
 
 DESCRIPTIONS = {
-    "subspace_rank": "directions of the factor's effects standing above noise (deflated parallel analysis, each step "
-                     "at rank_significance), or the fixed rank",
-    "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the noise draws' largest "
-                            "singular value with the leading directions before it projected out",
+    "subspace_rank": "the rank that decides the factor's basis, angles, claims and spheres (attrs rank_rule): the "
+                     "fixed rank, or the significant directions reaching the relevance floor, 0 when the structure "
+                     "test is not shown",
+    "significance_rank": "directions of the factor's effects standing above noise (deflated parallel analysis of the "
+                         "effects, whitened where the noise is anisotropic, each step at rank_significance), before the relevance floor; NaN without "
+                         "noise draws",
+    "whitened_singular_value": "singular values of the weighted effects in coordinates whitened by the noise "
+                               "covariance where it is anisotropic (inference.noise_whitening; else singular_value): "
+                               "what the rank's test compares",
+    "variance_share": "each direction's share of the factor's between-class variance: its squared singular value "
+                      "without the noise's inflation (inference.shrunk_variances) over that of the significant "
+                      "directions together",
+    "site_variance_share": "each direction's noise-corrected variance as a share of the site's total variance over the "
+                           "factor's tokens",
+    "noise_singular_value": "per step of the rank's test: the (1 - rank_significance) quantile of the whitened noise "
+                            "draws' largest singular value with the leading directions before it projected out (to "
+                            "compare with whitened_singular_value)",
     "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
+    "outlier_tokens": "analysed tokens whose norm exceeds OUTLIER_NORM (10) times the median of their block of "
+                      "samples (sink tokens beyond the start token): counted, not left out of the fit",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

@@ -74,7 +74,7 @@ def test_intervals_bracket_the_planted_angles_and_the_relation_is_named(planted)
     assert np.all(result["structure_q"].values <= 1e-3)
     # each factor's singular values stand far above the noise's at the steps that found them
     noise = result["noise_singular_value"].isel(component=slice(0, 2))
-    assert np.all((result["singular_value"].isel(component=slice(0, 2)) > 10 * noise) | noise.isnull())
+    assert np.all((result["whitened_singular_value"].isel(component=slice(0, 2)) > 10 * noise) | noise.isnull())
     assert np.all(result["noise_singular_value"].isel(component=2).notnull())  # the step that found the rank
 
 
