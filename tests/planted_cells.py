@@ -5,9 +5,9 @@ the results into error rates against the planted truth. benchmarks/calibration.p
 tests/test_calibration.py a small fixed-seed subset.
 
 The planted model of a layer: x = E_a[c_a] + E_b[c_b] + (role offset) + noise, noise N(0, 1) in every
-dimension; factor a has `n_classes` classes (uniform or Zipf), b has 4 (uniform; with `confounded`,
-b = a mod 4 on half the tokens); a's subspace has rank min(`rank`, n_classes - 1) (2 by default), b's
-rank 2, so that the pair has min(rank_a, 2) principal angles whatever a's rank. Signal
+dimension; factor a has `n_classes` classes (uniform or Zipf), b has `b_classes` (4; uniform; with
+`confounded`, b = a mod b_classes on half the tokens); a's subspace has rank min(`rank`, n_classes - 1)
+(2 by default), b's `rank_b` (2), so that the pair has min(rank_a, rank_b) principal angles. Signal
 strength is set against the noise: each planted direction's singular value (of the
 sqrt(count)-weighted effects) is `SIGNALS[signal]` times the detection threshold (k d)^(1/4) of
 noise alone (Benaych-Georges & Nadakuditi 2012): below it no method can see the direction.
@@ -65,8 +65,9 @@ BURSTY_CLUSTERING = 0.9
 ROGUE_DIMS = 2
 ROGUE_SPREAD = 8.0
 SINK_SHARE = 0.01
-SINK_NORM = 20.0
-"""A sink's added norm, times sqrt(d_model) (the others' typical noise norm), times a uniform factor in [0.5, 1.5]."""
+SINK_NORM = 40.0
+"""A sink's added norm, times sqrt(d_model), times a uniform factor in [0.5, 1.5]: 12-35 times the other
+tokens' median norm (sqrt(d_model - ROGUE_DIMS + ROGUE_DIMS * ROGUE_SPREAD^2))."""
 FLOAT16_NOISE = 1e-3
 FLOAT16_RADIUS = 3.0
 VOCABULARY_RADIUS = 3.0
@@ -90,6 +91,7 @@ class Cell:
     truth: str = "oblique"
     sphere: str | None = None
     rank: int = 2
+    b_classes: int = B_CLASSES
     rank_b: int = 2
     n_layers: int = 200
     n_samples: int = 256
@@ -100,15 +102,16 @@ class Cell:
     def __post_init__(self):
         if self.departure is not None and self.departure not in DEPARTURES:
             raise ValueError(f"departure {self.departure!r}: expected one of {list(DEPARTURES)} or None")
-        if self.rank_b > B_CLASSES - 1:
-            raise ValueError(f"rank_b={self.rank_b}: b has {B_CLASSES} classes, so at most {B_CLASSES - 1}")
+        if self.rank_b > self.b_classes - 1:
+            raise ValueError(f"rank_b={self.rank_b}: b has {self.b_classes} classes, so at most {self.b_classes - 1}")
 
     @property
     def name(self) -> str:
         parts = [f"d{self.d_model}", f"K{self.n_classes}", "zipf" if self.zipf else "uniform", self.signal,
                  "confounded" if self.confounded else "crossed", "subset" if self.subset else "all", self.truth]
-        extra = ([f"rank{self.rank}"] if self.rank != 2 else []) + ([f"rankb{self.rank_b}"] if self.rank_b != 2 else []) \
-            + ([f"sphere-{self.sphere}"] if self.sphere else [])
+        extra = ([f"rank{self.rank}"] if self.rank != 2 else []) \
+            + ([f"Kb{self.b_classes}"] if self.b_classes != B_CLASSES else []) \
+            + ([f"rankb{self.rank_b}"] if self.rank_b != 2 else []) + ([f"sphere-{self.sphere}"] if self.sphere else [])
         departure = ([self.departure] if self.departure else []) + (["twin"] if self.twin else [])
         return "-".join(parts + extra + departure)
 
@@ -154,9 +157,9 @@ def class_probabilities(cell: Cell) -> np.ndarray:
 def _labels(cell: Cell, rng: np.random.Generator):
     n_tokens = cell.n_samples * (cell.n_pos - 1)
     a = rng.choice(cell.n_classes, size=n_tokens, p=class_probabilities(cell))
-    b = rng.integers(0, B_CLASSES, n_tokens)
+    b = rng.integers(0, cell.b_classes, n_tokens)
     if cell.confounded:
-        b = np.where(rng.random(n_tokens) < 0.5, a % B_CLASSES, b)
+        b = np.where(rng.random(n_tokens) < 0.5, a % cell.b_classes, b)
     role_x = rng.random(n_tokens) < 0.5 if cell.subset else np.ones(n_tokens, bool)
     return a, b, role_x
 
@@ -217,11 +220,11 @@ def _design(cell: Cell, rng: np.random.Generator) -> Design:
     valid = np.ones(n_tokens, bool)
     if cell.departure == "documents":
         a = clustered(class_probabilities(cell), documents, DOCUMENT_CLUSTERING, rng)
-        b = clustered(np.full(B_CLASSES, 1 / B_CLASSES), documents, DOCUMENT_CLUSTERING, rng)
+        b = clustered(np.full(cell.b_classes, 1 / cell.b_classes), documents, DOCUMENT_CLUSTERING, rng)
         return Design(a, b, valid.copy(), documents, valid)
     if cell.departure == "bursty":
         a = clustered(class_probabilities(cell), documents, BURSTY_CLUSTERING, rng)
-        return Design(a, rng.integers(0, B_CLASSES, n_tokens), valid.copy(), documents, valid)
+        return Design(a, rng.integers(0, cell.b_classes, n_tokens), valid.copy(), documents, valid)
     a, b, role_x = _labels(cell, rng)
     if cell.departure == "circle":
         a = np.tile(np.arange(1, cell.n_pos), cell.n_samples)
@@ -306,11 +309,11 @@ def _effect_a(cell: Cell, design: Design, basis_a: np.ndarray, singular: float, 
     return _effects(applied, cell.n_classes, basis_a, singular, rng), 0.0
 
 
-def interaction(a: np.ndarray, b: np.ndarray, n_classes: int, basis: np.ndarray, singular: float, rng) -> np.ndarray:
+def interaction(a: np.ndarray, b: np.ndarray, basis: np.ndarray, singular: float, rng) -> np.ndarray:
     """A cell effect per token (token, d_model) in the span of `basis`: random per (a, b), centred over
     a for each b and over b for each a (so that it adds nothing to either factor's effects in a crossed
     design), its sqrt(count)-weighted cells scaled to total variance rank * singular^2."""
-    cells = rng.normal(size=(n_classes, B_CLASSES, basis.shape[1]))
+    cells = rng.normal(size=(a.max() + 1, b.max() + 1, basis.shape[1]))
     cells = cells - cells.mean(axis=0) - cells.mean(axis=1, keepdims=True) + cells.mean(axis=(0, 1))
     per_token = cells[a, b] @ basis.T
     return per_token * singular * np.sqrt(basis.shape[1] / np.sum(per_token**2))
@@ -322,7 +325,7 @@ def plant(cell: Cell, root: Path, seed: int = 0) -> Planted:
     design = _design(cell, rng)
     d = cell.d_model
     threshold_a = ((cell.n_classes - 1) * d) ** 0.25 * _noise_unit(cell)
-    threshold_b = ((B_CLASSES - 1) * d) ** 0.25 * _noise_unit(cell)
+    threshold_b = ((cell.b_classes - 1) * d) ** 0.25 * _noise_unit(cell)
     if cell.departure in ("documents", "bursty"):  # against the noise the class means carry
         threshold_a *= np.sqrt(design_effect(design.a, design.documents))
         threshold_b *= np.sqrt(design_effect(design.b, design.documents))
@@ -335,16 +338,16 @@ def plant(cell: Cell, root: Path, seed: int = 0) -> Planted:
         angles, basis_a, basis_b = _bases(cell, rng)
         effect_a, cv = _effect_a(cell, design, basis_a, singular_a, rng)
         if cell.departure == "float16":
-            effect_b = sphere_points(B_CLASSES, basis_b, FLOAT16_RADIUS, rng)
+            effect_b = sphere_points(cell.b_classes, basis_b, FLOAT16_RADIUS, rng)
         else:
-            effect_b = _effects(design.b[design.valid], B_CLASSES, basis_b,
+            effect_b = _effects(design.b[design.valid], cell.b_classes, basis_b,
                                 SIGNALS["moderate" if cell.signal == "none" else cell.signal] * threshold_b, rng)
         x = effect_b[design.b] + np.where(design.role_x[:, None], effect_a[design.a], offset)
         if cell.departure == "float16":  # a residual stream's mean: values where float16's spacing is coarse
             x += offset
         if cell.has("interaction"):
             elsewhere = random_basis(d, INTERACTION_RANK, rng, exclude=np.linalg.qr(np.hstack([basis_a, basis_b]))[0])
-            x += interaction(design.a, design.b, cell.n_classes, elsewhere, singular_a, rng)
+            x += interaction(design.a, design.b, elsewhere, singular_a, rng)
         x += _noise(cell, design, interaction_variance, rng)
         x[~design.valid] = 0.0
         layer = np.zeros((cell.n_samples, cell.n_pos, d), "float32")
