@@ -72,7 +72,8 @@ FLOAT16_NOISE = 1e-3
 FLOAT16_RADIUS = 3.0
 VOCABULARY_RADIUS = 3.0
 TWIN_VOCABULARY = 64
-CIRCLE_PERIOD = 16
+CIRCLE_PERIOD = 8
+"""Positions per turn: a fast position feature, so that a range of a few positions averages points of an arc."""
 CIRCLE_RADIUS = 3.0
 INTERACTION_RANK = 2
 
@@ -422,6 +423,7 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
     exact = (rank == cell.rank_a) & (rank_b == cell.rank_b)
     scores["rank_exact"] = float(np.mean(rank == cell.rank_a))
     scores["rank_exact_b"] = float(np.mean(rank_b == cell.rank_b))
+    scores["rank_mean"], scores["rank_b_mean"] = float(np.mean(rank)), float(np.mean(rank_b))
     pair = subspaces.sel(factor=a, other=b)
     for name, column in (("min", 0), ("max", 1)):
         low, high = pair[f"{name}_angle_ci"].values.T
