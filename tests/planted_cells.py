@@ -420,6 +420,7 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
         relation = subspaces["relation"].sel(factor=a, other=b).values
         scores["claimed"] = float(np.mean(np.isin(relation, ["orthogonal", "dependent", "independent"])))
         return scores
+    scores["structure_found"] = float(np.mean(subspaces["structure_p"].sel(factor=a).values <= significance))
     exact = (rank == cell.rank_a) & (rank_b == cell.rank_b)
     scores["rank_exact"] = float(np.mean(rank == cell.rank_a))
     scores["rank_exact_b"] = float(np.mean(rank_b == cell.rank_b))
