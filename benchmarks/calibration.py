@@ -20,7 +20,15 @@ Groups of cells (``--groups``, default all):
   60 degrees and orthogonal: ranks, coverage and verdicts where many noisy directions pull the
   smallest angle down;
 - design: confounded labels and a factor read on a subset of tokens (whose other tokens sit elsewhere);
-- spheres: class points on a sphere, and with radii spread +-40 %: told apart (target >= 95 %).
+- spheres: class points on a sphere, and with radii spread +-40 %: told apart (target >= 95 %);
+- departures: how real activations differ from the planted model, one departure a cell, each beside
+  its twin without it (same sizes, effects and total variance; tests/planted_cells.py DEPARTURES):
+  documents across 4 packed windows with labels clustered by document (a null label, and ranks
+  [2, 3]), bursty null labels, rogue dimensions and sinks (ranks [2, 3]), float16 rounding (ranks
+  [3, 2], orthogonal), a pooled Zipf vocabulary on a sphere and binned positions on a circle (sphere
+  "on" or "undetermined", never "off"), an interaction of the two factors (ranks [2, 2], 60 degrees:
+  the interaction lives in a plane of its own and belongs to neither factor). Their targets are the
+  other groups' (with rogue dimensions and sinks: within 5 points of the twin).
 
 Coverage at a planted angle of 0 or 90 degrees, or a radius spread of 0 (on a sphere), is one-sided:
 only one bound can miss there (nominal 95 % for a 90 % interval); the truth and spheres groups show
@@ -29,8 +37,10 @@ the shares missed below and above.
     python benchmarks/calibration.py                      # every group, 200 layers a cell
     python benchmarks/calibration.py --groups null --layers 400
     python benchmarks/calibration.py --quick              # 40 layers a cell, a few cells per group
+    python benchmarks/calibration.py --groups departures --layers 48
 
-Prints one line per cell as it finishes, then the table (markdown) for benchmarks/RESULTS.md.
+Prints one line per cell as it finishes (with its seconds per layer, for planning a run), then the
+table (markdown) for benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -49,7 +59,7 @@ import numpy as np  # noqa: E402
 import xarray as xr  # noqa: E402
 from scipy.stats import kstest  # noqa: E402
 
-from tests.planted_cells import Cell, Planted, plant, run, score  # noqa: E402
+from tests.planted_cells import Cell, Planted, plant, run, score, twin_of  # noqa: E402
 
 CHUNK_LAYERS = 200
 """A cell of more layers is planted as several stores of at most this many (seeds 0, 1, ...; each its own
@@ -84,10 +94,27 @@ def grid(group: str, n_layers: int, quick: bool) -> list[Cell]:
     if group == "spheres":
         return [replace(base, sphere=sphere, truth="orthogonal", signal=signal, n_classes=k, zipf=zipf)
                 for sphere in ("on", "off") for signal in ("moderate", "strong") for k, zipf in ((8, False), (64, True))]
+    if group == "departures":
+        return [each for cell in departures(base) for each in (cell, twin_of(cell))]
     raise SystemExit(f"unknown group {group!r}: expected any of {GROUPS}")
 
 
-GROUPS = ("null", "signal", "truth", "ranks", "design", "spheres")
+def departures(base: Cell) -> list[Cell]:
+    """One cell per departure from the planted model (their twins beside them in the grid)."""
+    return [
+        replace(base, departure="documents", signal="none", b_classes=8, rank_b=3),
+        replace(base, departure="documents", b_classes=8, rank_b=3),
+        replace(base, departure="bursty", signal="none", n_classes=64),
+        replace(base, departure="rogue", b_classes=8, rank_b=3),
+        replace(base, departure="float16", n_classes=6, rank=3, truth="orthogonal", confounded=True, signal="strong"),
+        replace(base, departure="vocabulary", n_classes=20000, zipf=True, rank=3, sphere="on", truth="orthogonal",
+                n_samples=512, n_pos=33),
+        replace(base, departure="circle", d_model=32, n_pos=129, sphere="on", truth="orthogonal"),
+        replace(base, departure="interaction"),
+    ]
+
+
+GROUPS = ("null", "signal", "truth", "ranks", "design", "spheres", "departures")
 COLUMNS = {
     "null": ("structure_fp", "structure_fp_corrected", "structure_uniform_p", "rank_zero", "claimed"),
     "signal": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "min_bias",
@@ -100,6 +127,10 @@ COLUMNS = {
     "design": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "called_independent"),
     "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "sphere_on_p05", "sphere_off_p05", "radius_cv_coverage",
                 "radius_cv_below", "radius_cv_above"),
+    "departures": ("structure_fp", "structure_fp_corrected", "structure_found", "rank_exact", "rank_exact_b", "rank_mean", "rank_b_mean",
+                   "min_coverage",
+                   "max_coverage", "called_orthogonal", "called_dependent", "called_independent", "sphere_right",
+                   "sphere_wrong", "seconds_per_layer"),
 }
 
 
@@ -138,6 +169,11 @@ def binomial_range(share: float, n: int) -> str:
     return f"+-{half * 100:.1f}"
 
 
+def _shown(value: float | None) -> str:
+    """A score as the table shows it: three decimals, a dash where the cell has none."""
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS)
@@ -168,9 +204,11 @@ def main() -> None:
                 started = time.perf_counter()
                 scores = measure(cell, root)
                 seconds = time.perf_counter() - started
+                scores["seconds_per_layer"] = seconds / scores["layers"]
                 rows.append((cell, scores))
-                shown = ", ".join(f"{name} {scores.get(name, float('nan')):.3f}" for name in COLUMNS[group])
-                print(f"{group} {cell.name} ({scores['layers']} layers, {seconds:.0f} s): {shown}", flush=True)
+                shown = ", ".join(f"{name} {_shown(scores.get(name))}" for name in COLUMNS[group])
+                print(f"{group} {cell.name} ({scores['layers']} layers, {seconds:.0f} s, "
+                      f"{scores['seconds_per_layer']:.2f} s a layer): {shown}", flush=True)
             tables[group] = rows
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -180,7 +218,7 @@ def main() -> None:
         print("| cell | " + " | ".join(COLUMNS[group]) + " |")
         print("|---|" + "---|" * len(COLUMNS[group]))
         for cell, scores in rows:
-            cells = [f"{scores.get(name, float('nan')):.3f}" for name in COLUMNS[group]]
+            cells = [_shown(scores.get(name)) for name in COLUMNS[group]]
             print(f"| {cell.name} | " + " | ".join(cells) + " |")
 
 

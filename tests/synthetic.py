@@ -33,10 +33,12 @@ WEIGHT_SHAPES = {
 
 def write_store(url, sites: dict[str, np.ndarray], *, labels: dict[str, np.ndarray] | None = None, valid=None,
                 weights: dict[str, np.ndarray] | None = None, model: dict | None = None, samples_per_chunk=None,
-                with_weights: bool = True, dtype: str = "float32", seed: int = 0) -> str:
+                with_weights: bool = True, dtype: str = "float32", seed: int = 0,
+                label_dtypes: dict[str, str] | None = None) -> str:
     """Write a complete store holding `sites` (name -> (sample, layer, ...) array) and `labels`
-    (name -> (sample, pos) str or int array). Sizes come from the arrays (n_heads = n_kv_heads = 2,
-    d_head = 4 unless q, k or `model` say otherwise); weights not given are seeded random ones."""
+    (name -> (sample, pos) str or int array; int16 unless `label_dtypes` names another integer type).
+    Sizes come from the arrays (n_heads = n_kv_heads = 2, d_head = 4 unless q, k or `model` say
+    otherwise); weights not given are seeded random ones."""
     first = next(iter(sites.values()))
     n_samples, n_layers, n_pos = first.shape[:3]
     sizes = {"n_layers": n_layers, "n_heads": 2, "n_kv_heads": 2, "d_head": 4, "d_model": 8}
@@ -55,6 +57,7 @@ def write_store(url, sites: dict[str, np.ndarray], *, labels: dict[str, np.ndarr
                    "attn_scale": 1 / np.sqrt(sizes["d_head"]), "causal": True, **sizes, **(model or {})}
     labels = labels or {}
     label_types = {name: "str" if np.asarray(v).dtype.kind in "UTO" else "int16" for name, v in labels.items()}
+    label_types.update(label_dtypes or {})
     writer = create_store(url, model=description, task={"name": "planted"}, n_samples=n_samples, n_pos=n_pos,
                           sites=tuple(sites), labels=label_types, samples_per_chunk=samples_per_chunk,
                           with_weights=with_weights, dtype=dtype)
