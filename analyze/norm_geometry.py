@@ -19,9 +19,9 @@ attention are shaped around its norms, per layer, in one streaming pass.
 - Sparse attention: the share of analysed queries that may see at least `min_keys` keys and whose
   largest attention is at least `sparse_threshold` (0.95, the replay's).
 
-Intervals (`confidence`, 0.9): the samples are cut into `n_groups` groups of consecutive samples (so
+Intervals (`confidence`, 0.9): the samples are cut into `interval_groups` groups of consecutive samples (so
 that the windows of one document mostly stay together; the resampling by documents of
-``inference.py`` is not used here), and the groups are drawn with replacement `n_draws` times
+``inference.py`` is not used here), and the groups are drawn with replacement `interval_draws` times
 (a percentile bootstrap of the ratio estimates). The maxima and medians have no interval.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, sample
 from .options import DEVICE, LAYERS, PROBABILITY, SHARE, SITE, AnalysisConfig, integer
 from .plan import Plan
 from .registry import Analysis
+from .replay_blocks import DEFAULT_MIN_KEYS, MIN_KEYS, SPARSE_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,10 @@ class NormGeometryConfig(AnalysisConfig):
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
     n_top: int = parameter(3, integer(1), help="the dimensions with the largest |x_i| named per layer")
     sink_threshold: float = parameter(0.3, SHARE, help="a head is a sink when its mean attention on the start token exceeds this")
-    sparse_threshold: float = parameter(0.95, SHARE, help="a query is sparse when its largest attention reaches this")
-    min_keys: int = parameter(4, integer(1), help="sparse attention counts queries that may see at least this many keys")
-    n_groups: int = parameter(32, integer(2), help="groups of consecutive samples resampled for the intervals")
-    n_draws: int = parameter(200, integer(10), help="bootstrap draws of the groups")
+    sparse_threshold: float = parameter(0.95, SPARSE_THRESHOLD, help="a query is sparse when its largest attention reaches this")
+    min_keys: int = parameter(DEFAULT_MIN_KEYS, MIN_KEYS, help="sparse attention counts queries that may see at least this many keys")
+    interval_groups: int = parameter(32, integer(2), help="groups of consecutive samples resampled for the intervals")
+    interval_draws: int = parameter(200, integer(10), help="bootstrap draws of the groups")
     confidence: float = parameter(0.9, PROBABILITY, help="the intervals' coverage")
     seed: int = parameter(0, integer(0), help="seed of the bootstrap draws")
     device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
@@ -237,7 +238,7 @@ def plan_norm_geometry(dataset: xr.Dataset, config: NormGeometryConfig) -> Plan:
     source = _source(dataset)
     has_scale = "norm_scale" in dataset.data_vars
     n_samples, n_heads = dataset.sizes["sample"], dataset.sizes.get("head", 1)
-    n_groups = min(config.n_groups, n_samples)
+    n_groups = min(config.interval_groups, n_samples)
     summed, maximised = _packers(n_groups, n_heads, dataset.sizes["d_model"], dataset.sizes["pos"])
     group_of = _group_of(n_samples, n_groups, np.asarray(dataset["sample"].values))
     finite = FiniteCheck(dataset)
@@ -274,7 +275,7 @@ def _source(dataset: xr.Dataset) -> str:
 def _result(dataset, config, layers, per_layer, source, has_scale, n_groups) -> xr.Dataset:
     sums = {name: np.stack([s[name] for s, _ in per_layer]) for name in per_layer[0][0]}
     maxima = {name: np.stack([m[name] for _, m in per_layer]) for name in per_layer[0][1]}
-    bootstrap = Bootstrap(n_groups, config.n_draws, config.confidence, config.seed)
+    bootstrap = Bootstrap(n_groups, config.interval_draws, config.confidence, config.seed)
 
     def groups_first(name):  # (layer, group, ...) -> (group, layer, ...)
         return np.moveaxis(sums[name], 1, 0)
@@ -350,7 +351,7 @@ def _result(dataset, config, layers, per_layer, source, has_scale, n_groups) -> 
                 else np.arange(n_heads)},
         attrs={"site": config.site, "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(
             source, "none"), "norm_scale": "stored" if has_scale else "not stored", "n_groups": n_groups,
-            "n_draws": config.n_draws, "confidence": config.confidence, "sink_threshold": config.sink_threshold,
+            "n_draws": config.interval_draws, "confidence": config.confidence, "sink_threshold": config.sink_threshold,
             "sparse_threshold": config.sparse_threshold, "min_keys": config.min_keys},
     )
     return result
