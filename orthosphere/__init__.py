@@ -12,7 +12,8 @@ torch)::
   ``orthosphere.analyze.api``; ``corpus`` and ``tasks``: the data objects ``extract`` reads;
 - ``open_store``, ``validate``, ``info`` (``orthosphere.store``), ``open_results``
   (``orthosphere.analyze``), ``report`` (``orthosphere.workflows.report.write_report``),
-  ``TokenLoader`` (``orthosphere.data``, training on a store); ``errors``: every error, in one hierarchy.
+  ``TokenLoader`` (``orthosphere.data``, training on a store), ``atlas`` (``orthosphere.workflows.atlas``:
+  many models over one corpus, compared); ``errors``: every error, in one hierarchy.
 
 The stages are the subpackages ``orthosphere.extract``, ``orthosphere.store``,
 ``orthosphere.analyze`` and ``orthosphere.workflows``, each in its own folder of the repository.
@@ -28,7 +29,7 @@ _SUBMODULES = ("extract", "analyze", "store", "workflows", "corpus", "tasks", "d
 _FUNCTIONS = {
     "open_store": "orthosphere.store", "validate": "orthosphere.store", "info": "orthosphere.store",
     "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data",
-    "report": "orthosphere.workflows.report:write_report",
+    "report": "orthosphere.workflows.report:write_report", "atlas": "orthosphere.workflows.atlas:atlas",
 }
 __all__ = [*_SUBMODULES, *_FUNCTIONS]
 

@@ -1,4 +1,4 @@
-"""The `orthosphere` command line: one verb per stage (info, validate, train, extract, analyze, report, run).
+"""The `orthosphere` command line: one verb per stage (info, validate, train, extract, analyze, report, run, atlas).
 
 Every error is one line that names its input (the traceback only with -v). The verbs that need
 PyTorch (extract, train, run, analyze --online) import it when they run, so that the others work
@@ -279,3 +279,18 @@ def run_command(ctx, config, force, root, break_lock):
     backend = ctx.obj if (ctx.obj.workers or ctx.obj.scheduler) else None
     folder = run_pipeline(pipeline, force=force, backend=backend, break_lock=break_lock)
     click.echo(f"report: {folder / 'report.html'}")
+
+
+@main.command("atlas")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Redo every model's extraction and analyses, even those already complete.")
+@click.option("--root", default=None, help="Override the config's output root (a local folder).")
+@click.pass_context
+def atlas_command(ctx, config, force, root):
+    """Extract, analyse and compare the models of CONFIG (TOML) over one corpus: atlas.zarr, atlas.md, atlas.png."""
+    from .atlas import load_atlas, run_atlas
+
+    atlas = load_atlas(config, root=root)
+    with dask_client(ctx.obj) as client:
+        folder = run_atlas(atlas, force=force, client=client)
+    click.echo(f"atlas: {folder / 'atlas.md'}, {folder / 'atlas.zarr'}, {folder / 'atlas.png'}")
