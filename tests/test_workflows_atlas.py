@@ -120,3 +120,9 @@ def test_a_model_loaded_in_python_joins_the_atlas(tmp_path):
     assert np.isfinite(table.massive_ratio.sel(model="loaded").item())
     with pytest.raises(AtlasError, match="needs a name: pass the models as a dict"):
         orthosphere.atlas([model], str(SENTENCES), tmp_path / "other")
+
+
+def test_the_shipped_atlas_config_loads():
+    atlas = load_atlas(MODELS.parent / "configs" / "atlas.toml")
+    assert [model.name for model in atlas.models] == ["demo-llama", "arithmetic-pre", "arithmetic-qkv"]
+    assert atlas.samples == 4 and atlas.options == {"replay.n_draws": 8}
