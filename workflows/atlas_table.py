@@ -158,8 +158,8 @@ def table_markdown(table: xr.Dataset) -> str:
             value = table[name].sel(model=model).item()
             cell = _cell(value)
             if name in INTERVALS and cell != "–":
-                cell += f" [{_cell(table[f'{name}_low'].sel(model=model).item())}–" \
-                        f"{_cell(table[f'{name}_high'].sel(model=model).item())}]"
+                low, high = (_cell(table[f"{name}_{bound}"].sel(model=model).item()) for bound in ("low", "high"))
+                cell += f" [{low}, {high}]"
             cells.append(cell.replace("|", "/"))
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
