@@ -179,7 +179,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.argument("store")
 @click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
 @click.option("--only", default=None, metavar="LIST",
-              help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,replay.")
+              help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,norm_geometry,replay.")
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list,
               help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
 @click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
@@ -210,7 +210,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, intercepts, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
-    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
+    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, norm geometry, replay) into the DataTree RESULTS."""
     from orthosphere.analyze import ANALYSES
     from orthosphere.analyze.options import parse_assignment
     from orthosphere.analyze.results import get_analysis
