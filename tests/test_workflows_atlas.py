@@ -11,7 +11,8 @@ import xarray as xr
 from click.testing import CliRunner
 
 import orthosphere
-from orthosphere.workflows.atlas import AtlasError, load_atlas
+from orthosphere.errors import ConfigError
+from orthosphere.workflows.atlas import load_atlas
 from orthosphere.workflows.cli import main
 
 MODELS = Path(__file__).resolve().parent.parent / "workflows" / "models"
@@ -84,9 +85,9 @@ def test_a_second_run_skips_what_is_complete(atlas_run, caplog):
 def test_two_models_with_the_same_name_are_refused(tmp_path):
     llama = MODELS / "demo-llama"
     config = write_config(tmp_path, f'[[models]]\npath = "{llama}"\n[[models]]\npath = "{tmp_path / "demo-llama"}"\n')
-    with pytest.raises(AtlasError, match=r"two or more models are named \['demo-llama'\]: give each model its own `name`"):
+    with pytest.raises(ConfigError, match=r"two or more models are named \['demo-llama'\]: give each model its own `name`"):
         load_atlas(config)
-    with pytest.raises(AtlasError, match="two or more models are named"):
+    with pytest.raises(ConfigError, match="two or more models are named"):
         orthosphere.atlas([llama, tmp_path / "demo-llama"], f"text:path={SENTENCES},context=16", tmp_path / "out")
 
 
@@ -100,10 +101,10 @@ def test_a_corpus_too_short_for_the_windows_fails_every_model_with_its_message(t
 
 def test_bad_configs_name_the_file_and_key(tmp_path):
     config = write_config(tmp_path, '[[models]]\nname = "x"\n')
-    with pytest.raises(AtlasError, match=r"\[\[models\]\] #1: needs `path`"):
+    with pytest.raises(ConfigError, match=r"\[\[models\]\] #1: needs `path`"):
         load_atlas(config)
     config.write_text('[corpus]\ntask = "text:path=x.txt"\nsamples = 0\n[[models]]\npath = "m"\n')
-    with pytest.raises(AtlasError, match=r"\[corpus\] samples = 0: expected a positive number"):
+    with pytest.raises(ConfigError, match=r"\[corpus\] samples = 0: expected a positive number"):
         load_atlas(config)
 
 
@@ -118,7 +119,7 @@ def test_a_model_loaded_in_python_joins_the_atlas(tmp_path):
     table = xr.open_datatree(root / "atlas.zarr", engine="zarr").to_dataset()
     assert table.status.sel(model="loaded").item() == "ok"
     assert np.isfinite(table.massive_ratio.sel(model="loaded").item())
-    with pytest.raises(AtlasError, match="needs a name: pass the models as a dict"):
+    with pytest.raises(ConfigError, match="needs a name: pass the models as a dict"):
         orthosphere.atlas([model], str(SENTENCES), tmp_path / "other")
 
 

@@ -54,10 +54,6 @@ DEFAULT_OPTIONS = {"replay.n_draws": 8}
 """The analyses' options unless the config sets them: the replay's draws kept few, as the atlas runs many models."""
 
 
-class AtlasError(ConfigError):
-    """An atlas that cannot run as asked: a bad config or model list, or every model failed."""
-
-
 @dataclass(frozen=True)
 class AtlasModel:
     """One model of the atlas: `model` a path (a model directory, a .gguf file, an orthosphere
@@ -99,7 +95,7 @@ def model_name(model) -> str:
     """The default name of a model given by its path: the file or folder name without suffix."""
     if isinstance(model, (str, os.PathLike)):
         return Path(model).stem
-    raise AtlasError(f"a model loaded in this session ({type(model).__name__}) needs a name: pass the models as a "
+    raise ConfigError(f"a model loaded in this session ({type(model).__name__}) needs a name: pass the models as a "
                      "dict {name: model}")
 
 
@@ -108,36 +104,36 @@ def check_names(models: list[AtlasModel]) -> None:
     seen: dict[str, int] = {}
     for model in models:
         if not model.name or "/" in model.name or model.name.startswith("."):
-            raise AtlasError(f"model name {model.name!r}: expected a name without '/' that does not start with '.'")
+            raise ConfigError(f"model name {model.name!r}: expected a name without '/' that does not start with '.'")
         seen[model.name] = seen.get(model.name, 0) + 1
     twice = sorted(name for name, count in seen.items() if count > 1)
     if twice:
-        raise AtlasError(f"two or more models are named {twice}: give each model its own `name`")
+        raise ConfigError(f"two or more models are named {twice}: give each model its own `name`")
 
 
 def load_atlas(path, root: str | None = None) -> Atlas:
     """Parse and check an atlas config (every error names the file and key); `root` overrides its root."""
     path = Path(path)
     if not path.is_file():
-        raise AtlasError(f"atlas config {path} not found: pass the path of a TOML file such as workflows/configs/atlas.toml")
+        raise ConfigError(f"atlas config {path} not found: pass the path of a TOML file such as workflows/configs/atlas.toml")
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
-        raise AtlasError(f"atlas config {path} is not valid TOML: {error}") from None
+        raise ConfigError(f"atlas config {path} is not valid TOML: {error}") from None
     _check_keys(values, TOP_LEVEL_KEYS, str(path))
     here = path.resolve().parent
     corpus = _table(values, "corpus", path, CORPUS_KEYS)
     if "task" not in corpus:
-        raise AtlasError(f"{path} [corpus]: needs `task`, a corpus spec such as 'text:path=corpus.txt,context=256'")
+        raise ConfigError(f"{path} [corpus]: needs `task`, a corpus spec such as 'text:path=corpus.txt,context=256'")
     entries = values.get("models")
     if not isinstance(entries, list) or not entries or not all(isinstance(entry, dict) for entry in entries):
-        raise AtlasError(f"{path}: needs one [[models]] table per model, each with `path`")
+        raise ConfigError(f"{path}: needs one [[models]] table per model, each with `path`")
     models = [_model_entry(number, entry, here, path) for number, entry in enumerate(entries)]
     check_names(models)
     analyze = _table(values, "analyze", path, {"only", "options"})
     only = analyze.get("only")
     if only is not None and (not isinstance(only, list) or not all(isinstance(name, str) for name in only)):
-        raise AtlasError(f"{path} [analyze] only = {only!r}: expected a list of analysis names, e.g. [\"norms\"]")
+        raise ConfigError(f"{path} [analyze] only = {only!r}: expected a list of analysis names, e.g. [\"norms\"]")
     options = with_defaults(_analysis_options(analyze.get("options", {}), only, path), only)
     return Atlas(
         name=values.get("name", path.stem), root=Path(root or values.get("root") or f"runs/{path.stem}"),
@@ -150,7 +146,7 @@ def load_atlas(path, root: str | None = None) -> Atlas:
 
 def _samples(value, where: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise AtlasError(f"{where} = {value!r}: expected a positive number of samples (windows of the corpus)")
+        raise ConfigError(f"{where} = {value!r}: expected a positive number of samples (windows of the corpus)")
     return value
 
 
@@ -158,7 +154,7 @@ def _model_entry(number: int, entry: dict, here: Path, path: Path) -> AtlasModel
     where = f"{path} [[models]] #{number + 1}"
     _check_keys(entry, MODEL_KEYS, where)
     if not isinstance(entry.get("path"), str):
-        raise AtlasError(f"{where}: needs `path`, a model directory or .gguf file")
+        raise ConfigError(f"{where}: needs `path`, a model directory or .gguf file")
     model = here / entry["path"]
     task = _task_data(entry["task"], here, where) if "task" in entry else None
     return AtlasModel(name=entry.get("name", model_name(model)), model=model, task=task,
@@ -168,7 +164,7 @@ def _model_entry(number: int, entry: dict, here: Path, path: Path) -> AtlasModel
 def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
     """Extract and analyse every model (complete steps skipped unless `force`), then write the
     comparison (see the module docstring); returns the output root. A model that fails is logged and
-    named in the table; when every model fails, AtlasError names each failure."""
+    named in the table; when every model fails, ConfigError names each failure."""
     from .atlas_table import write_comparison
 
     atlas.root.mkdir(parents=True, exist_ok=True)
@@ -184,7 +180,7 @@ def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
     failed = {name: outcome for name, outcome in outcomes.items() if isinstance(outcome, str)}
     write_comparison(atlas, outcomes)
     if len(failed) == len(outcomes):
-        raise AtlasError(f"every model of atlas {atlas.name} failed: "
+        raise ConfigError(f"every model of atlas {atlas.name} failed: "
                          + "; ".join(f"{name}: {message}" for name, message in failed.items()))
     return atlas.root
 
@@ -241,7 +237,7 @@ def atlas(models, corpus, out, *, samples: int | None = None, only=None, options
         entries.append(AtlasModel(name=name, model=os.fspath(model) if isinstance(model, os.PathLike) else model,
                                   tokenizer=tokenizer))
     if not entries:
-        raise AtlasError("atlas models: expected at least one model (a path, or name -> model)")
+        raise ConfigError("atlas models: expected at least one model (a path, or name -> model)")
     check_names(entries)
     from orthosphere.analyze.results import ANALYSES, configure, get_analysis
 
