@@ -180,7 +180,7 @@ bootstraps over ``interval_groups`` groups of consecutive samples:
   sink_share[_ci] (layer), sink_share_pooled[_ci] ()   share of heads with sink_attention > sink_threshold
   sparse_share[_ci] (layer), sparse_share_pooled[_ci] ()   share of (query, head) pairs, queries with at
                                          least min_keys keys, whose largest attention >= sparse_threshold
-  attrs: site, attention_source, norm_scale, n_groups, n_draws, confidence, sink_threshold, sparse_threshold,
+  attrs: site, attention_source, norm_scale, interval_groups, interval_draws, confidence, sink_threshold, sparse_threshold,
   min_keys (sink and sparse variables are absent without attention, norm_scale ones without norm_scale)
 
 ``/replay``: see ``orthosphere.analyze.replay``.

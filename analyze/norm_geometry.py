@@ -350,8 +350,8 @@ def _result(dataset, config, layers, per_layer, source, has_scale, n_groups) -> 
         coords={"layer": layers, "bound": ["low", "high"], "head": dataset["head"].values if "head" in dataset.coords
                 else np.arange(n_heads)},
         attrs={"site": config.site, "attention_source": {"pattern": "stored pattern", "q,k": "recomputed from q, k"}.get(
-            source, "none"), "norm_scale": "stored" if has_scale else "not stored", "n_groups": n_groups,
-            "n_draws": config.interval_draws, "confidence": config.confidence, "sink_threshold": config.sink_threshold,
+            source, "none"), "norm_scale": "stored" if has_scale else "not stored", "interval_groups": n_groups,
+            "interval_draws": config.interval_draws, "confidence": config.confidence, "sink_threshold": config.sink_threshold,
             "sparse_threshold": config.sparse_threshold, "min_keys": config.min_keys},
     )
     return result
