@@ -5,7 +5,7 @@ and streams over it with Dask: per block of samples it reduces the activations t
 partial sums, summed as a tree (a ``distributed.Client`` made the default runs them on its cluster).
 Nothing ever holds a whole variable in memory. ``analyze`` / ``run_analyses`` plan the chosen
 analyses together: one Dask computation per pass runs all of them, so each chunk of the store is read
-once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, replay; the spheres then read
+once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, norm_geometry, replay; the spheres then read
 the fit of the subspaces, without a pass of their own). Each pass logs its progress (share
 of tasks done, time, an estimate of the time left) on the ``orthosphere.analyze`` logger. NaN or Inf
 in any activation an analysis reads stops it with ``NonFiniteError`` naming the variable, layers and
@@ -41,6 +41,9 @@ an ``AnalysisParameterError`` naming the option as the caller gave it:
   with ``subspaces`` (a fitted FactorSubspaces; a run passes that of its subspaces analysis) its fit
   (fit options given besides must agree); else fitted here
 - ``neighbours`` (``NeighboursConfig``): ``neighbours(dataset, *, site, step_site, layers, exclude_start)``
+- ``norm_geometry`` (``NormGeometryConfig``): ``norm_geometry(dataset, *, site, layers, n_top, sink_threshold,
+  sparse_threshold, min_keys, interval_groups, interval_draws, confidence, seed, device)`` (massive
+  activations, attention sinks, residual norm growth, norm_scale spread, sparse attention; see its module)
 - ``replay`` (``ReplayConfig``): ``orthosphere.analyze.replay.replay(dataset, *, levels, n_draws, seed, distribution, targets,
   sparse_threshold, min_keys, smooth_draws, collapse_target, n_bootstrap, confidence, group_by, layers, n_bins,
   device)``
@@ -186,6 +189,25 @@ Every p-value and interval's description says the correction it enters or that i
 ``/neighbours``; dim ``layer``: rank_collapse, rank_collapse_std (over sequences), angular_step,
 angular_step_std (degrees, over tokens), log_norm_ratio, log_norm_ratio_std (log |post| / |pre|),
 n_sequences, n_tokens; attrs: site, step_site, angle_unit, exclude_start.
+
+``/norm_geometry``; dims ``layer``, ``d_model``, ``pos``, ``head``, ``top``, ``bound``; each variable's
+``description`` gives its definition and source (``norm_geometry.py``); intervals (``*_ci``) are percentile
+bootstraps over ``interval_groups`` groups of consecutive samples:
+  massive_max, massive_median, massive_ratio (layer)   largest |x_i| of `site` over valid tokens and
+                                         dimensions, the median |x_i|, their ratio (Sun et al. 2024)
+  dimension_max (layer, d_model), position_max (layer, pos)   largest |x_i| per dimension, per position
+  top_dimension, top_dimension_value (layer, top)   the n_top dimensions with the largest |x_i|
+  max_position (layer)                   the position holding massive_max
+  start_norm_ratio[_ci] (layer)          mean |x| of start tokens over that of the others
+  median_norm, norm_growth (layer)       median |x| (no start token) and its growth from the previous layer
+  growth_per_layer[_ci] ()               exp of the change of mean log |x| per layer, first to last layer
+  norm_scale_cv[_ci] (layer), norm_scale_cv_pooled[_ci] ()   CV of norm_scale within sequences (when stored)
+  sink_attention (layer, head)           mean attention of the analysed queries on the start token
+  sink_share[_ci] (layer), sink_share_pooled[_ci] ()   share of heads with sink_attention > sink_threshold
+  sparse_share[_ci] (layer), sparse_share_pooled[_ci] ()   share of (query, head) pairs, queries with at
+                                         least min_keys keys, whose largest attention >= sparse_threshold
+  attrs: site, attention_source, norm_scale, interval_groups, interval_draws, confidence, sink_threshold, sparse_threshold,
+  min_keys (sink and sparse variables are absent without attention, norm_scale ones without norm_scale)
 
 ``/replay``: see ``orthosphere.analyze.replay``.
 """

@@ -12,7 +12,13 @@ from .inputs import align, as_float32
 
 
 def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
-    """Lazy (size,) float64 sum over sample chunks of kernel(*blocks).
+    """Lazy (size,) float64 sum over sample chunks of kernel(*blocks) (see ``sample_block_vectors``)."""
+    return sample_block_vectors(kernel, size, *inputs).sum(axis=0, split_every=8)
+
+
+def sample_block_vectors(kernel, size: int, *inputs: da.Array) -> da.Array:
+    """Lazy (blocks, size) float64: kernel(*blocks) of each block of samples, for reductions other
+    than a sum (a maximum).
 
     Every input has the sample axis first; they are aligned to the first input's sample chunks
     and taken whole along every other axis, so the kernel sees matching blocks of samples
@@ -28,7 +34,7 @@ def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
         blocks = [as_float32(single_block(block)) for block in blocks]
         return np.asarray(kernel(*blocks), dtype="float64").reshape(1, size)
 
-    partials = da.blockwise(
+    return da.blockwise(
         block_vector,
         ("sample", "value"),
         *pattern,
@@ -38,7 +44,6 @@ def sample_block_sums(kernel, size: int, *inputs: da.Array) -> da.Array:
         dtype="float64",
         meta=np.empty((0, 0), dtype="float64"),
     )
-    return partials.sum(axis=0, split_every=8)
 
 
 def single_block(block):

@@ -72,6 +72,12 @@ the exact condition (see the module docstring)."""
 
 PREDICTION_COUNTS = ("predicted", "missed", "false_alarm")
 
+SPARSE_THRESHOLD = Interval(float, 0, 1, closed="right", hint="a maximum attention (the paper uses 0.95)")
+MIN_KEYS = integer(SWITCHABLE_KEYS, (
+    f"the fewest allowed keys a query needs to count as an instance: {DEFAULT_MIN_KEYS} (the default) leaves "
+    f"out the trivially sparse first positions, {SWITCHABLE_KEYS} counts every query that can switch"))
+"""The constraints of the sparse threshold and of the fewest keys, shared by every analysis that counts sparse queries."""
+
 
 @dataclass(frozen=True)
 class ReplaySettings(AnalysisConfig):
@@ -87,13 +93,9 @@ class ReplaySettings(AnalysisConfig):
     targets: tuple[str, ...] = parameter(
         TARGETS, Items(choice(*TARGETS), single=True, hint="q: queries, k: keys, m: messages W_O v"),
         help="what the noise perturbs")
-    sparse_threshold: float = parameter(
-        0.95, Interval(float, 0, 1, closed="right", hint="a maximum attention (the paper uses 0.95)"),
-        help="a query is a sparse instance when its largest attention reaches this")
-    min_keys: int = parameter(DEFAULT_MIN_KEYS, integer(SWITCHABLE_KEYS, (
-        f"the fewest allowed keys a query needs to count as an instance: {DEFAULT_MIN_KEYS} (the default) leaves "
-        f"out the trivially sparse first positions, {SWITCHABLE_KEYS} counts every query that can switch")),
-        help="the fewest allowed keys of an instance")
+    sparse_threshold: float = parameter(0.95, SPARSE_THRESHOLD,
+                                        help="a query is a sparse instance when its largest attention reaches this")
+    min_keys: int = parameter(DEFAULT_MIN_KEYS, MIN_KEYS, help="the fewest allowed keys of an instance")
     smooth_draws: int | None = parameter(
         None, integer(2, "the fewest that state a Monte Carlo error of the total variation and output change"), None,
         help=f"draws of the smooth summaries (default {DEFAULT_SMOOTH_DRAWS}, at most n_draws)")

@@ -16,6 +16,7 @@ from .attention import sharing_attention
 from .errors import AnalysisError
 from .inputs import open_for_analysis
 from .neighbours import neighbours
+from .norm_geometry import norm_geometry
 from .norms import norm_spread
 from .options import as_attrs
 from .plan import Plan, run_plans
@@ -26,7 +27,7 @@ from .subspaces import factor_subspaces
 
 RESULTS_FORMAT = 1
 ANALYSES: dict[str, Analysis] = {analysis.name: analysis for analysis in (
-    accuracy, norm_spread, factor_subspaces, sphere_structure, neighbours, replay)}
+    accuracy, norm_spread, factor_subspaces, sphere_structure, neighbours, norm_geometry, replay)}
 """The registry, in the order the analyses run: name -> Analysis (see ``registry.py``: its
 configuration, what it reads and needs, the earlier results it takes, how it starts)."""
 

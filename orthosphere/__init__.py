@@ -13,8 +13,9 @@ torch)::
 - ``open_store``, ``validate``, ``info`` (``orthosphere.store``), ``open_results``
   (``orthosphere.analyze``), ``report`` (``orthosphere.workflows.report.write_report``),
   ``TokenLoader`` (``orthosphere.data``, training on a store), ``verify(store, model)``
-  (``orthosphere.extract.verify``: a store recomputed in part from its model); ``errors``: every
-  error, in one hierarchy.
+  (``orthosphere.extract.verify``: a store recomputed in part from its model), ``atlas``
+  (``orthosphere.workflows.atlas``: many models over one corpus, compared); ``errors``: every error,
+  in one hierarchy.
 
 The stages are the subpackages ``orthosphere.extract``, ``orthosphere.store``,
 ``orthosphere.analyze`` and ``orthosphere.workflows``, each in its own folder of the repository.
@@ -31,6 +32,7 @@ _FUNCTIONS = {
     "open_store": "orthosphere.store", "validate": "orthosphere.store", "info": "orthosphere.store",
     "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data",
     "report": "orthosphere.workflows.report:write_report", "verify": "orthosphere.extract.verify",
+    "atlas": "orthosphere.workflows.atlas:atlas",
 }
 __all__ = [*_SUBMODULES, *_FUNCTIONS]
 

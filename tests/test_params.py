@@ -84,7 +84,7 @@ def test_none_is_refused_unless_declared():
 
 
 def test_every_analysis_is_a_registered_object_with_a_configuration_of_checked_defaults():
-    assert list(ANALYSES) == ["accuracy", "norms", "subspaces", "spheres", "neighbours", "replay"]
+    assert list(ANALYSES) == ["accuracy", "norms", "subspaces", "spheres", "neighbours", "norm_geometry", "replay"]
     for name, analysis in ANALYSES.items():
         assert isinstance(analysis, Analysis) and analysis.name == name
         assert issubclass(analysis.config, AnalysisConfig) or analysis.config is SpheresConfig

@@ -1,4 +1,5 @@
-"""The `orthosphere` command line: one verb per stage (info, validate, verify, train, extract, analyze, report, run).
+"""The `orthosphere` command line: one verb per stage (info, validate, verify, train, extract, analyze, report, run,
+atlas).
 
 Every error is one line that names its input (the traceback only with -v). The verbs that need
 PyTorch (extract, verify, train, run, analyze --online) import it when they run, so that the others work
@@ -216,7 +217,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.argument("store")
 @click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
 @click.option("--only", default=None, metavar="LIST",
-              help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,replay.")
+              help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,norm_geometry,replay.")
 @click.option("--layers", default=None, metavar="LIST", callback=layer_list,
               help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
 @click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
@@ -247,7 +248,7 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
 @click.pass_context
 def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, intercepts, n_bootstrap, seed,
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
-    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, replay) into the DataTree RESULTS."""
+    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, norm geometry, replay) into the DataTree RESULTS."""
     from orthosphere.analyze import ANALYSES
     from orthosphere.analyze.options import parse_assignment
     from orthosphere.analyze.results import get_analysis
@@ -316,3 +317,18 @@ def run_command(ctx, config, force, root, break_lock):
     backend = ctx.obj if (ctx.obj.workers or ctx.obj.scheduler) else None
     folder = run_pipeline(pipeline, force=force, backend=backend, break_lock=break_lock)
     click.echo(f"report: {folder / 'report.html'}")
+
+
+@main.command("atlas")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Redo every model's extraction and analyses, even those already complete.")
+@click.option("--root", default=None, help="Override the config's output root (a local folder).")
+@click.pass_context
+def atlas_command(ctx, config, force, root):
+    """Extract, analyse and compare the models of CONFIG (TOML) over one corpus: atlas.zarr, atlas.md, atlas.png."""
+    from .atlas import load_atlas, run_atlas
+
+    atlas = load_atlas(config, root=root)
+    with dask_client(ctx.obj) as client:
+        folder = run_atlas(atlas, force=force, client=client)
+    click.echo(f"atlas: {folder / 'atlas.md'}, {folder / 'atlas.zarr'}, {folder / 'atlas.png'}")
