@@ -102,8 +102,8 @@ and ``kv_head`` for k, v:
 ``basis_vector``, ``d_model``, ``angle`` (principal angle index, ascending), ``bound`` ("low", "high"),
 ``claim`` ("orthogonal", "dependent", "independent"), ``head``, ``kv_head``; NaN pads ranks and angles
 that do not exist (and the diagonal factor == other). Noise draws: ``n_bootstrap`` sign flips of the
-corrected influences of ``bootstrap_groups`` groups of resampling units (``inference.py``; ``units.py``: documents
-chained across packed windows when the store has ``document``, else samples, or the values of ``group_by``).
+corrected influences of ``bootstrap_groups`` groups of resampling units (``inference.py``; ``units.py``: documents,
+across the packed windows they span, when the store has ``document``; else samples, or the values of ``group_by``).
 Every p-value and interval's description says the correction it enters or that it is uncorrected
 (``multiplicity.py``):
   n_classes, n_tokens (factor)           classes (the pooled one included) and tokens each factor is read on
@@ -158,7 +158,7 @@ Every p-value and interval's description says the correction it enters or that i
                                          only when the store holds weights (point estimates)
   attrs: site, factors, estimator, intercepts, classes ({factor: [values]}), fit (the fit's options),
   head_angles, relation_rule, rank_rule, n_bootstrap, bootstrap_groups, confidence, n_null, significance, seed,
-  independence_deg, orthogonality_deg; group_by (the label tying samples into resampling units, "sample" for
+  independence_deg, orthogonality_deg; group_by (the label tying tokens into resampling units, "sample" for
   one sample a unit), n_units, occupied_groups (groups holding a unit: fewer than bootstrap_groups when the
   units are few, which is also logged); each variable's ``description``
 

@@ -112,9 +112,10 @@ class Counts:
 
 
 def count_block(columns: np.ndarray, groups: np.ndarray, n_columns: int, n_groups: int) -> sparse.csr_matrix:
-    """One block's stacked Z_g'Z_g (groups * columns, columns) from its tokens' design columns."""
+    """One block's stacked Z_g'Z_g (groups * columns, columns) from its tokens' design columns and
+    (sample, pos) groups."""
     columns = columns.reshape(-1, columns.shape[-1])
-    token_group = np.repeat(groups, len(columns) // max(len(groups), 1))
+    token_group = np.asarray(groups).ravel()
     rows, which = np.nonzero(columns >= 0)
     cols = columns[rows, which]
     ones = np.ones(rows.size)

@@ -177,7 +177,7 @@ def _block_classes(factors, missing, n_groups, intercepts, mask, groups, names, 
     and the (pattern, stratum value) pairs present among its tokens."""
     blocks = dict(zip(names, label_blocks))
     selections, pattern = _selections(factors, missing, mask, blocks)
-    token_groups = np.broadcast_to(np.asarray(groups)[:, None], mask.shape)
+    token_groups = np.asarray(groups)
     found = []
     for factor, selected in zip(factors, selections):
         values, inverse, counts = np.unique(blocks[factor.label][selected], return_inverse=True, return_counts=True)
@@ -373,13 +373,13 @@ class Discovery:
 def discover_classes(dataset: xr.Dataset, factors: list[Factor], mask: da.Array, max_classes: int | None = None,
                      groups: da.Array | None = None, n_groups: int = 1, intercepts: str | None = None) -> Discovery:
     """Each factor's classes over the analysed tokens (see ``cap_classes``; with ``groups``, the
-    (sample,) group of each sample, classes held by fewer than MIN_GROUPS groups are pooled), and
+    (sample, pos) group of each token, classes held by fewer than MIN_GROUPS groups are pooled), and
     the intercept cells present: a cheap pass over the labels only. A factor with no tokens, a
     single class, or fewer than two classes that its groups can resample is an error."""
     names = sorted({label for factor in factors for label in factor.labels} | ({intercepts} if intercepts else set()))
     arrays = [label_data(dataset, name, mask) for name in names]
     if groups is None:
-        groups = da.zeros(mask.shape[0], dtype="int64", chunks=(mask.chunks[0],))
+        groups = da.zeros(mask.shape, dtype="int64", chunks=mask.chunks)
     missing = [missing_value(dataset, factor.label) for factor in factors]
     per_block = [
         dask.delayed(_block_classes)(factors, missing, n_groups, intercepts, mask_block, group_block, names, *blocks)

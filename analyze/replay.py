@@ -88,9 +88,9 @@ Definitions (every count below is over these instances and draws):
   level. inf when the sweep never reaches it, NaN without sparse instances.
 - **Intervals** of the collapse levels, the pooled collapse rates and each condition's pooled recall
   and precision: percentile intervals of one seeded cluster bootstrap over the resampling units
-  (``orthosphere.analyze.units``: documents, chained across packed windows, when the store has them;
-  else samples; ``group_by``): each resample draws units with replacement and weighs every sample as
-  often as its unit was drawn, so that the instances of one document move together. Every rate counts
+  (``orthosphere.analyze.units``: documents when the store has them, each window with the document
+  holding most of its tokens; else samples; ``group_by``): each resample draws units with replacement
+  and weighs every sample as often as its unit was drawn, so that the windows of one document move together. Every rate counts
   (query, head, draw) instances: "1 % of sparse heads" is 1 % of the sparse instances over the draws.
 - **Entropy** -sum_j a_ij log a_ij (nats) and the histogram of max_j a_ij, per head, over
   all instances of the clean attention.
@@ -210,7 +210,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
             "seed": settings.seed, "n_draws": settings.n_draws, "distribution": settings.distribution,
             "targets": list(settings.targets), "sparse_threshold": settings.sparse_threshold,
             "min_keys": settings.min_keys, "smooth_draws": settings.smooth_draws, "collapse_target": collapse_target, "n_bootstrap": n_bootstrap,
-            "confidence": confidence, "device": settings.device, "group_by": units.label, "n_units": units.n_units,
+            "confidence": confidence, "device": settings.device, "group_by": units.label, "n_units": units.n_sample_units,
             "resamples": resamples,
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
@@ -439,7 +439,7 @@ def _add_collapse_levels(result, per_layer, settings, target, units: Units, n_bo
                 _rate(hits, measured[:, None]), _rate(hits, predicted))
 
     points = [statistic[0] for statistic in statistics_for(np.ones((1, sparse.shape[0])))]
-    unit = np.unique(units.key, return_inverse=True)[1].ravel()
+    unit = np.unique(units.sample_key, return_inverse=True)[1].ravel()
     intervals = _bootstrap_intervals(statistics_for, unit, n_bootstrap, confidence, settings.seed, points)
     by_layer, pooled = points[:2]
     result.coords["bound"] = _names(("low", "high"))

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import dask
-import dask.array as da
 import numpy as np
 import xarray as xr
 from scipy import sparse
@@ -75,7 +74,7 @@ from .multiplicity import state_multiplicity
 from .options import FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
-from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, unit_groups, warn_fewer_units_than_groups
+from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, token_groups, warn_fewer_units_than_groups
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -112,7 +111,7 @@ def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups
     squares = square_norms(x).ravel()
     vectors = x.reshape(-1, x.shape[-1])
     columns = columns.reshape(len(vectors), -1)
-    token_group = np.repeat(groups, x.shape[1])
+    token_group = groups.ravel()
     rows, which = np.nonzero(columns >= 0)
     index = token_group[rows] * n_columns + columns[rows, which]
     onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
@@ -266,7 +265,7 @@ class FactorSubspaces:
         if n_groups > 1:
             check_units(units, url)
             warn_fewer_units_than_groups(units, self.seed, n_groups, url)
-        groups = da.from_array(unit_groups(units, self.seed, n_groups), chunks=(mask.chunks[0],))
+        groups = token_groups(dataset, units, self.seed, n_groups).rechunk(mask.chunks)
         intercepts = parse_intercepts(dataset, self.intercepts, factors)
         discovery = discover_classes(dataset, factors, mask, self.max_classes, groups, n_groups, intercepts)
         classes = discovery.classes

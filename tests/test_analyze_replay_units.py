@@ -30,7 +30,7 @@ def planted_counts(rng, n_documents: int, mean_rate: float) -> tuple[list[dict],
             "sample_collapses": np.stack([collapsed, collapsed], axis=1)[:, :, None],
             "sample_predictions": np.zeros((n_samples, 2, 3, 1))}
     part["sample_predictions"][:, :, 0, 0] = collapsed[:, None]  # predicted = measured: no misses, no false alarms
-    units = Units("document", np.repeat(np.arange(n_documents) * WINDOWS_PER_DOCUMENT, WINDOWS_PER_DOCUMENT))
+    units = Units("document", np.arange(n_documents), np.repeat(np.arange(n_documents), WINDOWS_PER_DOCUMENT))
     return [part], units
 
 
@@ -48,7 +48,7 @@ def test_resampling_documents_covers_the_pooled_collapse_rate_where_resampling_w
     covered = {"document": 0, "sample": 0}
     for repeat in range(repeats):
         part, units = planted_counts(rng, 60, mean_rate)
-        for label, resampled in (("document", units), ("sample", Units("sample", np.arange(len(units.key))))):
+        for label, resampled in (("document", units), ("sample", Units("sample", np.zeros(0, "int64"), np.arange(len(units.sample_key))))):
             low, high = pooled_interval(part, resampled, repeat).collapse_rate_pooled_ci.values[0, 0]  # collapse, level 0.1
             covered[label] += low <= mean_rate <= high
     assert 0.8 <= covered["document"] / repeats <= 0.97  # 90 % intervals (percentile: a little short with 60 documents)

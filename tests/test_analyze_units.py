@@ -1,4 +1,4 @@
-"""Resampling units: documents chained across packed windows, a user's grouping label, too few units."""
+"""Resampling units: documents across packed windows, a user's grouping label, too few units."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ import pytest
 
 from orthosphere.analyze import AnalysisError, open_for_analysis
 from orthosphere.analyze.subspaces import FactorSubspaces
-from orthosphere.analyze.units import bootstrap_group, chained_units, resampling_units, unit_groups
+from orthosphere.analyze.units import bootstrap_group, main_units, resampling_units, token_groups
 from tests.synthetic import NOT_APPLICABLE, write_store
 
 N_POS = 8
@@ -35,42 +35,44 @@ def windows_of(document_lengths: list[int]) -> np.ndarray:
     return np.hstack([np.full((len(stream), 1), NOT_APPLICABLE), stream])
 
 
-def test_chained_units_join_samples_that_share_a_value_through_any_chain():
-    # samples 0-1 share document 10, 1-2 share 11 (0, 1, 2 chained); 3 and 5 share 12; 4 holds no document
-    rows = [np.array([0, 1, 1, 2]), np.array([3, 5])]
-    values = [np.array([10, 10, 11, 11]), np.array([12, 12])]
-    np.testing.assert_array_equal(chained_units(6, rows, values), [0, 0, 0, 3, 4, 3])
+def test_main_units_take_the_value_holding_most_of_a_samples_tokens():
+    # sample 0: 3 tokens of value 1, 1 of value 0; sample 1: a tie of values 0 and 2 (the first); sample 2: none
+    rows, codes, counts = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 2]), np.array([1, 3, 2, 2])
+    np.testing.assert_array_equal(main_units(np.arange(3), rows, codes, counts, 3), [1, 0, 3 + 2])
 
 
-def test_a_document_across_windows_lands_in_one_group(tmp_path):
+def test_every_token_of_a_document_lands_in_one_group_across_windows_and_a_shared_window_splits(tmp_path):
     # document 0 spans windows 0-2 and ends in window 3, whose rest starts document 1 (to window 4);
     # document 2 fills window 5 exactly; then one short document per window
     lengths = [24, 11, 7] + [7] * 40
     documents = windows_of(lengths)
     dataset = open_for_analysis(packed_store(tmp_path / "packed.zarr", documents))
     units = resampling_units(dataset, None)
-    assert units.label == "document"
-    np.testing.assert_array_equal(units.key[:6], [0, 0, 0, 0, 0, 5])
-    np.testing.assert_array_equal(units.key[6:], np.arange(6, len(documents)))
-    assert units.n_units == len(documents) - 4
-    groups = unit_groups(units, 3, 32)
-    assert len(set(groups[:5])) == 1  # every token of documents 0 and 1, chained through window 3
-    np.testing.assert_array_equal(groups[5:], bootstrap_group(np.arange(5, len(documents)), 3, 32))
+    assert units.label == "document" and units.n_units == len(lengths)  # one unit a document, none chained
+    np.testing.assert_array_equal(units.sample_key[:6], [0, 0, 0, 1, 1, 2])  # window 3: 3 tokens of 0, 4 of 1
+    groups = token_groups(dataset, units, 3, 32).compute()
+    expected = bootstrap_group(np.where(documents >= 0, documents, units.sample_key[:, None]), 3, 32)
+    np.testing.assert_array_equal(groups, expected)  # each token its document's group; the BOS its window's main one
+    assert len(set(groups[:3].ravel())) == 1 and set(groups[3, 1:]) == {expected[0, 1], expected[4, 1]}
+    assert units.attrs(3, 32)["occupied_groups"] == len(np.unique(bootstrap_group(np.arange(len(lengths)), 3, 32)))
 
 
-def test_stores_without_documents_keep_one_sample_a_unit(tmp_path):
+def test_stores_without_documents_keep_one_sample_a_unit_in_the_groups_they_always_had(tmp_path):
     url = write_store(tmp_path / "plain.zarr", {"resid_pre": np.zeros((5, 1, 3, 4))}, with_weights=False)
-    units = resampling_units(open_for_analysis(url), None)
-    assert units.label == "sample"
-    np.testing.assert_array_equal(units.key, np.arange(5))
+    dataset = open_for_analysis(url)
+    units = resampling_units(dataset, None)
+    assert units.label == "sample" and units.n_units == 5
+    np.testing.assert_array_equal(units.sample_key, np.arange(5))
+    np.testing.assert_array_equal(token_groups(dataset, units, 3, 32).compute(),
+                                  np.repeat(bootstrap_group(np.arange(5), 3, 32)[:, None], 3, axis=1))
 
 
-def test_group_by_a_label_ties_the_samples_that_share_its_values(tmp_path):
+def test_group_by_a_label_ties_the_tokens_that_share_its_values(tmp_path):
     documents = np.arange(12)[:, None].repeat(N_POS, axis=1)
     topic = (np.arange(12) // 3)[:, None].repeat(N_POS, axis=1)
     dataset = open_for_analysis(packed_store(tmp_path / "topics.zarr", documents, topic=topic))
-    np.testing.assert_array_equal(resampling_units(dataset, "topic").key, np.repeat([0, 3, 6, 9], 3))
-    np.testing.assert_array_equal(resampling_units(dataset, "sample").key, np.arange(12))
+    np.testing.assert_array_equal(resampling_units(dataset, "topic").sample_key, np.repeat([0, 1, 2, 3], 3))
+    np.testing.assert_array_equal(resampling_units(dataset, "sample").sample_key, np.arange(12))
     fitted = FactorSubspaces(factors=["parity"], group_by="topic", rank=1, n_bootstrap=0, n_null=99).fit(dataset)
     result = fitted.to_dataset()
     assert (result.attrs["group_by"], result.attrs["n_units"]) == ("topic", 4)
@@ -85,7 +87,7 @@ def test_group_by_a_label_the_store_lacks_is_refused(tmp_path):
 
 def test_a_store_of_one_document_is_refused_and_fewer_documents_than_groups_are_logged(tmp_path, caplog):
     one = open_for_analysis(packed_store(tmp_path / "one.zarr", windows_of([7 * 40])))
-    with pytest.raises(AnalysisError, match=r"holds 1 resampling unit \(samples tied by label 'document'.*"
+    with pytest.raises(AnalysisError, match=r"holds 1 resampling unit \(tokens tied by label 'document'.*"
                                             r"at least 2 independent units"):
         FactorSubspaces(factors=["parity"], rank=1, n_bootstrap=0, n_null=99).fit(one)
     few = open_for_analysis(packed_store(tmp_path / "few.zarr", windows_of([7 * 5] * 6)))
