@@ -37,13 +37,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orthosphere.errors import ConfigError
 
-from .pipeline import _analysis_options, _check_keys, _extract_settings, _table, _task_data
+from .pipeline import _analysis_options, _check_keys, _extract_settings, _table, _task_data, read_config
 
 log = logging.getLogger("orthosphere.atlas")
 
@@ -114,13 +113,7 @@ def check_names(models: list[AtlasModel]) -> None:
 def load_atlas(path, root: str | None = None) -> Atlas:
     """Parse and check an atlas config (every error names the file and key); `root` overrides its root."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"atlas config {path} not found: pass the path of a TOML file such as workflows/configs/atlas.toml")
-    try:
-        values = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"atlas config {path} is not valid TOML: {error}") from None
-    _check_keys(values, TOP_LEVEL_KEYS, str(path))
+    values = read_config(path, "atlas", "workflows/configs/atlas.toml", TOP_LEVEL_KEYS)
     here = path.resolve().parent
     corpus = _table(values, "corpus", path, CORPUS_KEYS)
     if "task" not in corpus:

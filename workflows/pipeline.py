@@ -126,16 +126,22 @@ def _check_keys(found: dict, allowed, where: str) -> None:
         raise ConfigError(f"{where}: unknown keys {unknown}; expected some of {sorted(allowed)}")
 
 
-def load_pipeline(path, root: str | None = None) -> Pipeline:
-    """Parse and check a pipeline config; `root` overrides its output root."""
-    path = Path(path)
+def read_config(path: Path, kind: str, example: str, keys) -> dict:
+    """A `kind` config's TOML values, its top-level keys checked against `keys` (errors name the file)."""
     if not path.is_file():
-        raise ConfigError(f"pipeline config {path} not found: pass the path of a TOML file such as workflows/configs/quickstart.toml")
+        raise ConfigError(f"{kind} config {path} not found: pass the path of a TOML file such as {example}")
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"pipeline config {path} is not valid TOML: {error}") from None
-    _check_keys(values, TOP_LEVEL_KEYS, str(path))
+        raise ConfigError(f"{kind} config {path} is not valid TOML: {error}") from None
+    _check_keys(values, keys, str(path))
+    return values
+
+
+def load_pipeline(path, root: str | None = None) -> Pipeline:
+    """Parse and check a pipeline config; `root` overrides its output root."""
+    path = Path(path)
+    values = read_config(path, "pipeline", "workflows/configs/quickstart.toml", TOP_LEVEL_KEYS)
     here = path.resolve().parent
     models = tuple(_model_entry(name, entry, here, path) for name, entry in _table(values, "models", path).items())
     data = tuple(_data_entry(name, entry, here, path) for name, entry in _table(values, "data", path).items())
