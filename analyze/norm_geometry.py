@@ -26,6 +26,7 @@ that the windows of one document mostly stay together; the resampling by documen
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -173,7 +174,8 @@ class Bootstrap:
 
     def interval(self, statistic, *group_sums: np.ndarray) -> np.ndarray:
         """(..., 2) interval of statistic(*totals), each total of group_sums (groups first) drawn."""
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN where a quantity is undefined (no sink, no norm factor)
             draws = statistic(*(np.tensordot(self.weights, sums, axes=(1, 0)) for sums in group_sums))
             low, high = np.nanquantile(draws, self.quantiles, axis=0) if np.isfinite(draws).any() else (draws[0] * np.nan,) * 2
         return np.stack([low, high], axis=-1)
