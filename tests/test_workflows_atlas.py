@@ -127,3 +127,20 @@ def test_the_shipped_atlas_config_loads():
     atlas = load_atlas(MODELS.parent / "configs" / "atlas.toml")
     assert [model.name for model in atlas.models] == ["demo-llama", "arithmetic-pre", "arithmetic-qkv"]
     assert atlas.samples == 4 and atlas.options == {"replay.n_draws": 8}
+
+
+def test_the_shipped_size_series_is_three_sizes_of_the_pre_norm_family_that_the_atlas_finds():
+    """atlas-sizes.toml names the arithmetic Pre-Norm model at three sizes, two seeds each; every path
+    is a shipped checkpoint whose training config is the size it claims."""
+    import json
+
+    from orthosphere.workflows.atlas import load_atlas
+
+    configs = Path(__file__).resolve().parents[1] / "workflows" / "configs"
+    atlas = load_atlas(configs / "atlas-sizes.toml")
+    layers = {}
+    for model in atlas.models:
+        shipped = json.loads((Path(model.model) / "config.json").read_text())
+        assert shipped["norm_placement"] == "pre", model.name
+        layers.setdefault(shipped["n_layers"], []).append(model.name)
+    assert {n: len(names) for n, names in layers.items()} == {2: 2, 3: 2, 4: 2}
