@@ -134,8 +134,6 @@ def test_the_shipped_size_series_is_three_sizes_of_the_pre_norm_family_that_the_
     is a shipped checkpoint whose training config is the size it claims."""
     import json
 
-    from orthosphere.workflows.atlas import load_atlas
-
     configs = Path(__file__).resolve().parents[1] / "workflows" / "configs"
     atlas = load_atlas(configs / "atlas-sizes.toml")
     layers = {}
