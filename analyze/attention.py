@@ -177,19 +177,6 @@ class ScoreFrame:
         return cls(n_allowed, no_keys[:, None, :] if no_keys.any() else None, refused, offset)
 
 
-KERNEL_BYTES = 2**22
-"""The most bytes of one float32 (kpos, sample, head, qpos) array of a sub-block of samples
-(``CleanAttention``): the attention kernels' passes over such arrays run from cache, not memory.
-Measured with two Dask threads at 128 positions and 9 heads, before the replay's windows: 1 MiB
-sub-blocks spent more on Python's per-operation costs than cache saved, 4 MiB was fastest, 16 MiB
-fell out of cache; with the windows (a quarter to all of a sub-block each) the replay's cost per
-sample is flat from 2 to 10 samples a sub-block (1 to 6 MiB)."""
-
-
-DEVICE_KERNEL_BYTES = 2**28
-"""The same on a GPU (``device``), where one sub-block per task keeps its many cores busy."""
-
-
 @dataclass(eq=False)
 class KeyMajorScores:
     """Scaled dot products (kpos, sample, head, qpos) and what turns them into scores and attention:
@@ -339,35 +326,6 @@ def attention_from_qk(q: np.ndarray, k: np.ndarray, valid: np.ndarray, terms: Sc
     return BlockAttention.of(q, k, valid, terms).pattern
 
 
-class CleanAttention:
-    """The clean attention of one Dask block of samples: ``parts``, a list of (first sample,
-    ``BlockAttention``) over sub-blocks of samples whose arrays fit in cache (``KERNEL_BYTES``; on a
-    CUDA device one part, and a ``torch_kernels.TorchAttention``). Built inside the task that reads it,
-    never a task's output: held between two tasks, every block's attention would stay in memory
-    (``AttentionShare`` hands it on in one task instead)."""
-
-    def __init__(self, q, k, valid, terms: ScoreTerms, device: str = "cpu"):
-        q, k, valid = as_float32(single_block(q)), as_float32(single_block(k)), np.asarray(single_block(valid), bool)
-        per_sample = np.dtype(np.float32).itemsize * q.shape[1] * k.shape[1] * q.shape[2]  # (kpos, head, qpos)
-        step = max(1, (DEVICE_KERNEL_BYTES if device.startswith("cuda") else KERNEL_BYTES) // per_sample)
-        if device == "cpu":
-            attention_of = BlockAttention.of
-        else:
-            from .torch_kernels import TorchAttention
-
-            def attention_of(*arrays):
-                return TorchAttention(*arrays, device)
-        self.device, self.valid = device, valid
-        self.parts = [(start, attention_of(q[start:start + step], k[start:start + step], valid[start:start + step], terms))
-                      for start in range(0, len(q), step)]
-
-    def received(self, exclude_start: bool) -> np.ndarray:
-        """(sample, head, kpos) attention each analysed key receives from the analysed queries
-        (``analysed_tokens``), float32: what the norms weigh a key by."""
-        mask = analysed_tokens(self.valid, exclude_start)
-        return np.concatenate([part.received(mask[start:start + len(part.valid)]) for start, part in self.parts])
-
-
 def analysed_tokens(valid: np.ndarray, exclude_start: bool) -> np.ndarray:
     """(sample, pos) tokens the analyses count in a block (``inputs.token_mask``): the valid ones,
     without each sequence's first valid one when `exclude_start`."""
@@ -389,22 +347,6 @@ def token_norms(block) -> np.ndarray:
     return np.sqrt(square_norms(as_float32(np.asarray(single_block(block)))))
 
 
-def attention_sums(clean: CleanAttention, received_for: tuple[bool, ...], read: dict) -> dict:
-    """What a block's attention task hands to the norms of its call: "received", the attention each
-    analysed key receives for each value of ``exclude_start`` in `received_for`, and "norms", |x| of
-    each site block in `read` (``token_norms``)."""
-    return {"received": {exclude_start: clean.received(exclude_start) for exclude_start in received_for},
-            "norms": {site: token_norms(block) for site, block in read.items()}}
-
-
-def attention_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool, norm_sites: tuple[str, ...]) -> dict:
-    """The norms' own task for a block when no replay of the call provides it: ``attention_sums`` of
-    its attention, and |x| of q and k for the `norm_sites` among them."""
-    blocks = {"q": q, "k": k}
-    return attention_sums(CleanAttention(q, k, valid, terms, device), (exclude_start,),
-                          {site: blocks[site] for site in norm_sites})
-
-
 SHARED_SITES = ("q", "k", "v")
 """The sites whose blocks the attention's tasks read (v: the replay's messages), and whose norms they
 hand to the norms of the call (``AttentionShare``)."""
@@ -414,7 +356,7 @@ class AttentionShare:
     """One ``analyze`` call's sharing of the tasks that read a block's q, k and v and compute its clean
     attention: the norms, planned first, ``wish`` for the attention each key receives and for |x| of
     the shared sites they summarise; the replay's block tasks, which read those blocks and compute the
-    attention anyway, compute these too (``attention_sums``) and ``provide`` them; the norms' work,
+    attention anyway, compute these too (``kernels.attention_sums``) and ``provide`` them; the norms' work,
     built when its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. Each
     block's attention is computed once a call, and each block of q, k and v has one reader: a second
     one, which Dask may run long after the first, would hold the block in memory until then (every q
@@ -436,7 +378,7 @@ class AttentionShare:
         return tuple(sorted(masks)), tuple(site for site in SHARED_SITES if site in sites)
 
     def provide(self, layer: int, device: str, tasks: list, norm_sites: tuple[str, ...]) -> None:
-        """Per block of samples, a delayed ``attention_sums`` dict, holding the norms of `norm_sites`."""
+        """Per block of samples, a delayed ``kernels.attention_sums`` dict, holding the norms of `norm_sites`."""
         self.providers[layer, device] = (tasks, norm_sites)
 
     def provider(self, layer: int, device: str) -> tuple[list, tuple[str, ...]] | None:

@@ -35,12 +35,13 @@ import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import CleanAttention, ScoreTerms, allowed_keys, attention_source
+from .attention import ScoreTerms, allowed_keys, attention_source
 from .blocks import Packer, sample_block_vectors
 from .device import resolve_device
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, summarise
 from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, sample_values, square_norms
+from .kernels import CleanAttention
 from .options import DEVICE, LAYERS, PROBABILITY, SHARE, SITE, AnalysisConfig, integer
 from .plan import Plan
 from .registry import Analysis

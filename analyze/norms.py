@@ -27,7 +27,6 @@ from orthosphere.params import parameter
 from .attention import (
     SHARED_SITES,
     ScoreTerms,
-    attention_block,
     attention_inputs,
     attention_share,
     attention_source,
@@ -49,6 +48,7 @@ from .inputs import (
     store_url,
     token_mask,
 )
+from .kernels import attention_block
 from .options import DEVICE, FLAG, LAYERS, NAMES, POSITIVE, SHARE, SHARES, AnalysisConfig, integer
 from .plan import Deferred, Plan
 from .registry import Analysis
@@ -81,7 +81,7 @@ def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Ar
 
 def attention_tasks(dataset: xr.Dataset, layer: int, exclude_start: bool, device: str,
                     norm_sites: tuple[str, ...]) -> tuple[list, tuple[str, ...]]:
-    """Per block of samples, the delayed ``attention.attention_sums`` from which the norms read the
+    """Per block of samples, the delayed ``kernels.attention_sums`` from which the norms read the
     attention recomputed from q and k (on `device`, resolved: see device.py), and the sites whose |x|
     it holds: the replay's tasks when the replay of the same call provides them
     (``attention.AttentionShare``), else tasks of the norms' own, which read q and k and keep no

@@ -140,6 +140,7 @@ from orthosphere.params import Interval, parameter
 
 from .attention import ScoreTerms, attention_inputs, attention_share
 from .inputs import FiniteCheck, check_layers, store_url
+from .kernels import replay_block
 from .multiplicity import state_multiplicity
 from .options import LAYERS, PROBABILITY, integer
 from .plan import Plan
@@ -152,7 +153,6 @@ from .replay_blocks import (
     ReplaySettings,
     in_sample_order,
     message_frame,
-    replay_block,
 )
 from .units import GROUP_BY, GROUP_BY_HELP, Units, resampled, resampling_units
 

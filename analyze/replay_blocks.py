@@ -1,6 +1,6 @@
 """The replay's kernels: one block of samples of one layer, its clean attention (``HeadBlock``) and
 its perturbations under the study's settings (``ReplaySettings``), counted per (level, head)
-(``replay_block``); the definitions are in ``replay.py``'s docstring."""
+(``kernels.replay_block``); the definitions are in ``replay.py``'s docstring."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +12,7 @@ import scipy.sparse
 
 from orthosphere.params import Interval, Items, parameter
 
-from .attention import BlockAttention, CleanAttention, ScoreTerms, ScoreWindow, attention_sums, per_head
-from .blocks import single_block
+from .attention import BlockAttention, ScoreTerms, ScoreWindow, per_head
 from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
 from .device import resolve_device
 from .inputs import as_float32
@@ -340,37 +339,7 @@ def collapse_indicators(block: HeadBlock, *, samples, layer: int, draw: int, lev
             "collapse": effects["collapse"], "strict": effects["strict"]}
 
 
-def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
-                 terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = (),
-                 norms_for: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """Partial sums of the study for one layer, one block of samples and a range of draws.
-
-    Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
-    counts (instances, sparse instances, entropy, histogram) come with the range of draw 0 only,
-    so that the partial sums of every range add up. The block's clean attention (``CleanAttention``)
-    comes in sub-blocks of samples whose arrays stay in cache: the kernel's passes over them then run
-    from cache, not memory; every instance's result is the same either way. With `received_for`
-    (values of ``exclude_start``) and `norms_for` (of q, k, v), what the norms of the same call read
-    from this task (``attention.attention_sums``, ``attention.AttentionShare``).
-    """
-    clean = CleanAttention(q, k, valid, terms, settings.device)
-    v = None if v is None else np.asarray(single_block(v))
-    parts = []
-    for start, attention in clean.parts:
-        stop = start + len(attention.valid)
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: counted (``nonfinite``), then reported
-            block = head_block(attention, settings.sparse_threshold, None if v is None else v[start:stop], frame,
-                               min_keys=settings.min_keys)
-            parts.append(_replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
-                                           settings=settings, n_bins=n_bins))
-    sums = in_sample_order(parts)
-    if received_for or norms_for:
-        blocks = {"q": q, "k": k, "v": v}
-        sums.update(attention_sums(clean, received_for, {site: blocks[site] for site in norms_for}))
-    return sums
-
-
-def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: ReplaySettings,
+def replay_sub_block(block, *, samples, layer: int, draws: range, settings: ReplaySettings,
                       n_bins: int) -> dict[str, np.ndarray]:
     """``replay_block``'s partial sums for samples whose arrays fit in cache: the collapses of every
     draw from critical levels (``SparseRows``), the smooth summaries from the softmax of the first
@@ -415,16 +384,6 @@ def _replay_sub_block(block, *, samples, layer: int, draws: range, settings: Rep
             per_sample = (sets[:, None] * changes[name][None]).sum(axis=4).transpose(2, 0, 1, 3)  # (sample, set, level, head)
             sums[f"sample_smooth_{name}"] += np.stack([per_sample, per_sample**2], axis=1)
     return sums
-
-
-def head_block(attention, sparse_threshold: float, v=None, frame=None, *, min_keys: int):
-    """The replay's block of a part of a ``CleanAttention``: a ``HeadBlock`` of a ``BlockAttention``
-    (numpy), else a ``TorchHeadBlock`` of a ``TorchAttention``."""
-    if isinstance(attention, BlockAttention):
-        return HeadBlock.of_attention(attention, sparse_threshold, v, frame, min_keys=min_keys)
-    from .torch_kernels import TorchHeadBlock
-
-    return TorchHeadBlock(attention, sparse_threshold, v, frame, min_keys=min_keys)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,6 @@
 """The attention kernels of the replay and the norms in torch, for a GPU (``device``, see device.py).
 
-The same definitions as the numpy kernels (``attention.BlockAttention``, ``replay.HeadBlock``), in the
+The same definitions as the numpy kernels (``attention.BlockAttention``, ``replay_blocks.HeadBlock``), in the
 same layout (kpos, sample, head, qpos) and float32: ``TorchAttention`` scores and normalises a block,
 ``TorchHeadBlock`` is the replay's block with the dense work on the device and what the rest of the
 replay reads (instance masks, winners, sparse rows, per-instance changes) handed back to the CPU as

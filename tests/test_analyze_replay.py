@@ -10,7 +10,7 @@ import pytest
 import xarray as xr
 from dask.callbacks import Callback
 
-from orthosphere.analyze import attention, replay_blocks
+from orthosphere.analyze import kernels
 from orthosphere.analyze import replay as replay_module
 from orthosphere.analyze.attention import ScoreTerms
 from orthosphere.analyze.errors import AnalysisError, NonFiniteError
@@ -498,7 +498,7 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=6)
     whole = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
     for kernel_bytes in (1, 4 * 8 * 8 * 4 * 4):  # one sample a sub-block; sub-blocks of 4 and 2 samples
-        monkeypatch.setattr(attention, "KERNEL_BYTES", kernel_bytes)
+        monkeypatch.setattr(kernels, "KERNEL_BYTES", kernel_bytes)
         split = replay(ds, levels=(0.1, 0.3), n_draws=3, seed=1, n_bootstrap=20)
         _assert_same_replay(whole, split)
 
@@ -513,13 +513,13 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
     options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
     alone = {name: run_analyses(ds, only=[name], options=options[name])[name] for name in options}
     built = []
-    build = attention.CleanAttention.__init__
+    build = kernels.CleanAttention.__init__
 
     def counted(self, *arguments):
         built.append(1)
         build(self, *arguments)
 
-    monkeypatch.setattr(attention.CleanAttention, "__init__", counted)
+    monkeypatch.setattr(kernels.CleanAttention, "__init__", counted)
     together = run_analyses(ds, only=list(options), options={f"{name}.{option}": value for name, given in options.items()
                                                              for option, value in given.items()})
     assert len(built) == 2 * 3
@@ -671,9 +671,9 @@ def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, 
     block = HeadBlock(q, k, valid, terms, 0.8, min_keys=2)
     samples = np.arange(16)
     expected = grid_counts(block, settings, samples)
-    found = replay_blocks.replay_block(q, k, valid, None, None, samples=samples, layer=0, draws=range(6),
-                                       settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}),
-                                       terms=terms, n_bins=4)
+    found = kernels.replay_block(q, k, valid, None, None, samples=samples, layer=0, draws=range(6),
+                                  settings=ReplaySettings(**{**settings.__dict__, "sparse_threshold": 0.8}),
+                                  terms=terms, n_bins=4)
     assert block.sparse.sum() > 20 and expected["collapse"].sum() > 20
     np.testing.assert_array_equal(found["collapses"][0], expected["collapse"])
     np.testing.assert_array_equal(found["collapses"][1], expected["strict"])
