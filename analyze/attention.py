@@ -30,8 +30,6 @@ one block of samples at a time, never the whole pattern in memory.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import dask.array as da
@@ -353,8 +351,9 @@ hand to the norms of the call (``AttentionShare``)."""
 
 
 class AttentionShare:
-    """One ``analyze`` call's sharing of the tasks that read a block's q, k and v and compute its clean
-    attention: the norms, planned first, ``wish`` for the attention each key receives and for |x| of
+    """One ``run_analyses`` call's sharing of the tasks that read a block's q, k and v and compute its
+    clean attention, handed to the plans of the analyses that share it (``Analysis.shares_attention``:
+    the norms and the replay; an analysis run alone gets none): the norms, planned first, ``wish`` for the attention each key receives and for |x| of
     the shared sites they summarise; the replay's block tasks, which read those blocks and compute the
     attention anyway, compute these too (``kernels.attention_sums``) and ``provide`` them; the norms' work,
     built when its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. Each
@@ -383,24 +382,6 @@ class AttentionShare:
 
     def provider(self, layer: int, device: str) -> tuple[list, tuple[str, ...]] | None:
         return self.providers.get((layer, device))
-
-
-_SHARE: ContextVar[AttentionShare | None] = ContextVar("attention_share", default=None)
-
-
-@contextmanager
-def sharing_attention():
-    """The analyses planned and computed inside share each block's clean attention (``AttentionShare``)."""
-    token = _SHARE.set(AttentionShare())
-    try:
-        yield
-    finally:
-        _SHARE.reset(token)
-
-
-def attention_share() -> AttentionShare | None:
-    """The sharing of the ``analyze`` call being planned, or None (an analysis run alone)."""
-    return _SHARE.get()
 
 
 def attention_source(dataset: xr.Dataset) -> str:

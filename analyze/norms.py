@@ -26,9 +26,9 @@ from orthosphere.params import parameter
 
 from .attention import (
     SHARED_SITES,
+    AttentionShare,
     ScoreTerms,
     attention_inputs,
-    attention_share,
     attention_source,
     token_norms,
 )
@@ -80,13 +80,12 @@ def received_attention(dataset: xr.Dataset, layer: int, mask: da.Array) -> da.Ar
 
 
 def attention_tasks(dataset: xr.Dataset, layer: int, exclude_start: bool, device: str,
-                    norm_sites: tuple[str, ...]) -> tuple[list, tuple[str, ...]]:
+                    norm_sites: tuple[str, ...], share: AttentionShare | None) -> tuple[list, tuple[str, ...]]:
     """Per block of samples, the delayed ``kernels.attention_sums`` from which the norms read the
     attention recomputed from q and k (on `device`, resolved: see device.py), and the sites whose |x|
-    it holds: the replay's tasks when the replay of the same call provides them
+    it holds: the replay's tasks when the replay of the same call provides them through `share`
     (``attention.AttentionShare``), else tasks of the norms' own, which read q and k and keep no
     pattern."""
-    share = attention_share()
     provided = None if share is None else share.provider(layer, device)
     if provided is not None:
         return provided
@@ -206,14 +205,15 @@ def _sites(dataset: xr.Dataset, sites) -> list[str]:
     return sites
 
 
-def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
+def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig, share: AttentionShare | None = None) -> Plan:
     """Norm spread of every chosen site (default: every vector site stored): one child group per site.
 
     weight_by_attention: per head, each key weighted by the attention it receives (else uniform,
     per layer, or per head for q, k, v); exclude_start: leave out each sequence's start token;
     mass: the share of the mass the band holds; quantiles of |x| / median; a histogram of
     |x| / median with ratio_bins bins on [0, ratio_max]; device: where the attention recomputed from
-    q and k runs (see device.py).
+    q and k runs (see device.py). With `share`, the call's ``attention.AttentionShare``, the attention
+    recomputed from q and k comes from the replay's tasks when the call runs the replay too.
     """
     spread = {name: getattr(config, name) for name in ("mass", "quantiles", "ratio_max", "ratio_bins")}
     device = resolve_device(config.device)
@@ -227,7 +227,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
     finite = FiniteCheck(dataset)
     attention_reads = {"pattern": ("pattern",), "q,k": ("q", "k")}.get(source, ())
     shared_sites = tuple(site for site in SHARED_SITES if site in sites) if source == "q,k" else ()
-    share = attention_share() if source == "q,k" else None
+    share = share if source == "q,k" else None
     for layer in layers if share is not None else ():
         share.wish(layer, device, exclude_start, shared_sites)
 
@@ -238,7 +238,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
             return (received_attention(dataset, layer, mask),), {}
         if source is None:
             return (), {}
-        tasks, provided = attention_tasks(dataset, layer, exclude_start, device, shared_sites)
+        tasks, provided = attention_tasks(dataset, layer, exclude_start, device, shared_sites, share)
         samples = dataset["q"].sel(layer=layer).data.chunks[0]
         attention = from_tasks(tasks, partial(_provided_received, exclude_start=exclude_start),
                                (dataset.sizes["head"], dataset.sizes["pos"]), samples)
@@ -287,4 +287,4 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig) -> Plan:
 
 norm_spread = Analysis(
     "norms", NormsConfig, plan_norm_spread, summary="how tightly the norms of each vector site spread around their median",
-    reads=(*VECTOR_SITES, "pattern", "valid"))
+    reads=(*VECTOR_SITES, "pattern", "valid"), shares_attention=True)

@@ -15,6 +15,7 @@ import xarray as xr
 
 from orthosphere.params import Config
 
+from .attention import AttentionShare
 from .plan import Plan, run_plans
 
 
@@ -24,7 +25,9 @@ class Analysis:
 
     name: its results group; config: its configuration class (the options, their defaults and
     constraints); start(dataset, config, **earlier) -> Plan or result, where `earlier` holds the
-    results of the analyses named in `takes` that ran (spheres take the fitted subspaces); reads:
+    results of the analyses named in `takes` that ran (spheres take the fitted subspaces), and
+    `share`, the call's ``attention.AttentionShare``, when `shares_attention` (the norms read each
+    block's attention from the replay's tasks: one computation, not two); reads:
     the store variables it may read; needs: those without which the default set leaves it out;
     summary: one line for listings.
     """
@@ -36,6 +39,7 @@ class Analysis:
     summary: str
     needs: tuple[str, ...] = ()
     takes: tuple[str, ...] = ()
+    shares_attention: bool = False
 
     @property
     def defaults(self) -> dict:
@@ -46,9 +50,11 @@ class Analysis:
         """The configuration of these options (an unknown or refused one is an error naming it)."""
         return self.config.of(options, owner=f"analysis {self.name}")
 
-    def plan(self, dataset: xr.Dataset, config: Config, **earlier) -> Plan | Any:
-        """Its work on an opened store: a Plan (run with the others' by ``run_analyses``) or its result."""
-        return self.start(dataset, config, **{name: earlier[name] for name in self.takes if name in earlier})
+    def plan(self, dataset: xr.Dataset, config: Config, share: AttentionShare | None = None, **earlier) -> Plan | Any:
+        """Its work on an opened store: a Plan (run with the others' by ``run_analyses``, which hands every
+        analysis the same `share`) or its result."""
+        shared = {"share": share} if self.shares_attention else {}
+        return self.start(dataset, config, **shared, **{name: earlier[name] for name in self.takes if name in earlier})
 
     def __call__(self, dataset: xr.Dataset, /, **options):
         """Run this analysis alone on an opened store; options are its configuration's parameters (and

@@ -138,7 +138,7 @@ import xarray as xr
 from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
-from .attention import ScoreTerms, attention_inputs, attention_share
+from .attention import AttentionShare, ScoreTerms, attention_inputs
 from .inputs import FiniteCheck, check_layers, store_url
 from .kernels import replay_block
 from .multiplicity import state_multiplicity
@@ -183,11 +183,13 @@ class ReplayConfig(ReplaySettings):
     n_bins: int = parameter(20, integer(1, "histogram bins"), help="bins of the histogram of the largest attention")
 
 
-def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
+def plan_replay(ds: xr.Dataset, config: ReplayConfig, share: AttentionShare | None = None) -> Plan:
     """The norm-perturbation study of every stored layer (or ``layers``), one layer at a time.
 
     ``ds`` is a store opened with ``orthosphere.store.open_store`` (or any Dataset of the same
-    schema). Returns small xarray results (see the module docstring for the definitions).
+    schema). Returns small xarray results (see the module docstring for the definitions). With
+    `share`, the call's ``attention.AttentionShare``, its tasks also hand the norms of the call what
+    they wish for.
     """
     settings, layers, n_bins = config, config.layers, config.n_bins
     collapse_target, n_bootstrap, confidence = config.collapse_target, config.n_bootstrap, config.confidence
@@ -200,7 +202,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
     finite = FiniteCheck(ds)
     for layer in layers:
         finite.reads(layer, *((name, layer) for name in (("q", "k", "v") if with_messages else ("q", "k"))))
-    graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins) for layer in layers]
+    graphs = [_layer_graph(ds, layer, settings, model, with_messages, n_bins, share) for layer in layers]
 
     def finish(per_layer):
         finite.check({layer: sums.pop("nonfinite") for layer, sums in zip(layers, per_layer)})
@@ -221,7 +223,8 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig) -> Plan:
 
 
 replay = Analysis("replay", ReplayConfig, plan_replay, reads=("q", "k", "v", "w_o", "valid"),
-                  summary="norm perturbations replayed against the stored q, k, v: sparse attention's collapse")
+                  summary="norm perturbations replayed against the stored q, k, v: sparse attention's collapse",
+                  shares_attention=True)
 
 
 def store_model(ds: xr.Dataset) -> dict:
@@ -268,8 +271,8 @@ def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
     return list(array.to_delayed(optimize_graph=False).ravel())  # the store's read tasks, shared with other analyses
 
 
-def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
-    """A delayed dict of one layer's reduced partial sums. In an ``analyze`` call whose norms wish for
+def _layer_graph(ds, layer, settings, model, with_messages, n_bins, share: AttentionShare | None):
+    """A delayed dict of one layer's reduced partial sums. When the norms of the call wish, in `share`, for
     the attention each key receives and the norms of q, k, v, the tasks of the first range of draws
     compute those too and provide them (``attention.AttentionShare``)."""
     q = ds["q"].sel(layer=layer)
@@ -280,7 +283,6 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins):
     starts = np.concatenate([[0], np.cumsum(chunks)])
     draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
                    for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
-    share = attention_share()
     masks, norm_sites = ((), ()) if share is None else share.wished(layer, settings.device)
     norm_sites = tuple(site for site in norm_sites if site != "v" or with_messages)  # the sites its tasks read
     terms = ScoreTerms.of_layer(model, layer)

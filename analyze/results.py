@@ -12,7 +12,7 @@ from orthosphere.store.location import as_location, commit_metadata, zarr_quietl
 from orthosphere.store.provenance import provenance
 
 from .accuracy import accuracy
-from .attention import sharing_attention
+from .attention import AttentionShare
 from .errors import AnalysisError
 from .inputs import open_for_analysis
 from .neighbours import neighbours
@@ -76,6 +76,7 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
     given = split_options(analyses, options)
     configs = configure(analyses, options)
     waiting = list(analyses)
+    share = AttentionShare()  # the norms read the attention each key receives from the replay's tasks
 
     def ready(outputs: dict) -> dict:
         """Plans of the waiting analyses whose inputs are there (analyses without a plan run now)."""
@@ -88,14 +89,13 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
             for analysis in startable:
                 waiting.remove(analysis)
                 log.info("analysis %s of %s", analysis.name, dataset.attrs.get("url"))
-                started = analysis.plan(dataset, configs[analysis.name], **outputs)
+                started = analysis.plan(dataset, configs[analysis.name], share, **outputs)
                 if isinstance(started, Plan):
                     plans[analysis.name] = started
                 else:
                     outputs[analysis.name] = started
 
-    with sharing_attention():  # the norms read the attention each key receives from the replay's tasks
-        outputs = run_plans({}, ready)
+    outputs = run_plans({}, ready)
     return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
             for analysis in analyses}
 
