@@ -3,25 +3,30 @@
 Every analysis takes a store opened lazily (``open_for_analysis(url)``, or ``orthosphere.store.open_store``)
 and streams over it with Dask: per block of samples it reduces the activations to small float64
 partial sums, summed as a tree (a ``distributed.Client`` made the default runs them on its cluster).
-Nothing ever holds a whole variable in memory. ``analyze`` / ``run_analyses`` plan the chosen
-analyses together: one Dask computation per pass runs all of them, so each chunk of the store is read
+Nothing ever holds a whole variable in memory. ``analyze`` (``run_analyses`` on an opened store) plans the
+chosen analyses together: one Dask computation per pass runs all of them, so each chunk of the store is read
 once per pass (pass 1: accuracy aside, norms, subspaces, neighbours, norm_geometry, replay; the spheres then read
 the fit of the subspaces, without a pass of their own). Each pass logs its progress (share
 of tasks done, time, an estimate of the time left) on the ``orthosphere.analyze`` logger. NaN or Inf
 in any activation an analysis reads stops it with ``NonFiniteError`` naming the variable, layers and
 samples.
 
-    from orthosphere.analyze import analyze, open_results
-    tree = analyze("runs/store.zarr", "runs/results.zarr", only=["norms", "subspaces"],
-                   options={"layers": [0, 1], "factors": ["digit_value[role=digit]", "pos"]})
-    tree = open_results("runs/results.zarr")          # xr.open_datatree(url, engine="zarr")
+    import orthosphere
+    tree = orthosphere.analyze("runs/store.zarr", "runs/results.zarr", analyses=["norms", "subspaces"],
+                               layers=[0, 1], subspaces={"factors": ["digit_value[role=digit]", "pos"]})
+    tree = orthosphere.analyze.open_results("runs/results.zarr")   # xr.open_datatree(url, engine="zarr")
 
-Called as a function, ``orthosphere.analyze(store, out=None, *, analyses=None, **options)`` is the
-keyword form of ``analyze`` (``orthosphere.analyze.api``): ``analyses`` is ``only``, keywords are
-``options``, and a keyword named after an analysis takes a dict of that analysis's options.
+``orthosphere.analyze(store, out=None, *, analyses=None, overwrite=False, storage_options=None,
+out_storage_options=None, command=None, **options)`` (``orthosphere.analyze.analyze``, the same function:
+``api.py``) takes the analyses by name (a list, or one string "norms,replay") and their options as
+keywords: a keyword goes to every chosen analysis that takes it (``layers``, ``exclude_start``,
+``seed``, ...), and a keyword named after an analysis, with a dict, to that analysis only (its value
+wins over a shared one). ``results.configure`` turns them into one configuration per analysis (name
+-> Config), which ``run_analyses(dataset, configs)`` runs on an opened store; options given as text
+(KEY=VALUE, KEY "analysis.option" for one analysis) are read into this nested form once
+(``options.parse_options``).
 
-``options`` is one dict: a key goes to every chosen analysis that takes that keyword (``layers``,
-``exclude_start``, ``seed``, ...), a key ``"analysis.option"`` only to that analysis. The analyses
+The analyses
 (``ANALYSES``, run in this order: name -> ``registry.Analysis``, an object that declares its
 configuration, what it reads and needs, the earlier results it takes and how it starts its work) and
 their options, each declared once in its configuration class (a typed dataclass whose parameters
@@ -211,13 +216,14 @@ bootstraps over ``interval_groups`` groups of consecutive samples:
 
 ``/replay``: see ``orthosphere.analyze.replay``.
 """
+from .api import analyze
 from .attention import ScoreTerms, attention_from_qk, store_attention
 from .errors import AnalysisError, NonFiniteError
 from .factors import Factor
 from .inputs import open_for_analysis
 from .neighbours import neighbours
 from .norms import norm_spread
-from .results import ANALYSES, analyze, open_results, run_analyses, write_results
+from .results import ANALYSES, configure, open_results, run_analyses, write_results
 from .spheres import sphere_structure
 from .subspaces import FactorSubspaces, factor_subspaces
 from .views import OrthoAccessor
@@ -232,6 +238,7 @@ __all__ = [
     "ScoreTerms",
     "analyze",
     "attention_from_qk",
+    "configure",
     "factor_subspaces",
     "neighbours",
     "norm_spread",

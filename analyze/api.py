@@ -1,4 +1,5 @@
-"""Analysis from Python: ``orthosphere.analyze(store, out=None, *, analyses=None, **options)``.
+"""Analysis from Python: ``orthosphere.analyze(store, out=None, *, analyses=None, **options)``, the
+one public form of the verb (``orthosphere.analyze.analyze`` is the same function).
 
 The analyses and their options are those of ``orthosphere analyze`` (see ``orthosphere.analyze``):
 a keyword goes to every chosen analysis that takes it (``layers=[0, 1]``, ``seed=3``), and a
@@ -11,21 +12,21 @@ from collections.abc import Iterable
 
 import xarray as xr
 
-from .results import ANALYSES
-from .results import analyze as run_analyses
+from .inputs import open_for_analysis
+from .results import chosen_analyses, configure, results_tree, run_analyses, write_results
 
 
 def analyze(store: str | os.PathLike, out: str | os.PathLike | None = None, *,
             analyses: str | Iterable[str] | None = None, overwrite: bool = False,
-            storage_options: dict | None = None, out_storage_options: dict | None = None, **options) -> xr.DataTree:
+            storage_options: dict | None = None, out_storage_options: dict | None = None,
+            command: str | None = None, **options) -> xr.DataTree:
     """Run the chosen analyses (default: every one the store can feed) on the complete store and
-    return the results tree; with `out`, also write it there."""
-    names = analyses.split(",") if isinstance(analyses, str) else None if analyses is None else list(analyses)
-    flat = {}
-    for key, value in options.items():
-        if key in ANALYSES and isinstance(value, dict):
-            flat.update({f"{key}.{option}": setting for option, setting in value.items()})
-        else:
-            flat[key] = value
-    return run_analyses(os.fspath(store), None if out is None else os.fspath(out), only=names, options=flat,
-                        storage_options=storage_options, out_storage_options=out_storage_options, overwrite=overwrite)
+    return the results tree; with `out`, also write it there (a path or fsspec URL), replacing the
+    groups of these analyses in results already there for the same store (results of another store
+    only with `overwrite`). `command` is recorded in the results' provenance."""
+    dataset = open_for_analysis(os.fspath(store), storage_options)
+    configs = configure(chosen_analyses(dataset, analyses), options)
+    tree = results_tree(dataset, run_analyses(dataset, configs), command)
+    if out is not None:
+        tree = write_results(tree, os.fspath(out), storage_options=out_storage_options, overwrite=overwrite)
+    return tree

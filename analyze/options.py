@@ -1,5 +1,6 @@
 """The analyses' options: the shared vocabulary of their constraints, the base of their
-configurations, and options given as text (``--option KEY=VALUE``).
+configurations, and options given as text (KEY=VALUE) or with keys "analysis.option", read into
+the nested form the analyses take ({"option": value, "analysis": {"option": value}}).
 
 Each analysis declares its options once, as a configuration (a dataclass deriving from
 ``AnalysisConfig``, see ``orthosphere.params``) in its own module; ``results.ANALYSES`` lists them.
@@ -7,6 +8,7 @@ Each analysis declares its options once, as a configuration (a dataclass derivin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from orthosphere.errors import AnalysisError, AnalysisParameterError
@@ -54,12 +56,10 @@ def as_attrs(values: dict) -> dict:
     return json.loads(json.dumps(values, default=lambda value: value.tolist() if hasattr(value, "tolist") else str(value)))
 
 
-def parse_assignment(text: str) -> tuple[str, object]:
+def parse_assignment(text: str, analyses: Iterable) -> tuple[str, object]:
     """An option given as text, KEY=VALUE (VALUE read as JSON when it is JSON, else kept as text),
-    checked against the constraints of every analysis that declares it (KEY "analysis.option": that
-    analysis only), so that a bad value is named as given."""
-    from .results import ANALYSES
-
+    checked against the constraints of every one of `analyses` (``registry.Analysis``) that declares
+    it (KEY "analysis.option": that analysis only), so that a bad value is named as given."""
     key, separator, text_value = text.partition("=")
     key = key.strip()
     if not separator or not key:
@@ -69,8 +69,31 @@ def parse_assignment(text: str) -> tuple[str, object]:
     except json.JSONDecodeError:
         value = text_value
     target, _, option = key.rpartition(".")
-    for analysis in ANALYSES.values():
+    for analysis in analyses:
         declared = analysis.config.parameters().get(option)
         if declared is not None and (not target or target == analysis.name):
             checked(option, value, declared.metadata["constraints"], AnalysisParameterError, label=f"option {key}")
     return key, value
+
+
+def nested(options: Mapping, analyses: Iterable) -> dict:
+    """Options whose keys may be "analysis.option" (options given as text, a TOML table's quoted keys)
+    in the nested form the analyses take: {"option": value, "analysis": {"option": value}}. A key
+    naming none of `analyses` is kept as given (and refused where the options are configured)."""
+    names = {analysis.name for analysis in analyses}
+    result: dict = {}
+    for key, value in options.items():
+        target, _, option = key.rpartition(".")
+        if key in names and isinstance(value, Mapping):
+            result[key] = {**result.get(key, {}), **value}
+        elif target in names:
+            result.setdefault(target, {})[option] = value
+        else:
+            result[key] = value
+    return result
+
+
+def parse_options(texts: Iterable[str], analyses: Iterable) -> dict:
+    """Options given as text, KEY=VALUE each (``parse_assignment``), in the nested form (``nested``)."""
+    analyses = list(analyses)
+    return nested(dict(parse_assignment(text, analyses) for text in texts), analyses)

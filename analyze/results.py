@@ -1,20 +1,22 @@
-"""The registry of analyses, the run of several over one store, and the results DataTree on disk."""
+"""The registry of analyses, their configurations of the options given, the run of several over one
+store, and the results DataTree on disk."""
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Mapping
 
 import xarray as xr
 import zarr
 
 from orthosphere.errors import ParameterError
+from orthosphere.params import Config
 from orthosphere.store.location import as_location, commit_metadata, zarr_quietly
 from orthosphere.store.provenance import provenance
 
 from .accuracy import accuracy
 from .attention import AttentionShare
 from .errors import AnalysisError
-from .inputs import open_for_analysis
 from .neighbours import neighbours
 from .norm_geometry import norm_geometry
 from .norms import norm_spread
@@ -41,49 +43,66 @@ def get_analysis(name: str) -> Analysis:
     return ANALYSES[name]
 
 
-def split_options(analyses: list[Analysis], values: dict | None) -> dict[str, dict]:
-    """Each analysis's options from one dict: a plain key goes to every chosen analysis that has the
-    option, a key "analysis.option" to that analysis only; a key no chosen analysis takes is an error."""
-    given = {analysis.name: {} for analysis in analyses}
-    unknown = []
-    for key, value in (values or {}).items():
-        target, _, option = key.rpartition(".")
-        takers = [a for a in analyses if option in a.defaults and (not target or a.name == target)]
-        if not takers:
-            unknown.append(key)
-        for analysis in takers:
-            given[analysis.name][option] = value
-    if unknown:
-        known = "; ".join(f"{a.name}: {', '.join(a.defaults)}" for a in analyses)
-        raise AnalysisError(f"option(s) {unknown} are not options of the chosen analyses ({known})")
-    return given
-
-
-def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) -> dict[str, xr.DataTree]:
-    """Run the chosen analyses (all by default) on an opened store, planned together: every analysis
-    whose inputs are ready adds its lazy work to one Dask computation per pass, so each chunk of the
-    store is read once in a pass whatever the number of analyses that need it. Analyses that take an
-    earlier one's result (spheres: the fitted subspaces) are planned once it is there, in the next
-    pass; analyses without a plan (accuracy, which reads no activations) compute on their own."""
-    names = list(ANALYSES) if only is None else list(only)
+def chosen_analyses(dataset: xr.Dataset, analyses: str | Iterable[str] | None = None) -> list[Analysis]:
+    """The analyses named (a list, or one string of names separated by commas), in the order they run;
+    by default every one the store can feed (accuracy needs pred)."""
+    names = list(ANALYSES) if analyses is None else analyses.split(",") if isinstance(analyses, str) else list(analyses)
     if not names:
         raise AnalysisError(f"no analysis chosen: expected any of {list(ANALYSES)}")
     chosen = {name: get_analysis(name) for name in names}
-    if only is None:  # the default leaves out what the store cannot feed (accuracy without pred)
+    if analyses is None:
         chosen = {name: analysis for name, analysis in chosen.items()
                   if all(variable in dataset.variables for variable in analysis.needs)}
-    analyses = [chosen[name] for name in ANALYSES if name in chosen]
-    given = split_options(analyses, options)
-    configs = configure(analyses, options)
+    return [chosen[name] for name in ANALYSES if name in chosen]
+
+
+def configure(analyses: Iterable[Analysis], options: Mapping | None = None) -> dict[str, Config]:
+    """Each analysis's configuration, name -> Config, of options in the nested form: a key named after
+    an analysis, with a dict, holds that analysis's own options; any other key goes to every analysis
+    that takes it (an analysis's own value wins). A key none of these analyses takes is an error; a
+    refused value is a ParameterError naming the option as given ("analysis.option" or plain)."""
+    analyses = list(analyses)
+    shared, own = {}, {}
+    for key, value in (options or {}).items():
+        if key in ANALYSES and isinstance(value, Mapping):
+            own[key] = dict(value)
+        else:
+            shared[key] = value
+    unknown = [key for key in shared if not any(key in analysis.defaults for analysis in analyses)]
+    unknown += [f"{name}.{option}" for name, given in own.items() for option in given
+                if name not in {analysis.name for analysis in analyses} or option not in ANALYSES[name].defaults]
+    if unknown:
+        known = "; ".join(f"{a.name}: {', '.join(a.defaults)}" for a in analyses)
+        raise AnalysisError(f"option(s) {unknown} are not options of the chosen analyses ({known})")
+    configs = {}
+    for analysis in analyses:
+        given = own.get(analysis.name, {})
+        try:
+            configs[analysis.name] = analysis.configure(
+                {key: value for key, value in shared.items() if key in analysis.defaults} | given)
+        except ParameterError as error:
+            raise error.named(f"{analysis.name}.{error.parameter}" if error.parameter in given else error.parameter) from None
+    return configs
+
+
+def run_analyses(dataset: xr.Dataset, configs: Mapping[str, Config]) -> dict[str, xr.DataTree]:
+    """Run the configured analyses (name -> its Config, as ``configure`` makes them) on an opened store,
+    planned together: every analysis whose inputs are ready adds its lazy work to one Dask computation
+    per pass, so each chunk of the store is read once in a pass whatever the number of analyses that
+    need it. Analyses that take an earlier one's result (spheres: the fitted subspaces) are planned once
+    it is there, in the next pass; analyses without a plan (accuracy, which reads no activations)
+    compute on their own. The norms and the replay share one ``AttentionShare``: each block's
+    attention is computed once, in the replay's tasks."""
+    analyses = sorted((get_analysis(name) for name in configs), key=lambda analysis: list(ANALYSES).index(analysis.name))
     waiting = list(analyses)
-    share = AttentionShare()  # the norms read the attention each key receives from the replay's tasks
+    share = AttentionShare()
 
     def ready(outputs: dict) -> dict:
         """Plans of the waiting analyses whose inputs are there (analyses without a plan run now)."""
         plans = {}
         while True:
             startable = [analysis for analysis in waiting
-                         if all(name in outputs or name not in chosen for name in analysis.takes)]
+                         if all(name in outputs or name not in configs for name in analysis.takes)]
             if not startable:
                 return plans
             for analysis in startable:
@@ -96,32 +115,18 @@ def run_analyses(dataset: xr.Dataset, only=None, options: dict | None = None) ->
                     outputs[analysis.name] = started
 
     outputs = run_plans({}, ready)
-    return {analysis.name: _tree(analysis, outputs[analysis.name], given[analysis.name], dataset)
+    return {analysis.name: _tree(analysis, outputs[analysis.name], configs[analysis.name], dataset)
             for analysis in analyses}
 
 
-def configure(analyses: list[Analysis], options: dict | None) -> dict:
-    """Each analysis's configuration of the options (one dict, as ``split_options`` reads it); a
-    refused value is a ParameterError naming the option as it was given ("analysis.option" or plain)."""
-    given = split_options(analyses, options)
-    configs = {}
-    for analysis in analyses:
-        try:
-            configs[analysis.name] = analysis.configure(given[analysis.name])
-        except ParameterError as error:
-            key = f"{analysis.name}.{error.parameter}"
-            raise error.named(key if key in (options or {}) else error.parameter) from None
-    return configs
-
-
-def _tree(analysis: Analysis, result, options: dict, dataset: xr.Dataset) -> xr.DataTree:
+def _tree(analysis: Analysis, result, config: Config, dataset: xr.Dataset) -> xr.DataTree:
     """An analysis's result as a results group, with what produced it in its attrs."""
     if not isinstance(result, (xr.Dataset, xr.DataTree)):
         result = result.to_dataset()
     tree = result if isinstance(result, xr.DataTree) else xr.DataTree(dataset=result)
     tree.attrs.update({
         "analysis": analysis.name,
-        "options": as_attrs(analysis.defaults | options),
+        "options": as_attrs(config.as_dict()),
         "store": dataset.attrs.get("url"),
         "provenance": provenance(),
     })
@@ -147,18 +152,6 @@ def results_tree(dataset: xr.Dataset, results: dict[str, xr.DataTree], command: 
         root[name] = tree
     root.attrs["analyses"] = [name for name in ANALYSES if name in root.children]
     return root
-
-
-def analyze(store, out=None, *, only=None, options: dict | None = None, storage_options: dict | None = None,
-            out_storage_options: dict | None = None, overwrite: bool = False, command: str | None = None) -> xr.DataTree:
-    """Run analyses on the complete store at `store` and return their results as one DataTree;
-    with `out`, also write it there (a path or fsspec URL), replacing the groups of these analyses
-    in results already there for the same store."""
-    dataset = open_for_analysis(store, storage_options)
-    tree = results_tree(dataset, run_analyses(dataset, only, options), command)
-    if out is not None:
-        tree = write_results(tree, out, storage_options=out_storage_options, overwrite=overwrite)
-    return tree
 
 
 def _is_results(location) -> bool:
@@ -189,7 +182,7 @@ def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None
         if existing.attrs.get("store") != tree.attrs.get("store") and not overwrite:
             raise AnalysisError(
                 f"{location.url} holds results of store {existing.attrs.get('store')!r}, not of "
-                f"{tree.attrs.get('store')!r}: choose another path, or overwrite them (CLI: --overwrite)"
+                f"{tree.attrs.get('store')!r}: choose another path, or overwrite them (overwrite=True)"
             )
         if not overwrite:
             keep = [name for name in existing.children if name not in tree.children]
@@ -236,5 +229,5 @@ def open_results(url, storage_options: dict | None = None) -> xr.DataTree:
     """The results tree at `url` (lazy), as written by `analyze`."""
     location = as_location(url, storage_options)
     if not location.is_zarr():
-        raise AnalysisError(f"no results at {location.url}: run `orthosphere analyze STORE --out {location.url}` first")
+        raise AnalysisError(f"no results at {location.url}: analyze a store with out={location.url!r} first")
     return xr.open_datatree(location.zarr_store(read_only=True), engine="zarr")

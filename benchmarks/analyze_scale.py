@@ -38,7 +38,8 @@ import dask
 import numpy as np
 from distributed import Client, LocalCluster
 
-from orthosphere.analyze import FactorSubspaces, norm_spread, open_for_analysis, run_analyses, sphere_structure
+from orthosphere.analyze import FactorSubspaces, configure, norm_spread, open_for_analysis, run_analyses, sphere_structure
+from orthosphere.analyze.results import chosen_analyses
 from orthosphere.store import DEFAULT_SITES, create_store
 
 N_LAYERS, N_POS, D_MODEL, N_HEADS, D_HEAD = 4, 32, 128, 4, 32
@@ -199,7 +200,7 @@ def out_of_core(args) -> None:
                   f"{read / alone / raw_rate:.2f}; wall time {alone / raw_seconds:.1f} x one raw pass")
             with MemoryWatch(client) as watch:
                 started = time.perf_counter()
-                run_analyses(dataset, only=list(READS), options=OPTIONS)
+                run_analyses(dataset, configure(chosen_analyses(dataset, list(READS)), OPTIONS))
                 together = time.perf_counter() - started
             print(f"  one analyze call: {together:6.1f} s, reads {total / 2**30:.2f} GiB (every site once): ratio to "
                   f"the raw pass {total / together / raw_rate:.2f}; wall time {together / raw_seconds:.1f} x one raw "
@@ -284,7 +285,7 @@ def language_model(args) -> None:
             runs["default analyses"] = (None, {})
         for label, (only, options) in runs.items():
             started = time.perf_counter()
-            results = run_analyses(dataset, only=only, options=options)
+            results = run_analyses(dataset, configure(chosen_analyses(dataset, only), options))
             elapsed = time.perf_counter() - started
             print(f"{label}: {elapsed:.1f} s = {elapsed / raw_seconds:.1f} x one raw pass")
         subspaces = results["subspaces"].to_dataset()
@@ -331,7 +332,7 @@ def extracted_language_model(args) -> None:
                 for names in (["accuracy"], ["norms"], ["subspaces", "spheres"], ["neighbours"], ["replay"],
                               ["norms", "replay"]):
                     started = time.perf_counter()
-                    alone = run_analyses(dataset, only=names)
+                    alone = run_analyses(dataset, configure(chosen_analyses(dataset, names)))
                     print(f"    {' and '.join(names)} alone: {time.perf_counter() - started:.1f} s")
                 replay_result = alone["replay"].to_dataset()
                 print(f"    replay: {int(replay_result.n_sparse.sum())} sparse instances of "

@@ -398,7 +398,7 @@ def _as_label(cell: Cell, values: np.ndarray) -> np.ndarray:
 
 def run(planted: Planted, **options):
     """The subspaces and spheres of a planted store (its cell's factors), as one analyze call."""
-    tree = analyze(planted.url, only=["subspaces", "spheres"], options={"factors": planted.cell.factors, **options})
+    tree = analyze(planted.url, analyses=["subspaces", "spheres"], **{"factors": planted.cell.factors, **options})
     return tree["subspaces"].to_dataset(), tree["spheres"].to_dataset()
 
 

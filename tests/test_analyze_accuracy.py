@@ -40,7 +40,7 @@ def test_token_and_answer_accuracy_match_hand_counts(tmp_path):
 def test_accuracy_runs_in_the_results_tree(tmp_path):
     scored = np.zeros((4, 5), bool)
     scored[:, 3:] = True
-    tree = analyze(planted_store(str(tmp_path / "s.zarr"), scored), only=["accuracy"])
+    tree = analyze(planted_store(str(tmp_path / "s.zarr"), scored), analyses=["accuracy"])
     assert float(tree["accuracy"]["token_accuracy"]) == pytest.approx(4 / 7)
 
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from orthosphere.analyze import norm_spread, open_for_analysis
+from orthosphere.analyze import ANALYSES, norm_spread, open_for_analysis
 from orthosphere.analyze.attention import ScoreTerms
 from orthosphere.analyze.device import resolve_device
 from orthosphere.analyze.errors import AnalysisError
@@ -160,7 +160,7 @@ def test_a_device_of_the_wrong_form_is_refused_naming_the_option(value, message)
         resolve_device(value)
     if isinstance(value, str):
         with pytest.raises(AnalysisError, match=message.replace("option device", "option replay.device")):
-            parse_assignment(f"replay.device={value}")
+            parse_assignment(f"replay.device={value}", ANALYSES.values())
 
 
 def test_cuda_without_a_gpu_or_without_torch_is_a_clear_error(tmp_path, monkeypatch):

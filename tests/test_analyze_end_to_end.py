@@ -34,8 +34,7 @@ def extracted(tmp_path_factory):
 @pytest.mark.slow
 def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
     out = tmp_path / "results.zarr"
-    analyze(extracted, out, only=["norms", "subspaces", "spheres", "neighbours"],
-            options={"factors": FACTORS})
+    analyze(extracted, out, analyses=["norms", "subspaces", "spheres", "neighbours"], factors=FACTORS)
     results = open_results(out)
     dataset = open_for_analysis(extracted)
     valid = dataset["valid"].values
@@ -44,7 +43,7 @@ def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
     for site in ("resid_pre", "attn_in", "q", "k", "v"):
         band = results[f"norms/{site}"]["band"].values
         assert band.shape == (dataset.sizes["layer"], dataset.sizes["head"]) and np.all(band > 0)
-    uniform = analyze(extracted, only=["norms"], options={"sites": ["resid_pre"], "weight_by_attention": False})
+    uniform = analyze(extracted, analyses=["norms"], sites=["resid_pre"], weight_by_attention=False)
     norms = np.linalg.norm(dataset["resid_pre"].values, axis=-1)  # (sample, layer, pos)
     for layer in range(dataset.sizes["layer"]):
         expected = weighted_band(norms[:, layer], counted)

@@ -68,7 +68,7 @@ def test_a_cap_of_zero_classes_and_an_unknown_estimator_are_refused(dataset):
     with pytest.raises(AnalysisError, match=r"max_classes=0: expected an integer >= 2, the most classes a factor keeps"):
         factor_subspaces(dataset, factors=["alpha"], max_classes=0)
     with pytest.raises(AnalysisError, match=r"max_classes=1: expected an integer >= 2"):
-        analyze(dataset.attrs["url"], only=["subspaces"], options={"max_classes": 1})
+        analyze(dataset.attrs["url"], analyses=["subspaces"], max_classes=1)
     with pytest.raises(AnalysisError, match=r"estimator='ridge': expected one of \['joint', 'marginal'\]"):
         factor_subspaces(dataset, factors=["alpha"], estimator="ridge")
     with pytest.raises(AnalysisError, match=r"n_null=-1: expected an integer >= 0"):
@@ -119,7 +119,7 @@ def test_an_incomplete_store_is_refused(tmp_path):
                           task={}, n_samples=8, n_pos=3, sites=("resid_pre",), samples_per_chunk=4, n_shards=2)
     writer.close()
     with pytest.raises(IncompleteStoreError, match="incomplete: 2 of 2 shards are missing"):
-        analyze(url, only=["neighbours"])
+        analyze(url, analyses=["neighbours"])
 
 
 @pytest.mark.parametrize("run", [
@@ -195,8 +195,8 @@ def test_a_factor_whose_classes_are_all_too_rare_to_test_is_refused(tmp_path):
 def test_unknown_analyses_and_options_are_refused(dataset):
     url = dataset.attrs["url"]
     with pytest.raises(AnalysisError, match="unknown analysis 'angles'"):
-        analyze(url, only=["angles"])
+        analyze(url, analyses=["angles"])
     with pytest.raises(AnalysisError, match=r"option\(s\) \['factors'\] are not options of the chosen analyses"):
-        analyze(url, only=["norms"], options={"factors": ["alpha"]})
+        analyze(url, analyses=["norms"], factors=["alpha"])
     with pytest.raises(AnalysisError, match=r"\['spheres.mass'\]"):
-        analyze(url, only=["spheres"], options={"spheres.mass": 0.8})
+        analyze(url, analyses=["spheres"], spheres={"mass": 0.8})

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import open_for_analysis
-from orthosphere.analyze.results import run_analyses
+from orthosphere.analyze.results import chosen_analyses, configure, run_analyses
 from tests.synthetic import write_store
 
 STATED = ("uncorrected", "Benjamini-Hochberg", "pointwise", "Monte Carlo error", "no null, interval or test")
@@ -22,8 +22,8 @@ def test_every_p_value_and_interval_states_its_multiplicity(tmp_path):
     sites = {"resid_pre": resid[:, None], "q": rng.normal(size=(n_samples, 1, n_pos, 2, 4)) * 3,
              "k": rng.normal(size=(n_samples, 1, n_pos, 2, 4)) * 3, "v": rng.normal(size=(n_samples, 1, n_pos, 2, 4))}
     dataset = open_for_analysis(write_store(tmp_path / "s.zarr", sites, labels=labels))
-    results = run_analyses(dataset, ["subspaces", "spheres", "replay"],
-                           {"factors": ["alpha", "beta"], "replay.n_draws": 2, "replay.n_bootstrap": 20})
+    results = run_analyses(dataset, configure(chosen_analyses(dataset, ["subspaces", "spheres", "replay"]),
+                                              {"factors": ["alpha", "beta"], "replay": {"n_draws": 2, "n_bootstrap": 20}}))
     checked = 0
     for name, tree in results.items():
         for variable in tree.to_dataset().data_vars.values():

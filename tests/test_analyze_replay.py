@@ -17,7 +17,7 @@ from orthosphere.analyze.errors import AnalysisError, NonFiniteError
 from orthosphere.analyze.noise import unit_noise
 from orthosphere.analyze.replay import ReplayError, level_at_rate, replay
 from orthosphere.analyze.replay_blocks import HeadBlock, ReplaySettings, message_frame
-from orthosphere.analyze.results import run_analyses
+from orthosphere.analyze.results import ANALYSES, configure, run_analyses
 from orthosphere.store import create_store, open_store
 from tests.reference import assert_attention_close, attention_atol, attention_float64
 
@@ -511,7 +511,7 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
     q, k, v, w_o = random_heads(n_samples=10)
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)  # 3 blocks a layer
     options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
-    alone = {name: run_analyses(ds, only=[name], options=options[name])[name] for name in options}
+    alone = {name: run_analyses(ds, {name: ANALYSES[name].configure(options[name])})[name] for name in options}
     built = []
     build = kernels.CleanAttention.__init__
 
@@ -520,8 +520,7 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
         build(self, *arguments)
 
     monkeypatch.setattr(kernels.CleanAttention, "__init__", counted)
-    together = run_analyses(ds, only=list(options), options={f"{name}.{option}": value for name, given in options.items()
-                                                             for option, value in given.items()})
+    together = run_analyses(ds, configure([ANALYSES[name] for name in options], options))
     assert len(built) == 2 * 3
     for name in options:
         xr.testing.assert_equal(together[name], alone[name])  # every value bit for bit (attrs hold the time of the run)
@@ -549,7 +548,8 @@ def test_each_block_of_q_k_v_has_one_reader_in_a_call(tmp_path, only):
     ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)
     readers = _Readers()
     with dask.config.set(scheduler="synchronous"), readers:
-        run_analyses(ds, only=only, options={"replay.n_draws": 3, "replay.n_bootstrap": 10} if "replay" in only else {})
+        run_analyses(ds, configure([ANALYSES[name] for name in only],
+                                   {"replay": {"n_draws": 3, "n_bootstrap": 10}} if "replay" in only else {}))
     assert len(readers.counts) >= 3 * 3 and set(readers.counts) == {1}  # q, k, v of 3 blocks, each read once
 
 
@@ -618,9 +618,9 @@ def test_option_assignments_refuse_levels_that_do_not_increase_and_too_few_smoot
     from orthosphere.analyze.options import parse_assignment
 
     with pytest.raises(AnalysisError, match="option replay.levels=.*non-empty list of strictly increasing items"):
-        parse_assignment("replay.levels=[0.1,0.05]")
+        parse_assignment("replay.levels=[0.1,0.05]", ANALYSES.values())
     with pytest.raises(AnalysisError, match="replay.smooth_draws=1: expected an integer >= 2"):
-        parse_assignment("replay.smooth_draws=1")
+        parse_assignment("replay.smooth_draws=1", ANALYSES.values())
 
 
 # --- critical levels against the grid evaluation ------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import xarray as xr
 
 from orthosphere.analyze import open_for_analysis
-from orthosphere.analyze.replay import _add_collapse_levels
+from orthosphere.analyze.replay import ReplayConfig, _add_collapse_levels
 from orthosphere.analyze.results import run_analyses
 from orthosphere.analyze.units import Units
 from tests.synthetic import write_store
@@ -62,6 +62,9 @@ def test_a_perfect_prediction_has_recall_and_precision_one_in_every_resample():
         np.testing.assert_array_equal(result[name].values, [[1.0, 1.0]])
 
 
+REPLAY = ReplayConfig(n_draws=4, n_bootstrap=50)
+
+
 def replay_store(url, documents: np.ndarray) -> str:
     rng = np.random.default_rng(0)
     n_samples, n_pos = documents.shape
@@ -74,13 +77,13 @@ def replay_store(url, documents: np.ndarray) -> str:
 def test_the_replay_resamples_the_stores_documents_and_says_a_single_one_gives_no_interval(tmp_path, caplog):
     documents = np.repeat(np.arange(6), 2)[:, None].repeat(8, axis=1)  # six documents of two windows
     dataset = open_for_analysis(replay_store(tmp_path / "six.zarr", documents))
-    result = run_analyses(dataset, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 50})["replay"]
+    result = run_analyses(dataset, {"replay": REPLAY})["replay"]
     assert (result.attrs["group_by"], result.attrs["n_units"]) == ("document", 6)
     low, high = result.collapse_rate_pooled_ci.sel(definition="collapse").values.T
     rate = result.collapse_rate_pooled.sel(definition="collapse").values
     assert np.all((low <= rate) & (rate <= high))
     one = open_for_analysis(replay_store(tmp_path / "one.zarr", np.zeros_like(documents)))
     with caplog.at_level(logging.WARNING, logger="orthosphere.analyze"):
-        single = run_analyses(one, ["replay"], {"replay.n_draws": 4, "replay.n_bootstrap": 50})["replay"]
+        single = run_analyses(one, {"replay": REPLAY})["replay"]
     assert "holds 1 resampling unit" in caplog.text and "the replay's intervals are NaN" in caplog.text
     assert single.attrs["resamples"] == 0 and np.isnan(single.collapse_rate_pooled_ci.values).all()

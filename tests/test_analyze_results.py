@@ -11,7 +11,8 @@ import xarray as xr
 import zarr.storage
 from click.testing import CliRunner
 
-from orthosphere.analyze import AnalysisError, analyze, neighbours, open_for_analysis, open_results, run_analyses
+from orthosphere.analyze import AnalysisError, analyze, configure, neighbours, open_for_analysis, open_results, run_analyses
+from orthosphere.analyze.results import chosen_analyses
 from orthosphere.workflows.cli import main
 from tests.synthetic import PlantedFactor, plane, plant_factors, write_store
 
@@ -30,7 +31,7 @@ def store(tmp_path_factory):
 @pytest.mark.slow
 def test_results_round_trip_with_provenance_and_options(store, tmp_path):
     out = tmp_path / "results.zarr"
-    tree = analyze(store, out, only=["norms", "neighbours"], options={"layers": [1], "norms.mass": 0.5},
+    tree = analyze(store, out, analyses=["norms", "neighbours"], layers=[1], norms={"mass": 0.5},
                    command="orthosphere analyze test")
     written = open_results(out)
     assert written.attrs["orthosphere_results"] == 1 and written.attrs["store"] == store
@@ -50,13 +51,13 @@ def test_results_round_trip_with_provenance_and_options(store, tmp_path):
 @pytest.mark.slow
 def test_writing_again_replaces_only_the_groups_just_computed(store):
     out = f"memory://results-{uuid.uuid4().hex}"
-    analyze(store, out, only=["neighbours"], options={"layers": [0]})
-    analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"]})
+    analyze(store, out, analyses=["neighbours"], layers=[0])
+    analyze(store, out, analyses=["subspaces"], factors=["alpha", "beta"])
     merged = open_results(out)
     assert merged.attrs["analyses"] == ["subspaces", "neighbours"]
     assert merged["subspaces"].attrs["classes"]["alpha"] == ["c0", "c1", "c2", "c3", "c4"]
     assert merged["subspaces"]["factor"].values.tolist() == ["alpha", "beta"]
-    analyze(store, out, only=["neighbours"], options={"layers": [1]})
+    analyze(store, out, analyses=["neighbours"], layers=[1])
     assert open_results(out)["neighbours"]["layer"].values.tolist() == [1]
     assert "subspaces" in open_results(out).children
 
@@ -66,15 +67,15 @@ def test_results_never_overwrite_what_is_not_theirs(store, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
     with pytest.raises(AnalysisError, match="exists and is not an orthosphere results tree"):
-        analyze(store, tmp_path / "notes", only=["neighbours"])
+        analyze(store, tmp_path / "notes", analyses=["neighbours"])
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
     other = write_store(tmp_path / "other.zarr", {"resid_pre": np.ones((4, 1, 3, 8), "float32"),
                                                   "resid_post": np.ones((4, 1, 3, 8), "float32")})
     out = tmp_path / "results.zarr"
-    analyze(store, out, only=["neighbours"])
-    with pytest.raises(AnalysisError, match="holds results of store"):
-        analyze(other, out, only=["neighbours"])
-    analyze(other, out, only=["neighbours"], overwrite=True)
+    analyze(store, out, analyses=["neighbours"])
+    with pytest.raises(AnalysisError, match=r"holds results of store .*overwrite them \(overwrite=True\)"):
+        analyze(other, out, analyses=["neighbours"])
+    analyze(other, out, analyses=["neighbours"], overwrite=True)
     assert open_results(out).attrs["store"] == other
     with pytest.raises(AnalysisError, match="no results at"):
         open_results(tmp_path / "missing.zarr")
@@ -83,7 +84,7 @@ def test_results_never_overwrite_what_is_not_theirs(store, tmp_path):
 @pytest.mark.slow
 def test_results_on_s3(store, s3_bucket):
     out = f"{s3_bucket}/results.zarr"
-    analyze(store, out, only=["neighbours"])
+    analyze(store, out, analyses=["neighbours"])
     assert open_results(out)["neighbours"]["n_sequences"].values.tolist() == [60, 60]
 
 
@@ -110,7 +111,7 @@ def test_the_analyze_verb_on_a_local_cluster(store, tmp_path):
     result = CliRunner().invoke(main, ["--workers", "1", "analyze", store, "--out", out, "--only", "norms,subspaces",
                                        "--factor", "alpha", "--sites", "resid_pre,k"])
     assert result.exit_code == 0, result.output
-    local = analyze(store, only=["norms"], options={"sites": ["resid_pre", "k"]})
+    local = analyze(store, analyses=["norms"], sites=["resid_pre", "k"])
     np.testing.assert_allclose(open_results(out)["norms/k"]["band"].values, local["norms/k"]["band"].values)
 
 
@@ -121,7 +122,7 @@ class Killed(Exception):
 @pytest.mark.slow
 def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp_path, monkeypatch):
     out = tmp_path / "results.zarr"
-    analyze(store, out, only=["norms", "neighbours"], options={"layers": [0], "norms.sites": ["resid_pre"]})
+    analyze(store, out, analyses=["norms", "neighbours"], layers=[0], norms={"sites": ["resid_pre"]})
     before = open_results(out).load()
 
     def kill(*args, **kwargs):
@@ -129,7 +130,7 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
 
     monkeypatch.setattr("orthosphere.analyze.results.commit_metadata", kill)  # new group written, not yet listed
     with pytest.raises(Killed):
-        analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "rank": 1, "n_bootstrap": 0})
+        analyze(store, out, analyses=["subspaces"], factors=["alpha"], rank=1, n_bootstrap=0)
     after = open_results(out).load()
     assert set(after.children) == {"norms", "neighbours"} and after.attrs["analyses"] == ["norms", "neighbours"]
     xr.testing.assert_identical(after["neighbours"].to_dataset(), before["neighbours"].to_dataset())
@@ -137,13 +138,13 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
 
     monkeypatch.setattr("orthosphere.analyze.results._write_group", kill)  # while replacing neighbours
     with pytest.raises(Killed):
-        analyze(store, out, only=["neighbours"], options={"layers": [1]})
+        analyze(store, out, analyses=["neighbours"], layers=[1])
     after = open_results(out).load()
     assert set(after.children) == {"norms"}  # only the analysis being replaced is lost
     xr.testing.assert_identical(after["norms/resid_pre"].to_dataset(), before["norms/resid_pre"].to_dataset())
 
     monkeypatch.undo()
-    analyze(store, out, only=["subspaces"], options={"factors": ["alpha"], "rank": 1, "n_bootstrap": 0})
+    analyze(store, out, analyses=["subspaces"], factors=["alpha"], rank=1, n_bootstrap=0)
     assert set(open_results(out).children) == {"norms", "subspaces"}
     assert sorted(path.name for path in out.iterdir()) == ["norms", "subspaces", "zarr.json"]
 
@@ -168,29 +169,30 @@ def test_all_analyses_read_each_chunk_once_per_pass(store, chunk_reads):
     dataset = open_for_analysis(store, block_bytes=1)  # three blocks of 20 samples, one zarr chunk each
     n_chunks = dataset.sizes["layer"] * len(dataset.chunks["sample"])
     options = {"factors": ["alpha", "beta"]}
-    replay = {"replay.targets": ["q", "k"], "replay.n_draws": 2, "replay.n_bootstrap": 10}
-    run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+    replay = {"replay": {"targets": ["q", "k"], "n_draws": 2, "n_bootstrap": 10}}
+    every = configure(chosen_analyses(dataset, ["norms", "subspaces", "neighbours", "replay"]), options | replay)
+    run_analyses(dataset, every)
     assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
     chunk_reads.clear()  # the same on a distributed cluster (workers in this process, where the count is)
     from distributed import Client, LocalCluster
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster):
-        run_analyses(dataset, only=["norms", "subspaces", "neighbours", "replay"], options=options | replay)
+        run_analyses(dataset, every)
     assert chunk_reads == Counter({"resid_pre": n_chunks, "resid_post": n_chunks, "q": n_chunks, "k": n_chunks})
     chunk_reads.clear()  # the control: analyses run one by one read the chunks they share again
     for name in ("subspaces", "neighbours"):
-        run_analyses(dataset, only=[name], options=options if name == "subspaces" else {})
+        run_analyses(dataset, configure(chosen_analyses(dataset, [name]), options if name == "subspaces" else {}))
     assert chunk_reads == Counter({"resid_pre": 2 * n_chunks, "resid_post": n_chunks})
     chunk_reads.clear()  # the spheres read the fit of the subspaces: no pass of their own
-    run_analyses(dataset, only=["subspaces", "spheres"], options=options)
+    run_analyses(dataset, configure(chosen_analyses(dataset, ["subspaces", "spheres"]), options))
     assert chunk_reads == Counter({"resid_pre": n_chunks})
 
 
 def test_every_pass_logs_its_progress_with_an_estimate(store, caplog, monkeypatch):
     monkeypatch.setattr("orthosphere.analyze.plan.LOG_EVERY_SECONDS", 0.0)
     with caplog.at_level(logging.INFO, logger="orthosphere.analyze"):
-        analyze(store, only=["subspaces", "neighbours"], options={"factors": ["alpha", "beta"]})
+        analyze(store, analyses=["subspaces", "neighbours"], factors=["alpha", "beta"])
     messages = [record.getMessage() for record in caplog.records]
     assert "analyze pass 1 (subspaces, neighbours): started" in messages
     progress = [m for m in messages if m.startswith("analyze pass 1 (subspaces, neighbours):") and "% of" in m]
@@ -204,7 +206,7 @@ def test_the_report_tabulates_label_association_beside_the_angles_and_their_null
     from orthosphere.workflows.runs import load_runs
 
     out = tmp_path / "results.zarr"
-    tree = analyze(store, out, only=["subspaces"], options={"factors": ["alpha", "beta"], "rank": 2})
+    tree = analyze(store, out, analyses=["subspaces"], factors=["alpha", "beta"], rank=2)
     figure = figure_association(load_runs([out]))
     cells = [cell.get_text().get_text() for cell in figure.axes[0].tables[0].get_celld().values()]
     subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")
@@ -223,7 +225,7 @@ def test_the_report_draws_each_layers_angle_and_sphere_statistics_with_their_int
     from orthosphere.workflows.runs import load_runs
 
     out = tmp_path / "results.zarr"
-    tree = analyze(store, out, only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "rank": 2})
+    tree = analyze(store, out, analyses=["subspaces", "spheres"], factors=["alpha", "beta"], rank=2)
     runs = load_runs([out])
     angles = figure_angles(runs).axes[0]
     (bars,) = [c for c in angles.containers if isinstance(c, ErrorbarContainer)]  # one pair: alpha / beta

@@ -95,7 +95,7 @@ def test_subspaces_at_sixty_degrees_have_their_planted_cross_term(spheres):
 @pytest.mark.slow
 def test_spheres_use_the_fitted_subspaces_they_are_given(spheres):
     dataset, result = spheres
-    tree = analyze(dataset.attrs["url"], only=["subspaces", "spheres"], options={"factors": ["alpha", "beta"], "layers": [1]})
+    tree = analyze(dataset.attrs["url"], analyses=["subspaces", "spheres"], factors=["alpha", "beta"], layers=[1])
     assert tree["spheres"].attrs["subspaces"] == "from the subspaces results"
     np.testing.assert_allclose(tree["spheres"]["radius_cv"].values, result["radius_cv"].sel(layer=[1]).values, rtol=1e-6)
     fitted = FactorSubspaces(factors=["alpha", "beta"], layers=[1], rank=1).fit(dataset)

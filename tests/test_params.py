@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from orthosphere.analyze import ANALYSES
-from orthosphere.analyze.options import AnalysisConfig, parse_assignment
+from orthosphere.analyze.options import AnalysisConfig, nested, parse_assignment, parse_options
 from orthosphere.analyze.registry import Analysis
 from orthosphere.analyze.results import configure
 from orthosphere.analyze.spheres import SpheresConfig
@@ -111,13 +111,27 @@ def test_the_estimator_takes_its_configuration_or_its_keywords_not_both():
 def test_an_option_is_named_as_its_caller_gave_it():
     analyses = [ANALYSES["norms"], ANALYSES["replay"]]
     with pytest.raises(AnalysisParameterError, match=r"^replay\.n_draws=0: expected an integer >= 1"):
-        configure(analyses, {"replay.n_draws": 0})
+        configure(analyses, {"replay": {"n_draws": 0}})
+    with pytest.raises(AnalysisParameterError, match=r"^replay\.n_draws=0: expected an integer >= 1"):
+        configure(analyses, {"n_draws": 3, "replay": {"n_draws": 0}})
     with pytest.raises(AnalysisParameterError, match=r"^n_draws=0: expected an integer >= 1"):
         configure(analyses, {"n_draws": 0})
     with pytest.raises(AnalysisParameterError, match=r"^option replay\.n_draws=0: expected an integer >= 1"):
-        parse_assignment("replay.n_draws=0")
+        parse_assignment("replay.n_draws=0", ANALYSES.values())
     with pytest.raises(AnalysisError, match=r"\['mas'\] are not options of the chosen analyses"):
         configure(analyses, {"mas": 0.5})
+
+
+def test_options_given_as_text_are_read_once_into_one_configuration_per_analysis():
+    given = parse_options(["mass=0.8", "replay.n_draws=8", "replay.seed=2", "seed=1", "reply.x=1"], ANALYSES.values())
+    assert given == {"mass": 0.8, "replay": {"n_draws": 8, "seed": 2}, "seed": 1, "reply.x": 1}
+    with pytest.raises(AnalysisError, match=r"\['reply.x'\] are not options of the chosen analyses"):
+        configure(ANALYSES.values(), given)
+    del given["reply.x"]
+    configs = configure([ANALYSES["norms"], ANALYSES["subspaces"], ANALYSES["replay"]], given)
+    assert configs["norms"].mass == 0.8 and configs["subspaces"].seed == 1  # a shared option goes to every taker
+    assert (configs["replay"].n_draws, configs["replay"].seed) == (8, 2)  # an analysis's own value wins
+    assert nested({"replay.n_draws": 8, "replay": {"seed": 2}}, ANALYSES.values()) == {"replay": {"n_draws": 8, "seed": 2}}
 
 
 @pytest.fixture(scope="module")

@@ -178,13 +178,13 @@ def test_worker_killed_mid_analysis_gives_the_same_results(tiny_run, tmp_path):
 
     _, out = tiny_run
     store = str(out / "stores" / "pre-test.zarr")
-    options = {"replay.n_draws": 64, "replay.n_bootstrap": 40}
+    options = {"replay": {"n_draws": 64, "n_bootstrap": 40}}
     expected = str(tmp_path / "expected.zarr")
-    analyze(store, expected, only=["replay"], options=options)
+    analyze(store, expected, analyses=["replay"], **options)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
         pids = client.run(os.getpid)
         outcome = {}
-        worker = threading.Thread(target=lambda: outcome.setdefault("tree", analyze(store, str(tmp_path / "killed.zarr"), only=["replay"], options=options)))
+        worker = threading.Thread(target=lambda: outcome.setdefault("tree", analyze(store, str(tmp_path / "killed.zarr"), analyses=["replay"], **options)))
         worker.start()
         deadline = time.time() + 60
         while not any(client.processing().values()) and time.time() < deadline:

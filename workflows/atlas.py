@@ -49,7 +49,7 @@ log = logging.getLogger("orthosphere.atlas")
 TOP_LEVEL_KEYS = {"name", "root", "corpus", "models", "extract", "analyze"}
 MODEL_KEYS = {"name", "path", "task", "samples"}
 CORPUS_KEYS = {"task", "samples"}
-DEFAULT_OPTIONS = {"replay.n_draws": 8}
+DEFAULT_OPTIONS = {"replay": {"n_draws": 8}}
 """The analyses' options unless the config sets them: the replay's draws kept few, as the atlas runs many models."""
 
 
@@ -85,9 +85,9 @@ class Atlas:
 
 
 def with_defaults(options: dict, only) -> dict:
-    """The options with DEFAULT_OPTIONS where they do not set them, for the chosen analyses (`only`, None: all)."""
-    defaults = {key: value for key, value in DEFAULT_OPTIONS.items() if only is None or key.split(".")[0] in only}
-    return defaults | options
+    """The options (nested) with DEFAULT_OPTIONS where they do not set them, for the chosen analyses (`only`, None: all)."""
+    defaults = {name: values for name, values in DEFAULT_OPTIONS.items() if only is None or name in only}
+    return options | {name: values | options.get(name, {}) for name, values in defaults.items()}
 
 
 def model_name(model) -> str:
@@ -195,8 +195,8 @@ def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -
     analyse_seconds = float("nan")
     if force or not _complete(results, atlas.only):
         started = time.perf_counter()
-        analyze(str(store), str(results), only=list(atlas.only) if atlas.only else None, options=atlas.options,
-                overwrite=True, command=f"orthosphere atlas ({atlas.name})")
+        analyze(str(store), str(results), analyses=list(atlas.only) if atlas.only else None, overwrite=True,
+                command=f"orthosphere atlas ({atlas.name})", **atlas.options)
         analyse_seconds = time.perf_counter() - started
     return {"store": store, "results": results, "extract_seconds": extract_seconds, "analyse_seconds": analyse_seconds}
 
@@ -232,11 +232,13 @@ def atlas(models, corpus, out, *, samples: int | None = None, only=None, options
     if not entries:
         raise ConfigError("atlas models: expected at least one model (a path, or name -> model)")
     check_names(entries)
+    from orthosphere.analyze.options import nested
     from orthosphere.analyze.results import ANALYSES, configure, get_analysis
 
+    options = nested(dict(options or {}), ANALYSES.values())
     configure([get_analysis(name) for name in (only or ANALYSES)], options)
     spec = Atlas(name=Path(out).name, root=Path(out), models=tuple(entries),
                  corpus=parse_task(corpus) if isinstance(corpus, str) else corpus, samples=samples,
                  extract=ExtractJob.check_some(extract_options), only=None if only is None else tuple(only),
-                 options=with_defaults(dict(options or {}), only))
+                 options=with_defaults(options, only))
     return run_atlas(spec, force=force, client=client)

@@ -250,7 +250,7 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, i
                     uniform, include_start, extra, overwrite, online_model, online_samples, device):
     """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, norm geometry, replay) into the DataTree RESULTS."""
     from orthosphere.analyze import ANALYSES
-    from orthosphere.analyze.options import parse_assignment
+    from orthosphere.analyze.options import parse_assignment, parse_options
     from orthosphere.analyze.results import get_analysis
 
     from .analysis import analyze_with_online_check
@@ -263,14 +263,14 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, i
         "weight_by_attention": False if uniform else None, "exclude_start": False if include_start else None,
     }
     options = {key: value for key, value in options.items() if value is not None}
-    options.update(parse_assignment(text) for text in extra)
+    options.update(parse_options(extra, ANALYSES.values()))
     chosen = ANALYSES if only is None else only.split(",")
     if "device" not in options and any("device" in get_analysis(name).defaults for name in chosen):
-        options["device"] = parse_assignment(f"device={device}")[1]
+        options["device"] = parse_assignment(f"device={device}", ANALYSES.values())[1]
     with dask_client(ctx.obj):
         tree = analyze_with_online_check(store, out, online_model=online_model, online_samples=online_samples,
                                          online_device="cpu" if device == "cpu-torch" else device,
-                                         overwrite=overwrite, only=None if only is None else only.split(","),
+                                         overwrite=overwrite, analyses=None if only is None else only.split(","),
                                          options=options, command=" ".join(sys.argv))
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
 

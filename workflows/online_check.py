@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +31,13 @@ import xarray as xr
 
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys
 from orthosphere.analyze.inputs import check_layers
-from orthosphere.analyze.replay import ReplayError, check_variables, store_model
-from orthosphere.analyze.replay_blocks import DEFINITIONS, SWITCHABLE_KEYS, HeadBlock, ReplaySettings, collapse_indicators, instance_queries
+from orthosphere.analyze.options import FLAG, LAYERS, AnalysisConfig, integer
+from orthosphere.analyze.replay import ReplayConfig, ReplayError, check_variables, store_model
+from orthosphere.analyze.replay_blocks import DEFINITIONS, HeadBlock, ReplaySettings, collapse_indicators, instance_queries
 from orthosphere.errors import ModelMismatchError
 from orthosphere.extract.capture import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
+from orthosphere.params import Text, parameter
 from orthosphere.store import open_store
 
 log = logging.getLogger("orthosphere.online_check")
@@ -42,25 +45,40 @@ log = logging.getLogger("orthosphere.online_check")
 ALL_LAYERS = "all layers"
 DESCRIPTION_KEYS_IGNORED = ("source", "format")
 TOKEN_VARIABLES = ("tokens", "valid", "target", "scored")
+SAMPLES = integer(1, "(a number of samples)")
+
+
+@dataclass(frozen=True)
+class OnlineCheckConfig(AnalysisConfig):
+    """The online check's own parameters (its noise is the replay's configuration, ``settings``)."""
+
+    layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers perturbed one at a time (default: every one stored)")
+    all_layers: bool = parameter(False, FLAG, help="also a run with noise in every layer at once")
+    max_samples: int | None = parameter(None, SAMPLES, None, help="samples checked (default: every one stored)")
+    batch_size: int = parameter(64, SAMPLES, help="samples per forward pass")
+    compare_offline: bool = parameter(True, FLAG, help="compare each collapse with the offline replay's, instance by instance")
+    device: str = parameter("cpu", Text("a device: cpu, cuda or cuda:N"), help="where the model runs")
 
 
 def online_check(store, model, *, settings: ReplaySettings | None = None, layers=None, all_layers: bool = False,
                  max_samples: int | None = None, batch_size: int = 64, compare_offline: bool = True,
                  device: str = "cpu") -> xr.Dataset:
-    """Accuracy and collapses with the replay's noise injected into the model's forward pass.
+    """Accuracy and collapses with the replay's noise (``settings``, the replay's configuration)
+    injected into the model's forward pass.
 
     ``store`` is a store URL or an opened Dataset; ``model`` a model directory / GGUF file (as
     for extraction: loaded on ``device`` in the dtype the store's model description records), a
     loaded model or its adapter. ``layers`` are the layers perturbed one at a time (default: every
-    stored layer); ``all_layers`` adds a run with noise in every layer.
+    stored layer); ``all_layers`` adds a run with noise in every layer. A refused parameter is a
+    ParameterError naming it (``OnlineCheckConfig``).
     """
-    for name, value in (("max_samples", max_samples), ("batch_size", batch_size)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ReplayError(f"{name} = {value!r}: expected a positive number of samples")
+    config = OnlineCheckConfig(layers=layers, all_layers=all_layers, max_samples=max_samples, batch_size=batch_size,
+                               compare_offline=compare_offline, device=device)
+    layers, all_layers, max_samples, batch_size = config.layers, config.all_layers, config.max_samples, config.batch_size
     ds = store if isinstance(store, xr.Dataset) else open_store(store)
     settings = settings or ReplaySettings()
     model_attrs = store_model(ds)
-    adapter, description = _adapter(model, device, model_attrs.get("dtype"))
+    adapter, description = _adapter(model, config.device, model_attrs.get("dtype"))
     check_model_matches(model_attrs, description)
     if not description.get("lm_head", True):
         raise ReplayError(f"the model {description.get('architecture')} has no language-model head, and the online "
@@ -78,28 +96,16 @@ def online_check(store, model, *, settings: ReplaySettings | None = None, layers
     terms = {layer: ScoreTerms.of_layer(model_attrs, layer) for layer in layers}
     for start in range(0, n_samples, batch_size):
         batch = ds.isel(sample=slice(start, min(start + batch_size, n_samples)))
-        _check_batch(adapter, batch, runs, layers, settings, terms, tally, compare_offline)
+        _check_batch(adapter, batch, runs, layers, settings, terms, tally, config.compare_offline)
     return tally.result(ds, adapter, all_layers)
 
 
-def online_check_like(replay_result: xr.Dataset, store, model, **options) -> xr.Dataset:
-    """The online check with exactly the noise of an offline replay result (its levels, layers,
-    seed, draws, distribution, targets, sparse threshold and minimum of allowed keys, read from the
-    result itself; results written before the minimum counted every query that can switch)."""
-    attrs = replay_result.attrs
-    settings = ReplaySettings(levels=tuple(replay_result["level"].values), n_draws=attrs["n_draws"], seed=attrs["seed"],
-                              distribution=attrs["distribution"], targets=tuple(attrs["targets"]),
-                              sparse_threshold=attrs["sparse_threshold"], min_keys=attrs.get("min_keys", SWITCHABLE_KEYS))
-    return online_check(store, model, settings=settings, layers=[int(x) for x in replay_result["layer"].values], **options)
-
-
-def with_online_check(tree: xr.DataTree, store, model, **options) -> xr.DataTree:
-    """The results tree of `orthosphere analyze` with the online check of its replay added as
-    the group /replay/online (same levels, layers and draws as the replay)."""
-    if "replay" not in tree.children:
-        raise ReplayError("the online check repeats the replay's noise, but the results hold no replay: include "
-                          "the replay analysis (CLI: --only ...,replay)")
-    tree["replay/online"] = xr.DataTree(online_check_like(tree["replay"].to_dataset(), store, model, **options))
+def with_online_check(tree: xr.DataTree, store, model, replay: ReplayConfig, **options) -> xr.DataTree:
+    """The results tree of `orthosphere analyze` with the online check of its replay added as the
+    group /replay/online: `replay` is the replay's configuration (``ReplayConfig``: its levels, layers,
+    seed, draws, distribution, targets, sparse threshold and minimum of allowed keys); `options` are
+    ``online_check``'s."""
+    tree["replay/online"] = xr.DataTree(online_check(store, model, settings=replay, layers=replay.layers, **options))
     return tree
 
 

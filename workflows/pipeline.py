@@ -91,21 +91,24 @@ def _join(root: str, relative: str) -> str:
 
 
 def _analysis_options(options, only, path: Path) -> dict:
-    """The [analyze.options] table, checked now against the chosen analyses' configurations (so that a
-    bad value stops the pipeline before it extracts anything); errors name the file, table and key."""
+    """The [analyze.options] table in the nested form ("replay.n_draws" as {"replay": {"n_draws": ...}}),
+    checked now against the chosen analyses' configurations (so that a bad value stops the pipeline
+    before it extracts anything); errors name the file, table and key."""
+    from orthosphere.analyze.options import nested
     from orthosphere.analyze.results import ANALYSES, configure, get_analysis
     from orthosphere.errors import AnalysisError, ParameterError
 
     where = f"{path} [analyze.options]"
     if not isinstance(options, dict):
         raise ConfigError(f"{where}: expected a table of options, e.g. \"replay.n_draws\" = 32")
+    options = nested(options, ANALYSES.values())
     try:
         configure([get_analysis(name) for name in (only or ANALYSES)], options)
     except ParameterError as error:
         raise error.in_table(where, f'"{error.label}"' if "." in error.label else error.label) from None
     except AnalysisError as error:
         raise ConfigError(f"{where}: {error}") from None
-    return dict(options)
+    return options
 
 
 def _extract_settings(table: dict, path: Path) -> dict:
@@ -289,7 +292,7 @@ def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_mode
     log.info("analysing %s into %s", store, out)
     analyze_with_online_check(store, out, online_model=online_model, online_samples=pipeline.online_samples,
                               online_device=pipeline.extract.get("device", ExtractJob.defaults()["device"]), overwrite=True,
-                              only=list(pipeline.analyze_only) if pipeline.analyze_only else None,
+                              analyses=list(pipeline.analyze_only) if pipeline.analyze_only else None,
                               options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
     return out
 
