@@ -8,6 +8,7 @@ import click
 
 from orthosphere.errors import ConfigError
 
+
 @dataclass(frozen=True)
 class Backend:
     """None/None: Dask's threaded scheduler in this process; workers: a LocalCluster; scheduler: a cluster's address."""

@@ -1,9 +1,12 @@
 """The `orthosphere` command line: one verb per stage (info, validate, verify, train, extract, analyze, report, run,
 atlas).
 
-Every error is one line that names its input (the traceback only with -v). The verbs that need
-PyTorch (extract, verify, train, run, analyze --online) import it when they run, so that the others work
-with the base installation (`pip install orthosphere`, without the `extract` extra)."""
+The options of extract, analyze and train are generated from their configurations' parameters
+(``cli_options``): SPELLINGS says where a flag differs from its parameter, NOT_EXPOSED which
+parameters have none. Every error is one line that names its input, parameters by the verb's flags
+(the traceback only with -v). The verbs that need PyTorch (extract, verify, train, run, analyze
+--online) import it when they run or show their options, so that the others work with the base
+installation (`pip install orthosphere`, without the `extract` extra)."""
 from __future__ import annotations
 
 import json

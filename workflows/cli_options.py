@@ -26,7 +26,10 @@ import click
 from orthosphere.errors import ParameterError
 from orthosphere.params import REQUIRED, Config, Flag, Interval, Items, Normalised, OneOf
 
+
 class _Own:
+    """The marker of a value not given (None is a value)."""
+
     def __repr__(self) -> str:
         return "OWN"
 
@@ -123,7 +126,7 @@ class ConfigOptions:
                  hidden: Mapping[str, str], verb: str):
         self.shared = isinstance(configs, Mapping)
         self.configs = dict(configs) if self.shared else {verb: configs}
-        self.spellings, self.hidden, self.verb = spellings, hidden, verb
+        self.spellings, self.verb = spellings, verb
         self.fields: dict[str, dict[str, dataclasses.Field]] = {}
         for owner, config in self.configs.items():
             for name, item in config.parameters().items():
@@ -261,9 +264,9 @@ class Spelled:
         self.labels.setdefault(name, flag)
         value = getattr(param, "value", OWN)
         if value is OWN and param.is_flag and not param.secondary_opts:
-            value = param.flag_value
+            value = True if param.is_bool_flag else param.flag_value
         if value is not OWN:
-            said = "|".join(re.escape(text) for text in {repr(value), f'"{value}"' if isinstance(value, str) else repr(value)})
+            said = "|".join(re.escape(text) for text in ([repr(value), f'"{value}"'] if isinstance(value, str) else [repr(value)]))
             self.rules.append((re.compile(rf"(?<![\w.-]){name}=(?:{said})(?: \(CLI: {re.escape(flag)}\))?"), flag))
         elif not param.is_flag:
             self.rules.append((re.compile(rf"(?<![\w.-]){name}=(\S+?)(?: \(CLI: {re.escape(flag)}(?: [^);]*)?\))?"
