@@ -107,7 +107,7 @@ class ExtractJob(Config):
     sites: tuple[str, ...] | None = parameter(None, Items(Text("a site name"), single=True), None,
                                               help="sites to store (None: DEFAULT_SITES, all but pattern and the block outputs)")
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers to store (None: all)")
-    dtype: str = parameter("float32", Normalised(check_dtype, f"one of {list(ACTIVATION_DTYPES)}"),
+    dtype: str = parameter("float32", Normalised(check_dtype, f"one of {list(ACTIVATION_DTYPES)}", ACTIVATION_DTYPES),
                            help="the stored activations' dtype")
     batch_size: int = parameter(DEFAULT_BATCH_SIZE, POSITIVE_INTEGER, help="samples per forward pass")
     n_shards: int = parameter(1, POSITIVE_INTEGER, help="chunk-aligned shards: the unit of Dask tasks and of resuming")

@@ -186,10 +186,12 @@ class Rule(Constraint):
 @dataclass(frozen=True)
 class Normalised(Constraint):
     """A value `normalise(value)` accepts (it raises ValueError or TypeError otherwise): the value kept
-    is what it returns (a dtype object becomes its name)."""
+    is what it returns (a dtype object becomes its name); `choices`, where it accepts a few names, are
+    those names (a command line's choices)."""
 
     normalise: Callable[[Any], Any]
     expected: str = "a valid value"
+    choices: tuple = ()
 
     def accepts(self, value) -> bool:
         try:

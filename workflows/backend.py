@@ -1,10 +1,12 @@
-"""The Dask back end that the CLI's --workers / --scheduler options choose."""
+"""The Dask back end that the CLI's --workers / --scheduler options choose (a pipeline's [backend] table)."""
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 
 import click
+
+from orthosphere.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -16,9 +18,9 @@ class Backend:
 
     def __post_init__(self):
         if self.workers is not None and self.scheduler is not None:
-            raise click.UsageError("give either --workers N (a LocalCluster) or --scheduler ADDRESS, not both")
+            raise ConfigError("give either workers=N (a LocalCluster) or scheduler=ADDRESS, not both")
         if self.workers is not None and self.workers < 1:
-            raise click.UsageError(f"--workers {self.workers}: expected a positive number of worker processes")
+            raise ConfigError(f"workers={self.workers}: expected a positive number of worker processes")
 
 
 @contextlib.contextmanager

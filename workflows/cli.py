@@ -1,9 +1,12 @@
 """The `orthosphere` command line: one verb per stage (info, validate, verify, train, extract, analyze, report, run,
 atlas).
 
-Every error is one line that names its input (the traceback only with -v). The verbs that need
-PyTorch (extract, verify, train, run, analyze --online) import it when they run, so that the others work
-with the base installation (`pip install orthosphere`, without the `extract` extra)."""
+The options of extract, analyze and train are generated from their configurations' parameters
+(``cli_options``): SPELLINGS says where a flag differs from its parameter, NOT_EXPOSED which
+parameters have none. Every error is one line that names its input, parameters by the verb's flags
+(the traceback only with -v). The verbs that need PyTorch (extract, verify, train, run, analyze
+--online) import it when they run or show their options, so that the others work with the base
+installation (`pip install orthosphere`, without the `extract` extra)."""
 from __future__ import annotations
 
 import json
@@ -12,22 +15,21 @@ import sys
 
 import click
 
-from orthosphere.errors import ParameterError
+from orthosphere.errors import ConfigError
 from orthosphere.extract import DEFAULT_BATCH_SIZE
-from orthosphere.store import SITES, format_info, info, open_writer, validate
+from orthosphere.store import format_info, info, open_writer, validate
 from orthosphere.store.failures import is_storage_failure
 
 from .backend import Backend, dask_client
-
-EXTRACT_FLAGS = {"model": "MODEL", "n_samples": "--samples", "n_shards": "--shards", "pred": "--no-pred"}
-"""The flag of each ExtractJob parameter whose flag is not its name (--batch-size: batch_size)."""
+from .cli_options import ConfigCommand, ConfigOptions, Spelled, Spelling
 
 EXTRA_MODULES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "tqdm", "pyarrow")
 """What the `extract` extra installs."""
 
 
 class CleanErrors(click.Group):
-    """Every error as one line that names its input, instead of a traceback (kept for -v)."""
+    """Every error as one line that names its input (parameters by the verb's flags), instead of a
+    traceback (kept for -v)."""
 
     def invoke(self, ctx):
         try:
@@ -37,13 +39,15 @@ class CleanErrors(click.Group):
         except Exception as error:
             if ctx.params.get("verbose"):
                 raise
-            raise click.ClickException(one_line(error)) from error
+            spelled = Spelled(self.commands.get(ctx.invoked_subcommand or ""))
+            raise click.ClickException(one_line(spelled.error(error), spelled)) from error
 
 
-def one_line(error: Exception) -> str:
-    """The error's message on one line. Bad input (ValueError and its kin: every orthosphere error)
-    and file or storage errors (OSError) name their input; anything else is unexpected."""
-    text = " ".join(str(error).split())
+def one_line(error: Exception, spelled=str) -> str:
+    """The error's message on one line, `spelled` (the Python names of parameters as a command
+    spells them). Bad input (ValueError and its kin: every orthosphere error) and file or storage
+    errors (OSError) name their input; anything else is unexpected."""
+    text = spelled(" ".join(str(error).split()))
     if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] in EXTRA_MODULES:
         return (f"this needs {error.name.split('.')[0]}, which is not installed: install the extract extra "
                 "(pip install 'orthosphere[extract]')")
@@ -82,17 +86,63 @@ def layer_list(ctx, param, text):
     return tuple(layers)
 
 
-def model_options(command=None, *, with_dtype: bool = True):
-    """--device (and --model-dtype): where and in which dtype a command runs a model."""
-    def decorate(command):
-        if with_dtype:
-            command = click.option(
-                "--model-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                help="Load and run the model in this dtype (default float32; not for GGUF files).")(command)
-        return click.option("--device", default="auto", show_default=True,
-                            help="Where the model runs: auto, cpu, cuda or cuda:N.")(command)
+SPELLINGS = {
+    "model": Spelling(argument=True, metavar="MODEL"),
+    "task": Spelling(metavar="SPEC", help=(
+        "arithmetic:split=test,seed=0[,...], or a corpus packed into windows: text:path=FILE,context=N (also jsonl:, "
+        "parquet:, hf:; max_length=N instead of context= for one padded sample a document).")),
+    "extract.out": Spelling(metavar="STORE"),
+    "n_samples": Spelling("--samples"),
+    "n_shards": Spelling("--shards"),
+    "layers": Spelling(metavar="LIST", parse=layer_list),
+    "pred": Spelling(values={False: "--no-pred"}, help="Store no predictions: the forward pass then stops after the last of --layers."),
+    "n_bootstrap": Spelling("--bootstrap"),
+    "factors": Spelling("--factor", multiple=True, metavar="SPEC"),
+    "weight_by_attention": Spelling(values={False: "--uniform"}, help="norms: weight tokens uniformly, not by the attention they receive."),
+    "exclude_start": Spelling(values={False: "--include-start"}, help="Keep each sequence's start token."),
+    "analyze.device": Spelling(default="auto", help=(
+        "Where the attention kernels of norms and replay run, and the online check's model: auto (cuda where torch sees "
+        "a GPU, else cpu), cpu (numpy), cpu-torch (the torch kernels on the CPU), cuda or cuda:N.")),
+    "train.config": Spelling(argument=True, metavar="CONFIG", type=click.Path(dir_okay=False)),
+    "train.out": Spelling(type=click.Path(file_okay=False)),
+}
+"""How the command line spells the parameters of the configurations whose options it generates
+(ExtractJob, the analyses' configurations, TrainJob), where it differs from `--name` with dashes
+("verb.name": on that verb only). Error messages name a parameter by the same spelling."""
 
-    return decorate if command is None else decorate(command)
+NOT_EXPOSED = {
+    "storage_options": "fsspec options of an object store: a mapping, from Python or a pipeline",
+    "command": "the CLI records its own command line",
+    "tokenizer": "goes with a model loaded in the same Python process",
+    "progress": "the CLI always shows its progress",
+}
+"""The configurations' parameters that have no option, and why."""
+
+
+def extract_options() -> ConfigOptions:
+    from orthosphere.extract.job import ExtractJob
+
+    return ConfigOptions(ExtractJob, SPELLINGS, NOT_EXPOSED, "extract")
+
+
+def analyze_options() -> ConfigOptions:
+    from orthosphere.analyze import ANALYSES
+
+    return ConfigOptions({name: analysis.config for name, analysis in ANALYSES.items()}, SPELLINGS, NOT_EXPOSED, "analyze")
+
+
+def train_options() -> ConfigOptions:
+    from .train import TrainJob
+
+    return ConfigOptions(TrainJob, SPELLINGS, NOT_EXPOSED, "train")
+
+
+def backend(ctx: click.Context, workers: int | None, scheduler: str | None) -> Backend:
+    """The Dask back end of these options (a contradiction is a usage error)."""
+    try:
+        return Backend(workers=workers, scheduler=scheduler)
+    except ConfigError as error:
+        raise click.UsageError(Spelled(ctx.command)(str(error))) from None
 
 
 @click.group(cls=CleanErrors)
@@ -106,7 +156,7 @@ def main(ctx, workers, scheduler, verbose):
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         logging.getLogger("asyncio").addFilter(quiet_unretrieved_failures)
-    ctx.obj = Backend(workers=workers, scheduler=scheduler)
+    ctx.obj = backend(ctx, workers, scheduler)
 
 
 @main.command("info")
@@ -156,113 +206,51 @@ def verify_command(store, model, samples, seed, batch_size, exact, device):
     stored values, per site and layer; check the recorded SHA-256 of the model's weights and the corpus."""
     from orthosphere.extract.verify import verify
 
-    try:
-        report = verify(store, model, samples=samples, seed=seed, batch_size=batch_size, exact=exact, device=device)
-    except ParameterError as error:
-        raise error.named("--" + error.parameter.replace("_", "-")) from None
+    report = verify(store, model, samples=samples, seed=seed, batch_size=batch_size, exact=exact, device=device)
     click.echo(report.format())
     if not report.ok:
         raise click.ClickException(f"store {store} is not verified: {'; '.join(report.failures()[:3])}")
 
 
-@main.command("extract")
-@click.argument("model")
-@click.option("--task", "task_spec", required=True, metavar="SPEC",
-              help="arithmetic:split=test,seed=0[,...], or a corpus packed into windows: text:path=FILE,context=N "
-                   "(also jsonl:, parquet:, hf:; max_length=N instead of context= for one padded sample a document).")
-@click.option("--samples", type=int, default=None, help="Number of samples (a corpus: default all its windows or documents).")
-@click.option("--out", required=True, metavar="STORE", help="The store to write: a path or fsspec URL.")
-@click.option("--sites", default=None, metavar="LIST",
-              help="Comma-separated sites, default all but pattern, z, attn_out, mlp_in, mlp_norm_scale, mlp_out (the "
-                   f"norm factors where the model has the norm): {','.join(SITES)}.")
-@click.option("--layers", default=None, metavar="LIST", callback=layer_list, help="Layers to store, e.g. 0,2,5-7 (default: all).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
-              help="Stored activations: float16 refuses values beyond 65504; bfloat16 keeps float32's range.")
-@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True)
-@click.option("--shards", type=int, default=1, show_default=True,
-              help="Chunk-aligned shards: the unit of Dask tasks and of resuming.")
-@click.option("--samples-per-chunk", type=int, default=None, help="Samples per chunk (default: about 4 MB chunks).")
-@model_options
+@main.command("extract", cls=ConfigCommand, options=extract_options)
 @click.option("--workers", type=int, default=None, help="Run the shards on a LocalCluster of N worker processes.")
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
-@click.option("--no-pred", "no_pred", is_flag=True,
-              help="Store no predictions: the forward pass then stops after the last of --layers.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
-@click.option("--break-lock", is_flag=True,
-              help="Break the store's lock even if its holder looks alive (a stale lock is broken anyway).")
 @click.pass_context
-def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
-                    samples_per_chunk, device, model_dtype, workers, scheduler, no_pred, resume, overwrite, break_lock):
+def extract_command(ctx, workers, scheduler, **given):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
     from orthosphere.extract.job import ExtractJob, extract
 
-    backend = Backend(workers=workers or ctx.obj.workers, scheduler=scheduler or ctx.obj.scheduler)
-    try:
-        job = ExtractJob(
-            model=model, task=task_spec, out=out, n_samples=samples,
-            sites=None if sites is None else tuple(filter(None, sites.split(","))),
-            layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-            pred=not no_pred, resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
-            command=" ".join(sys.argv),
-        )
-    except ParameterError as error:
-        raise error.named(EXTRACT_FLAGS.get(error.parameter, "--" + error.parameter.replace("_", "-"))) from None
-    with dask_client(backend) as client:
+    parameters = ctx.command.options.values(given)
+    job = ExtractJob(**parameters, command=" ".join(sys.argv))
+    with dask_client(backend(ctx, workers or ctx.obj.workers, scheduler or ctx.obj.scheduler)) as client:
         result = extract(job, client=client)
     click.echo(result.summary())
 
 
-@main.command("analyze")
+@main.command("analyze", cls=ConfigCommand, options=analyze_options)
 @click.argument("store")
 @click.option("--out", required=True, metavar="RESULTS", help="Where to write the results tree: a path or fsspec URL.")
 @click.option("--only", default=None, metavar="LIST",
               help="Comma-separated analyses, default all: accuracy,norms,subspaces,spheres,neighbours,norm_geometry,replay.")
-@click.option("--layers", default=None, metavar="LIST", callback=layer_list,
-              help="Layers to analyse, e.g. 0,2,5-7 (default: all stored).")
-@click.option("--sites", default=None, metavar="LIST", help="norms: sites, e.g. resid_pre,k (default: every vector site).")
-@click.option("--site", default=None, help="subspaces, spheres, neighbours: the residual site (default resid_pre).")
-@click.option("--factor", "factors", multiple=True, metavar="SPEC",
-              help="A factor, LABEL or LABEL[KEY=V1|V2] (repeat; default: the task's factors, else every label and pos).")
-@click.option("--rank", type=int, default=None,
-              help="Fixed rank of every factor subspace (default: the directions that stand above noise).")
-@click.option("--intercepts", default=None, metavar="LABEL",
-              help="subspaces, spheres: the label whose classes get their own intercepts (default: role when "
-                   "stored), or none.")
-@click.option("--bootstrap", "n_bootstrap", type=int, default=None,
-              help="subspaces, spheres: noise draws of the ranks, intervals and claims (200).")
-@click.option("--seed", type=int, default=None, help="Seed of the noise draws (and of the replay's noise).")
-@click.option("--uniform", is_flag=True, help="norms: weight tokens uniformly, not by the attention they receive.")
-@click.option("--include-start", is_flag=True, help="Keep each sequence's start token.")
 @click.option("--option", "extra", multiple=True, metavar="KEY=VALUE",
-              help="Any other option, e.g. mass=0.8 or replay.levels=[0.01,0.1] (repeat).")
+              help="Any option as KEY=VALUE, e.g. mass=0.8, or one analysis's, e.g. replay.levels=[0.01,0.1] (repeat).")
 @click.option("--overwrite", is_flag=True, help="Replace results of another store at RESULTS.")
 @click.option("--online", "online_model", default=None, metavar="MODEL",
               help="replay: inject the same noise into MODEL (the store's model) too: accuracy and collapses "
                    "under noise, one layer at a time and in all layers, in /replay/online.")
 @click.option("--online-samples", type=int, default=None, help="Samples the online check runs (default: all).")
-@click.option("--device", default="auto", show_default=True,
-              help="Where the attention kernels of norms and replay run, and the online check's model: auto (cuda "
-                   "where torch sees a GPU, else cpu), cpu (numpy), cpu-torch (the torch kernels on the CPU), cuda "
-                   "or cuda:N.")
 @click.pass_context
-def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, intercepts, n_bootstrap, seed,
-                    uniform, include_start, extra, overwrite, online_model, online_samples, device):
-    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, norm geometry, replay) into the DataTree RESULTS."""
+def analyze_command(ctx, store, out, only, extra, overwrite, online_model, online_samples, **given):
+    """Analyse STORE (accuracy, norm spread, factor subspaces, spheres, neighbours, norm geometry, replay) into the
+    DataTree RESULTS. An option several analyses take goes to each of them (default: each its own)."""
     from orthosphere.analyze import ANALYSES
     from orthosphere.analyze.options import parse_assignment, parse_options
     from orthosphere.analyze.results import get_analysis
 
     from .analysis import analyze_with_online_check
 
-    options = {
-        "layers": None if layers is None else list(layers),
-        "sites": None if sites is None else sites.split(","),
-        "site": site, "factors": list(factors) or None, "rank": rank, "intercepts": intercepts,
-        "n_bootstrap": n_bootstrap, "seed": seed,
-        "weight_by_attention": False if uniform else None, "exclude_start": False if include_start else None,
-    }
-    options = {key: value for key, value in options.items() if value is not None}
+    options = ctx.command.options.values(given)
+    device = options.pop("device")
     options.update(parse_options(extra, ANALYSES.values()))
     chosen = ANALYSES if only is None else only.split(",")
     if "device" not in options and any("device" in get_analysis(name).defaults for name in chosen):
@@ -275,18 +263,13 @@ def analyze_command(ctx, store, out, only, layers, sites, site, factors, rank, i
     click.echo(f"wrote {', '.join('/' + name for name in tree.children)} to {out}")
 
 
-@main.command("train")
-@click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the checkpoint, metrics and training state.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its checkpoint in --out.")
-@model_options(with_dtype=False)
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Replaces the config's seed (one config, several seeds).")
-def train_command(config, out, resume, device, threads, seed):
+@main.command("train", cls=ConfigCommand, options=train_options)
+@click.pass_context
+def train_command(ctx, **given):
     """Train an arithmetic transformer from CONFIG (TOML) into --out."""
     from .train import train
 
-    metrics = train(config, out, resume=resume, device=device, threads=threads, seed=seed)
+    metrics = train(**ctx.command.options.values(given))
     click.echo(json.dumps(metrics.get("final", metrics), indent=2, default=str))
 
 

@@ -1,4 +1,4 @@
-"""Train an arithmetic transformer from a TOML config: ``train(config_path, out_dir)``.
+"""Train an arithmetic transformer from a TOML config: ``train(config, out)`` (its options: ``TrainJob``).
 
 A config has a top-level ``seed`` and three tables, each checked for unknown keys:
 ``[task]`` (TaskSpec), ``[model]`` (ModelConfig) and ``[train]`` (TrainConfig). Training
@@ -41,6 +41,9 @@ from orthosphere.params import (
     REQUIRED,
     UNIT_INTERVAL,
     Config,
+    Flag,
+    Normalised,
+    Text,
     parameter,
 )
 
@@ -305,27 +308,40 @@ def _prepare_output(out_dir: Path, config: RunConfig, config_text: str, resume: 
         if resume:
             return "resume"
         raise ConfigError(f"output directory {out_dir} holds a checkpoint of this config; "
-                          f"resume it (resume=True, --resume) or choose a new directory")
+                          f"resume it (resume=True) or choose a new directory")
     return "fresh"
 
 
-def train(config_path, out_dir, resume: bool = False, device: str = "auto",
-          threads: int | None = None, progress: bool = True, seed: int | None = None) -> dict:
-    """Train the model of a TOML config into ``out_dir`` and return its metrics.
+@dataclass(frozen=True)
+class TrainJob(Config):
+    """What `orthosphere train` is asked to do: the command line's options and ``train``'s keywords."""
 
-    ``resume`` continues from the checkpoint in ``out_dir`` (a finished run is returned as
-    is). ``threads`` sets torch's CPU threads. ``seed`` replaces the config's seed (the copy
-    saved in ``out_dir`` says which). Bad configs, devices and output directories raise
-    ConfigError.
+    config: str = parameter(REQUIRED, Normalised(os.fspath, "a path"), help="the TOML config of the run")
+    out: str = parameter(REQUIRED, Normalised(os.fspath, "a path"), help="folder for the checkpoint, metrics and training state")
+    resume: bool = parameter(False, Flag(), help="continue an interrupted run from its checkpoint in the output folder")
+    device: str = parameter("auto", Text("a device"), help="where the model runs: auto, cpu, cuda or cuda:N")
+    threads: int | None = parameter(None, POSITIVE_INTEGER, None, help="torch CPU threads (None: torch's choice)")
+    seed: int | None = parameter(None, NON_NEGATIVE_INTEGER, None, help="replaces the config's seed (one config, several seeds)")
+    progress: bool = parameter(True, Flag(), help="show a progress bar")
+
+
+def train(config, out, **options) -> dict:
+    """Train the model of the TOML config at ``config`` into the folder ``out`` and return its metrics;
+    `options` are TrainJob's other parameters.
+
+    ``resume`` continues from the checkpoint in ``out`` (a finished run is returned as is).
+    ``threads`` sets torch's CPU threads. ``seed`` replaces the config's seed (the copy saved in
+    ``out`` says which). Bad configs, devices and output directories raise ConfigError.
     """
-    config = load_config(config_path, seed)
-    out_dir = Path(out_dir)
-    torch_device = select_device(device)
-    status = _prepare_output(out_dir, config, config_text(config_path, seed), resume)
+    job = TrainJob(config=config, out=out, **options)
+    config = load_config(job.config, job.seed)
+    out_dir = Path(job.out)
+    torch_device = select_device(job.device)
+    status = _prepare_output(out_dir, config, config_text(job.config, job.seed), job.resume)
     if status == "finished":
         return json.loads((out_dir / METRICS_FILE).read_text())
-    if threads:
-        torch.set_num_threads(threads)
+    if job.threads:
+        torch.set_num_threads(job.threads)
 
     model, optimizer = build(config, torch_device)
     state = {"step": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "train_tokens": 0, "history": [],
@@ -334,7 +350,7 @@ def train(config_path, out_dir, resume: bool = False, device: str = "auto",
         state = _load_checkpoint(out_dir / CHECKPOINT_FILE, model, optimizer, torch_device)
     eval_sets = {split: tasks.generate(split, config.train.eval_samples, config.seed, config.task)
                  for split in EVAL_SPLITS}
-    _run(config, model, optimizer, state, eval_sets, out_dir, torch_device, progress)
+    _run(config, model, optimizer, state, eval_sets, out_dir, torch_device, job.progress)
 
     final = {split: evaluate(model, batch, torch_device) for split, batch in eval_sets.items()}
     metrics = {
