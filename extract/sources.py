@@ -1,7 +1,7 @@
 """Load a model for extraction: the project's checkpoints, Hugging Face directories, GGUF files.
 
 ``load_source(path, device, model_dtype)`` returns a ``LoadedModel``: the model's adapter
-(capture.py), its tokenizer (or None: such a model reads only corpora of token ids, with the
+(``adapters``), its tokenizer (or None: such a model reads only corpora of token ids, with the
 special tokens its config.json names) and, from ``describe()``, its description for the store,
 which adds where the model came from and a SHA-256 of its weights (hashing.py: computed once per
 version of the files) so that a resumed job can tell a different model apart. ``model_dtype``
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from . import tasks
-from .capture import Adapter, adapter_for
+from .adapters import Adapter, adapter_for
 from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model

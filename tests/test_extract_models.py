@@ -468,7 +468,7 @@ def _tiny_config(name, **options):
 def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
     import transformers
 
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     model = getattr(transformers, model_class)(config)
     with pytest.raises(UnsupportedModelError, match=reason):
@@ -675,7 +675,7 @@ def test_gguf_lacking_a_tensor_is_refused(tmp_path, monkeypatch):
 def test_unsupported_hugging_face_class_is_refused():
     from transformers import GPT2Model
 
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     with pytest.raises(UnsupportedModelError, match="expected GPT2LMHeadModel"):
         adapter_for(GPT2Model(hf_config("gpt2")))

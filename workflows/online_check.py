@@ -33,7 +33,7 @@ from orthosphere.analyze.inputs import check_layers
 from orthosphere.analyze.replay import ReplayError, check_variables, store_model
 from orthosphere.analyze.replay_blocks import DEFINITIONS, SWITCHABLE_KEYS, HeadBlock, ReplaySettings, collapse_indicators, instance_queries
 from orthosphere.errors import ModelMismatchError
-from orthosphere.extract.capture import Adapter, adapter_for
+from orthosphere.extract.adapters import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
 from orthosphere.store import open_store
 
