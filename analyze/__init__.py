@@ -211,6 +211,9 @@ bootstraps over ``interval_groups`` groups of consecutive samples:
 
 ``/replay``: see ``orthosphere.analyze.replay``.
 """
+import sys
+import types
+
 from .attention import ScoreTerms, attention_from_qk, store_attention
 from .errors import AnalysisError, NonFiniteError
 from .factors import Factor
@@ -243,6 +246,14 @@ __all__ = [
     "write_results",
 ]
 
-from orthosphere._callable import make_callable  # noqa: E402
 
-make_callable(__name__, "orthosphere.analyze.api:analyze")
+class _AnalyzePackage(types.ModuleType):
+    """This package, callable as ``orthosphere.analyze.api.analyze`` (imported on the first call)."""
+
+    def __call__(self, *args, **kwargs):
+        from .api import analyze
+
+        return analyze(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _AnalyzePackage

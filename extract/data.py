@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import tasks
 from .corpus import parquet_rows
 from .model import ConfigError
 from .packing import PackedWindows, PaddedDocuments, TokenizedCorpus
+from .tasks import DEFAULT_SPEC, TaskSpec, generate, parse_split
 
 DEFAULT_MAX_LENGTH = 128
 SPEC_FORMS = (
@@ -79,7 +79,7 @@ SPECIAL_TOKENS = {"bos": "a BOS token", "separator": "an end-of-sequence token t
 class ArithmeticData:
     split: str = "test"
     seed: int = 0
-    spec: tasks.TaskSpec = tasks.DEFAULT_SPEC
+    spec: TaskSpec = DEFAULT_SPEC
 
 
 @dataclass(frozen=True)
@@ -185,14 +185,14 @@ def _integer(key: str, value: str) -> int:
 
 
 def _arithmetic(options: dict) -> ArithmeticData:
-    split = tasks.parse_split(options.pop("split", "test"))
+    split = parse_split(options.pop("split", "test"))
     seed = _integer("seed", options.pop("seed", "0"))
-    known = set(tasks.TaskSpec.parameters())
+    known = set(TaskSpec.parameters())
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown arithmetic option(s) {unknown}; expected split, seed or {sorted(known)}")
     spec_values = {key: [_integer(key, part) for part in value.split("/")] for key, value in options.items()}
-    return ArithmeticData(split, seed, tasks.TaskSpec(**spec_values) if spec_values else tasks.DEFAULT_SPEC)
+    return ArithmeticData(split, seed, TaskSpec(**spec_values) if spec_values else DEFAULT_SPEC)
 
 
 def _flag(key: str, value: str, true: str = "true", false: str = "false") -> bool:
@@ -321,7 +321,7 @@ class ArithmeticDataset:
         return self.data.spec.describe(self.data.split, self.data.seed)
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        generated = tasks.generate(self.data.split, stop - start, self.data.seed, self.data.spec, start=start)
+        generated = generate(self.data.split, stop - start, self.data.seed, self.data.spec, start=start)
         arrays = {
             "tokens": generated.tokens.astype(np.int32, copy=False),
             "valid": generated.valid,

@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import tasks
 from .adapters import Adapter, adapter_for
 from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
+from .tasks import CHARACTERS, PAD_ID, TOKEN_ID, token_ids
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -101,18 +101,18 @@ class CharacterTokenizer(Tokenizer):
     """The arithmetic task's: one character a token."""
 
     name = "arithmetic-characters"
-    pad_id = tasks.PAD_ID
-    bos_id = tasks.TOKEN_ID["["]
-    eos_id = tasks.TOKEN_ID["]"]
+    pad_id = PAD_ID
+    bos_id = TOKEN_ID["["]
+    eos_id = TOKEN_ID["]"]
 
     def encode_batch(self, texts, special_tokens=True):
-        return [tasks.token_ids(text) for text in texts]
+        return [token_ids(text) for text in texts]
 
     def token_strings(self, ids):
-        return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
+        return [CHARACTERS[i] if i < len(CHARACTERS) else "" for i in ids]
 
     def _definition(self):
-        return json.dumps(["".join(tasks.CHARACTERS), self.pad_id, self.bos_id, self.eos_id])
+        return json.dumps(["".join(CHARACTERS), self.pad_id, self.bos_id, self.eos_id])
 
 
 class TokenIds(Tokenizer):
