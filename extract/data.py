@@ -249,7 +249,7 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
         _check_samples(n_samples)
     if isinstance(data, ArithmeticData):
         if n_samples is None:
-            raise ConfigError("the arithmetic task needs a sample count: pass n_samples=N (CLI: --samples N)")
+            raise ConfigError("the arithmetic task needs a sample count: pass n_samples=N")
         return ArithmeticDataset(data, n_samples)
     if tokenizer is None:
         raise ConfigError(
@@ -297,13 +297,13 @@ def _check_rows(data: CorpusData, n_samples: int | None) -> None:
     """Refuse, before tokenising, more padded samples than a Parquet corpus has rows (its metadata says)."""
     rows = parquet_rows(data)
     if n_samples is not None and rows is not None and n_samples > rows:
-        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than n_samples={n_samples} (CLI: --samples; one padded sample a "
+        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than n_samples={n_samples} (one padded sample a "
                           "document): ask for fewer samples or give a longer corpus")
 
 
 def _check_samples(n_samples) -> None:
     if not isinstance(n_samples, (int, np.integer)) or isinstance(n_samples, bool) or n_samples < 1:
-        raise ConfigError(f"n_samples={n_samples!r} (CLI: --samples): expected a positive number of samples")
+        raise ConfigError(f"n_samples={n_samples!r}: expected a positive number of samples")
 
 
 class ArithmeticDataset:
