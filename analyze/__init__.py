@@ -216,6 +216,9 @@ bootstraps over ``interval_groups`` groups of consecutive samples:
 
 ``/replay``: see ``orthosphere.analyze.replay``.
 """
+import sys
+import types
+
 from .api import analyze
 from .attention import ScoreTerms, attention_from_qk, store_attention
 from .errors import AnalysisError, NonFiniteError
@@ -250,6 +253,12 @@ __all__ = [
     "write_results",
 ]
 
-from orthosphere._callable import make_callable  # noqa: E402
 
-make_callable(__name__, "orthosphere.analyze.api:analyze")
+class _AnalyzePackage(types.ModuleType):
+    """This package, callable as its function ``analyze``."""
+
+    def __call__(self, *args, **kwargs):
+        return analyze(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _AnalyzePackage

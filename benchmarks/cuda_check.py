@@ -154,7 +154,7 @@ def overlap(copies: list, kernels: dict) -> tuple[float, float, float]:
 def check_overlap(device: str, batches: int, batch_size: int, seq: int, folder: Path) -> list[str]:
     import transformers
 
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     config = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                       num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tiny models
 
 from orthosphere.analyze.attention import ScoreTerms, attention_from_qk  # noqa: E402
-from orthosphere.extract.capture import adapter_for  # noqa: E402
+from orthosphere.extract.adapters import adapter_for  # noqa: E402
 from tests.reference import attention_float64  # noqa: E402
 from tests.tiny_families import FAMILIES, family_configs, tiny_model  # noqa: E402
 

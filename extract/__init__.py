@@ -1,11 +1,24 @@
-"""orthosphere.extract: models -> activations (model family, tasks, capture, batch jobs).
+"""orthosphere.extract: models -> activations (model family, tasks, adapters and capture, batch jobs).
 
 Called as a function, ``orthosphere.extract(model, data, out, ...)`` runs an extraction and returns
 the store (``orthosphere.extract.api.extract``).
 """
-from orthosphere._callable import make_callable
+import sys
+import types
 
-DEFAULT_BATCH_SIZE = 64
-"""Samples a forward pass runs at once, by default (the CLI, pipelines and Python alike)."""
+from .defaults import DEFAULT_BATCH_SIZE
 
-make_callable(__name__, "orthosphere.extract.api:extract")
+__all__ = ["DEFAULT_BATCH_SIZE"]
+
+
+class _ExtractPackage(types.ModuleType):
+    """This package, callable as ``orthosphere.extract.api.extract`` (imported on the first call, so that
+    importing the package stays light)."""
+
+    def __call__(self, *args, **kwargs):
+        from .api import extract
+
+        return extract(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _ExtractPackage

@@ -15,8 +15,8 @@ import xarray as xr
 
 from orthosphere.store import open_store
 
-from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData
+from .defaults import DEFAULT_BATCH_SIZE
 from .job import ExtractJob
 from .job import extract as run_job
 

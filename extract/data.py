@@ -15,6 +15,14 @@ Task specs (``orthosphere extract --task SPEC``)::
 Arithmetic options besides split and seed are the task's TaskSpec fields, lists written
 with ``/``.
 
+A spec's options are the parameters of a configuration, declared once (``orthosphere.params``): the
+arithmetic task's ``ArithmeticData`` (with ``TaskSpec``), a corpus's ``TextCorpus``, ``JsonlCorpus``,
+``ParquetCorpus`` or ``SavedDatasetCorpus`` (``CORPUS_SOURCES``). Python builds the configuration from
+keywords (``orthosphere.corpus.jsonl(path, context=128)``, ``orthosphere.tasks.arithmetic(...)``); a
+spec's text is parsed into the same parameters once (``SPEC_VALUES``: how it writes those that are not
+text), so a bad value gets the same message from both, naming the keyword. A corpus's configuration
+is then laid out as ``CorpusData`` (``data()``).
+
 A corpus (``text``, ``jsonl``, ``parquet``, ``hf``; read by corpus.py, streamed) is tokenised once
 by the model's tokenizer and laid out (packing.py) either as **packed windows** (``context=N``:
 documents concatenated with the tokenizer's end-of-sequence token between them, cut into windows
@@ -45,13 +53,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from . import tasks
+from orthosphere.errors import ConfigError
+from orthosphere.params import REQUIRED, Config, Delegated, Flag, Interval, Normalised, Rule, Text, parameter
+
 from .corpus import parquet_rows
-from .model import ConfigError
 from .packing import PackedWindows, PaddedDocuments, TokenizedCorpus
+from .tasks import DEFAULT_SPEC, TaskSpec, generate, parse_split
 
 DEFAULT_MAX_LENGTH = 128
 SPEC_FORMS = (
@@ -64,22 +75,18 @@ ARITHMETIC_LABELS = {
     "token_str": "str", "role": "str", "operand": "int16",
     "digit_place": "int16", "digit_value": "int16", "carry": "int16",
 }
-CORPUS_OPTIONS = {
-    "text": {"document"},
-    "jsonl": {"field", "tokenized"},
-    "parquet": {"column", "tokenized"},
-    "hf": {"column", "split", "tokenized"},
-}
-LAYOUT_OPTIONS = {"path", "context", "max_length", "bos", "separator"}
 SPECIAL_TOKENS = {"bos": "a BOS token", "separator": "an end-of-sequence token to separate documents"}
 """What each special-token option of packed windows asks for."""
 
 
 @dataclass(frozen=True)
-class ArithmeticData:
-    split: str = "test"
-    seed: int = 0
-    spec: tasks.TaskSpec = tasks.DEFAULT_SPEC
+class ArithmeticData(Config):
+    """The arithmetic task's samples: one split drawn with a seed, with the task's counts and digit lengths."""
+
+    split: str = parameter("test", Delegated(parse_split), help="train, test, interpolation or extrapolation")
+    seed: int = parameter(0, Interval(int), help="the seed the samples are drawn with")
+    spec: TaskSpec = parameter(DEFAULT_SPEC, Rule(lambda value: isinstance(value, TaskSpec), "a TaskSpec"),
+                               help="the number counts and digit lengths of each split")
 
 
 @dataclass(frozen=True)
@@ -103,15 +110,142 @@ class CorpusData:
     separator (ignored without)."""
 
 
+def _path(value) -> str:
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path:
+        raise ValueError("not a path")
+    return path
+
+
+SPECIAL_TOKEN = Rule(lambda value: isinstance(value, bool) or (isinstance(value, int) and value >= 0),
+                     "True (the tokenizer's), False (none) or a token id")
+
+
+@dataclass(frozen=True)
+class CorpusSource(Config):
+    """What every corpus takes: where it is, and how its documents become samples: packed windows of
+    ``context`` tokens, or one padded sample a document of at most ``max_length`` tokens (the default,
+    with max_length=128). Each source adds its own parameters; ``data()`` is the corpus as extraction
+    reads it."""
+
+    source: ClassVar[str] = ""
+
+    path: str = parameter(REQUIRED, Normalised(_path, "a path"), help="the corpus: a file (a folder of Parquet files, "
+                                                                     "a saved dataset)")
+    context: int | None = parameter(None, Interval(int), None, help="pack the documents into windows of this many tokens")
+    max_length: int | None = parameter(None, Interval(int), None,
+                                       help=f"one padded sample a document, cut to this many tokens ({DEFAULT_MAX_LENGTH} "
+                                            "without context)")
+    bos: bool | int | None = parameter(None, SPECIAL_TOKEN, None, help="the first token of each packed window: the "
+                                                                      "tokenizer's BOS (True, the default), none or a token id")
+    separator: bool | int | None = parameter(None, SPECIAL_TOKEN, None,
+                                             help="between packed documents: the tokenizer's end-of-sequence token (True, "
+                                                  "the default), none or a token id")
+
+    def check(self) -> None:
+        if self.context is not None and self.max_length is not None:
+            raise ConfigError("context=N (packed windows) and max_length=N (padded documents) exclude each other: give one")
+        packed = self.context is not None
+        if not packed and (self.bos is not None or self.separator is not None):
+            raise ConfigError("bos= and separator= shape packed windows: give context=N with them")
+        shortest = 1 + (packed and self.bos is not False)
+        if self._length() < shortest:
+            raise ConfigError(f"{'context' if packed else 'max_length'}={self._length()} is too short: expected at least {shortest}")
+
+    def _length(self) -> int:
+        if self.context is not None:
+            return self.context
+        return DEFAULT_MAX_LENGTH if self.max_length is None else self.max_length
+
+    def _documents(self) -> dict:
+        """Where in the source the documents are (CorpusData's column, document, split and tokenized)."""
+        return {}
+
+    def data(self) -> CorpusData:
+        bos, separator = _special_token(self.bos), _special_token(self.separator)
+        return CorpusData(source=self.source, path=self.path, layout="padded" if self.context is None else "packed",
+                          length=self._length(), bos=bos[0], bos_id=bos[1], separator=separator[0],
+                          separator_id=separator[1], **self._documents())
+
+
+def _special_token(value: bool | int | None) -> tuple[bool, int | None]:
+    """(whether the token is wanted, its id if given) of bos= or separator= (None: the tokenizer's)."""
+    if value is None or isinstance(value, bool):
+        return value is not False, None
+    return True, value
+
+
+@dataclass(frozen=True)
+class TextCorpus(CorpusSource):
+    """A text file: one document a line, or the whole file."""
+
+    source: ClassVar[str] = "text"
+
+    document: str = parameter("line", Rule(lambda value: value in ("line", "file"),
+                                           "line (one document a line) or file (the whole file)"),
+                              help="line: one document a line; file: the whole file")
+
+    def _documents(self) -> dict:
+        return {"document": self.document}
+
+
+@dataclass(frozen=True)
+class _TokenizableCorpus(CorpusSource):
+    """A source whose documents may be lists of token ids."""
+
+    tokenized: bool = parameter(False, Flag(), help="the documents are lists of token ids, used as given")
+
+
+@dataclass(frozen=True)
+class JsonlCorpus(_TokenizableCorpus):
+    """A JSON-lines file whose records hold each document in ``field``."""
+
+    source: ClassVar[str] = "jsonl"
+
+    field: str = parameter("text", Text("a field name"), help="the records' field holding the document")
+
+    def _documents(self) -> dict:
+        return {"column": self.field, "tokenized": self.tokenized}
+
+
+@dataclass(frozen=True)
+class ParquetCorpus(_TokenizableCorpus):
+    """A Parquet file, or a folder of them, with each document in ``column``."""
+
+    source: ClassVar[str] = "parquet"
+
+    column: str = parameter("text", Text("a column name"), help="the column holding the documents")
+
+    def _documents(self) -> dict:
+        return {"column": self.column, "tokenized": self.tokenized}
+
+
+@dataclass(frozen=True)
+class SavedDatasetCorpus(_TokenizableCorpus):
+    """A dataset saved with the datasets library's ``save_to_disk`` (one ``split`` of a DatasetDict)."""
+
+    source: ClassVar[str] = "hf"
+
+    split: str | None = parameter(None, Text("a split name"), None, help="the split of a saved DatasetDict")
+    column: str = parameter("text", Text("a column name"), help="the column holding the documents")
+
+    def _documents(self) -> dict:
+        return {"column": self.column, "split": self.split, "tokenized": self.tokenized}
+
+
+CORPUS_SOURCES = {source.source: source for source in (TextCorpus, JsonlCorpus, ParquetCorpus, SavedDatasetCorpus)}
+"""Each corpus source's configuration, by the name its task spec starts with."""
+
+
 def parse_task(spec: str) -> ArithmeticData | CorpusData:
     """Parse a task spec; anything that does not parse is a ConfigError naming the forms."""
     name, _, rest = spec.partition(":")
     options = _options(spec, rest)
     try:
         if name == "arithmetic":
-            return _arithmetic(options)
-        if name in CORPUS_OPTIONS:
-            return _corpus(name, options)
+            return _arithmetic_of_spec(options)
+        if name in CORPUS_SOURCES:
+            return _corpus_of_spec(CORPUS_SOURCES[name], options)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"task spec {spec!r} does not parse ({error}): expected {SPEC_FORMS}") from None
     raise ConfigError(f"task spec {spec!r} does not parse: unknown task {name!r}; expected {SPEC_FORMS}")
@@ -128,19 +262,17 @@ def task_data(task) -> ArithmeticData | CorpusData:
 
 
 def corpus(source: str, path, **options) -> CorpusData:
-    """A corpus as a data object, from the keywords of its task spec: ``corpus("jsonl", "c.jsonl",
-    field="text", context=128)`` is ``jsonl:path=c.jsonl,field=text,context=128``, checked alike."""
-    if source not in CORPUS_OPTIONS:
-        raise ConfigError(f"corpus source {source!r}: expected one of {list(CORPUS_OPTIONS)}")
-    values = {"path": os.fspath(path), **_spec_values(options)}
-    return _built(f"{source} corpus {values['path']}", lambda: _corpus(source, values))
+    """A corpus as a data object, from the parameters of its source's configuration (``CORPUS_SOURCES``):
+    ``corpus("jsonl", "c.jsonl", field="text", context=128)`` is ``jsonl:path=c.jsonl,field=text,context=128``."""
+    if source not in CORPUS_SOURCES:
+        raise ConfigError(f"corpus source {source!r}: expected one of {list(CORPUS_SOURCES)}")
+    return _built(f"{source} corpus {path}", lambda: _corpus(CORPUS_SOURCES[source], {"path": path, **options}))
 
 
 def arithmetic(split: str = "test", seed: int = 0, **counts) -> ArithmeticData:
     """The arithmetic task as a data object: a split, a seed and TaskSpec fields as lists
     (``arithmetic("extrapolation", 3, train_counts=[2, 3, 5])``), checked as the spec is."""
-    values = _spec_values({"split": split, "seed": seed, **counts})
-    return _built("arithmetic task", lambda: _arithmetic(values))
+    return _built("arithmetic task", lambda: _arithmetic(split, seed, counts))
 
 
 def _built(what: str, build):
@@ -148,19 +280,6 @@ def _built(what: str, build):
         return build()
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{what}: {error}") from None
-
-
-def _spec_values(options: dict) -> dict[str, str]:
-    """Keyword values as the task spec writes them: True/False as true/false (bos: true/none,
-    separator: eos/none), lists joined with /; None leaves the option out."""
-    def text(key, value) -> str:
-        if isinstance(value, bool):
-            return {"bos": ("none", "true"), "separator": ("none", "eos")}.get(key, ("false", "true"))[value]
-        if isinstance(value, (list, tuple)):
-            return "/".join(text(key, item) for item in value)
-        return str(value)
-
-    return {key: text(key, value) for key, value in options.items() if value is not None}
 
 
 def _options(spec: str, text: str) -> dict[str, str]:
@@ -184,15 +303,20 @@ def _integer(key: str, value: str) -> int:
         raise ValueError(f"{key}={value!r} is not an integer") from None
 
 
-def _arithmetic(options: dict) -> ArithmeticData:
-    split = tasks.parse_split(options.pop("split", "test"))
-    seed = _integer("seed", options.pop("seed", "0"))
-    known = set(tasks.TaskSpec.parameters())
-    unknown = sorted(set(options) - known)
+def _arithmetic(split, seed, counts: dict) -> ArithmeticData:
+    """The arithmetic task of these values (Python's or a spec's, parsed)."""
+    known = set(TaskSpec.parameters())
+    unknown = sorted(set(counts) - known)
     if unknown:
         raise ValueError(f"unknown arithmetic option(s) {unknown}; expected split, seed or {sorted(known)}")
-    spec_values = {key: [_integer(key, part) for part in value.split("/")] for key, value in options.items()}
-    return ArithmeticData(split, seed, tasks.TaskSpec(**spec_values) if spec_values else tasks.DEFAULT_SPEC)
+    return ArithmeticData(split, seed, TaskSpec(**counts) if counts else DEFAULT_SPEC)
+
+
+def _arithmetic_of_spec(options: dict[str, str]) -> ArithmeticData:
+    split, seed = options.pop("split", "test"), _integer("seed", options.pop("seed", "0"))
+    counts = {key: [_integer(key, part) for part in value.split("/")] if key in TaskSpec.parameters() else value
+              for key, value in options.items()}
+    return _arithmetic(split, seed, counts)
 
 
 def _flag(key: str, value: str, true: str = "true", false: str = "false") -> bool:
@@ -201,44 +325,41 @@ def _flag(key: str, value: str, true: str = "true", false: str = "false") -> boo
     return value == true
 
 
-def _special_option(key: str, value: str, default: str, nones: tuple[str, ...]) -> tuple[bool, int | None]:
-    """(whether the token is wanted, its id if given) of bos= or separator=: `default` (the tokenizer's),
-    one of `nones` (none) or a token id."""
+def _special_option(key: str, value: str, default: str, nones: tuple[str, ...]) -> bool | int:
+    """bos= or separator= of a spec: `default` (the tokenizer's: True), one of `nones` (False) or a token id."""
     if value == default:
-        return True, None
+        return True
     if value in nones:
-        return False, None
+        return False
     if value.isascii() and value.isdigit():  # not "²", which isdigit() takes and int() refuses
-        return True, int(value)
+        return int(value)
     raise ValueError(f"{key}={value!r}: expected {default} or {nones[0]}, or a token id")
 
 
-def _corpus(source: str, options: dict) -> CorpusData:
-    allowed = CORPUS_OPTIONS[source] | LAYOUT_OPTIONS
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"unknown {source} option(s) {unknown}; expected {sorted(allowed)}")
+SPEC_VALUES = {
+    "context": _integer,
+    "max_length": _integer,
+    "tokenized": _flag,
+    "bos": lambda key, value: _special_option(key, value, "true", ("none", "false")),
+    "separator": lambda key, value: _special_option(key, value, "eos", ("none",)),
+}
+"""How a task spec writes the corpus parameters that are not text: key -> parse(key, text)."""
+
+
+def _corpus_of_spec(source: type[CorpusSource], options: dict[str, str]) -> CorpusData:
     if not options.get("path"):
-        raise ValueError(f"{source} needs path=...")
-    if "context" in options and "max_length" in options:
-        raise ValueError("context=N (packed windows) and max_length=N (padded documents) exclude each other: give one")
-    packed = "context" in options
-    length = _integer("context" if packed else "max_length", options.get("context", options.get("max_length", str(DEFAULT_MAX_LENGTH))))
-    bos, bos_id = _special_option("bos", options.get("bos", "true"), "true", ("none", "false"))
-    separator, separator_id = _special_option("separator", options.get("separator", "eos"), "eos", ("none",))
-    if not packed and ({"bos", "separator"} & set(options)):
-        raise ValueError("bos= and separator= shape packed windows: give context=N with them")
-    if length < 1 + (packed and bos):
-        raise ValueError(f"{'context' if packed else 'max_length'}={length} is too short: expected at least {1 + (packed and bos)}")
-    document = options.get("document", "line")
-    if document not in ("line", "file"):
-        raise ValueError(f"document={document!r}: expected line (one document a line) or file (the whole file)")
-    return CorpusData(
-        source=source, path=options["path"], column=options.get("field", options.get("column", "text")),
-        document=document, split=options.get("split"), tokenized=_flag("tokenized", options.get("tokenized", "false")),
-        layout="packed" if packed else "padded", length=length, bos=bos, bos_id=bos_id,
-        separator=separator, separator_id=separator_id,
-    )
+        raise ValueError(f"{source.source} needs path=...")
+    return _corpus(source, {key: SPEC_VALUES[key](key, value) if key in SPEC_VALUES else value
+                            for key, value in options.items()})
+
+
+def _corpus(source: type[CorpusSource], options: dict) -> CorpusData:
+    """The corpus of these parameters (Python's, or a spec's parsed); an unknown one is an error naming the known."""
+    allowed = sorted(source.parameters())
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {source.source} option(s) {unknown}; expected {allowed}")
+    return source(**options).data()
 
 
 def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = True, vocab_size: int | None = None,
@@ -249,7 +370,7 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
         _check_samples(n_samples)
     if isinstance(data, ArithmeticData):
         if n_samples is None:
-            raise ConfigError("the arithmetic task needs a sample count: pass n_samples=N (CLI: --samples N)")
+            raise ConfigError("the arithmetic task needs a sample count: pass n_samples=N")
         return ArithmeticDataset(data, n_samples)
     if tokenizer is None:
         raise ConfigError(
@@ -297,13 +418,13 @@ def _check_rows(data: CorpusData, n_samples: int | None) -> None:
     """Refuse, before tokenising, more padded samples than a Parquet corpus has rows (its metadata says)."""
     rows = parquet_rows(data)
     if n_samples is not None and rows is not None and n_samples > rows:
-        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than n_samples={n_samples} (CLI: --samples; one padded sample a "
+        raise ConfigError(f"corpus {data.path} has {rows} rows, fewer than n_samples={n_samples} (one padded sample a "
                           "document): ask for fewer samples or give a longer corpus")
 
 
 def _check_samples(n_samples) -> None:
     if not isinstance(n_samples, (int, np.integer)) or isinstance(n_samples, bool) or n_samples < 1:
-        raise ConfigError(f"n_samples={n_samples!r} (CLI: --samples): expected a positive number of samples")
+        raise ConfigError(f"n_samples={n_samples!r}: expected a positive number of samples")
 
 
 class ArithmeticDataset:
@@ -321,7 +442,7 @@ class ArithmeticDataset:
         return self.data.spec.describe(self.data.split, self.data.seed)
 
     def batch(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        generated = tasks.generate(self.data.split, stop - start, self.data.seed, self.data.spec, start=start)
+        generated = generate(self.data.split, stop - start, self.data.seed, self.data.spec, start=start)
         arrays = {
             "tokens": generated.tokens.astype(np.int32, copy=False),
             "valid": generated.valid,

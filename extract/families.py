@@ -5,7 +5,7 @@ encoders, the class without a task head, loaded when a checkpoint has none), whe
 the attention module, the q/k/v and output projections and the norms are (paths of submodules,
 relative to a block unless said otherwise), where ``resid_mid`` is read, and what the score adds
 beyond q . k (a per-layer scale, a sliding window, soft-capping, ALiBi, T5's learned relative
-position bias, GPT-OSS's sink logits). The generic machinery in ``capture.py`` reads nothing else, so a new family is a
+position bias, GPT-OSS's sink logits). The generic machinery of ``adapters/`` reads nothing else, so a new family is a
 few lines here.
 
 A field may be a function of the model's transformers config where a family's layout depends
@@ -504,7 +504,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _t5_encoder("umt5", "UMT5EncoderModel"),
 )}
 """transformers model_type -> its family. (The project's own arithmetic transformers have their
-own hook points and adapter, in capture.py.)"""
+own hook points and adapter, in adapters/arithmetic.py.)"""
 
 REFUSED: dict[str, str] = {
     "deberta": "DeBERTa's disentangled attention adds content-to-position and position-to-content terms (q . r_k "

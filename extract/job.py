@@ -72,8 +72,8 @@ from orthosphere.store.location import as_location
 from orthosphere.store.schema import ACTIVATION_DTYPES, check_dtype, holds_pred, layer_indices
 from orthosphere.store.state import REMNANT, STORE
 
-from . import DEFAULT_BATCH_SIZE
 from .data import ArithmeticData, CorpusData, open_dataset, task_data
+from .defaults import DEFAULT_BATCH_SIZE
 from .shards import Meter, ShardPlan, run_in_process, run_on_dask
 from .sources import MODEL_DTYPES, LoadedModel, check_device, from_model, load_source
 

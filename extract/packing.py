@@ -397,7 +397,7 @@ class PackedWindows(CorpusSamples):
         if n_samples is not None and n_samples > available:
             raise CorpusError(
                 f"corpus {corpus.data.path} packs into {available} windows of {context} tokens, fewer than "
-                f"n_samples={n_samples} (CLI: --samples): ask for fewer samples or give a longer corpus"
+                f"n_samples={n_samples}: ask for fewer samples or give a longer corpus"
             )
         self.whole_corpus = n_samples is None
         self.n_samples = n_samples or available
@@ -438,7 +438,7 @@ class PaddedDocuments(CorpusSamples):
         self.max_length = max_length
         if n_samples is not None and n_samples > corpus.n_documents:
             raise CorpusError(
-                f"corpus {corpus.data.path} has {corpus.n_documents} documents, fewer than n_samples={n_samples} (CLI: --samples): "
+                f"corpus {corpus.data.path} has {corpus.n_documents} documents, fewer than n_samples={n_samples}: "
                 "ask for fewer samples or give a longer corpus"
             )
         self.n_samples = n_samples or corpus.n_documents

@@ -1,7 +1,7 @@
 """Load a model for extraction: the project's checkpoints, Hugging Face directories, GGUF files.
 
 ``load_source(path, device, model_dtype)`` returns a ``LoadedModel``: the model's adapter
-(capture.py), its tokenizer (or None: such a model reads only corpora of token ids, with the
+(``adapters``), its tokenizer (or None: such a model reads only corpora of token ids, with the
 special tokens its config.json names) and, from ``describe()``, its description for the store,
 which adds where the model came from and a SHA-256 of its weights (hashing.py: computed once per
 version of the files) so that a resumed job can tell a different model apart. ``model_dtype``
@@ -43,17 +43,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import tasks
-from .capture import Adapter, adapter_for
+from orthosphere.store.schema import ACTIVATION_DTYPES
+
+from .adapters import Adapter, adapter_for
 from .families import FAMILIES, UnsupportedModelError, family_for
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
+from .tasks import CHARACTERS, PAD_ID, TOKEN_ID, token_ids
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 GGUF_MAGIC = b"GGUF"
 SENTENCE_TRANSFORMERS_MODULES = "modules.json"
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ACTIVATION_DTYPES
+"""The dtypes a model is loaded and run in: those a store holds, so that a model's activations can be stored in
+the dtype it computed them in."""
 
 
 class Tokenizer:
@@ -101,18 +105,18 @@ class CharacterTokenizer(Tokenizer):
     """The arithmetic task's: one character a token."""
 
     name = "arithmetic-characters"
-    pad_id = tasks.PAD_ID
-    bos_id = tasks.TOKEN_ID["["]
-    eos_id = tasks.TOKEN_ID["]"]
+    pad_id = PAD_ID
+    bos_id = TOKEN_ID["["]
+    eos_id = TOKEN_ID["]"]
 
     def encode_batch(self, texts, special_tokens=True):
-        return [tasks.token_ids(text) for text in texts]
+        return [token_ids(text) for text in texts]
 
     def token_strings(self, ids):
-        return [tasks.CHARACTERS[i] if i < len(tasks.CHARACTERS) else "" for i in ids]
+        return [CHARACTERS[i] if i < len(CHARACTERS) else "" for i in ids]
 
     def _definition(self):
-        return json.dumps(["".join(tasks.CHARACTERS), self.pad_id, self.bos_id, self.eos_id])
+        return json.dumps(["".join(CHARACTERS), self.pad_id, self.bos_id, self.eos_id])
 
 
 class TokenIds(Tokenizer):
@@ -255,12 +259,12 @@ def resolve_device(device: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r}: this machine has no CUDA device; use --device cpu (or auto)")
+        raise ConfigError(f"device {device!r}: this machine has no CUDA device; use device=cpu (or auto)")
     return resolved
 
 
 def model_dtype_of(name: str | None) -> torch.dtype:
-    """The torch dtype of a --model-dtype name (None: float32)."""
+    """The torch dtype of a model_dtype name (None: float32)."""
     name = name or "float32"
     if name not in MODEL_DTYPES:
         raise ConfigError(f"model dtype {name!r}: expected one of {list(MODEL_DTYPES)}")
@@ -270,14 +274,14 @@ def model_dtype_of(name: str | None) -> torch.dtype:
 def check_device_runs(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse a dtype the device cannot compute in, before a model is loaded."""
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"device {device} cannot compute in bfloat16 (this GPU lacks it): use --model-dtype "
-                          "float16 or float32")
+        raise ConfigError(f"device {device} cannot compute in bfloat16 (this GPU lacks it): use model_dtype=float16 "
+                          "or float32")
     try:
         probe = torch.ones(2, 2, dtype=dtype, device=device)
         (probe @ probe).sum().item()
     except RuntimeError as error:
         raise ConfigError(f"device {device} cannot compute in {str(dtype).removeprefix('torch.')} ({error}): "
-                          "choose another --model-dtype or --device") from None
+                          "choose another model_dtype= or device=") from None
 
 
 def load_source(path, device: str = "auto", model_dtype: str | None = None) -> LoadedModel:
@@ -295,8 +299,8 @@ def load_source(path, device: str = "auto", model_dtype: str | None = None) -> L
         if not is_gguf(path):
             raise ConfigError(f"model {path} is a file but not a GGUF file (no GGUF magic): give a .gguf file or a model directory")
         if dtype != torch.float32:
-            raise ConfigError(f"--model-dtype {model_dtype} with the GGUF file {path}: GGUF weights are dequantised "
-                              "to float32; leave --model-dtype out (or convert the model to safetensors)")
+            raise ConfigError(f"model_dtype={model_dtype} with the GGUF file {path}: GGUF weights are dequantised "
+                              "to float32; leave model_dtype= out (or convert the model to safetensors)")
         loaded = _load_gguf(path, device)
     else:
         path = _model_directory(path)

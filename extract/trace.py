@@ -27,7 +27,7 @@ class Trace:
     recording: Recording | None = None
     edit: EditFn | None = None
     stop_after: int | None = None
-    """The layer after which the forward pass stops (``capture.StopForward``), or None."""
+    """The layer after which the forward pass stops (``adapters.base.StopForward``), or None."""
     held: dict = field(default_factory=dict)
 
 

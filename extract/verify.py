@@ -29,9 +29,9 @@ from orthosphere.store import open_store
 from orthosphere.store.location import as_location
 from orthosphere.store.reader import open_group_checked
 
-from . import DEFAULT_BATCH_SIZE
 from .corpus import corpus_files
 from .data import ArithmeticData, ArithmeticDataset, CorpusData, StoredTokens
+from .defaults import DEFAULT_BATCH_SIZE
 from .hashing import files_sha256
 from .shards import ShardPlan, compute_range
 from .sources import check_device, from_model, load_source

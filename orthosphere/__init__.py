@@ -28,19 +28,22 @@ from importlib.metadata import version
 __version__ = version("orthosphere")
 
 _SUBMODULES = ("extract", "analyze", "store", "workflows", "corpus", "tasks", "data", "errors")
-_FUNCTIONS = {
+_DEFINED_IN = {
     "open_store": "orthosphere.store", "validate": "orthosphere.store", "info": "orthosphere.store",
-    "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data",
-    "report": "orthosphere.workflows.report:write_report", "verify": "orthosphere.extract.verify",
-    "atlas": "orthosphere.workflows.atlas:atlas",
+    "open_results": "orthosphere.analyze", "TokenLoader": "orthosphere.data", "verify": "orthosphere.extract.verify",
+    "atlas": "orthosphere.workflows.atlas",
 }
-__all__ = [*_SUBMODULES, *_FUNCTIONS]
+"""The API's functions and classes by the module that defines them under the same name."""
+__all__ = [*_SUBMODULES, *_DEFINED_IN, "report"]
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"orthosphere.{name}")
-    if name in _FUNCTIONS:
-        module, _, attribute = _FUNCTIONS[name].partition(":")
-        return getattr(importlib.import_module(module), attribute or name)
+    if name in _DEFINED_IN:
+        return getattr(importlib.import_module(_DEFINED_IN[name]), name)
+    if name == "report":
+        from orthosphere.workflows.report import write_report
+
+        return write_report
     raise AttributeError(f"module 'orthosphere' has no attribute {name!r}")

@@ -16,6 +16,9 @@ and the kernel is asked to read the next window's files ahead while batches are 
 per process: one window (`buffer_bytes`) and one chunk being read; a DataLoader's worker also holds
 `ring_slots(prefetch_factor)` batches of shared memory through which its batches reach the main
 process without a copy (``handover``).
+
+The loader's parameters are declared in ``LoaderConfig`` (``orthosphere.params``' constraints): a bad value
+is a ParameterError naming it; the sites are then checked against the store.
 """
 from __future__ import annotations
 
@@ -25,11 +28,28 @@ import hashlib
 import json
 import multiprocessing as mp
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
 import torch
 import xarray as xr
+
+from orthosphere.errors import ConfigError
+from orthosphere.params import (
+    NON_NEGATIVE_INTEGER,
+    POSITIVE_INTEGER,
+    POSITIVE_NUMBER,
+    REQUIRED,
+    Config,
+    Flag,
+    Interval,
+    Items,
+    Normalised,
+    OneOf,
+    Rule,
+    parameter,
+)
 
 from .chunk_read import ChunkReader
 from .handover import BatchRing, RingBatch, new_batch, ring_slots, torch_dtype
@@ -43,11 +63,52 @@ VECTOR_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v"
 OUTPUT_DTYPES = ("float32", "stored")
 
 
+def _site_pair(value) -> tuple[str, int]:
+    """A (site, layer) pair as the loader keeps it."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError("not a (site, layer) pair")
+    site, layer = value
+    return str(site), int(layer)
+
+
+@dataclass(frozen=True)
+class LoaderConfig(Config):
+    """The choices of a TokenLoader (besides its store): each checked when the loader is made, a bad value a
+    ParameterError naming it; the sites are then checked against the store."""
+
+    sites: tuple = parameter(REQUIRED, Items(Normalised(_site_pair, "a (site, layer) pair"),
+                                             hint="such as [('resid_pre', 1)]"),
+                             help="the (site, layer) pairs whose token vectors a batch holds")
+    batch_size: int = parameter(REQUIRED, POSITIVE_INTEGER, help="tokens a batch")
+    buffer_tokens: int = parameter(REQUIRED, POSITIVE_INTEGER, help="tokens the shuffle buffer holds: at least a batch and a chunk")
+    seed: int = parameter(REQUIRED, Interval(int), help="seed of the epochs' order")
+    where: str | None = parameter(None, Rule(lambda value: isinstance(value, str), "a label expression"), None,
+                                  help='a label expression the tokens meet (role == "answer" and 2 <= pos < 8)')
+    max_norm_ratio: float | None = parameter(None, POSITIVE_NUMBER, None,
+                                             help="drop tokens whose norm at any site exceeds this times that site's median")
+    exclude_start: bool = parameter(True, Flag(), help="leave out the first valid token of each sample")
+    rank: int | None = parameter(None, NON_NEGATIVE_INTEGER, None, help="this process's rank (None: torch.distributed's, or 0)")
+    world_size: int | None = parameter(None, POSITIVE_INTEGER, None, help="the number of ranks (None: torch.distributed's, or 1)")
+    with_labels: bool = parameter(False, Flag(), help="batches as dicts of the activations and each token's labels")
+    scale_norms: bool = parameter(False, Flag(), help="scale each site to a mean squared norm of its width")
+    dtype: str = parameter("float32", OneOf(OUTPUT_DTYPES), help="float32, or stored: the store's dtype, bit for bit")
+
+    def check(self) -> None:
+        if self.buffer_tokens < self.batch_size:
+            raise self.error("buffer_tokens", self.buffer_tokens, f"buffer_tokens >= batch_size ({self.batch_size}): a batch "
+                             "is drawn from one window of the buffer")
+        if self.scale_norms and self.dtype == "stored":
+            raise self.error("scale_norms", self.scale_norms, "False with dtype='stored': a scaled vector is no longer "
+                             "the stored one")
+        if self.rank is not None and self.rank >= (self.world_size or 1):
+            raise self.error("rank", self.rank, f"0 <= rank < world_size ({self.world_size or 1})")
+
+
 def _url_of(store):
     """A store given as a path, URL, Location or a Dataset that ``open_store`` opened (its attrs' url)."""
     if isinstance(store, xr.Dataset):
         if "url" not in store.attrs:
-            raise ValueError("store: this Dataset was not opened by orthosphere.store.open_store (it has no url "
+            raise ConfigError("store: this Dataset was not opened by orthosphere.store.open_store (it has no url "
                              "attribute): pass the store's path or URL")
         return store.attrs["url"]
     return store
@@ -72,28 +133,22 @@ class TokenLoader(torch.utils.data.IterableDataset):
                  world_size: int | None = None, with_labels: bool = False, scale_norms: bool = False,
                  dtype: str = "float32", storage_options: dict | None = None):
         super().__init__()
+        config = LoaderConfig(sites, batch_size, buffer_tokens, seed, where, max_norm_ratio, exclude_start, rank,
+                              world_size, with_labels, scale_norms, dtype)
         location = as_location(_url_of(store), storage_options)
         open_store(location)  # refuses an incomplete or damaged store as every reader does
         self.location = location
         self.attrs = dict(open_group_checked(location).attrs)
-        self.sites = [(str(site), int(layer)) for site, layer in sites]
+        self.sites = list(config.sites)
         self.width = self._check_sites()
         self._layer_indices = [list(self.attrs["layers"]).index(layer) for _, layer in self.sites]
-        self.batch_size, self.buffer_tokens, self.seed = _positive(batch_size, "batch_size"), _positive(
-            buffer_tokens, "buffer_tokens"), int(seed)
-        if buffer_tokens < batch_size:
-            raise ValueError(f"buffer_tokens={buffer_tokens} is smaller than batch_size={batch_size}: a batch is drawn "
-                             "from one window of the buffer; give buffer_tokens >= batch_size")
-        self.window_tokens = buffer_tokens // batch_size * batch_size
-        if dtype not in OUTPUT_DTYPES:
-            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(OUTPUT_DTYPES)}")
-        if scale_norms and dtype == "stored":
-            raise ValueError("scale_norms needs dtype='float32': a scaled vector is no longer the stored one")
-        self.dtype, self.with_labels, self.exclude_start = dtype, with_labels, exclude_start
-        self.max_norm_ratio, self.scale_norms = max_norm_ratio, scale_norms
+        self.batch_size, self.buffer_tokens, self.seed = config.batch_size, config.buffer_tokens, config.seed
+        self.window_tokens = self.buffer_tokens // self.batch_size * self.batch_size
+        self.dtype, self.with_labels, self.exclude_start = config.dtype, config.with_labels, config.exclude_start
+        self.max_norm_ratio, self.scale_norms = config.max_norm_ratio, config.scale_norms
         labels = {"sample", "pos", "token", *self.attrs["labels"]}
-        self.where = LabelExpression(where, labels) if where else None
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.where = LabelExpression(config.where, labels) if config.where else None
+        self.rank, self.world_size = _rank_and_world(config.rank, config.world_size)
         self.samples_per_chunk = int(self.attrs["samples_per_chunk"])
         self.n_samples, self.n_pos = int(self.attrs["n_samples"]), int(self.attrs["n_pos"])
         self.n_chunks = -(-self.n_samples // self.samples_per_chunk)
@@ -105,18 +160,16 @@ class TokenLoader(torch.utils.data.IterableDataset):
     # --- what the store holds -------------------------------------------------------------
     def _check_sites(self) -> int:
         model, widths = self.attrs["model"], set()
-        if not self.sites:
-            raise ValueError("sites is empty: give (site, layer) pairs such as [('resid_pre', 1)]")
         for site, layer in self.sites:
             if site not in self.attrs["sites"] or site not in VECTOR_SITES:
                 stored = [s for s in self.attrs["sites"] if s in VECTOR_SITES]
-                raise ValueError(f"site {site!r} is not a token-vector site of this store; it holds {', '.join(stored)}")
+                raise ConfigError(f"site {site!r} is not a token-vector site of this store; it holds {', '.join(stored)}")
             if layer not in self.attrs["layers"]:
-                raise ValueError(f"layer {layer} of site {site!r} is not stored; the store holds layers {self.attrs['layers']}")
+                raise ConfigError(f"layer {layer} of site {site!r} is not stored; the store holds layers {self.attrs['layers']}")
             heads = {"q": model["n_heads"], "z": model["n_heads"], "k": model["n_kv_heads"], "v": model["n_kv_heads"]}.get(site)
             widths.add(model["d_model"] if heads is None else heads * model["d_head"])
         if len(widths) > 1:
-            raise ValueError(f"sites {self.sites} have different widths {sorted(widths)}: choose sites of one width")
+            raise ConfigError(f"sites {self.sites} have different widths {sorted(widths)}: choose sites of one width")
         return widths.pop()
 
     @property
@@ -142,7 +195,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         slots), cannot hold together."""
         chunk_bytes = self.samples_per_chunk * self.n_pos * self.row_bytes
         if self.buffer_tokens < self.samples_per_chunk * self.n_pos:
-            raise ValueError(f"buffer_tokens={self.buffer_tokens} holds less than one chunk "
+            raise ConfigError(f"buffer_tokens={self.buffer_tokens} holds less than one chunk "
                              f"({self.samples_per_chunk * self.n_pos} positions): give at least that")
         available, processes = psutil.virtual_memory().available, max(1, workers)
         slots = ring_slots(prefetch_factor) * self.batch_size * self.row_bytes if workers else 0
@@ -429,7 +482,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
         `multiprocessing_context` says otherwise, and hand their batches over through a few slots of
         shared memory each (``handover``)."""
         if options.get("persistent_workers"):
-            raise ValueError("persistent_workers=True would keep each worker's position apart from state_dict: leave it off")
+            raise ConfigError("persistent_workers=True would keep each worker's position apart from state_dict: leave it off")
         if num_workers and sys.platform == "linux":
             options.setdefault("multiprocessing_context", "fork")
         self._check_memory(num_workers, options.get("prefetch_factor") or 2)
@@ -461,11 +514,11 @@ class TokenLoader(torch.utils.data.IterableDataset):
         for key, value in self.identity().items():
             if state.get(key) != value:
                 what = "another store" if key == "store" else f"{key}={state.get(key)!r}, not {value!r}"
-                raise ValueError(f"the state dict is of {what}: resume with the loader it was saved from")
+                raise ConfigError(f"the state dict is of {what}: resume with the loader it was saved from")
         pending = state.get("pending")
         if not isinstance(pending, list) or not all(
                 isinstance(part, list) and all(isinstance(r, list) and len(r) == 2 for r in part) for part in pending):
-            raise ValueError(f"the state dict's pending={pending!r} is not a list of each consumer's [start, stop] "
+            raise ConfigError(f"the state dict's pending={pending!r} is not a list of each consumer's [start, stop] "
                              "ranges (a state dict of an earlier TokenLoader, whose epochs were ordered otherwise?): "
                              "resume with the loader it was saved from")
         self._epoch, self._delivered = int(state["epoch"]), 0
@@ -565,16 +618,7 @@ def _norms(vectors: np.ndarray) -> np.ndarray:
     return np.sqrt(np.square(vectors.astype(np.float32), dtype=np.float64).sum(axis=-1))
 
 
-def _positive(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive integer")
-    return value
-
-
 def _rank_and_world(rank, world_size) -> tuple[int, int]:
     if rank is None and world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} with world_size={world_size}: expected 0 <= rank < world_size")
-    return rank, world_size
+    return rank or 0, world_size or 1

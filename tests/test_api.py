@@ -103,10 +103,29 @@ def test_data_objects_are_the_task_specs(tmp_path):
     (lambda: orthosphere.corpus.jsonl("c.jsonl", context=0), ConfigError, r"jsonl corpus c.jsonl: context=0 is too short"),
     (lambda: orthosphere.corpus.text("c.txt", document="page"), ConfigError, r"document='page': expected line"),
     (lambda: orthosphere.tasks.arithmetic("dev"), ConfigError, r"arithmetic task: .*dev"),
+    (lambda: orthosphere.corpus.text("c.txt", field="body"), ConfigError,
+     r"text corpus c.txt: unknown text option\(s\) \['field'\]; expected \['bos', 'context', 'document', "),
+    (lambda: orthosphere.corpus.jsonl("c.jsonl", context=8, bos=-1), ConfigError, r"bos=-1: expected True .* or a token id"),
+    (lambda: orthosphere.corpus.hf("d", tokenized="yes"), ConfigError, r"hf corpus d: tokenized='yes': expected true or false"),
 ])
 def test_bad_data_objects_name_the_parameter(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("keywords, options", [
+    ({"context": 1}, "context=1"),
+    ({"document": "page"}, "document=page"),
+    ({"context": 8, "max_length": 8}, "context=8,max_length=8"),
+    ({"max_length": 8, "separator": False}, "max_length=8,separator=none"),
+])
+def test_a_bad_value_gets_the_same_message_from_python_and_a_spec(keywords, options):
+    with pytest.raises(ConfigError) as from_python:
+        orthosphere.corpus.text("c.txt", **keywords)
+    with pytest.raises(ConfigError) as from_spec:
+        parse_task(f"text:path=c.txt,{options}")
+    detail = str(from_python.value).removeprefix("text corpus c.txt: ")
+    assert detail != str(from_python.value) and f"does not parse ({detail}): expected" in str(from_spec.value)
 
 
 def test_bad_extraction_input_names_the_parameter(llama, tmp_path):
@@ -151,6 +170,7 @@ def test_analyze_takes_each_analysis_options_by_name(tmp_path):
 
 def test_import_orthosphere_stays_light():
     code = ("import sys, orthosphere; orthosphere.open_store; orthosphere.open_results; orthosphere.validate; "
+            "orthosphere.corpus.text('c.txt', context=8); orthosphere.tasks.arithmetic('extrapolation', seed=1); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from orthosphere.data import TokenLoader  # noqa: E402
+from orthosphere.errors import ParameterError  # noqa: E402
 from orthosphere.store import IncompleteStoreError  # noqa: E402
 from tests.synthetic import write_store  # noqa: E402
 
@@ -206,7 +207,12 @@ def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     ({"where": 'colour == "red"'}, ValueError, "names 'colour', which the store does not hold"),
     ({"where": "__import__('os')"}, ValueError, "is not allowed"),
     ({"buffer_tokens": 2**50}, MemoryError, "more than the .* GiB of memory available"),
-    ({"batch_size": 64}, ValueError, "buffer_tokens=48 is smaller than batch_size=64: .* give buffer_tokens >= batch_size"),
+    ({"batch_size": 64}, ParameterError, r"buffer_tokens=48: expected buffer_tokens >= batch_size \(64\): a batch is drawn "),
+    ({"batch_size": 0}, ParameterError, "batch_size=0: expected a positive integer"),
+    ({"sites": []}, ParameterError, r"sites=\[\]: expected a non-empty list of items, each a \(site, layer\) pair"),
+    ({"dtype": "float16"}, ParameterError, r"dtype='float16': expected one of \['float32', 'stored'\]"),
+    ({"scale_norms": True, "dtype": "stored"}, ParameterError, "scale_norms=True: expected False with dtype='stored'"),
+    ({"rank": 2, "world_size": 2}, ParameterError, r"rank=2: expected 0 <= rank < world_size \(2\)"),
 ])
 def test_bad_input_is_refused(store, options, error, message):
     sites = options.pop("sites", [("resid_pre", 1)])

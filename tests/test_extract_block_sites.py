@@ -15,7 +15,7 @@ import torch
 
 from orthosphere.data import TokenLoader
 from orthosphere.errors import JobMismatchError
-from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.adapters import adapter_for
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import format_info, info, open_store, validate

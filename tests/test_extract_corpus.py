@@ -687,7 +687,7 @@ def bad_files(folder):
     ("jsonl:path={bad}/numbers.jsonl,context=8", r"line 1: 'text' holds int, not text"),
     ("parquet:path={bad}/outside.parquet,column=input_ids,tokenized=true,context=8", r"token id 99, outside the model's vocabulary 0..22"),
     ("text:path={bad}/missing.txt,context=8", r"missing.txt not found"),
-    ("text:path={text},context=16", r"packs into \d+ windows of 16 tokens, fewer than n_samples=1000 \(CLI: --samples\)"),
+    ("text:path={text},context=16", r"packs into \d+ windows of 16 tokens, fewer than n_samples=1000: ask for fewer samples"),
 ])
 @pytest.mark.slow
 def test_bad_corpus_is_a_clear_error_and_leaves_the_store_there_untouched(tmp_path, model_dir, sources, earlier_store,
@@ -705,7 +705,7 @@ def test_bad_corpus_is_a_clear_error_and_leaves_the_store_there_untouched(tmp_pa
 
 @pytest.mark.parametrize("task, samples, error", [
     ("text:path={text},context=65", None, r"samples of 65 positions are longer than the model's 64 positions: use context=64 or less"),
-    ("parquet:path={parquet},max_length=8", 1000, r"corpus.parquet has 30 rows, fewer than n_samples=1000 \(CLI: --samples"),
+    ("parquet:path={parquet},max_length=8", 1000, r"corpus.parquet has 30 rows, fewer than n_samples=1000 \(one padded sample a document\)"),
 ])
 def test_a_layout_the_model_or_corpus_cannot_hold_is_refused_before_tokenising(tmp_path, model_dir, sources, monkeypatch,
                                                                                task, samples, error):

@@ -162,7 +162,7 @@ def test_a_t5_checkpoint_is_read_as_its_encoder(tmp_path):
 
 
 def test_umt5_has_a_bias_per_layer():
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     relative = adapter_for(tiny_model("umt5")).describe()["score"]["relative_bias"]
     assert relative["table_of_layer"] == [0, 1] and len(relative["tables"]) == 2

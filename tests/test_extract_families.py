@@ -30,7 +30,7 @@ import torch
 
 from orthosphere.analyze.attention import ScoreTerms, allowed_keys, store_attention
 from orthosphere.errors import ConfigError
-from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.adapters import adapter_for
 from orthosphere.extract.families import FAMILIES as DESCRIBED
 from orthosphere.extract.families import OUTSIDE_BLOCKS, unsupported
 from orthosphere.extract.job import ExtractJob, extract
@@ -423,7 +423,7 @@ def test_error_messages_name_files_that_exist():
     """The messages that point at the family descriptions name the file by its path in the repository."""
     root = Path(__file__).resolve().parents[1]
     named = re.findall(r"[\w/]+\.py", unsupported("model 'x'"))
-    capture_source = (root / "extract" / "capture.py").read_text()
+    capture_source = (root / "extract" / "adapters" / "base.py").read_text()
     named += re.findall(r'"([\w/]+\.py) \(module', capture_source)
     assert named and all((root / path).is_file() for path in named), named
 

@@ -116,7 +116,7 @@ def test_empty_text_file_and_too_few_lines(tmp_path):
     with pytest.raises(ConfigError, match="holds no documents"):
         extract(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
     short = write_text(tmp_path / "short.txt", ["the cat", "a dog"])
-    with pytest.raises(ConfigError, match=r"has 2 documents, fewer than n_samples=5 \(CLI: --samples\)"):
+    with pytest.raises(ConfigError, match=r"has 2 documents, fewer than n_samples=5: ask for fewer"):
         extract(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
     with pytest.raises(ConfigError, match="not found"):
         extract(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
@@ -251,7 +251,7 @@ def test_model_dtype_runs_the_extraction_in_that_dtype(tmp_path):
     assert store.attrs["model"]["dtype"] == "bfloat16" and store["q"].dtype == np.float32
     q = store["q"].values
     np.testing.assert_array_equal(q, torch.from_numpy(q).to(torch.bfloat16).float().numpy())  # bfloat16 values
-    with pytest.raises(ConfigError, match=r"model_dtype='float8': expected one of \['float32', 'bfloat16', 'float16'\]"):
+    with pytest.raises(ConfigError, match=r"model_dtype='float8': expected one of \['float16', 'bfloat16', 'float32'\]"):
         extract(job(model_dir, tmp_path / "bad.zarr", model_dtype="float8"), progress=False)
     assert not (tmp_path / "bad.zarr").exists()
 
@@ -276,9 +276,10 @@ def test_cli_model_dtype_and_device_options(tmp_path, arithmetic_dir):
     result = CliRunner().invoke(main, ["extract", str(gguf), "--task", f"text:path={text}", "--out",
                                        str(tmp_path / "g.zarr"), "--model-dtype", "bfloat16"])
     assert result.exit_code != 0 and "Traceback" not in result.output
-    assert "Error: --model-dtype bfloat16 with the GGUF file" in result.output
+    assert "Error: --model-dtype=bfloat16 with the GGUF file" in result.output
+    assert "leave --model-dtype out" in result.output
     result = CliRunner().invoke(main, arguments + ["--out", str(tmp_path / "x.zarr"), "--model-dtype", "int4"])
-    assert result.exit_code != 0 and "'int4' is not one of 'float32', 'bfloat16', 'float16'" in result.output
+    assert result.exit_code != 0 and "'int4' is not one of 'float16', 'bfloat16', 'float32'" in result.output
 
 
 # --- writing behind compute -------------------------------------------------------------------------

@@ -468,7 +468,7 @@ def _tiny_config(name, **options):
 def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
     import transformers
 
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     model = getattr(transformers, model_class)(config)
     with pytest.raises(UnsupportedModelError, match=reason):
@@ -497,7 +497,7 @@ def test_model_dtype_loads_and_describes_the_model_in_it(tmp_path):
 
 def test_model_dtype_with_a_gguf_file_is_refused(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", gguf_model())
-    with pytest.raises(ConfigError, match="--model-dtype bfloat16 with the GGUF file.*dequantised to float32"):
+    with pytest.raises(ConfigError, match="model_dtype=bfloat16 with the GGUF file.*dequantised to float32; leave model_dtype= out"):
         load_source(path, device="cpu", model_dtype="bfloat16")
 
 
@@ -506,7 +506,7 @@ def test_a_dtype_the_device_cannot_run_is_refused(tmp_path, monkeypatch):
     write_arithmetic_model(tmp_path / "model")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
-    with pytest.raises(ConfigError, match="device cuda cannot compute in bfloat16.*--model-dtype float16 or float32"):
+    with pytest.raises(ConfigError, match="device cuda cannot compute in bfloat16.*use model_dtype=float16 or float32"):
         load_source(tmp_path / "model", device="cuda", model_dtype="bfloat16")
 
 
@@ -533,7 +533,7 @@ def test_unknown_or_absent_device(tmp_path):
     with pytest.raises(ConfigError, match="device 'gpu7'.*expected auto, cpu, cuda or cuda:N"):
         load_source(tmp_path / "model", device="gpu7")
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="no CUDA device; use --device cpu"):
+        with pytest.raises(ConfigError, match="no CUDA device; use device=cpu"):
             load_source(tmp_path / "model", device="cuda")
 
 
@@ -675,7 +675,7 @@ def test_gguf_lacking_a_tensor_is_refused(tmp_path, monkeypatch):
 def test_unsupported_hugging_face_class_is_refused():
     from transformers import GPT2Model
 
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
 
     with pytest.raises(UnsupportedModelError, match="expected GPT2LMHeadModel"):
         adapter_for(GPT2Model(hf_config("gpt2")))

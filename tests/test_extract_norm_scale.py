@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.adapters import adapter_for
 from orthosphere.extract.job import ExtractJob, extract
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import open_store

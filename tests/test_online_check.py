@@ -14,7 +14,7 @@ from orthosphere.analyze.replay_blocks import ReplaySettings
 from orthosphere.analyze.results import open_results, write_results
 from orthosphere.errors import ParameterError
 from orthosphere.extract import tasks
-from orthosphere.extract.capture import adapter_for
+from orthosphere.extract.adapters import adapter_for
 from orthosphere.extract.model import ArithmeticTransformer, ModelConfig, save_model
 from orthosphere.extract.sources import load_source
 from orthosphere.store import create_store, open_store

@@ -234,7 +234,7 @@ def test_models_that_differ_only_in_placement_pair_up_from_the_extractors_own_de
     """The pairing read from real store descriptions (the extractor's, every placement), so that a
     key the extractor adds for one placement cannot split the Pre-Norm / QKV-Norm pair unnoticed."""
     pytest.importorskip("torch")
-    from orthosphere.extract.capture import adapter_for
+    from orthosphere.extract.adapters import adapter_for
     from orthosphere.extract.model import NORM_PLACEMENTS, ArithmeticTransformer, ModelConfig
 
     runs = []

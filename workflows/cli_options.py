@@ -271,6 +271,7 @@ class Spelled:
         elif not param.is_flag:
             self.rules.append((re.compile(rf"(?<![\w.-]){name}=(\S+?)(?: \(CLI: {re.escape(flag)}(?: [^);]*)?\))?"
                                           r"(?=[\s:;,)]|$)"), flag + r"=\1"))
+            self.rules.append((re.compile(rf"(?<![\w.-]){name}=(?=[\s:;,)]|$)"), flag))
 
     def error(self, error: Exception) -> Exception:
         """A ParameterError named by its flag (other errors as they are)."""

@@ -35,7 +35,7 @@ from orthosphere.analyze.options import FLAG, LAYERS, AnalysisConfig, integer
 from orthosphere.analyze.replay import ReplayConfig, ReplayError, check_variables, store_model
 from orthosphere.analyze.replay_blocks import DEFINITIONS, HeadBlock, ReplaySettings, collapse_indicators, instance_queries
 from orthosphere.errors import ModelMismatchError
-from orthosphere.extract.capture import Adapter, adapter_for
+from orthosphere.extract.adapters import Adapter, adapter_for
 from orthosphere.extract.sources import load_source
 from orthosphere.params import Text, parameter
 from orthosphere.store import open_store

@@ -1,12 +1,12 @@
-"""The adapter of the project's arithmetic transformers (``capture.Adapter``): every site is a
+"""The adapter of the project's arithmetic transformers (``base.Adapter``): every site is a
 HookPoint of the model, and its norms sit where its placement puts them."""
 from __future__ import annotations
 
-from .capture import Adapter, dtype_name, first_output
-from .families import Norm
-from .interface import QKV_SITES
-from .norms import described_norms, norm_summary
-from .trace import active
+from ..families import Norm
+from ..interface import QKV_SITES
+from ..norms import described_norms, norm_summary
+from ..trace import active
+from .base import Adapter, dtype_name, first_output
 
 ARITHMETIC_NORMS = {
     "pre": (Norm("attn_input", "norm_attn"), Norm("mlp_input", "norm_ff"), Norm("final", "norm_final")),

@@ -1,4 +1,4 @@
-"""The adapter of the transformers families (``capture.Adapter``), driven by each family's
+"""The adapter of the transformers families (``base.Adapter``), driven by each family's
 declarative description in ``families.py``."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .capture import Adapter, dtype_name, first_input, first_output, pre_hook
-from .families import Family, UnsupportedModelError, check_supported, split_heads_rows, unsupported
-from .interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention
-from .norms import described_norms, norm_summary, norm_type
-from .trace import active
+from ..families import Family, UnsupportedModelError, check_supported, split_heads_rows, unsupported
+from ..interface import ATTENTION_IMPLEMENTATION, QKV_SITES, register_attention
+from ..norms import described_norms, norm_summary, norm_type
+from ..trace import active
+from .base import Adapter, dtype_name, first_input, first_output, pre_hook
 
 
 class HuggingFaceAdapter(Adapter):
