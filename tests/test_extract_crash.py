@@ -125,8 +125,7 @@ def test_kill_while_overwriting_leaves_a_store_that_overwrite_or_resume_replaces
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     refused = run_cli(model_dir, out)
     assert refused.returncode == 1
-    assert "creation or replacement was interrupted (nothing in it can be resumed): pass resume=True (CLI: --resume)" \
-        in refused.stderr
+    assert "creation or replacement was interrupted (nothing in it can be resumed): pass " in refused.stderr  # then the modes, as the CLI names them
     again = run_cli(model_dir, out, extra=[recovery])
     assert again.returncode == 0, again.stderr[-2000:]
     assert_identical(out, uninterrupted)

@@ -160,7 +160,7 @@ def test_incomplete_store_is_refused_until_finished(tmp_path):
     start, stop = writer.shards[1]
     writer.write(start, sample_block(start, stop))
     writer.mark_shard_complete(1)
-    with pytest.raises(IncompleteStoreError, match="2 of 3 shards are missing.*--resume"):
+    with pytest.raises(IncompleteStoreError, match='2 of 3 shards are missing.*mode="resume"'):
         open_store(url)
     with pytest.raises(IncompleteStoreError, match="2 of 3 shards are not complete"):
         writer.finish()
@@ -308,7 +308,7 @@ def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog
     fill(make_store(url))
     foreign_lock(url, seconds_ago=5)
     with pytest.raises(StoreLockedError, match=r"running writer: pid 4242 on gpu-node-7.*last heartbeat \d+ s ago.*"
-                                               r"pass --break-lock \(break_lock=True\)"):
+                                               r"pass break_lock=True"):
         open_writer(url)
     foreign_lock(url, seconds_ago=STALE_SECONDS + 5)
     open_writer(url).close()
@@ -393,7 +393,7 @@ def test_unreadable_lock_needs_break_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
     (tmp_path / "store.zarr" / LOCK_NAME).write_text("")  # a writer killed while taking the lock
-    with pytest.raises(StoreLockedError, match="unreadable lock file.*--break-lock"):
+    with pytest.raises(StoreLockedError, match="unreadable lock file.*pass break_lock=True if no writer is running"):
         open_writer(url)
     open_writer(url, break_lock=True).close()
 
@@ -405,7 +405,7 @@ def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
     target = tmp_path / "precious.txt"
     target.write_text("keep me")
     (tmp_path / "store.zarr" / LOCK_NAME).symlink_to(target)
-    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*--break-lock"):
+    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*pass break_lock=True"):
         open_writer(url)
     with pytest.raises(StoreLockedError, match="is a symbolic link"):
         make_store(url, overwrite=True)
@@ -503,7 +503,7 @@ def test_finish_releases_the_lock(tmp_path):
 def test_existing_store_is_not_overwritten_unless_asked(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
-    with pytest.raises(StoreExistsError, match="already exists.*overwrite=True"):
+    with pytest.raises(StoreExistsError, match='already exists.*mode="overwrite"'):
         make_store(url)
     writer = make_store(url, overwrite=True, n_samples=4)
     assert read_attrs(url)["n_samples"] == 4 and read_attrs(url)["complete"] is False

@@ -187,15 +187,16 @@ def verify_command(store, model, samples, seed, batch_size, exact, device):
 @click.option("--scheduler", default=None, metavar="ADDRESS", help="Run the shards on an existing Dask scheduler.")
 @click.option("--no-pred", "no_pred", is_flag=True,
               help="Store no predictions: the forward pass then stops after the last of --layers.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted job, skipping its complete shards.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--resume", "mode", flag_value="resume", default="new",
+              help="Continue an interrupted job, skipping its complete shards.")
+@click.option("--overwrite", "mode", flag_value="overwrite", help="Replace an existing store (the last of --resume and --overwrite counts).")
 @click.option("--break-lock", is_flag=True,
               help="Break the store's lock even if its holder looks alive (a stale lock is broken anyway).")
 @click.pass_context
 def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, batch_size, shards,
-                    samples_per_chunk, device, model_dtype, workers, scheduler, no_pred, resume, overwrite, break_lock):
+                    samples_per_chunk, device, model_dtype, workers, scheduler, no_pred, mode, break_lock):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     backend = Backend(workers=workers or ctx.obj.workers, scheduler=scheduler or ctx.obj.scheduler)
     try:
@@ -203,13 +204,13 @@ def extract_command(ctx, model, task_spec, samples, out, sites, layers, dtype, b
             model=model, task=task_spec, out=out, n_samples=samples,
             sites=None if sites is None else tuple(filter(None, sites.split(","))),
             layers=layers, dtype=dtype, batch_size=batch_size, n_shards=shards, samples_per_chunk=samples_per_chunk,
-            pred=not no_pred, resume=resume, overwrite=overwrite, break_lock=break_lock, device=device, model_dtype=model_dtype,
+            pred=not no_pred, mode=mode, break_lock=break_lock, device=device, model_dtype=model_dtype,
             command=" ".join(sys.argv),
         )
     except ParameterError as error:
         raise error.named(EXTRACT_FLAGS.get(error.parameter, "--" + error.parameter.replace("_", "-"))) from None
     with dask_client(backend) as client:
-        result = extract(job, client=client)
+        result = run_job(job, client=client)
     click.echo(result.summary())
 
 
