@@ -1,7 +1,7 @@
 """A store over its life, decided in one place: what a job may do with what is at its location in
 its mode (create a store where there is none, replace one, resume one, or leave a complete one
 alone), the job's identity a resumed store must match, and the store's chunk size. ``writer``
-only writes: it never looks at the location.
+only writes: it never decides what may be done with what is at the location.
 
 A job calls ``check_location`` before it loads its model, so that a refusal costs nothing, and
 ``open_for_job`` when it has the store's identity, which looks at the location again (something
