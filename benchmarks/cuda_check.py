@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tiny models
 
 from orthosphere.analyze.attention import ScoreTerms  # noqa: E402
-from orthosphere.extract.job import ExtractJob, extract  # noqa: E402
+from orthosphere.extract.job import ExtractJob, run_job  # noqa: E402
 from orthosphere.store import open_store  # noqa: E402
 from tests.reference import attention_atol, attention_float64  # noqa: E402
 from tests.test_extract_models import word_tokenizer, write_text  # noqa: E402
@@ -65,7 +65,7 @@ OVERLAP_REQUIRED = 0.5
 def extract_store(model_dir, text, out, device, model_dtype=None):
     job = ExtractJob(model=str(model_dir), task=f"text:path={text},max_length=12", out=str(out), sites=SITES,
                      dtype="float32", batch_size=4, device=device, model_dtype=model_dtype)
-    extract(job, progress=False)
+    run_job(job, progress=False)
     return open_store(str(out)).load()
 
 

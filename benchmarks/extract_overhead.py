@@ -151,10 +151,10 @@ def kind_options(kind: str, n_layers: int) -> dict:
 
 def child_extract(model_dir: str, corpus: str, context: int, windows: int, batch_size: int, kind: str, n_layers: int,
                   out: str) -> dict:
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
     from orthosphere.store import info
 
-    result = extract(ExtractJob(model=model_dir, task=f"text:path={corpus},context={context}", out=out, n_samples=windows,
+    result = run_job(ExtractJob(model=model_dir, task=f"text:path={corpus},context={context}", out=out, n_samples=windows,
                                 batch_size=batch_size, device="cpu", overwrite=True, **kind_options(kind, n_layers)),
                      progress=False)
     whole = time.perf_counter() - STARTED

@@ -25,7 +25,7 @@ import torch
 
 from orthosphere.analyze.replay import replay
 from orthosphere.analyze.replay_blocks import DEFAULT_LEVELS, ReplaySettings
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.store import open_store
 from orthosphere.workflows import train as training
 from orthosphere.workflows.online_check import online_check
@@ -70,7 +70,7 @@ def main() -> None:
         scratch = Path(scratch)
         model = arguments.model or checkpoint(scratch)
         store = str(scratch / "store.zarr")
-        extract(ExtractJob(model=str(model), task=task_spec(model), out=store, n_samples=arguments.samples,
+        run_job(ExtractJob(model=str(model), task=task_spec(model), out=store, n_samples=arguments.samples,
                            sites=("q", "k", "v"), device="cpu"), progress=False)
         ds = open_store(store)
         settings = ReplaySettings(levels=DEFAULT_LEVELS, n_draws=arguments.draws, seed=0)

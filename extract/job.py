@@ -1,19 +1,18 @@
 """The extraction job: run a model over a data set and stream its activations into a store.
 
-``extract(ExtractJob(...), client=None)`` is what ``orthosphere extract`` runs:
+``run_job(ExtractJob(...), client=None)`` is what ``orthosphere extract`` runs:
 
-1. parse the task spec, refuse an existing store unless resuming or overwriting (the store's
-   lifecycle, ``orthosphere.store.lifecycle``, decides what a job may do with what is at its URL,
-   checks a resumed store's identity and sizes its chunks);
+1. parse the task spec, refuse what the job's ``mode`` may not touch at its URL (an existing store
+   unless ``mode="resume"`` or ``mode="overwrite"``; what is not a store, always);
 2. load the model, check sites and layers, open the data set;
-3. create the store (chunk-aligned shards), or, when resuming, check that the store was
-   made by the same job (model, task, sites, layers, dtype, sample count) and pick up its
-   unfinished shards; a complete store is left alone;
+3. open the store: the store's lifecycle (``orthosphere.store.lifecycle.open_for_job``) creates it
+   (chunk-aligned shards), or, when resuming, checks that the store was made by the same job
+   (model, task, sites, layers, dtype, sample count) and picks up its unfinished shards; a
+   complete store is left alone;
 4. write the attention maps, run every unfinished shard, then finish the store.
 
 The model's predictions (``pred``) need its logits, so the forward pass runs through every layer;
-a job that keeps none (``pred=False``, CLI ``--no-pred``; or a model without a language-model
-head) stops each pass after the last of its layers.
+a job that keeps none (``pred=False``; or a model without a language-model head) stops each pass after the last of its layers.
 
 A corpus is tokenised once, by this process (packing.py), which writes every pending shard's
 token arrays and labels into the store before the shards run; each shard then reads its tokens
@@ -34,10 +33,10 @@ with one, each shard is a Dask task that loads the model on the job's device (on
 writes its own chunks and records itself complete, while this coordinating process reads the
 model's description and weights on the CPU: it never needs the workers' device.
 
-Whatever a kill leaves, ``--resume`` continues: a store whose creation or replacement was
+Whatever a kill leaves, ``mode="resume"`` continues: a store whose creation or replacement was
 interrupted is created afresh (nothing in it can be resumed), a created one continues with its
 unfinished shards (a corpus's token arrays of those shards are written again), and chunks of
-complete shards found missing or truncated are rewritten; ``--overwrite`` replaces any of them.
+complete shards found missing or truncated are rewritten; ``mode="overwrite"`` replaces any of them.
 For the crash tests, ``ORTHOSPHERE_CRASH_AT=POINT[:N]`` kills the process at a named point (see
 ``orthosphere.store.faults``; ``samples-written`` follows each block of a corpus's token arrays).
 """
@@ -65,12 +64,11 @@ from orthosphere.params import (
     Text,
     parameter,
 )
-from orthosphere.store import create_store
 from orthosphere.store.faults import crash_point
-from orthosphere.store.lifecycle import check_same_job, chunk_samples, found_for_job, reopen_to_resume
+from orthosphere.store.lifecycle import MODES, Opened, check_location, chunk_samples, open_for_job
 from orthosphere.store.location import as_location
 from orthosphere.store.schema import ACTIVATION_DTYPES, check_dtype, holds_pred, layer_indices
-from orthosphere.store.state import REMNANT, STORE
+from orthosphere.store.writer import new_store
 
 from .data import ArithmeticData, CorpusData, open_dataset, task_data
 from .defaults import DEFAULT_BATCH_SIZE
@@ -101,7 +99,8 @@ class ExtractJob(Config):
     model: str | os.PathLike | object = parameter(
         REQUIRED, help="a path (model directory, .gguf file), or a model loaded in this process (sources.from_model)")
     task: str | ArithmeticData | CorpusData = parameter(
-        REQUIRED, help="a task spec (the CLI's --task) or the data object it parses to (data.corpus, data.arithmetic)")
+        REQUIRED, help="a task spec (arithmetic:..., text:..., jsonl:..., parquet:..., hf:...) or the data object it "
+                       "parses to (data.corpus, data.arithmetic)")
     out: str = parameter(REQUIRED, Normalised(_store_url, "a store path or fsspec URL"), help="the store to write")
     n_samples: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples (None: the whole task or corpus)")
     sites: tuple[str, ...] | None = parameter(None, Items(Text("a site name"), single=True), None,
@@ -114,8 +113,8 @@ class ExtractJob(Config):
     samples_per_chunk: int | None = parameter(None, POSITIVE_INTEGER, None, help="samples per chunk (None: about 4 MB)")
     pred: bool = parameter(True, Flag(), help="store the model's predictions, which needs the whole forward pass "
                            "(False: the pass stops after the last stored layer)")
-    resume: bool = parameter(False, Flag(), help="continue an interrupted job")
-    overwrite: bool = parameter(False, Flag(), help="replace an existing store")
+    mode: str = parameter("new", OneOf(MODES), help="new: create the store (refuse an existing one); resume: continue "
+                          "an interrupted job (a complete store is left alone); overwrite: replace an existing store")
     break_lock: bool = parameter(False, Flag(), help="break the store's lock even if its holder looks alive")
     device: str = parameter("auto", Normalised(check_device, "auto, cpu, cuda or cuda:N"), help="where the model runs")
     model_dtype: str | None = parameter(None, OneOf(MODEL_DTYPES), None, help="the dtype a model path is loaded in")
@@ -131,9 +130,6 @@ class ExtractJob(Config):
                               "convert it (model.to(dtype)) or leave model_dtype out")
         if not self.in_memory and self.tokenizer is not None:
             raise ConfigError("tokenizer= goes with a model object; a model path brings its own tokenizer files")
-        if self.resume and self.overwrite:
-            raise ConfigError("resume=True and overwrite=True contradict each other: resume keeps the store, "
-                              "overwrite replaces it; pick one")
 
     @property
     def in_memory(self) -> bool:
@@ -161,11 +157,11 @@ class ExtractResult:
         )
 
 
-def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResult:
+def run_job(job: ExtractJob, client=None, progress: bool = True) -> ExtractResult:
     """Run (or resume) an extraction job; `client` is a distributed.Client or None (in-process)."""
     data = task_data(job.task)
     _check_client(job, client)
-    found = found_for_job(as_location(job.out, job.storage_options), job.resume, job.overwrite)
+    check_location(as_location(job.out, job.storage_options), job.mode)
     if job.in_memory:
         loaded = from_model(job.model, job.tokenizer, job.device)
     else:
@@ -174,30 +170,23 @@ def extract(job: ExtractJob, client=None, progress: bool = True) -> ExtractResul
     description = loaded.describe()
     dataset = _open_data(data, job, loaded, description)
     try:
-        return _extract(job, data, loaded, dataset, description, sites, layers, found, client, progress)
+        return _extract(job, data, loaded, dataset, description, sites, layers, client, progress)
     finally:
         if isinstance(data, CorpusData):
             dataset.close()
 
 
-def _extract(job, data, loaded, dataset, description, sites, layers, found, client, progress) -> ExtractResult:
+def _extract(job, data, loaded, dataset, description, sites, layers, client, progress) -> ExtractResult:
     identity = {
         "model": description, "task": dataset.describe(), "sites": list(sites), "layers": list(layers),
         "dtype": job.dtype, "labels": dict(dataset.labels), "n_samples": dataset.n_samples, "n_pos": dataset.n_pos,
         "pred": holds_pred({"pred": job.pred, "model": description}),
     }
-    if found.kind == STORE and job.resume:
-        check_same_job(job.out, found.attrs, identity)
-        writer = reopen_to_resume(job.out, job.break_lock, job.storage_options)
-        if writer is None:
-            log.info("store %s is already complete: nothing to do", job.out)
-            return ExtractResult(job.out, dataset.n_samples, 0, len(found.attrs["shards"]), 0, 0.0, already_complete=True)
-        log.info("resuming the extraction into %s", writer.url)
-    else:
-        if found.kind == REMNANT:
-            log.info("%s holds a store whose creation or replacement was interrupted: creating it afresh", job.out)
-        writer = _create(job, identity, replacing=found.is_ours)
-        log.info("writing the store at %s", writer.url)
+    opened = _open_store(job, identity)
+    log.info("%s", opened.news)
+    writer = opened.writer
+    if writer is None:
+        return ExtractResult(job.out, dataset.n_samples, 0, opened.n_shards, 0, 0.0, already_complete=True)
     crash_point("store-created")
     plan = ShardPlan(
         "" if job.in_memory else os.path.abspath(job.model), job.device, job.model_dtype, _absolute(data), dataset.n_samples, sites, layers,
@@ -279,18 +268,20 @@ def write_samples(writer, dataset, block_bytes: int = 64 * 2**20) -> None:
             crash_point("samples-written")
 
 
-def _create(job: ExtractJob, identity: dict, replacing: bool):
-    """A new store for the job (replacing the existing store or remnant at job.out when `replacing`)."""
+def _open_store(job: ExtractJob, identity: dict) -> Opened:
+    """The job's store, opened by the store's lifecycle in the job's mode: the store it creates has
+    the job's identity and chunks sized for its batches and shards."""
     chunk = job.samples_per_chunk or chunk_samples(
         identity["model"], identity["n_samples"], identity["n_pos"], identity["sites"], len(identity["layers"]),
         job.dtype, job.batch_size, job.n_shards,
     )
-    return create_store(
-        job.out, model=identity["model"], task=identity["task"], n_samples=identity["n_samples"],
-        n_pos=identity["n_pos"], sites=identity["sites"], layers=identity["layers"], dtype=job.dtype,
-        labels=identity["labels"], n_shards=job.n_shards, samples_per_chunk=chunk, overwrite=replacing,
-        break_lock=job.break_lock, command=job.command, storage_options=job.storage_options, pred=identity["pred"],
+    new = new_store(
+        model=identity["model"], task=identity["task"], n_samples=identity["n_samples"], n_pos=identity["n_pos"],
+        sites=identity["sites"], layers=identity["layers"], dtype=job.dtype, labels=identity["labels"],
+        n_shards=job.n_shards, samples_per_chunk=chunk, pred=identity["pred"],
     )
+    return open_for_job(as_location(job.out, job.storage_options), job.mode, identity, new,
+                        break_lock=job.break_lock, command=job.command)
 
 
 def _run_pending(job, loaded, plan: ShardPlan, writer, client, progress: bool) -> ExtractResult:

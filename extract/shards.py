@@ -105,8 +105,8 @@ def check_float16_range(buffers: dict, layers, first: int) -> None:
             samples, slots = (index.tolist() for index in torch.nonzero(infinite, as_tuple=True))
             raise Float16OverflowError(
                 f"site {site} of layer {layers[slots[0]]} (sample {first + samples[0]}) holds values beyond float16's "
-                "range (|x| > 65504), which float16 would store as inf: extract with dtype='bfloat16' (CLI: --dtype "
-                "bfloat16; same range as float32, 16 bits) or float32"
+                'range (|x| > 65504), which float16 would store as inf: extract with dtype="bfloat16" (same range as '
+                'float32, 16 bits) or dtype="float32"'
             )
 
 

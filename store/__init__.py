@@ -7,9 +7,10 @@ from .errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
+from .lifecycle import create_store
 from .reader import format_info, info, open_store, read_attrs, validate
 from .schema import DEFAULT_SITES, SCHEMA_VERSION, SITES
-from .writer import StoreWriter, create_store, open_writer
+from .writer import StoreWriter, open_writer
 
 __all__ = [
     "DEFAULT_SITES",

@@ -18,6 +18,8 @@ from zarr.storage import WrapperStore
 
 from orthosphere.errors import StorageFailureError, StoreError
 
+from .names import PROGRESS_GROUP, is_lock_file
+
 log = logging.getLogger("orthosphere.store")
 
 OBJECT_STORE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -36,9 +38,6 @@ def is_storage_failure(error: BaseException) -> bool:
 
 def describe_key(key: str) -> str:
     """A key inside a store in words: an array's chunk, a metadata file, a progress flag, the lock."""
-    from .lock import is_lock_file
-    from .state import PROGRESS_GROUP
-
     name = key.rsplit("/", 1)[-1]
     if is_lock_file(name):
         return f"lock file {key}"
@@ -60,7 +59,7 @@ def release_after_failure(release, url: str) -> None:
         release()
     except Exception as error:
         log.warning("store %s: could not release its lock after the failure that stopped the job (%s); the lock "
-                    "stays until it is stale (see `orthosphere extract --help`, --break-lock)", url,
+                    "stays until it is stale, or until a job breaks it (break_lock=True)", url,
                     " ".join(str(error).split()))
 
 
@@ -69,13 +68,13 @@ def storage_failure(url: str, what: str, error: BaseException, writing: bool) ->
     the store at `url`, with what to do."""
     cause = f"{type(error).__name__}: {' '.join(str(error).split()) or 'no detail given'}"
     if getattr(error, "errno", None) == errno.ENOSPC:
-        advice = "free space there, then resume the job that writes it (its command, with --resume)"
+        advice = 'free space there, then resume the job that writes it (mode="resume")'
     elif writing:
-        advice = ("once the storage works again, resume the job that writes it (its command, with --resume): "
+        advice = ('once the storage works again, resume the job that writes it (mode="resume"): '
                   "nothing complete is lost")
     else:
         advice = (f"once the storage works again, retry; if it fails again, `orthosphere validate {url} --full "
-                  "--reopen` lists the damaged chunks and reopens their shards for the job's --resume to rewrite")
+                  '--reopen` lists the damaged chunks and reopens their shards for the job to rewrite with mode="resume"')
     doing = "writing" if writing else "reading"
     return StorageFailureError(f"store {url}: the storage failed {doing} {what} ({cause}); {advice}")
 

@@ -8,7 +8,7 @@ each array), ``progress-created`` (store created, metadata not yet consolidated)
 before the shards run), ``chunk-written`` (after each block that completes a chunk, every array
 of it written), ``shard-complete``, ``before-finish``, ``finish-consolidated`` (metadata
 consolidated, ``complete`` not yet set), ``finished`` (complete, lock not yet released);
-replacing a store (``--overwrite``, or a remnant created afresh) meets ``clearing`` after each
+replacing a store (``mode="overwrite"``, or a remnant created afresh) meets ``clearing`` after each
 entry it removes, then ``cleared``.
 """
 from __future__ import annotations

@@ -23,8 +23,9 @@ from zarr.storage import WrapperStore
 
 from .errors import DamagedStoreError, StorageFailureError
 from .location import group_arrays, zarr_quietly
+from .names import PROGRESS_GROUP
 from .schema import WEIGHT_VARIABLES
-from .state import INDEX_ARRAYS, PROGRESS_GROUP
+from .state import INDEX_ARRAYS
 
 FIXED_SIZE_CODECS = {"bytes", "crc32c"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -14,16 +13,7 @@ from zarr.storage import FsspecStore, LocalStore
 
 from .failures import NamedFailuresStore, describe_key, naming_failures
 from .faults import crash_point
-
-REPLACING_NAME = ".orthosphere-replacing"
-"""Marks a store that is being cleared to be replaced (see Location.clear)."""
-PARTIAL_SUFFIX = r"\.[0-9a-f]{32}\.partial"
-"""How a file written aside (temporary_path) ends, as a regular expression."""
-
-
-def temporary_path(path: str) -> str:
-    """A fresh name beside `path` to write a file aside before it is moved or linked into place."""
-    return f"{path}.{uuid.uuid4().hex}.partial"
+from .names import REPLACING_NAME, temporary_path
 
 
 @dataclass(frozen=True)

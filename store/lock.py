@@ -26,7 +26,6 @@ import errno
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -37,24 +36,14 @@ from datetime import UTC, datetime
 from .errors import StoreLockedError
 from .failures import is_storage_failure, naming_failures
 from .faults import crash_point
-from .location import PARTIAL_SUFFIX, Location, temporary_path
+from .location import Location
+from .names import HEARTBEAT_NAME, LOCK_NAME, is_lock_file, temporary_path
 
-LOCK_NAME = ".orthosphere-lock"
-HEARTBEAT_NAME = ".orthosphere-lock-heartbeat"
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 600.0
 """A heartbeat older than this (20 missed beats) marks its lock stale, whatever the host."""
 
 log = logging.getLogger("orthosphere.store")
-
-_LOCK_FILE = re.compile(rf"({re.escape(LOCK_NAME)}|{re.escape(HEARTBEAT_NAME)})({PARTIAL_SUFFIX})?")
-
-
-def is_lock_file(name: str) -> bool:
-    """Whether a file directly inside a store is the lock, its heartbeat, or one of them written
-    aside (a writer killed while taking the lock or beating leaves one)."""
-    return _LOCK_FILE.fullmatch(name) is not None
-
 
 def holder_description() -> dict:
     return {
@@ -106,7 +95,7 @@ def _acquire_lock(location: Location, break_lock: bool) -> dict:
     if break_lock:
         for name in (LOCK_NAME, HEARTBEAT_NAME):
             if location.is_local and os.path.islink(location.key(name)):
-                log.warning("removing the symbolic link %s (--break-lock); its target is left alone", location.key(name))
+                log.warning("removing the symbolic link %s (break_lock=True); its target is left alone", location.key(name))
                 _remove(location, name)
     text, holder = current_lock(location)
     if holder is not None and _is_mine(holder):
@@ -116,7 +105,7 @@ def _acquire_lock(location: Location, break_lock: bool) -> dict:
         if reason is None and not break_lock:
             raise StoreLockedError(_locked_message(location, holder))
         log.warning("breaking the %s lock of %s held by %s (%s)", "stale" if reason else "live", location.url,
-                    _holder_text(holder), reason or "--break-lock given")
+                    _holder_text(holder), reason or "break_lock=True given")
         _remove_lock_if_unchanged(location, text)
     mine = holder_description()
     with contextlib.suppress(FileExistsError):  # it exists: another writer's lock, or this one's (see below)
@@ -173,7 +162,7 @@ class Heartbeat:
             try:
                 if not holds_lock(self.location, self.holder):
                     self._fail(f"the lock of {url} was broken by another writer",
-                               "resume it (--resume) once the other writer is done")
+                               'resume it (mode="resume") once the other writer is done')
                     return
                 self.location.write_atomic(HEARTBEAT_NAME, _beat(self.holder).encode())
             except Exception as error:
@@ -182,7 +171,7 @@ class Heartbeat:
                     continue
                 # any other failure stops the writer, never the heartbeat alone
                 self._fail(f"the lock of {url} could not be checked ({' '.join(str(error).split())})",
-                           "resume it (--resume) once the lock file is fixed")
+                           'resume it (mode="resume") once the lock file is fixed')
                 return
 
     def _fail(self, what: str, advice: str) -> None:
@@ -195,12 +184,12 @@ def _locked_message(location: Location, holder: dict) -> str:
         return (
             f"store {location.url} has an unreadable lock file ({LOCK_NAME}: a writer was killed while taking it, or "
             f"one is taking it now); it counts as stale {STALE_SECONDS:.0f} s after it was written: wait, or pass "
-            "--break-lock (break_lock=True) if no writer is running"
+            "break_lock=True if no writer is running"
         )
     age = time.time() - _last_heartbeat(location, holder)
     return (
         f"store {location.url} is locked by a running writer: {_holder_text(holder)}, last heartbeat {age:.0f} s ago; "
-        "wait for it to finish or stop it; if you are sure it is dead, pass --break-lock (break_lock=True). "
+        "wait for it to finish or stop it; if you are sure it is dead, pass break_lock=True. "
         f"A lock whose heartbeat is older than {STALE_SECONDS:.0f} s is broken automatically"
     )
 
@@ -343,6 +332,6 @@ def _refuse_link(location: Location, name: str, error: OSError) -> None:
     if error.errno == errno.ELOOP or os.path.islink(location.key(name)):
         raise StoreLockedError(
             f"the lock file {location.key(name)} of store {location.url} is a symbolic link: orthosphere never "
-            "follows or writes through one; pass --break-lock (break_lock=True) to remove the link (its target is "
+            "follows or writes through one; pass break_lock=True to remove the link (its target is "
             "left alone), or remove it yourself"
         ) from None

@@ -7,11 +7,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zarr
 
-from . import schema
+from .bfloat16 import is_bfloat16
 from .errors import DamagedStoreError, IncompleteStoreError, StorageFailureError, StoreError, StoreNotFoundError
 from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
-from .state import ABSENT, DAMAGED, FOREIGN_ZARR, PROGRESS_GROUP, REMNANT, STORE, inspect
+from .names import PROGRESS_GROUP
+from .schema import (
+    DIM_NAMES,
+    PER_SAMPLE_DIMS,
+    SCHEMA_VERSION,
+    WEIGHT_VARIABLES,
+    check_dtype,
+    check_model,
+    check_sites,
+    dim_sizes,
+    holds_pred,
+    resolved_dtype,
+    variables_for,
+)
+from .state import ABSENT, DAMAGED, FOREIGN_ZARR, REMNANT, STORE, inspect
 
 if TYPE_CHECKING:
     import xarray
@@ -43,9 +57,9 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
             f"{location.url} has schema attribute {version!r}, not a schema version (a positive integer): "
             "the store is damaged or was not written by orthosphere"
         )
-    if version > schema.SCHEMA_VERSION:
+    if version > SCHEMA_VERSION:
         raise StoreError(
-            f"{location.url} has schema version {version!r}, newer than the {schema.SCHEMA_VERSION} "
+            f"{location.url} has schema version {version!r}, newer than the {SCHEMA_VERSION} "
             "this orthosphere reads: upgrade orthosphere"
         )
     return group
@@ -59,9 +73,9 @@ def not_a_store_error(location: Location, kind: str) -> StoreError:
         )
     what = {
         REMNANT: "is a store whose creation or replacement was interrupted (nothing in it can be resumed): rerun the "
-                 "job that makes it, with --resume (or --overwrite)",
+                 'job that makes it, with mode="resume" (or mode="overwrite")',
         DAMAGED: f"is a damaged orthosphere store: its progress record {PROGRESS_GROUP}/shard_complete is missing, so "
-                 "no shard can be trusted; replace it (`orthosphere extract ... --overwrite`)",
+                 'no shard can be trusted; replace it (its job, with mode="overwrite")',
         FOREIGN_ZARR: "is a Zarr store but not an orthosphere store (no 'schema' attribute); open it with zarr or "
                       "xarray directly",
     }.get(kind, "is not a Zarr store (no zarr.json at its root): give the path of a store written by orthosphere")
@@ -103,7 +117,7 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
         )
         raise IncompleteStoreError(
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
-            "(`orthosphere extract ... --resume`), or pass allow_incomplete=True to read what is there"
+            '(mode="resume"), or pass allow_incomplete=True to read what is there'
         )
     promised = _promises(group)
     if check_chunks:
@@ -116,7 +130,7 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
     guarded = GuardedStore(location.zarr_store(read_only=True), location.url, promised)
     with zarr_quietly():
         dataset = xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
-    widened = {name: variable.astype(np.float32) for name, variable in dataset.data_vars.items() if schema.is_bfloat16(variable.dtype)}
+    widened = {name: variable.astype(np.float32) for name, variable in dataset.data_vars.items() if is_bfloat16(variable.dtype)}
     dataset = dataset.assign(widened)
     dataset.attrs["url"] = location.url  # where it was opened from: for messages, and readers that reopen it
     return dataset
@@ -143,16 +157,16 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     if problems:
         return problems
     try:
-        sites = schema.check_sites(attrs["sites"])
-        model = schema.check_model(attrs["model"])
-        schema.check_dtype(attrs["dtype"])
+        sites = check_sites(attrs["sites"])
+        model = check_model(attrs["model"])
+        check_dtype(attrs["dtype"])
     except StoreError as error:
         return [str(error)]
-    sizes = schema.dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
-    for name, var in schema.variables_for(sites, attrs.get("with_weights", True), schema.holds_pred(attrs)).items():
-        problems += _variable_problems(group, name, var.dims, schema.resolved_dtype(var, attrs["dtype"]), sizes)
+    sizes = dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
+    for name, var in variables_for(sites, attrs.get("with_weights", True), holds_pred(attrs)).items():
+        problems += _variable_problems(group, name, var.dims, resolved_dtype(var, attrs["dtype"]), sizes)
     for name in attrs["labels"]:
-        problems += _variable_problems(group, name, schema.PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
+        problems += _variable_problems(group, name, PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
     if problems:
         return problems
     promised = _promises(group)
@@ -198,7 +212,7 @@ def info(url, storage_options: dict | None = None) -> dict:
             else None,
         }
         for name, array in sorted(group_arrays(group))
-        if name not in schema.DIM_NAMES
+        if name not in DIM_NAMES
     }
     size = location.size_bytes()
     return {
@@ -214,7 +228,7 @@ def info(url, storage_options: dict | None = None) -> dict:
         "n_pos": attrs.get("n_pos"),
         "samples_per_chunk": attrs.get("samples_per_chunk"),
         "codec": attrs.get("codec"),
-        "pred": schema.holds_pred(attrs),
+        "pred": holds_pred(attrs),
         "arrays": arrays,
         "size_bytes": size,
         **_token_bytes(group, attrs, size),
@@ -230,7 +244,7 @@ def _token_bytes(group: zarr.Group, attrs: dict, size: int) -> dict:
     step = valid.chunks[0] * max(1, 2**24 // (valid.chunks[0] * valid.shape[1]))
     real = sum(int(np.count_nonzero(valid[start:start + step])) for start in range(0, valid.shape[0], step))
     positions = valid.shape[0] * valid.shape[1]
-    weights = sum(math.prod(group[name].shape) * 4 for name in schema.WEIGHT_VARIABLES if name in group)
+    weights = sum(math.prod(group[name].shape) * 4 for name in WEIGHT_VARIABLES if name in group)
     sites = sum(math.prod(group[site].shape[1:]) * group[site].dtype.itemsize for site in attrs.get("sites", []) if site in group)
     return {
         "real_tokens": real,

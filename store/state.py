@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 
 from .errors import StoreError
 from .failures import naming_failures
-from .location import REPLACING_NAME, Location
-from .lock import HEARTBEAT_NAME, LOCK_NAME, is_lock_file
+from .location import Location
+from .names import PROGRESS_GROUP, PROGRESS_RECORD, REPLACING_NAME, is_lock_file
 
-PROGRESS_GROUP = "_progress"
-PROGRESS_RECORD = f"{PROGRESS_GROUP}/shard_complete"
-LOCK_FILES = (LOCK_NAME, HEARTBEAT_NAME)
 INDEX_ARRAYS = ("sample", "pos", "layer", "head", "kv_head")
 """Arrays written when the store is created (their chunks say nothing about samples)."""
 
@@ -40,7 +37,7 @@ class Found:
 
     @property
     def is_ours(self) -> bool:
-        """Whether a job may replace it (with --overwrite, or --resume for a remnant)."""
+        """Whether a job may replace it (mode="overwrite"; mode="resume" for a remnant)."""
         return self.kind in (REMNANT, STORE, DAMAGED)
 
 

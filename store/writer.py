@@ -1,11 +1,15 @@
-"""Create a store, write blocks of samples into their shards, record progress, finish.
+"""Write a store: create it, write blocks of samples into their shards, record progress, finish.
 
-Crash safety: the store's lock is taken first; the root (zarr.json with every attribute) is
-written next, then the arrays, then the progress record, and the metadata is consolidated, so
-that whatever a kill leaves is either a created store or a remnant that a job may replace (see
-``state``). A shard is marked complete only after its chunks are written; ``complete`` is set
-last, in the same write as the consolidated metadata, and only after a check that every chunk
-of every shard is there. Every chunk ends with a CRC-32C checksum.
+Only the mechanics: whether a store may be created, replaced or resumed where it goes is decided
+by ``lifecycle``, which takes the store's lock (and clears what it replaces) before ``write_store``
+writes a new store there.
+
+Crash safety: the root (zarr.json with every attribute) is written first, then the arrays, then
+the progress record, and the metadata is consolidated, so that whatever a kill leaves is either a
+created store or a remnant that a job may replace (see ``state``). A shard is marked complete only
+after its chunks are written; ``complete`` is set last, in the same write as the consolidated
+metadata, and only after a check that every chunk of every shard is there. Every chunk ends with a
+CRC-32C checksum.
 """
 from __future__ import annotations
 
@@ -13,22 +17,43 @@ import logging
 import math
 import os
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from . import schema
-from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreExistsError, StoreLockedError
+from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreLockedError
 from .failures import release_after_failure
 from .faults import crash_point
 from .integrity import Damage, find_damage, guarded_group, promises
-from .lifecycle import exists_message, refuse_foreign
 from .location import Location, as_location, commit_metadata, group_arrays
-from .lock import Heartbeat, acquire_lock, is_lock_file, release_lock
+from .lock import Heartbeat, acquire_lock, release_lock
+from .names import PROGRESS_GROUP, is_lock_file
 from .provenance import provenance
-from .state import ABSENT, EMPTY, LOCK_FILES, PROGRESS_GROUP, inspect
+from .reader import open_group_checked
+from .schema import (
+    DEFAULT_SITES,
+    DIM_NAMES,
+    PER_SAMPLE_DIMS,
+    SCHEMA_VERSION,
+    SITE_VARIABLES,
+    WEIGHT_VARIABLES,
+    bytes_per_sample,
+    check_dtype,
+    check_labels,
+    check_model,
+    check_sites,
+    dim_sizes,
+    holds_pred,
+    item_size,
+    label_missing_value,
+    model_layers,
+    resolved_dtype,
+    transformer_lens_hook,
+    variables_for,
+)
 from .stream import array_files
 
 TARGET_CHUNK_BYTES = 4 * 2**20
@@ -51,7 +76,7 @@ def samples_per_chunk_for(variables: dict, sizes: dict, dtype: str) -> int:
     """Samples per chunk so that the largest one-layer chunk holds about 4 MB."""
     largest = max(
         math.prod(sizes[d] for d in var.dims if d not in ("sample", "layer"))
-        * schema.item_size(var, dtype)
+        * item_size(var, dtype)
         for var in variables.values()
         if var.dims[0] == "sample"
     )
@@ -66,14 +91,23 @@ def shard_bounds(n_samples: int, samples_per_chunk: int, n_shards: int) -> list[
     return [[start, min(stop, n_samples)] for start, stop in zip(edges[:-1], edges[1:])]
 
 
-def create_store(
-    url,
+@dataclass(frozen=True)
+class NewStore:
+    """A store to create, checked: its root attributes (all but its provenance, recorded when it is
+    written) and its variables and their sizes."""
+
+    attributes: dict
+    variables: dict
+    sizes: dict
+
+
+def new_store(
     *,
     model: dict,
     task: dict,
     n_samples: int,
     n_pos: int,
-    sites=schema.DEFAULT_SITES,
+    sites=DEFAULT_SITES,
     layers=None,
     dtype: str = "float32",
     labels: dict | None = None,
@@ -81,58 +115,58 @@ def create_store(
     samples_per_chunk: int | None = None,
     n_shards: int = 1,
     codec: str = "none",
-    overwrite: bool = False,
-    break_lock: bool = False,
-    command: str | None = None,
-    storage_options: dict | None = None,
     pred: bool = True,
-) -> StoreWriter:
-    """Create an empty store of schema v1 and return its writer, which holds the store's lock.
-
-    overwrite=True replaces a store (or the remnant of an interrupted creation) at `url`;
-    break_lock=True breaks a lock that looks alive (a stale one is broken anyway); pred=False
-    leaves the model's predictions out (a job that stops the forward pass early has none)."""
-    location = as_location(url, storage_options)
-    model = schema.check_model(model)
-    sites = schema.check_sites(sites)
-    dtype = schema.check_dtype(dtype)
-    labels = schema.check_labels(labels or {})
-    layers = schema.model_layers(layers, model["n_layers"])
+) -> NewStore:
+    """The store of schema v1 these arguments describe (see ``lifecycle.create_store``), or the
+    error that names the first one that is wrong."""
+    model = check_model(model)
+    sites = check_sites(sites)
+    dtype = check_dtype(dtype)
+    labels = check_labels(labels or {})
+    layers = model_layers(layers, model["n_layers"])
     _check_count("n_samples", n_samples)
     _check_count("n_pos", n_pos)
     if codec not in CODECS:
         raise StoreError(f"codec {codec!r}: expected one of {list(CODECS)}")
-    sizes = schema.dim_sizes(model, n_samples, n_pos, len(layers))
-    pred = schema.holds_pred({"pred": pred, "model": model})
-    variables = schema.variables_for(sites, with_weights, pred)
+    sizes = dim_sizes(model, n_samples, n_pos, len(layers))
+    pred = holds_pred({"pred": pred, "model": model})
+    variables = variables_for(sites, with_weights, pred)
     if samples_per_chunk is None:
         samples_per_chunk = samples_per_chunk_for(variables, sizes, dtype)
     _check_count("samples_per_chunk", samples_per_chunk)
-    shards = shard_bounds(n_samples, samples_per_chunk, n_shards)
-    _check_room(location, variables, labels, sizes, dtype, samples_per_chunk, len(shards))
+    attributes = {
+        "schema": SCHEMA_VERSION, "model": model, "task": task, "sites": list(sites), "layers": layers,
+        "dtype": dtype, "labels": labels, "with_weights": with_weights, "n_samples": n_samples, "n_pos": n_pos,
+        "samples_per_chunk": samples_per_chunk, "shards": shard_bounds(n_samples, samples_per_chunk, n_shards),
+        "codec": codec, "pred": pred, "complete": False,
+    }
+    return NewStore(attributes, variables, sizes)
 
-    holder = _make_room(location, overwrite, break_lock)
+
+def write_store(location: Location, new: NewStore, holder: dict, command: str | None = None) -> StoreWriter:
+    """Write the new store where nothing lies but its lock, which `holder` holds, and return its
+    writer: the root with every attribute, then the arrays, then the progress record, then the
+    consolidated metadata. A failure gives the lock back."""
+    attributes, sizes = new.attributes, new.sizes
+    samples_per_chunk = attributes["samples_per_chunk"]
     try:
-        group = zarr.create_group(location.zarr_store(read_only=False), zarr_format=3, attributes={
-            "schema": schema.SCHEMA_VERSION, "model": model, "task": task, "sites": list(sites), "layers": layers,
-            "dtype": dtype, "labels": labels, "with_weights": with_weights, "n_samples": n_samples, "n_pos": n_pos,
-            "samples_per_chunk": samples_per_chunk, "shards": shards, "codec": codec, "pred": pred, "complete": False,
-            "provenance": provenance(command),
-        })
+        group = zarr.create_group(location.zarr_store(read_only=False), zarr_format=3,
+                                  attributes={**attributes, "provenance": provenance(command)})
         crash_point("root-written")
-        compressors = (Crc32cCodec(),) if codec == "none" else (ZstdCodec(level=1), Crc32cCodec())
-        for name, var in variables.items():
+        compressors = (Crc32cCodec(),) if attributes["codec"] == "none" else (ZstdCodec(level=1), Crc32cCodec())
+        for name, var in new.variables.items():
             group.create_array(
                 name, shape=tuple(sizes[d] for d in var.dims), chunks=_chunks(var.dims, sizes, samples_per_chunk),
-                dtype=schema.resolved_dtype(var, dtype), dimension_names=var.dims, fill_value=0,
-                compressors=compressors, attributes=_array_attributes(name, model),
+                dtype=resolved_dtype(var, attributes["dtype"]), dimension_names=var.dims, fill_value=0,
+                compressors=compressors, attributes=_array_attributes(name, attributes["model"]),
             )
             crash_point("array-created")
-        _create_labels(group, labels, sizes, samples_per_chunk)
-        _create_index_coords(group, sizes, layers)
+        _create_labels(group, attributes["labels"], sizes, samples_per_chunk)
+        _create_index_coords(group, sizes, attributes["layers"])
         progress = group.create_group(PROGRESS_GROUP)
         progress.create_array("weights_written", shape=(1,), chunks=(1,), dtype="bool", fill_value=False)
-        progress.create_array("shard_complete", shape=(len(shards),), chunks=(1,), dtype="bool", fill_value=False)
+        progress.create_array("shard_complete", shape=(len(attributes["shards"]),), chunks=(1,), dtype="bool",
+                              fill_value=False)
         crash_point("progress-created")
         group = commit_metadata(location)
     except BaseException:
@@ -143,16 +177,14 @@ def create_store(
 
 def _array_attributes(name: str, model: dict) -> dict:
     """A site's TransformerLens hook (store/SCHEMA.md); other arrays carry no attributes."""
-    if name not in schema.SITE_VARIABLES:
+    if name not in SITE_VARIABLES:
         return {}
-    return {"transformer_lens": schema.transformer_lens_hook(name, model)}
+    return {"transformer_lens": transformer_lens_hook(name, model)}
 
 
 def open_writer(url, *, lock: bool = True, break_lock: bool = False, storage_options: dict | None = None) -> StoreWriter:
     """Reopen an existing store for writing: with its lock (a resuming job) or without (a shard worker of the job that holds it)."""
     location = as_location(url, storage_options)
-    from .reader import open_group_checked
-
     group = open_group_checked(location, mode="r+")
     holder = acquire_lock(location, break_lock=break_lock) if lock else None
     return StoreWriter(location, group, holder)
@@ -233,10 +265,10 @@ class StoreWriter:
         self._check_lock()
         if not self.attrs["with_weights"]:
             raise StoreError(f"store {self.url} was created with with_weights=False")
-        missing = sorted(set(schema.WEIGHT_VARIABLES) - set(arrays))
+        missing = sorted(set(WEIGHT_VARIABLES) - set(arrays))
         if missing:
             raise StoreError(f"write_weights needs every map; missing {missing}")
-        for name in schema.WEIGHT_VARIABLES:
+        for name in WEIGHT_VARIABLES:
             target = writable(self.group, name)
             if tuple(arrays[name].shape) != target.shape:
                 raise StoreError(
@@ -293,9 +325,9 @@ class StoreWriter:
         shards = sorted({item.shard for item in damage if item.shard is not None})
         for index in shards:
             self.group[f"{PROGRESS_GROUP}/shard_complete"][index] = False
-        if any(item.array in schema.WEIGHT_VARIABLES for item in damage):
+        if any(item.array in WEIGHT_VARIABLES for item in damage):
             self.group[f"{PROGRESS_GROUP}/weights_written"][0] = False
-        if any(item.array in schema.DIM_NAMES for item in damage):
+        if any(item.array in DIM_NAMES for item in damage):
             _write_index_coords(self.group, self.attrs)
         return shards
 
@@ -372,46 +404,29 @@ def _check_count(name: str, value) -> None:
         raise StoreError(f"{name}={value!r}: expected a positive integer")
 
 
-def _make_room(location: Location, overwrite: bool, break_lock: bool) -> dict:
-    """Take the lock of a new store; replace an existing one (or a remnant) only when asked;
-    never delete what is not a store. Returns the lock's holder."""
-    found = inspect(location)
-    refuse_foreign(location, found)
-    if found.kind in (ABSENT, EMPTY):
-        holder = acquire_lock(location, break_lock=break_lock)
-    elif not overwrite:
-        raise StoreExistsError(exists_message(location, found))
-    else:
-        holder = acquire_lock(location, break_lock=break_lock)
-    crash_point("lock-taken")
-    if found.is_ours:
-        location.clear(keep=LOCK_FILES)
-        crash_point("cleared")
-    return holder
-
-
-def _check_room(location: Location, variables: dict, labels: dict, sizes: dict, dtype: str, samples_per_chunk: int,
-                n_shards: int) -> None:
+def check_room(location: Location, new: NewStore) -> None:
     """Refuse, before anything is written, a store larger than the room where it goes (what it will
     take there, with a margin), or whose sample coordinate, which every reader loads into memory,
     would not fit in memory."""
+    attributes, variables, sizes = new.attributes, new.variables, new.sizes
+    dtype, samples_per_chunk = attributes["dtype"], attributes["samples_per_chunk"]
     available = psutil.virtual_memory().available
     room = _room(location, available)
     if room is not None:
         free, holder, block = room
-        needed = store_footprint(variables, labels, sizes, dtype, samples_per_chunk, n_shards, block)
+        needed = store_footprint(variables, attributes["labels"], sizes, dtype, samples_per_chunk, len(attributes["shards"]), block)
         wanted = math.ceil(needed * (1 + SPACE_MARGIN))
         if wanted > free:
             raise StoreError(
-                f"n_samples={sizes['sample']} (CLI: --samples): the store would take {_bytes(needed)} there "
+                f"n_samples={sizes['sample']}: the store would take {_bytes(needed)} there "
                 f"({_bytes(wanted)} with a {SPACE_MARGIN:.0%} margin; "
-                f"{_bytes(schema.bytes_per_sample(variables, sizes, dtype))} a sample) but {holder} {_bytes(free)} "
+                f"{_bytes(bytes_per_sample(variables, sizes, dtype))} a sample) but {holder} {_bytes(free)} "
                 "free; ask for fewer samples, sites or layers, or write it elsewhere"
             )
     per_index = np.dtype(INDEX_DTYPE).itemsize
     if per_index * sizes["sample"] > available:
         raise StoreError(
-            f"n_samples={sizes['sample']} (CLI: --samples): the store's sample coordinate, which every reader "
+            f"n_samples={sizes['sample']}: the store's sample coordinate, which every reader "
             f"loads into memory, would need {_bytes(per_index * sizes['sample'])} ({per_index} bytes a sample) "
             f"but this machine has {_bytes(available)} of memory available; ask for fewer samples"
         )
@@ -422,12 +437,12 @@ def store_footprint(variables: dict, labels: dict, sizes: dict, dtype: str, samp
     """Bytes a finished store takes where every file fills whole blocks of `block` bytes: each chunk
     file (a short last chunk padded whole, its checksum), uncompressed; each array's metadata and
     the root's consolidated copy of it; the index coordinates and the progress record."""
-    arrays = [(_chunks(var.dims, sizes, samples_per_chunk), [sizes[d] for d in var.dims], schema.item_size(var, dtype))
+    arrays = [(_chunks(var.dims, sizes, samples_per_chunk), [sizes[d] for d in var.dims], item_size(var, dtype))
               for var in variables.values()]
     arrays += [((samples_per_chunk, sizes["pos"]), (sizes["sample"], sizes["pos"]),
                 STRING_LABEL_BYTES if label == "str" else np.dtype(label).itemsize) for label in labels.values()]
     arrays += [((min(sizes[dim], COORDINATE_BLOCK),), (sizes[dim],), np.dtype(INDEX_DTYPE).itemsize)
-               for dim in schema.DIM_NAMES]
+               for dim in DIM_NAMES]
     arrays += [((1,), (1,), 1), ((1,), (n_shards,), 1)]  # the progress record
     # each array's zarr.json, the progress group's, and the root's, which holds a copy of them all (consolidated)
     total = (len(arrays) + 1) * _whole_blocks(METADATA_BYTES, block) + _whole_blocks(len(arrays) * METADATA_BYTES, block)
@@ -471,13 +486,13 @@ def _chunks(dims, sizes: dict, samples_per_chunk: int) -> tuple[int, ...]:
 
 def _create_labels(group: zarr.Group, labels: dict, sizes: dict, samples_per_chunk: int) -> None:
     for name, dtype in labels.items():
-        missing = schema.label_missing_value(dtype)
+        missing = label_missing_value(dtype)
         group.create_array(
             name,
             shape=(sizes["sample"], sizes["pos"]),
             chunks=(samples_per_chunk, sizes["pos"]),
             dtype=dtype,
-            dimension_names=schema.PER_SAMPLE_DIMS,
+            dimension_names=PER_SAMPLE_DIMS,
             fill_value=missing,
             compressors=(ZstdCodec(level=1), Crc32cCodec()),
             attributes={"not_applicable": missing},
@@ -488,7 +503,7 @@ def _create_labels(group: zarr.Group, labels: dict, sizes: dict, samples_per_chu
 
 
 def _create_index_coords(group: zarr.Group, sizes: dict, layers: list[int]) -> None:
-    for dim in schema.DIM_NAMES:
+    for dim in DIM_NAMES:
         length = len(layers) if dim == "layer" else sizes[dim]
         group.create_array(dim, shape=(length,), chunks=(min(length, COORDINATE_BLOCK),), dtype=INDEX_DTYPE,
                            dimension_names=(dim,), compressors=(Crc32cCodec(),))
@@ -497,7 +512,7 @@ def _create_index_coords(group: zarr.Group, sizes: dict, layers: list[int]) -> N
 
 def _write_index_coords(group: zarr.Group, attrs) -> None:
     """The index coordinates' values: 0..n-1, the stored layers for `layer`."""
-    for dim in schema.DIM_NAMES:
+    for dim in DIM_NAMES:
         array = writable(group, dim)
         if dim == "layer":
             array[...] = np.asarray(attrs["layers"])

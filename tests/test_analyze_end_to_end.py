@@ -22,10 +22,10 @@ FACTORS = ["digit_value[role=digit]", "operand[role=digit]", "pos"]
 def extracted(tmp_path_factory):
     if not (MODEL / "model.safetensors").exists():
         pytest.skip("the shipped checkpoints (workflows/models/) are not there yet")
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     url = str(tmp_path_factory.mktemp("e2e") / "store.zarr")
-    extract(ExtractJob(model=str(MODEL), task="arithmetic:split=test,seed=0", out=url, n_samples=96,
+    run_job(ExtractJob(model=str(MODEL), task="arithmetic:split=test,seed=0", out=url, n_samples=96,
                        sites=("resid_pre", "resid_post", "attn_in", "q", "k", "v", "pattern"), device="cpu",
                        samples_per_chunk=32), progress=False)
     return url

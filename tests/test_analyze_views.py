@@ -9,7 +9,7 @@ import pytest
 
 import orthosphere.analyze  # noqa: F401  (registers the accessor)
 from orthosphere.analyze import AnalysisError
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.store import open_store
 from tests.test_extract_models import write_arithmetic_model
 
@@ -22,7 +22,7 @@ def store(tmp_path_factory):
     folder = tmp_path_factory.mktemp("views")
     model_dir = write_arithmetic_model(folder / "model")
     out = str(folder / "store.zarr")
-    extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=3", out=out, n_samples=12, sites=SITES,
+    run_job(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=3", out=out, n_samples=12, sites=SITES,
                        samples_per_chunk=4, batch_size=4, device="cpu"), progress=False)
     return open_store(out)
 

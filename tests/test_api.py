@@ -67,7 +67,7 @@ def test_a_model_object_extracts_what_its_directory_does(llama, tmp_path):
     assert from_object.attrs["task"] == from_path.attrs["task"]
     # the hash of the tensors is the same each time, so the job resumes (here: already complete)
     again = orthosphere.extract(model, data, tmp_path / "object.zarr", tokenizer=tokenizer, sites=SITES,
-                                dtype="float32", resume=True)
+                                dtype="float32", mode="resume")
     assert again.attrs["model"]["weights_sha256"] == described["weights_sha256"]
 
 
@@ -230,7 +230,7 @@ def test_a_store_interrupted_before_the_configuration_layer_resumes_and_validate
     data = "arithmetic:split=test,seed=5"
     with pytest.raises(orthosphere.store.IncompleteStoreError):
         orthosphere.open_store(store)
-    resumed = orthosphere.extract(ROOT / "workflows" / "models" / "pre", data, store, resume=True, **options)
+    resumed = orthosphere.extract(ROOT / "workflows" / "models" / "pre", data, store, mode="resume", **options)
     assert orthosphere.validate(store) == []
     fresh = orthosphere.extract(ROOT / "workflows" / "models" / "pre", data, tmp_path / "fresh.zarr", **options)
     for name in ("w_q", "tokens", "pred"):

@@ -74,7 +74,8 @@ def test_messages_name_parameters_by_the_verbs_flags():
     extract = Spelled(main.commands["extract"])
     assert extract("fewer than n_samples=20: ask for fewer") == "fewer than --samples=20: ask for fewer"
     assert extract("n_samples=N (CLI: --samples N) or n_shards=3") == "--samples=N or --shards=3"
-    assert extract("pass break_lock=True; pred=False; resume=True") == "pass --break-lock; --no-pred; --resume"
+    assert extract("pass break_lock=True; pred=False; mode=\"resume\"") == "pass --break-lock; --no-pred; --resume"
+    assert extract("with mode='overwrite'") == "with --overwrite"
     assert extract("model_dtype='x', dtype='y', replay.n_samples=2") == "--model-dtype='x', --dtype='y', replay.n_samples=2"
     analyze = Spelled(main.commands["analyze"])
     assert analyze("rank=0: expected; option seed=-1; overwrite=True") == "rank=0: expected; option seed=-1; --overwrite"

@@ -293,12 +293,12 @@ def test_readme_example_trains_a_probe_on_a_shipped_models_store(tmp_path, monke
     import re
     from pathlib import Path
 
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     repo = Path(__file__).resolve().parents[1]
     readme = (repo / "README.md").read_text()
     example = re.search(r"## Training on a store.*?```python\n(.*?)```", readme, re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    extract(ExtractJob(model=str(repo / "workflows" / "models" / "pre"), task="arithmetic:split=test,seed=2001",
+    run_job(ExtractJob(model=str(repo / "workflows" / "models" / "pre"), task="arithmetic:split=test,seed=2001",
                        out="runs/quickstart/stores/pre-test.zarr", n_samples=64, device="cpu"), progress=False)
     exec(compile(example, "README.md", "exec"), {})

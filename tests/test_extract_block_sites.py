@@ -16,7 +16,7 @@ import torch
 from orthosphere.data import TokenLoader
 from orthosphere.errors import JobMismatchError
 from orthosphere.extract.adapters import adapter_for
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import format_info, info, open_store, validate
 from tests.test_extract_models import write_arithmetic_model
@@ -112,7 +112,7 @@ def test_a_job_without_predictions_stops_early_and_stores_the_same_activations(t
     stores = {}
     for pred in (True, False):
         out = str(tmp_path / f"pred-{pred}.zarr")
-        extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=out, n_samples=6, layers=[0, 1],
+        run_job(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=out, n_samples=6, layers=[0, 1],
                            sites=["resid_post", "q", "mlp_out"], pred=pred, batch_size=4, device="cpu"), progress=False)
         stores[pred] = open_store(out)
     assert "pred" in stores[True] and "pred" not in stores[False]
@@ -121,8 +121,8 @@ def test_a_job_without_predictions_stops_early_and_stores_the_same_activations(t
         np.testing.assert_array_equal(stores[False][site].values, stores[True][site].values)
     assert "the job left the predictions out" in format_info(info(str(tmp_path / "pred-False.zarr")))
     with pytest.raises(JobMismatchError, match="its pred is False, this job.s is True"):
-        extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=str(tmp_path / "pred-False.zarr"),
-                           n_samples=6, layers=[0, 1], sites=["resid_post", "q", "mlp_out"], resume=True, device="cpu"),
+        run_job(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=2", out=str(tmp_path / "pred-False.zarr"),
+                           n_samples=6, layers=[0, 1], sites=["resid_post", "q", "mlp_out"], mode="resume", device="cpu"),
                 progress=False)
 
 
@@ -131,7 +131,7 @@ def test_the_token_loader_reads_the_block_outputs(tmp_path):
     token's stored rows, once an epoch."""
     model_dir = write_arithmetic_model(tmp_path / "model")
     out = str(tmp_path / "store.zarr")
-    extract(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=5", out=out, n_samples=6,
+    run_job(ExtractJob(model=str(model_dir), task="arithmetic:split=test,seed=5", out=out, n_samples=6,
                        sites=["attn_out", "mlp_out", "z"], batch_size=4, device="cpu"), progress=False)
     store = open_store(out)
     loader = TokenLoader(out, [("attn_out", 1), ("mlp_out", 1)], batch_size=8, buffer_tokens=1024, seed=0)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from orthosphere.extract.adapters import adapter_for
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import open_store
 from tests.test_extract_models import (
@@ -38,7 +38,7 @@ def run(tmp_path, model, task, **options):
     """Extract into a fresh float32 store with every site; return it loaded in memory."""
     options = {"n_samples": None, "sites": ALL_SITES, "dtype": "float32", "batch_size": 3, **options}
     out = tmp_path / f"store-{len(list(tmp_path.glob('store-*')))}.zarr"
-    extract(ExtractJob(model=str(model), task=task, out=str(out), device="cpu", **options), progress=False)
+    run_job(ExtractJob(model=str(model), task=task, out=str(out), device="cpu", **options), progress=False)
     return open_store(str(out)).load()
 
 

@@ -23,7 +23,7 @@ from orthosphere.extract import corpus as corpus_module
 from orthosphere.extract import hashing, packing
 from orthosphere.extract.corpus import CorpusError, read_documents
 from orthosphere.extract.data import parse_task
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError
 from orthosphere.extract.packing import TokenizedCorpus
 from orthosphere.store import create_store, format_info, info, open_store, read_attrs
@@ -99,7 +99,7 @@ def write_lines(path, lines):
 
 def run(model_dir, out, task, **options):
     options = {"batch_size": 3, "device": "cpu", "samples_per_chunk": 2, "n_shards": 3, **options}
-    extract(ExtractJob(model=str(model_dir), task=task, out=str(out), **options), progress=False)
+    run_job(ExtractJob(model=str(model_dir), task=task, out=str(out), **options), progress=False)
     return open_store(str(out))
 
 
@@ -483,9 +483,9 @@ def test_resuming_with_another_tokenizer_of_the_same_class_is_refused(tmp_path, 
     write_word_tokenizer(other, split_punctuation=True)  # the same class, weights and tokens of this corpus; other rules
     with pytest.raises(JobMismatchError, match=r"made by a different job: its task.tokenizer_sha256 is '[0-9a-f]{64}', "
                                                r"this job's is '[0-9a-f]{64}'"):
-        run(other, out, f"text:path={text},context=16", n_samples=4, resume=True)
+        run(other, out, f"text:path={text},context=16", n_samples=4, mode="resume")
     assert read_attrs(str(out))["complete"]
-    run(model_dir, out, f"text:path={text},context=16", n_samples=4, resume=True)  # the same tokenizer resumes
+    run(model_dir, out, f"text:path={text},context=16", n_samples=4, mode="resume")  # the same tokenizer resumes
 
 
 # --- bfloat16 and float16 ---------------------------------------------------------------------------
@@ -567,7 +567,7 @@ def test_packed_shards_on_dask_read_their_tokens_from_the_store(tmp_path, model_
     reference = arrays_of(run(model_dir, tmp_path / "local.zarr", f"text:path={text},context=16"))
     # the worker's default threads: shards run at once on the shared model (capture state belongs to each forward pass)
     with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
-        extract(ExtractJob(model=str(model_dir), task=f"text:path={text},context=16", out=str(tmp_path / "dask.zarr"),
+        run_job(ExtractJob(model=str(model_dir), task=f"text:path={text},context=16", out=str(tmp_path / "dask.zarr"),
                            batch_size=3, device="cpu", samples_per_chunk=2, n_shards=3), client=client, progress=False)
     assert_same_arrays(arrays_of(open_store(str(tmp_path / "dask.zarr"))), reference)
 
@@ -694,10 +694,10 @@ def test_bad_corpus_is_a_clear_error_and_leaves_the_store_there_untouched(tmp_pa
                                                                           task, error):
     bad_files(tmp_path)
     out = tmp_path / "s.zarr"
-    shutil.copytree(earlier_store, out)  # --overwrite: the store there is replaced only once the corpus is read
+    shutil.copytree(earlier_store, out)  # mode="overwrite": the store there is replaced only once the corpus is read
     samples = 1000 if "fewer than n_samples" in error else None
     with pytest.raises((CorpusError, ConfigError), match=error):
-        run(model_dir, out, task.format(**source_paths(sources, tmp_path)), n_samples=samples, overwrite=True)
+        run(model_dir, out, task.format(**source_paths(sources, tmp_path)), n_samples=samples, mode="overwrite")
     assert read_attrs(str(out)) == read_attrs(earlier_store)  # still complete, still the earlier job's
     np.testing.assert_array_equal(open_store(str(out))["q"].values, open_store(earlier_store)["q"].values)
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".orthosphere-tokens-")]

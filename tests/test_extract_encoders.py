@@ -13,7 +13,7 @@ import torch
 
 from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.results import ANALYSES, run_analyses
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError
 from orthosphere.extract.sources import load_source
 from orthosphere.store import open_store
@@ -50,7 +50,7 @@ def base_model(family: str, full, pooler: bool):
 def extracted_store(directory, folder):
     text = write_text(folder / "text.txt")
     out = folder / f"{directory.name}.zarr"
-    extract(ExtractJob(model=str(directory), task=f"text:path={text},max_length=12", out=str(out), sites=SITES,
+    run_job(ExtractJob(model=str(directory), task=f"text:path={text},max_length=12", out=str(out), sites=SITES,
                        dtype="float32", batch_size=4, device="cpu"), progress=False)
     return out
 

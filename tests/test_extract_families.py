@@ -33,7 +33,7 @@ from orthosphere.errors import ConfigError
 from orthosphere.extract.adapters import adapter_for
 from orthosphere.extract.families import FAMILIES as DESCRIBED
 from orthosphere.extract.families import OUTSIDE_BLOCKS, unsupported
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
@@ -104,7 +104,7 @@ def extracted(model_type: str, folder, model):
     sites = ALL_SITES + tuple(site for site in BLOCK_SITES if site in provided)
     job = ExtractJob(model=str(folder / "model"), task=f"text:path={text},max_length=12", out=str(folder / "store.zarr"),
                      sites=sites, dtype="float32", batch_size=4, device="cpu")
-    extract(job, progress=False)
+    run_job(job, progress=False)
     eager = getattr(transformers, family_configs()[model_type][2]).from_pretrained(
         folder / "model", attn_implementation="eager").eval()
     return model_type, open_store(str(folder / "store.zarr")).load(), eager

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from orthosphere.errors import ConfigError, JobMismatchError
 from orthosphere.extract import tasks
 from orthosphere.extract.data import ArithmeticData, CorpusData, parse_task
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.shards import WriteBehind
 from orthosphere.store import StoreExistsError, open_store, read_attrs
 from orthosphere.store.lifecycle import chunk_samples
@@ -83,7 +83,7 @@ def test_task_spec_that_does_not_parse(spec, detail):
 
 
 def test_arithmetic_samples_and_labels_are_the_tasks(tmp_path, arithmetic_dir):
-    extract(job(arithmetic_dir, tmp_path / "s.zarr", task="arithmetic:split=interpolation,seed=5", n_samples=7),
+    run_job(job(arithmetic_dir, tmp_path / "s.zarr", task="arithmetic:split=interpolation,seed=5", n_samples=7),
             progress=False)
     store = open_store(str(tmp_path / "s.zarr"))
     generated = tasks.generate("interpolation", 7, 5)
@@ -98,7 +98,7 @@ def test_arithmetic_samples_and_labels_are_the_tasks(tmp_path, arithmetic_dir):
 def test_text_lines_are_tokenised_padded_and_labelled(tmp_path):
     model_dir = write_hf_model(tmp_path / "gpt2", "gpt2")
     text = write_text(tmp_path / "lines.txt", ["the cat sat", "", "a dog ran on the mat", "cat"])
-    extract(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text},max_length=4", n_samples=None), progress=False)
+    run_job(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text},max_length=4", n_samples=None), progress=False)
     store = open_store(str(tmp_path / "s.zarr"))
     assert store.sizes["sample"] == 3 and store.sizes["pos"] == 4
     np.testing.assert_array_equal(store["valid"].values, [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
@@ -114,12 +114,12 @@ def test_empty_text_file_and_too_few_lines(tmp_path):
     model_dir = write_hf_model(tmp_path / "gpt2", "gpt2")
     empty = write_text(tmp_path / "empty.txt", ["", "   "])
     with pytest.raises(ConfigError, match="holds no documents"):
-        extract(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
+        run_job(job(model_dir, tmp_path / "a.zarr", task=f"text:path={empty}", n_samples=None), progress=False)
     short = write_text(tmp_path / "short.txt", ["the cat", "a dog"])
     with pytest.raises(ConfigError, match=r"has 2 documents, fewer than n_samples=5: ask for fewer"):
-        extract(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
+        run_job(job(model_dir, tmp_path / "b.zarr", task=f"text:path={short}", n_samples=5), progress=False)
     with pytest.raises(ConfigError, match="not found"):
-        extract(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
+        run_job(job(model_dir, tmp_path / "c.zarr", task=f"text:path={tmp_path / 'none.txt'}"), progress=False)
     assert not any(tmp_path.glob("*.zarr"))
 
 
@@ -127,7 +127,7 @@ def test_text_needs_a_tokenizer(tmp_path):
     model_dir = write_hf_model(tmp_path / "bare", "llama", with_tokenizer=False)
     text = write_text(tmp_path / "lines.txt")
     with pytest.raises(ConfigError, match="a text corpus needs the model's tokenizer"):
-        extract(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text}"), progress=False)
+        run_job(job(model_dir, tmp_path / "s.zarr", task=f"text:path={text}"), progress=False)
 
 
 # --- bad input to the job ---------------------------------------------------------------------------
@@ -135,33 +135,33 @@ def test_text_needs_a_tokenizer(tmp_path):
 
 def test_layer_out_of_range_and_missing_site_leave_no_store(tmp_path, arithmetic_dir):
     with pytest.raises(ConfigError, match=r"layer\(s\) \[5\] out of range: the model has 2 layers"):
-        extract(job(arithmetic_dir, tmp_path / "a.zarr", layers=(0, 5)), progress=False)
+        run_job(job(arithmetic_dir, tmp_path / "a.zarr", layers=(0, 5)), progress=False)
     with pytest.raises(ConfigError, match=r"site\(s\) \['mlp_hidden'\] cannot be provided"):
-        extract(job(arithmetic_dir, tmp_path / "b.zarr", sites=("q", "mlp_hidden")), progress=False)
+        run_job(job(arithmetic_dir, tmp_path / "b.zarr", sites=("q", "mlp_hidden")), progress=False)
     with pytest.raises(ConfigError, match="needs a sample count"):
-        extract(job(arithmetic_dir, tmp_path / "c.zarr", n_samples=None), progress=False)
-    with pytest.raises(ConfigError, match="contradict"):
-        extract(job(arithmetic_dir, tmp_path / "d.zarr", resume=True, overwrite=True), progress=False)
+        run_job(job(arithmetic_dir, tmp_path / "c.zarr", n_samples=None), progress=False)
+    with pytest.raises(ConfigError, match=r"mode.*'continue'.*expected one of \['new', 'resume', 'overwrite'\]"):
+        job(arithmetic_dir, tmp_path / "d.zarr", mode="continue")
     assert not any(tmp_path.glob("*.zarr"))
 
 
 @pytest.mark.slow
 def test_existing_store_needs_resume_or_overwrite(tmp_path, arithmetic_dir):
     out = tmp_path / "s.zarr"
-    extract(job(arithmetic_dir, out), progress=False)
-    with pytest.raises(StoreExistsError, match="already exists .*complete.*--resume.*--overwrite"):
-        extract(job(arithmetic_dir, out), progress=False)
-    extract(job(arithmetic_dir, out, overwrite=True, task="arithmetic:seed=9"), progress=False)
+    run_job(job(arithmetic_dir, out), progress=False)
+    with pytest.raises(StoreExistsError, match='already exists .*complete.*mode="resume".*mode="overwrite"'):
+        run_job(job(arithmetic_dir, out), progress=False)
+    run_job(job(arithmetic_dir, out, mode="overwrite", task="arithmetic:seed=9"), progress=False)
     assert read_attrs(str(out))["task"]["seed"] == 9 and read_attrs(str(out))["complete"]
 
 
 @pytest.mark.slow
 def test_resume_of_a_complete_store_is_a_no_op(tmp_path, arithmetic_dir, caplog):
     out = tmp_path / "s.zarr"
-    first = extract(job(arithmetic_dir, out), progress=False)
+    first = run_job(job(arithmetic_dir, out), progress=False)
     written = arrays_of(out)
     with caplog.at_level(logging.INFO, logger="orthosphere.extract"):
-        again = extract(job(arithmetic_dir, out, resume=True), progress=False)
+        again = run_job(job(arithmetic_dir, out, mode="resume"), progress=False)
     assert again.already_complete and "already complete" in again.summary() and "nothing to do" in caplog.text
     assert not first.already_complete and first.shards_run == 1
     assert_same_arrays(arrays_of(out), written)
@@ -177,17 +177,17 @@ def test_resume_of_a_complete_store_is_a_no_op(tmp_path, arithmetic_dir, caplog)
 @pytest.mark.slow
 def test_resume_refuses_a_store_made_by_another_job(tmp_path, arithmetic_dir, change, key):
     out = tmp_path / "s.zarr"
-    extract(job(arithmetic_dir, out), progress=False)
-    with pytest.raises(JobMismatchError, match=rf"made by a different job: its {key} is .*--overwrite"):
-        extract(job(arithmetic_dir, out, resume=True, **change), progress=False)
+    run_job(job(arithmetic_dir, out), progress=False)
+    with pytest.raises(JobMismatchError, match=rf'made by a different job: its {key} is .*mode="overwrite"'):
+        run_job(job(arithmetic_dir, out, mode="resume", **change), progress=False)
 
 
 def test_resume_refuses_a_different_model(tmp_path, arithmetic_dir):
     out = tmp_path / "s.zarr"
-    extract(job(arithmetic_dir, out), progress=False)
+    run_job(job(arithmetic_dir, out), progress=False)
     other = write_arithmetic_model(tmp_path / "other", seed=1)
     with pytest.raises(JobMismatchError, match="its model.weights_sha256 is"):
-        extract(job(other, out, resume=True), progress=False)
+        run_job(job(other, out, mode="resume"), progress=False)
 
 
 # --- shards, Dask, the CLI ------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_resume_refuses_a_different_model(tmp_path, arithmetic_dir):
 def test_shards_on_dask_workers_equal_the_in_process_run(tmp_path, arithmetic_dir, caplog):
     """The CLI with --workers 2: each shard a Dask task in a worker process; bitwise the same store."""
     reference = tmp_path / "in-process.zarr"
-    extract(job(arithmetic_dir, reference, n_samples=23, samples_per_chunk=4, n_shards=4, batch_size=3), progress=False)
+    run_job(job(arithmetic_dir, reference, n_samples=23, samples_per_chunk=4, n_shards=4, batch_size=3), progress=False)
     out = tmp_path / "dask.zarr"
     arguments = ["extract", str(arithmetic_dir), "--task", "arithmetic:split=test,seed=1", "--samples", "23",
                  "--out", str(out), "--samples-per-chunk", "4", "--shards", "4", "--batch-size", "3",
@@ -225,7 +225,7 @@ def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
     text = write_text(tmp_path / "text.txt")
     options = dict(task=f"text:path={text}", n_samples=None, samples_per_chunk=2, n_shards=3, batch_size=2)
     reference = tmp_path / "cpu.zarr"
-    extract(job(model_dir, reference, **options), progress=False)
+    run_job(job(model_dir, reference, **options), progress=False)
     requested, real_load = [], job_module.load_source
 
     def load_source(path, device="auto", model_dtype=None):
@@ -237,7 +237,7 @@ def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
     out = tmp_path / "cluster.zarr"
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        extract(job(model_dir, out, **{**options, "device": "cuda"}), client=client, progress=False)
+        run_job(job(model_dir, out, **{**options, "device": "cuda"}), client=client, progress=False)
     assert requested[0] == "cpu" and set(requested[1:]) == {"cuda"}
     assert_same_arrays(arrays_of(out), arrays_of(reference))
 
@@ -246,13 +246,13 @@ def test_model_dtype_runs_the_extraction_in_that_dtype(tmp_path):
     model_dir = write_hf_model(tmp_path / "llama", "llama")
     text = write_text(tmp_path / "text.txt")
     out = tmp_path / "bf16.zarr"
-    extract(job(model_dir, out, task=f"text:path={text}", n_samples=None, model_dtype="bfloat16"), progress=False)
+    run_job(job(model_dir, out, task=f"text:path={text}", n_samples=None, model_dtype="bfloat16"), progress=False)
     store = open_store(str(out)).load()
     assert store.attrs["model"]["dtype"] == "bfloat16" and store["q"].dtype == np.float32
     q = store["q"].values
     np.testing.assert_array_equal(q, torch.from_numpy(q).to(torch.bfloat16).float().numpy())  # bfloat16 values
     with pytest.raises(ConfigError, match=r"model_dtype='float8': expected one of \['float16', 'bfloat16', 'float32'\]"):
-        extract(job(model_dir, tmp_path / "bad.zarr", model_dtype="float8"), progress=False)
+        run_job(job(model_dir, tmp_path / "bad.zarr", model_dtype="float8"), progress=False)
     assert not (tmp_path / "bad.zarr").exists()
 
 

@@ -14,7 +14,7 @@ import torch
 import xarray as xr
 
 from orthosphere.extract.families import UnsupportedModelError
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ArithmeticTransformer, ConfigError, ModelConfig, save_model
 from orthosphere.extract.sources import gguf_architectures, load_source
 from orthosphere.store import open_store
@@ -387,7 +387,7 @@ def _extract_store(tmp_path, model, text) -> xr.Dataset:
     out = tmp_path / f"{Path(model).name}.zarr"
     job = ExtractJob(model=str(model), task=f"text:path={text}", out=str(out), device="cpu", sites=STORE_SITES,
                      dtype="float32", batch_size=2)
-    extract(job, progress=False)
+    run_job(job, progress=False)
     return open_store(str(out)).load()
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from orthosphere.extract.adapters import adapter_for
-from orthosphere.extract.job import ExtractJob, extract
+from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError, load_model
 from orthosphere.store import open_store
 from tests.test_extract_families import ENCODERS
@@ -30,7 +30,7 @@ RTOL = 1e-5
 def extract_store(model_dir, task, out, **options):
     """A float32 store with the default sites, loaded in memory."""
     job = ExtractJob(model=str(model_dir), task=task, out=str(out), dtype="float32", batch_size=4, device="cpu", **options)
-    extract(job, progress=False)
+    run_job(job, progress=False)
     return open_store(str(out)).load()
 
 

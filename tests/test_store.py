@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zarr
 
+from orthosphere.errors import JobMismatchError
 from orthosphere.store import (
     DamagedStoreError,
     IncompleteStoreError,
@@ -32,10 +33,21 @@ from orthosphere.store import (
     read_attrs,
     validate,
 )
+from orthosphere.store.lifecycle import (
+    COMPLETE,
+    CREATED,
+    IDENTITY_KEYS,
+    RECREATED,
+    REPLACED,
+    RESUMED,
+    check_location,
+    open_for_job,
+)
 from orthosphere.store.location import Location, as_location
 from orthosphere.store.lock import HEARTBEAT_NAME, LOCK_NAME, STALE_SECONDS, read_lock, stale_reason
 from orthosphere.store.schema import WEIGHT_VARIABLES
-from orthosphere.store.state import REMNANT, inspect
+from orthosphere.store.state import DAMAGED, REMNANT, inspect
+from orthosphere.store.writer import new_store
 
 MODEL = {"family": "test", "n_layers": 3, "d_model": 8, "n_heads": 4, "n_kv_heads": 2, "d_head": 2, "attn_scale": 0.7, "causal": True}
 TASK = {"name": "synthetic", "seed": 0}
@@ -160,7 +172,7 @@ def test_incomplete_store_is_refused_until_finished(tmp_path):
     start, stop = writer.shards[1]
     writer.write(start, sample_block(start, stop))
     writer.mark_shard_complete(1)
-    with pytest.raises(IncompleteStoreError, match="2 of 3 shards are missing.*--resume"):
+    with pytest.raises(IncompleteStoreError, match='2 of 3 shards are missing.*mode="resume"'):
         open_store(url)
     with pytest.raises(IncompleteStoreError, match="2 of 3 shards are not complete"):
         writer.finish()
@@ -308,7 +320,7 @@ def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path, caplog
     fill(make_store(url))
     foreign_lock(url, seconds_ago=5)
     with pytest.raises(StoreLockedError, match=r"running writer: pid 4242 on gpu-node-7.*last heartbeat \d+ s ago.*"
-                                               r"pass --break-lock \(break_lock=True\)"):
+                                               r"pass break_lock=True"):
         open_writer(url)
     foreign_lock(url, seconds_ago=STALE_SECONDS + 5)
     open_writer(url).close()
@@ -393,7 +405,7 @@ def test_unreadable_lock_needs_break_lock(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
     (tmp_path / "store.zarr" / LOCK_NAME).write_text("")  # a writer killed while taking the lock
-    with pytest.raises(StoreLockedError, match="unreadable lock file.*--break-lock"):
+    with pytest.raises(StoreLockedError, match="unreadable lock file.*pass break_lock=True if no writer is running"):
         open_writer(url)
     open_writer(url, break_lock=True).close()
 
@@ -405,7 +417,7 @@ def test_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
     target = tmp_path / "precious.txt"
     target.write_text("keep me")
     (tmp_path / "store.zarr" / LOCK_NAME).symlink_to(target)
-    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*--break-lock"):
+    with pytest.raises(StoreLockedError, match="is a symbolic link: orthosphere never follows.*pass break_lock=True"):
         open_writer(url)
     with pytest.raises(StoreLockedError, match="is a symbolic link"):
         make_store(url, overwrite=True)
@@ -497,13 +509,75 @@ def test_finish_releases_the_lock(tmp_path):
     assert not (tmp_path / "store.zarr" / LOCK_NAME).exists()
 
 
+# A job's mode ------------------------------------------------------------------------------
+
+def job_store(url, mode, **overrides):
+    """open_for_job in `mode` for make_store's store (changed by `overrides`), with its identity."""
+    arguments = dict(model=MODEL, task=TASK, n_samples=N_SAMPLES, n_pos=N_POS, labels=LABELS, samples_per_chunk=2, n_shards=3)
+    new = new_store(**{**arguments, **overrides})
+    return open_for_job(as_location(url), mode, {key: new.attributes[key] for key in IDENTITY_KEYS}, new)
+
+
+@pytest.mark.slow
+def test_a_jobs_mode_decides_what_it_does_with_a_store(tmp_path):
+    url = str(tmp_path / "store.zarr")
+    opened = job_store(url, "new")
+    assert (opened.outcome, opened.n_shards, opened.news) == (CREATED, 3, f"writing the store at {url}")
+    opened.writer.close()
+    with pytest.raises(StoreExistsError, match=r'already exists .* \(incomplete\): pass mode="resume"'):
+        check_location(as_location(url), "new")
+    with pytest.raises(StoreError, match=r"mode='continue': expected one of \['new', 'resume', 'overwrite'\]"):
+        check_location(as_location(url), "continue")
+    opened = job_store(url, "resume")
+    assert opened.outcome == RESUMED and opened.writer.pending_shards() == [0, 1, 2]
+    fill(opened.writer)
+    opened = job_store(url, "resume")
+    assert (opened.outcome, opened.writer, opened.n_shards) == (COMPLETE, None, 3)
+    assert opened.news == f"store {url} is already complete: nothing to do"
+    with pytest.raises(JobMismatchError, match=r"its n_pos is 5, this job's is 6; .* pass mode=\"overwrite\""):
+        job_store(url, "resume", n_pos=6)
+    opened = job_store(url, "overwrite", n_pos=6)
+    assert opened.outcome == REPLACED and read_attrs(url)["n_pos"] == 6 and not read_attrs(url)["complete"]
+    opened.writer.close()
+
+
+@pytest.mark.slow
+def test_a_jobs_mode_decides_what_it_does_with_a_remnant_a_damaged_store_and_a_foreign_folder(tmp_path):
+    remnant = tmp_path / "remnant.zarr"
+    remnant.mkdir()
+    (remnant / f"{LOCK_NAME}.{uuid.uuid4().hex}.partial").write_text("{}")
+    with pytest.raises(StoreExistsError, match=r"creation or replacement was interrupted .*: pass mode=\"resume\""):
+        job_store(str(remnant), "new")
+    opened = job_store(str(remnant), "resume")
+    assert opened.outcome == RECREATED and "created it afresh" in opened.news
+    fill(opened.writer)
+
+    damaged = str(tmp_path / "damaged.zarr")
+    fill(make_store(damaged))
+    as_location(damaged).remove_entry("_progress")
+    assert inspect(as_location(damaged)).kind == DAMAGED
+    for mode in ("new", "resume"):
+        with pytest.raises(StoreError, match=r"is a damaged orthosphere store.*with mode=\"overwrite\""):
+            job_store(damaged, mode)
+    fill(job_store(damaged, "overwrite").writer)
+    assert read_attrs(damaged)["complete"]
+
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    for mode in ("new", "resume", "overwrite"):
+        with pytest.raises(StoreError, match="not a Zarr store; refusing"):
+            job_store(str(folder), mode)
+    assert os.listdir(folder) == ["notes.txt"]
+
+
 # Bad input -----------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_existing_store_is_not_overwritten_unless_asked(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
-    with pytest.raises(StoreExistsError, match="already exists.*overwrite=True"):
+    with pytest.raises(StoreExistsError, match='already exists.*mode="overwrite"'):
         make_store(url)
     writer = make_store(url, overwrite=True, n_samples=4)
     assert read_attrs(url)["n_samples"] == 4 and read_attrs(url)["complete"] is False

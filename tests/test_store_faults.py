@@ -62,7 +62,7 @@ def test_full_disk_during_a_direct_chunk_write_names_store_array_chunk_and_advic
         ChunkStream(writer).add(0, sample_block(0, 4))
     assert str(caught.value) == (
         f"store {url}: the storage failed writing array 'q' chunk (1, 0, 0, 0, 0) (OSError: [Errno 28] No space left "
-        "on device); free space there, then resume the job that writes it (its command, with --resume)")
+        'on device); free space there, then resume the job that writes it (mode="resume")')
     writer.close()
 
 
@@ -78,7 +78,7 @@ def test_io_error_on_a_zarr_write_names_the_file(tmp_path, monkeypatch, key, nam
     failing_zarr(monkeypatch, "set", key, errno.EIO)
     with pytest.raises(StorageFailureError, match=rf"^store {re.escape(url)}: the storage failed writing {re.escape(named)} \(OSError: "
                                                   r"\[Errno 5\] Input/output error\); once the storage works again, "
-                                                  r"resume the job .*--resume"):
+                                                  r'resume the job that writes it \(mode="resume"\): nothing complete is lost$'):
         act(writer)
     monkeypatch.undo()
     writer.close()
@@ -214,7 +214,7 @@ def test_space_check_refuses_a_store_without_its_margin_and_says_both_numbers(tm
     fill(make_store(url))
     needed = footprint_of(url, 4096)
     monkeypatch.setattr("orthosphere.store.writer._room", lambda location, memory: (needed, "the disk has", 4096))
-    with pytest.raises(StoreError, match=r"^n_samples=11 \(CLI: --samples\): the store would take ([\d.,]+ MB) there "
+    with pytest.raises(StoreError, match=r"^n_samples=11: the store would take ([\d.,]+ MB) there "
                                          r"\(([\d.,]+ MB) with a 5% margin; .* a sample\) but the disk has \1 free"):
         make_store(str(tmp_path / "other.zarr"))
     assert not (tmp_path / "other.zarr").exists()
@@ -242,7 +242,7 @@ def test_full_disk_mid_job_is_one_line_and_resume_finishes_it_bitwise(tmp_path, 
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (
         f"Error: store {out}: the storage failed writing array 'resid_post' chunk (3, 1, 0, 0) (OSError: [Errno 28] No "
-        "space left on device); free space there, then resume the job that writes it (its command, with --resume)")
+        "space left on device); free space there, then resume the job that writes it (--resume)")
     monkeypatch.undo()
     assert extract(out, "--resume").exit_code == 0
     finished, expected = open_store(out).load(), open_store(reference).load()

@@ -182,14 +182,14 @@ def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -
     """The model's store and results (each made unless complete, or with `force`), and the seconds each took
     (NaN for a step skipped)."""
     from orthosphere.analyze import analyze
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     store, results = atlas.store(model), atlas.results(model)
     job = ExtractJob(model=str(model.model) if isinstance(model.model, os.PathLike) else model.model,
                      task=model.task or atlas.corpus, out=str(store),
                      n_samples=model.samples if model.task is not None else atlas.samples, **atlas.extract,
-                     tokenizer=model.tokenizer, resume=not force, overwrite=force, command=f"orthosphere atlas ({atlas.name})")
-    extracted = extract(job, client=client, progress=False)
+                     tokenizer=model.tokenizer, mode="overwrite" if force else "resume", command=f"orthosphere atlas ({atlas.name})")
+    extracted = run_job(job, client=client, progress=False)
     log.info("%s", extracted.summary())
     extract_seconds = float("nan") if extracted.already_complete else extracted.seconds
     analyse_seconds = float("nan")

@@ -92,6 +92,9 @@ SPELLINGS = {
         "arithmetic:split=test,seed=0[,...], or a corpus packed into windows: text:path=FILE,context=N (also jsonl:, "
         "parquet:, hf:; max_length=N instead of context= for one padded sample a document).")),
     "extract.out": Spelling(metavar="STORE"),
+    "extract.mode": Spelling(values={"resume": "--resume", "overwrite": "--overwrite"}, help={
+        "resume": "Continue an interrupted job, skipping its complete shards.",
+        "overwrite": "Replace an existing store."}),
     "n_samples": Spelling("--samples"),
     "n_shards": Spelling("--shards"),
     "layers": Spelling(metavar="LIST", parse=layer_list),
@@ -218,12 +221,12 @@ def verify_command(store, model, samples, seed, batch_size, exact, device):
 @click.pass_context
 def extract_command(ctx, workers, scheduler, **given):
     """Run MODEL (a model directory or .gguf file) over a task and store its activations in STORE."""
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     parameters = ctx.command.options.values(given)
     job = ExtractJob(**parameters, command=" ".join(sys.argv))
     with dask_client(backend(ctx, workers or ctx.obj.workers, scheduler or ctx.obj.scheduler)) as client:
-        result = extract(job, client=client)
+        result = run_job(job, client=client)
     click.echo(result.summary())
 
 

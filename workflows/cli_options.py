@@ -45,7 +45,7 @@ class Spelling:
     each set the parameter to one value ({False: "--no-pred"}; several are exclusive); `multiple`: the
     flag repeats, an item each; `argument`: a positional argument named by `metavar`; `parse`: a
     click callback reading the text; `type`: a click type; `default`: the command line's own; `help`:
-    where the flag's sense differs from the parameter's."""
+    where the flag's sense differs from the parameter's (with `values`: a mapping, value -> its flag's help)."""
 
     flag: str = ""
     values: Mapping = field(default_factory=dict)
@@ -55,7 +55,7 @@ class Spelling:
     parse: Callable | None = None
     type: Any = None
     default: Any = OWN
-    help: str = ""
+    help: str | Mapping = ""
 
 
 class CommaList(click.ParamType):
@@ -154,12 +154,13 @@ class ConfigOptions:
             yield ParameterArgument([name], parameter=name, metavar=spelling.metavar, type=spelling.type or kind,
                                     required=default is REQUIRED)
             return
-        help_text = spelling.help or self._help(name)
         if spelling.values:
             for index, (value, flag) in enumerate(spelling.values.items()):
+                help_text = spelling.help.get(value, "") if isinstance(spelling.help, Mapping) else spelling.help
                 yield ParameterOption([flag, _value_dest(name, index)], parameter=name, value=value, is_flag=True,
-                                      spelled=not self.shared, help=help_text)
+                                      spelled=not self.shared, help=help_text or self._help(name))
             return
+        help_text = spelling.help or self._help(name)
         flag = spelling.flag or "--" + name.replace("_", "-")
         if is_flag:
             flags = f"{flag}/--no-{flag[2:]}" if default is True else flag

@@ -246,7 +246,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                  break_lock: bool = False) -> Path:
     """Run every step that is not complete yet (all of them with `force`); returns the report folder.
     `break_lock` breaks the locks of the stores even where their holders look alive."""
-    from orthosphere.extract.job import ExtractJob, extract
+    from orthosphere.extract.job import ExtractJob, run_job
 
     from .report import write_report
     from .train import train
@@ -259,9 +259,9 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                 store = pipeline.store_url(model, data)
                 job = ExtractJob(
                     model=str(model.path), task=data.task, out=store, n_samples=data.samples, **pipeline.extract,
-                    resume=not force, overwrite=force, break_lock=break_lock, command=f"orthosphere run ({pipeline.name})",
+                    mode="overwrite" if force else "resume", break_lock=break_lock, command=f"orthosphere run ({pipeline.name})",
                 )
-                log.info(extract(job, client=client, progress=False).summary())
+                log.info(run_job(job, client=client, progress=False).summary())
                 online = model.path if data.name in pipeline.online else None
                 results.append(_analysed(store, pipeline.results_url(model, data), pipeline, force, online))
     return write_report(results, pipeline.report_dir, title=pipeline.title)
