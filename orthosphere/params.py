@@ -318,6 +318,16 @@ class Config:
         return {name: checked(name, value, known[name].metadata.get("constraints", ()), cls.error)
                 for name, value in options.items()}
 
+    @classmethod
+    def described(cls, leave: tuple[str, ...] = ()) -> str:
+        """The parameters as a docstring's list, one line each: name (default), help."""
+        lines = []
+        for name, item in cls.parameters().items():
+            if name not in leave:
+                default = "required" if item.default is REQUIRED else f"default {item.default!r}"
+                lines.append(f"- {name} ({default}): {item.metadata.get('help', '')}")
+        return "\n".join(lines)
+
     def as_dict(self) -> dict:
         """Every parameter's value."""
         return {name: getattr(self, name) for name in self.parameters()}

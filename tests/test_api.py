@@ -152,8 +152,6 @@ def test_bad_extraction_input_names_the_parameter(llama, tmp_path):
         with pytest.raises(error, match=message):
             orthosphere.extract(keywords.pop("model"), keywords.pop("data"), out, **keywords)
         assert not out.exists()
-    with pytest.raises(TypeError, match="batchsize"):
-        orthosphere.extract(folder / "model", data, out, batchsize=2)
 
 
 def test_analyze_takes_each_analysis_options_by_name(tmp_path):
@@ -243,3 +241,17 @@ def test_a_store_interrupted_before_the_configuration_layer_resumes_and_validate
         scale = np.abs(new_shard[:2]).max()
         np.testing.assert_allclose(old_shard[:2], new_shard[:2], rtol=0, atol=64 * np.finfo(np.float32).eps * scale,
                                    err_msg=name)
+
+
+def test_extract_takes_the_jobs_parameters_by_their_names_and_lists_them(tmp_path):
+    from orthosphere.errors import ParameterError
+    from orthosphere.extract.api import extract
+    from orthosphere.extract.job import ExtractJob
+
+    with pytest.raises(ParameterError, match=r"n_sample: not known: expected a parameter of orthosphere.extract, one of .*'n_samples'"):
+        orthosphere.extract("model", "arithmetic:split=test,seed=0", tmp_path / "s.zarr", n_sample=8)
+    with pytest.raises(ParameterError, match=r"mode='continue': expected one of \['new', 'resume', 'overwrite'\]"):
+        orthosphere.extract("model", "arithmetic:split=test,seed=0", tmp_path / "s.zarr", mode="continue")
+    assert not (tmp_path / "s.zarr").exists()
+    listed = {line.split()[1] for line in extract.__doc__.splitlines() if line.strip().startswith("- ")}
+    assert listed == set(ExtractJob.parameters()) - {"model", "task", "out", "command"}

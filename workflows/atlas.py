@@ -214,12 +214,13 @@ def _complete(results: Path, only) -> bool:
     return set(only or set(ANALYSES) - {"accuracy"}) <= written
 
 
-def atlas(models, corpus, out, *, samples: int | None = None, only=None, options: dict | None = None,
+def atlas(models, corpus, out, *, samples: int | None = None, analyses=None, options: dict | None = None,
           force: bool = False, client=None, **extract_options) -> Path:
     """The atlas from Python: `models` a list of paths, or a dict name -> path, loaded model, or
     (model, tokenizer); `corpus` a task spec or data object (``orthosphere.corpus.text(...)``);
-    `out` the output root; `samples` windows per model; `only`, `options` the analyses and their
-    options; other keywords are the extraction's (``sites``, ``dtype``, ``batch_size`` ...).
+    `out` the output root; `samples` windows per model; `analyses`, `options` the analyses and their
+    options (as ``orthosphere.analyze`` takes them: an analysis's own in a dict under its name); other
+    keywords are the extraction's (``sites``, ``dtype``, ``batch_size`` ...).
     Returns the output root (open ``atlas.zarr`` there with ``xr.open_datatree``)."""
     from orthosphere.extract.data import parse_task
     from orthosphere.extract.job import ExtractJob
@@ -236,9 +237,9 @@ def atlas(models, corpus, out, *, samples: int | None = None, only=None, options
     from orthosphere.analyze.results import ANALYSES, configure, get_analysis
 
     options = nested(dict(options or {}), ANALYSES.values())
-    configure([get_analysis(name) for name in (only or ANALYSES)], options)
+    configure([get_analysis(name) for name in (analyses or ANALYSES)], options)
     spec = Atlas(name=Path(out).name, root=Path(out), models=tuple(entries),
                  corpus=parse_task(corpus) if isinstance(corpus, str) else corpus, samples=samples,
-                 extract=ExtractJob.check_some(extract_options), only=None if only is None else tuple(only),
-                 options=with_defaults(options, only))
+                 extract=ExtractJob.check_some(extract_options), only=None if analyses is None else tuple(analyses),
+                 options=with_defaults(options, analyses))
     return run_atlas(spec, force=force, client=client)
