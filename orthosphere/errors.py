@@ -113,11 +113,11 @@ class DamagedStoreError(StoreError):
         shown = "; ".join(str(item) for item in damage[:3]) + ("; ..." if len(damage) > 3 else "")
         count = f"{len(damage)} chunk{'s' if len(damage) != 1 else ''}"
         if all(item.listed for item in damage):
-            advice = (f"resume the job that wrote it (its command, with mode=\"resume\") to rewrite them; "
+            advice = (f"resume the job that wrote it (mode=\"resume\") to rewrite them; "
                       f"`orthosphere validate {url}` lists every damaged chunk")
         else:
             advice = (f"`orthosphere validate {url} --full --reopen` lists every damaged chunk and reopens their "
-                      "shards; then resume the job that wrote the store (its command, with mode=\"resume\") to rewrite them")
+                      "shards; then resume the job that wrote the store (mode=\"resume\") to rewrite them")
         return cls(f"store {url} is damaged ({count}): {shown}. To repair it, {advice}", damage)
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from orthosphere.analyze.errors import AnalysisError
-from orthosphere.analyze.results import ANALYSES, run_analyses
+from orthosphere.analyze import analyze
+from orthosphere.analyze.results import ANALYSES, chosen_analyses
 from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError
 from orthosphere.extract.sources import load_source
@@ -123,8 +124,8 @@ def test_analyses_leave_accuracy_out_without_predictions_and_refuse_it_by_name(t
     store = extracted_store(saved(base_model("bert", tiny_model("bert"), pooler=False), tmp_path / "headless"), tmp_path)
     dataset = open_store(str(store))
     with pytest.raises(AnalysisError, match=r"holds no predictions \(pred\): BertModel has no language-model head"):
-        run_analyses(dataset, only=["accuracy"])
-    assert set(run_analyses(dataset, only=None)) == set(ANALYSES) - {"accuracy"}
+        analyze(str(store), analyses=["accuracy"])
+    assert {analysis.name for analysis in chosen_analyses(dataset)} == set(ANALYSES) - {"accuracy"}
 
 
 @pytest.mark.parametrize("headless", [False, True], ids=["with-head", "headless"])

@@ -732,7 +732,7 @@ def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk
             handle.truncate(10)
     problem = "missing" if damage == "deleted" else r"has 10 bytes, expected 324 \(truncated or overwritten\)"
     expected = rf"array 'q' chunk \(1, 2, 0, 0, 0\) \(samples 2-3, layer 2\): {problem}"
-    with pytest.raises(DamagedStoreError, match=rf"store {url} is damaged \(1 chunk\): {expected}.*--resume"):
+    with pytest.raises(DamagedStoreError, match=rf'store {url} is damaged \(1 chunk\): {expected}.*resume the job that wrote it \(mode="resume"\)'):
         open_store(url)
     assert len(validate(url)) == 1 and re.fullmatch(expected, validate(url)[0])
     lazy = open_store(url, check_chunks=False)

@@ -115,7 +115,7 @@ def test_a_model_loaded_in_python_joins_the_atlas(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(MODELS / "demo-llama")
     tokenizer = AutoTokenizer.from_pretrained(MODELS / "demo-llama")
     root = orthosphere.atlas({"loaded": (model, tokenizer)}, orthosphere.corpus.text(str(SENTENCES), context=16),
-                             tmp_path / "out", samples=4, only=["norms", "norm_geometry"])
+                             tmp_path / "out", samples=4, analyses=["norms", "norm_geometry"])
     table = xr.open_datatree(root / "atlas.zarr", engine="zarr").to_dataset()
     assert table.status.sel(model="loaded").item() == "ok"
     assert np.isfinite(table.massive_ratio.sel(model="loaded").item())
