@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze import analyze
+from orthosphere.analyze.errors import AnalysisError
 from orthosphere.analyze.results import ANALYSES, chosen_analyses
 from orthosphere.extract.job import ExtractJob, run_job
 from orthosphere.extract.model import ConfigError
