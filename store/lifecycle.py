@@ -23,7 +23,7 @@ from .location import Location, as_location
 from .lock import acquire_lock
 from .names import LOCK_FILES
 from .reader import not_a_store_error
-from .schema import DEFAULT_SITES, bytes_per_sample, dim_sizes, holds_pred, variables_for
+from .schema import bytes_per_sample, dim_sizes, holds_pred, variables_for
 from .state import ABSENT, DAMAGED, EMPTY, FOREIGN_ZARR, REMNANT, STORE, Found, inspect
 from .writer import NewStore, StoreWriter, check_room, new_store, open_writer, samples_per_chunk_for, write_store
 
@@ -90,35 +90,14 @@ def open_for_job(location: Location, mode: str, identity: dict, new: NewStore, b
     return Opened(location.url, writer, RESUMED if writer is not None else COMPLETE, len(found.attrs["shards"]))
 
 
-def create_store(
-    url,
-    *,
-    model: dict,
-    task: dict,
-    n_samples: int,
-    n_pos: int,
-    sites=DEFAULT_SITES,
-    layers=None,
-    dtype: str = "float32",
-    labels: dict | None = None,
-    with_weights: bool = True,
-    samples_per_chunk: int | None = None,
-    n_shards: int = 1,
-    codec: str = "none",
-    overwrite: bool = False,
-    break_lock: bool = False,
-    command: str | None = None,
-    storage_options: dict | None = None,
-    pred: bool = True,
-) -> StoreWriter:
+def create_store(url, *, overwrite: bool = False, break_lock: bool = False, command: str | None = None,
+                 storage_options: dict | None = None, **description) -> StoreWriter:
     """Create an empty store of schema v1 and return its writer, which holds the store's lock.
+    `description`: the keywords of ``writer.new_store`` (model, task, n_samples, n_pos, sites, ...).
 
     overwrite=True replaces a store (or the remnant of an interrupted creation) at `url`;
-    break_lock=True breaks a lock that looks alive (a stale one is broken anyway); pred=False
-    leaves the model's predictions out (a job that stops the forward pass early has none)."""
-    new = new_store(model=model, task=task, n_samples=n_samples, n_pos=n_pos, sites=sites, layers=layers, dtype=dtype,
-                    labels=labels, with_weights=with_weights, samples_per_chunk=samples_per_chunk, n_shards=n_shards,
-                    codec=codec, pred=pred)
+    break_lock=True breaks a lock that looks alive (a stale one is broken anyway)."""
+    new = new_store(**description)
     location = as_location(url, storage_options)
     found = inspect(location)
     _decide(location, found, "overwrite" if overwrite else "new")

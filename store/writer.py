@@ -117,8 +117,9 @@ def new_store(
     codec: str = "none",
     pred: bool = True,
 ) -> NewStore:
-    """The store of schema v1 these arguments describe (see ``lifecycle.create_store``), or the
-    error that names the first one that is wrong."""
+    """The store of schema v1 these arguments describe, or the error that names the first one that
+    is wrong. pred=False leaves the model's predictions out (a job that stops the forward pass early
+    has none)."""
     model = check_model(model)
     sites = check_sites(sites)
     dtype = check_dtype(dtype)

@@ -73,7 +73,7 @@ def test_an_option_several_analyses_take_is_one_option_with_each_ones_help_and_d
 def test_messages_name_parameters_by_the_verbs_flags():
     extract = Spelled(main.commands["extract"])
     assert extract("fewer than n_samples=20: ask for fewer") == "fewer than --samples=20: ask for fewer"
-    assert extract("n_samples=N (CLI: --samples N) or n_shards=3") == "--samples=N or --shards=3"
+    assert extract("n_samples=N or n_shards=3; leave model_dtype= out") == "--samples=N or --shards=3; leave --model-dtype out"
     assert extract("pass break_lock=True; pred=False; mode=\"resume\"") == "pass --break-lock; --no-pred; --resume"
     assert extract("with mode='overwrite'") == "with --overwrite"
     assert extract("model_dtype='x', dtype='y', replay.n_samples=2") == "--model-dtype='x', --dtype='y', replay.n_samples=2"

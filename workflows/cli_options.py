@@ -268,10 +268,9 @@ class Spelled:
             value = True if param.is_bool_flag else param.flag_value
         if value is not OWN:
             said = "|".join(re.escape(text) for text in ([repr(value), f'"{value}"'] if isinstance(value, str) else [repr(value)]))
-            self.rules.append((re.compile(rf"(?<![\w.-]){name}=(?:{said})(?: \(CLI: {re.escape(flag)}\))?"), flag))
+            self.rules.append((re.compile(rf"(?<![\w.-]){name}=(?:{said})"), flag))
         elif not param.is_flag:
-            self.rules.append((re.compile(rf"(?<![\w.-]){name}=(\S+?)(?: \(CLI: {re.escape(flag)}(?: [^);]*)?\))?"
-                                          r"(?=[\s:;,)]|$)"), flag + r"=\1"))
+            self.rules.append((re.compile(rf"(?<![\w.-]){name}=(\S+?)(?=[\s:;,)]|$)"), flag + r"=\1"))
             self.rules.append((re.compile(rf"(?<![\w.-]){name}=(?=[\s:;,)]|$)"), flag))
 
     def error(self, error: Exception) -> Exception:
