@@ -155,7 +155,7 @@ def child_extract(model_dir: str, corpus: str, context: int, windows: int, batch
     from orthosphere.store import info
 
     result = run_job(ExtractJob(model=model_dir, task=f"text:path={corpus},context={context}", out=out, n_samples=windows,
-                                batch_size=batch_size, device="cpu", overwrite=True, **kind_options(kind, n_layers)),
+                                batch_size=batch_size, device="cpu", mode="overwrite", **kind_options(kind, n_layers)),
                      progress=False)
     whole = time.perf_counter() - STARTED
     summary = info(out)

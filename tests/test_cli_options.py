@@ -117,3 +117,16 @@ def test_a_parameter_without_a_command_line_form_must_be_spelled_or_hidden():
 def test_bad_training_options_name_their_flags(tmp_path):
     result = CliRunner().invoke(main, ["train", str(tmp_path / "none.toml"), "--out", str(tmp_path), "--seed", "-1"])
     assert result.exit_code == 1 and "Error: --seed=-1: expected an integer >= 0, or none" in result.output
+
+
+def test_extract_resume_and_overwrite_set_the_jobs_mode_and_exclude_each_other(tmp_path):
+    command = ["extract", str(tmp_path / "model"), "--task", "arithmetic:split=test,seed=0", "--out", str(tmp_path / "s.zarr")]
+    both = CliRunner().invoke(main, [*command, "--resume", "--overwrite"])
+    assert both.exit_code == 2 and "--resume and --overwrite contradict each other: give one" in both.output
+    command_line = main.commands["extract"]
+    modes = []
+    for flags in ([], ["--resume"], ["--overwrite"]):
+        context = command_line.make_context("extract", [str(tmp_path / "model"), "--out", str(tmp_path / "s.zarr"), *flags])
+        modes.append(command_line.options.values(dict(context.params))["mode"])
+    assert modes == ["new", "resume", "overwrite"]
+    assert not (tmp_path / "s.zarr").exists()
