@@ -126,6 +126,9 @@ Every p-value and interval's description says the correction it enters or that i
                                          when the structure test is not shown (then its angles are NaN)
   outlier_tokens (layer)                 analysed tokens of norm above 10 times their block's median (sinks):
                                          counted, not left out
+  unit_shared_noise (layer)              the share of a token's noise that its resampling unit's tokens share
+                                         (a random effect per document), estimated from the groups' residual
+                                         sums; the influences' correction assumes it (joint estimator)
   significance_rank (layer, factor)      directions standing above noise (deflated parallel analysis of the
                                          effects, whitened where the noise is anisotropic; each step at
                                          rank_significance), before the floor

@@ -43,7 +43,7 @@ residual to correct; ``factors.discover_classes`` pools such classes before the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy import sparse
@@ -53,6 +53,13 @@ from .errors import AnalysisError
 ESTIMATORS = ("joint", "marginal")
 NULL_TOLERANCE = 1e-10
 """Eigenvalues of the unit-diagonal Z'Z below this share of the largest count as zero."""
+SHARE_STEP = 1.25
+"""The grid of the shared noise's share: relative steps of 25 % (its maps are computed once per step)."""
+SHARE_FLOOR = 1e-4
+"""A share below this is 0 (tokens independent)."""
+SAME_MODELS = 1e-6
+"""When the unit-shared and the independent noise models' residual covariances are this close to parallel
+(units of one token), the share cannot be told and does not matter."""
 FULL_LEVERAGE = 1e-9
 """A group's leverage within this of 1 determines its direction alone: its residual there is zero, left uncorrected."""
 
@@ -97,6 +104,9 @@ class Counts:
     gram: np.ndarray
     group_grams: sparse.csr_matrix
     n_groups: int
+    unit_grams: sparse.csr_matrix | None = None
+    """Per group, sum over its resampling units u of d_u d_u' (d_u: the unit's tokens per column), stacked
+    as group_grams: what noise shared within a unit adds to the group's sums (``working_covariances``)."""
 
     def factor_counts(self, layout: Layout, factor: int) -> np.ndarray:
         block = layout.block(factor)
@@ -109,6 +119,37 @@ class Counts:
     def group_gram(self, group: int) -> sparse.csr_matrix:
         n = self.gram.shape[0]
         return self.group_grams[group * n: (group + 1) * n]
+
+    def unit_gram(self, group: int) -> sparse.csr_matrix:
+        n = self.gram.shape[0]
+        return self.unit_grams[group * n: (group + 1) * n]
+
+    def working_covariances(self, share: float) -> list[np.ndarray]:
+        """Per group, the covariance of its sums Z_g'e per unit of noise variance when `share` of each
+        token's noise is shared by the tokens of its resampling unit (a random effect per unit) and the
+        rest is independent: (1 - share) Z_g'Z_g + share sum_u d_u d_u'."""
+        grams = [self.group_gram(g).toarray() for g in range(self.n_groups)]
+        if share == 0 or self.unit_grams is None:
+            return grams
+        return [(1 - share) * gram + share * self.unit_gram(g).toarray() for g, gram in enumerate(grams)]
+
+
+def count_units(columns: np.ndarray, unit_keys: np.ndarray, all_keys: np.ndarray, n_columns: int) -> sparse.csr_matrix:
+    """One block's tokens per (resampling unit, design column) (units, columns), units in the order of
+    `all_keys` (sorted)."""
+    columns = columns.reshape(-1, columns.shape[-1])
+    units = np.searchsorted(all_keys, np.asarray(unit_keys).ravel())
+    rows, which = np.nonzero(columns >= 0)
+    return sparse.csr_matrix((np.ones(rows.size), (units[rows], columns[rows, which])), shape=(len(all_keys), n_columns))
+
+
+def stacked_unit_grams(unit_counts: sparse.csr_matrix, unit_groups: np.ndarray, n_groups: int) -> sparse.csr_matrix:
+    """Per group g, sum over its units of d_u d_u' (rows of `unit_counts`), stacked (groups * columns, columns)."""
+    n_columns = unit_counts.shape[1]
+    coo = unit_counts.tocoo()
+    spread = sparse.csr_matrix((coo.data, (coo.row, unit_groups[coo.row] * n_columns + coo.col)),
+                               shape=(unit_counts.shape[0], n_groups * n_columns))
+    return (spread.T @ unit_counts).tocsr()
 
 
 def count_block(columns: np.ndarray, groups: np.ndarray, n_columns: int, n_groups: int) -> sparse.csr_matrix:
@@ -159,32 +200,110 @@ def solve_joint(counts: Counts, layout: Layout, url: str) -> JointSolution:
         block = layout.block(a)
         covariance = centre(centre(g_inverse[block, block], n).T, n)  # C G_aa C'
         inflation[a] = np.trace(np.sqrt(np.outer(n, n)) * covariance) / (len(n) - 1)
-    maps = None
-    if counts.n_groups > 1:
-        start = len(layout.patterns)
-        maps = np.stack([g_inverse[start:] @ correction
-                         for correction in residual_corrections(counts, g_inverse)]).astype("float32")
+    maps = influence_maps(counts, layout, g_inverse) if counts.n_groups > 1 else None
     return JointSolution(g_inverse, float(values[-1] / values[kept][0]), inflation, maps)
 
 
-def residual_corrections(counts: Counts, g_inverse: np.ndarray):
-    """Per group g, the (columns, columns) map K_g with K_g Z_g' e = Z_g' (I - H_gg)^(-1/2) e for the
-    group's fitted residuals e, H_gg = Z_g G Z_g' (G = g_inverse): with Z_g'Z_g = W L W' and
-    L^(1/2) W' G W L^(1/2) = O M O' (M: H_gg's non-zero eigenvalues), K_g = I + W L^(1/2) O
-    ((1 - M)^(-1/2) - 1) O' L^(-1/2) W'. Eigenvalues of 1 (FULL_LEVERAGE) are left alone."""
+def influence_maps(counts: Counts, layout: Layout, g_inverse: np.ndarray, share: float = 0.0) -> np.ndarray:
+    """(groups, factor columns, columns) float32: each group's map from its residual sums to its corrected
+    influence on the factors' effects, for noise with `share` of it shared within resampling units."""
+    start = len(layout.patterns)
+    return np.stack([g_inverse[start:] @ correction
+                     for correction in residual_corrections(counts, g_inverse, share)]).astype("float32")
+
+
+@dataclass
+class SharedNoise:
+    """Estimates, per layer, the share of each token's noise that the tokens of its resampling unit share
+    (a random effect per document: topic, style, a long context), from the groups' residual sums R_g
+    (columns, d): E[R_g R_g'] = tr(S) (a V0_g + b V1_g), V0_g and V1_g the covariances of R_g per unit of
+    independent and of unit-shared noise (``residual_corrections``), fitted by least squares over every
+    element of every group; the share is b / (a + b), each clipped at 0, rounded to a grid of relative
+    steps of SHARE_STEP (0 below SHARE_FLOOR). ``corrections`` gives the influence maps and traces at a
+    share, once per share of the grid."""
+
+    counts: Counts
+    layout: Layout
+    solution: JointSolution
+    independent: np.ndarray  # (groups, columns, columns) V0_g
+    shared: np.ndarray  # (groups, columns, columns) V1_g
+    normal: np.ndarray  # (2, 2) inner products of the two
+    found: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, counts: Counts, layout: Layout, solution: JointSolution) -> SharedNoise | None:
+        """None without units or groups, or when units of one token make the two models the same."""
+        if counts.unit_grams is None or counts.n_groups < 2:
+            return None
+        parts = []
+        for share in (0.0, 1.0):
+            covariances = counts.working_covariances(share)
+            total = sum(covariances)
+            found = []
+            for group, covariance in enumerate(covariances):
+                pulled = counts.group_gram(group).toarray() @ solution.g_inverse
+                found.append(covariance - pulled @ covariance - covariance @ pulled.T + pulled @ total @ pulled.T)
+            parts.append(np.stack(found))
+        normal = np.array([[np.sum(x * y) for y in parts] for x in parts])
+        if normal[0, 0] <= 0 or 1 - normal[0, 1] ** 2 / (normal[0, 0] * normal[1, 1]) < SAME_MODELS:
+            return None
+        return cls(counts, layout, solution, parts[0].astype("float32"), parts[1].astype("float32"), normal)
+
+    def estimate(self, residuals: np.ndarray) -> float:
+        """The share, from the groups' residual sums (groups, columns, d), on the grid."""
+        residuals = residuals.astype("float32")
+        products = np.matmul(residuals, np.swapaxes(residuals, 1, 2))  # R_g R_g'
+        projected = [float(np.sum(part * products)) for part in (self.independent, self.shared)]
+        independent, shared = np.maximum(np.linalg.solve(self.normal, projected), 0.0)
+        share = shared / (independent + shared) if independent + shared > 0 else 0.0
+        if share < SHARE_FLOOR:
+            return 0.0
+        return float(min(SHARE_STEP ** np.round(np.log(share) / np.log(SHARE_STEP)), 1.0))
+
+    def corrections(self, share: float) -> tuple[np.ndarray, list[NoiseTraces]]:
+        """The influence maps and the structure test's traces at `share` (computed once per share)."""
+        if share not in self.found:
+            maps = influence_maps(self.counts, self.layout, self.solution.g_inverse, share)
+            self.found[share] = maps, noise_traces(self.counts, self.layout, replace(self.solution, influence_maps=maps), share)
+        return self.found[share]
+
+
+def residual_corrections(counts: Counts, g_inverse: np.ndarray, share: float = 0.0):
+    """Per group g, the (columns, columns) map K_g that gives the group's residual sums R_g = Z_g' e_g
+    (e the fitted residuals) the second moment of its true noise sums Z_g' u_g: K_g V_g K_g' = S_g, with
+    S_g the working covariance of the group's sums (``Counts.working_covariances``: noise independent
+    between tokens when `share` is 0, else partly shared within resampling units) and V_g = Cov(R_g) =
+    S_g - Q_g G S_g - S_g G Q_g + Q_g G T G Q_g (Q_g = Z_g'Z_g, G = g_inverse, T = sum_h S_h). In the
+    span of Q_g, K_g = S^(1/2) (S^(-1/2) V S^(-1/2))^(-1/2) S^(-1/2); outside it, the identity. With
+    share 0 this is CR2's Z_g' (I - H_gg)^(-1/2) e_g exactly; with a share, Bell & McCaffrey's CR2 under
+    that working covariance. Directions that the group alone determines (V's eigenvalue 0, FULL_LEVERAGE)
+    are left alone."""
     identity = np.eye(g_inverse.shape[0])
-    for group in range(counts.n_groups):
+    covariances = counts.working_covariances(share)
+    total = sum(covariances)
+    for group, covariance in enumerate(covariances):
         values, vectors = np.linalg.eigh(counts.group_gram(group).toarray())
         kept = values > NULL_TOLERANCE * max(values[-1], 1.0)
         if not kept.any():
             yield identity
             continue
-        root = vectors[:, kept] * np.sqrt(values[kept])
-        leverage, turn = np.linalg.eigh(root.T @ g_inverse @ root)
-        partial = leverage < 1 - FULL_LEVERAGE
-        boost = np.where(partial, 1 / np.sqrt(np.where(partial, 1 - leverage, 1.0)) - 1, 0.0)
-        inverse_root = vectors[:, kept] / np.sqrt(values[kept])
-        yield identity + (root @ turn) @ (boost[:, None] * (turn.T @ inverse_root.T))
+        basis = vectors[:, kept]
+        gram = (basis * values[kept]) @ basis.T
+        pulled = gram @ g_inverse
+        residual = covariance - pulled @ covariance - covariance @ pulled.T + pulled @ total @ pulled.T
+        root, inverse_root = _roots(basis.T @ covariance @ basis)
+        kept_values, turn = np.linalg.eigh(inverse_root @ (basis.T @ residual @ basis) @ inverse_root)
+        partial = kept_values > FULL_LEVERAGE
+        scale = np.where(partial, 1 / np.sqrt(np.where(partial, kept_values, 1.0)), 1.0)
+        within = root @ (turn * scale) @ turn.T @ inverse_root
+        yield identity + basis @ (within - np.eye(len(within))) @ basis.T
+
+
+def _roots(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The symmetric square root of a positive definite matrix and its inverse."""
+    values, vectors = np.linalg.eigh(matrix)
+    values = np.maximum(values, NULL_TOLERANCE * values[-1])
+    return (vectors * np.sqrt(values)) @ vectors.T, (vectors / np.sqrt(values)) @ vectors.T
 
 
 def _confounded_message(null_vectors: np.ndarray, counts: Counts, layout: Layout, url: str) -> str:
@@ -239,16 +358,18 @@ class NoiseTraces:
     diagonal_share: float
 
 
-def noise_traces(counts: Counts, layout: Layout, solution: JointSolution | None) -> list[NoiseTraces]:
-    """Per factor, ``NoiseTraces`` for noise independent between tokens with one covariance S. With L_g
-    the map from group g's residual sums R_g to its influence I_g, Cov(R_g, R_h) = Q_g delta_gh - Q_g G Q_h
-    (Q_g = Z_g'Z_g, G = (Z'Z)^-), so Cov(I_g, I_h) = M_gh (x) S with M_gh = L_g Cov(R_g, R_h) L_h'. The
+def noise_traces(counts: Counts, layout: Layout, solution: JointSolution | None, share: float = 0.0) -> list[NoiseTraces]:
+    """Per factor, ``NoiseTraces`` for noise with one covariance S per token, independent between tokens
+    (`share` 0) or with `share` of it shared within resampling units (``Counts.working_covariances``: the
+    groups' sums have covariances S_g (x) S). With L_g the map from group g's residual sums R_g to its
+    influence I_g, Cov(R_g, R_h) = S_g delta_gh - Q_g G S_h - S_g G Q_h + Q_g G T G Q_h (Q_g = Z_g'Z_g,
+    G = (Z'Z)^-, T = sum_g S_g), so Cov(I_g, I_h) = M_gh (x) S with M_gh = L_g Cov(R_g, R_h) L_h'. The
     fitted residuals of different groups are correlated (a class's residuals sum to zero), which the
     influences keep: ``inference.structure_p`` takes tr(M_gh) tr(S) out of their cross products. And
     with Gaussian noise Var(sum_g |I_g|^2) / Var(|W|^2) = |M|_F^2 / |M_W|_F^2 (M the block matrix of the
-    M_gh, M_W the covariance of W per unit of noise) and the share of Var(|W|^2) that the groups' own
-    noises u_g make, sum_g |M'_g|_F^2 / |M_W|_F^2 (M'_g = A Q_g A', A the map from Z'X to W), neither
-    of which depends on S."""
+    M_gh, M_W = A T A' the covariance of W per unit of noise, A the map from Z'X to W) and the share of
+    Var(|W|^2) that the groups' own noises u_g make, sum_g |A S_g A'|_F^2 / |M_W|_F^2, neither of which
+    depends on S. The marginal estimator (`solution` None) assumes independent tokens."""
     found = []
     for a in range(len(layout.names)):
         block = layout.block(a)
@@ -259,24 +380,30 @@ def noise_traces(counts: Counts, layout: Layout, solution: JointSolution | None)
             rows = slice(block.start - start, block.stop - start)
             g_inverse = solution.g_inverse
             grams = [counts.group_gram(g).toarray() for g in range(counts.n_groups)]
+            covariances = counts.working_covariances(share)
             maps = [weight * centre(solution.influence_maps[g][rows].astype("float64"), n) for g in range(counts.n_groups)]
-            covariance = centre(centre(g_inverse[block, block], n).T, n)
             fit_map = weight * centre(g_inverse[block], n)
         else:
             g_inverse = np.diag(1 / n)
-            grams = [np.diag(counts.group_gram(g).diagonal()[block]) for g in range(counts.n_groups)]
+            grams = covariances = [np.diag(counts.group_gram(g).diagonal()[block]) for g in range(counts.n_groups)]
             maps = [weight * centre(np.diag(_leverage_correction(np.diag(gram) / n) / n), n) for gram in grams]
-            covariance = centre(centre(g_inverse, n).T, n)
             fit_map = weight * centre(g_inverse, n)
-        along = np.stack([m @ q for m, q in zip(maps, grams)])  # L_g Q_g
-        flat = along.reshape(-1, along.shape[-1])
-        blocks = -((flat @ g_inverse) @ flat.T).reshape(along.shape[0], along.shape[1], along.shape[0], along.shape[1])
-        for g, (m, a_g) in enumerate(zip(maps, along)):
-            blocks[g, :, g, :] += a_g @ m.T
-        traces = np.einsum("gkhk->gh", blocks)
-        within = np.sum((weight * covariance * weight.T) ** 2)  # |M_W|^2, M_W the covariance of W per unit of noise
-        own = sum(np.sum((fit_map @ gram @ fit_map.T) ** 2) for gram in grams)
-        found.append(NoiseTraces(traces, float(np.sum(blocks**2) / within), float(own / within)))
+        total = sum(covariances)
+        pulled = np.stack([m @ q for m, q in zip(maps, grams)]) @ g_inverse  # L_g Q_g G
+        own = np.stack([m @ c for m, c in zip(maps, covariances)])  # L_g S_g
+        # M = X Y' + blockdiag(L_g S_g L_g'), X = [P, -P, -O] and Y = [P T, O, P] (P = pulled, O = own):
+        # its traces and Frobenius norm from (groups, class, 3 columns) factors, never the whole M
+        left = np.concatenate([pulled, -pulled, -own], axis=2)
+        right = np.concatenate([pulled @ total, own, pulled], axis=2)
+        diagonal = np.matmul(own, np.swapaxes(np.stack(maps), 1, 2))  # L_g S_g L_g'
+        traces = np.einsum("gkc,hkc->gh", left, right)
+        traces[np.diag_indices(counts.n_groups)] += np.trace(diagonal, axis1=1, axis2=2)
+        flat_left, flat_right = (x.reshape(-1, x.shape[-1]) for x in (left, right))
+        square = (np.sum((flat_left.T @ flat_left) * (flat_right.T @ flat_right))
+                  + 2 * np.sum(np.matmul(left, np.swapaxes(right, 1, 2)) * diagonal) + np.sum(diagonal**2))
+        within = np.sum((fit_map @ total @ fit_map.T) ** 2)
+        alone = sum(np.sum((fit_map @ c @ fit_map.T) ** 2) for c in covariances)
+        found.append(NoiseTraces(traces, float(square / within), float(alone / within)))
     return found
 
 
@@ -285,16 +412,24 @@ def _leverage_correction(share: np.ndarray) -> np.ndarray:
     return np.where(share < 1 - FULL_LEVERAGE, 1 / np.sqrt(np.maximum(1 - share, FULL_LEVERAGE)), 1.0)
 
 
-def joint_effects(sums: np.ndarray, counts: Counts, layout: Layout, solution: JointSolution) -> list[FactorEffects]:
-    """Per factor, the joint fit's weighted centred effects and their corrected group influences, from
-    the sums of the vectors per (group, column) (groups, columns, d)."""
+def joint_fit(sums: np.ndarray, counts: Counts, solution: JointSolution) -> tuple[np.ndarray, np.ndarray | None]:
+    """The joint fit's coefficients (columns, d) and the groups' residual sums (groups, columns, d; None
+    without groups), from the sums of the vectors per (group, column) (groups, columns, d)."""
     theta = solution.g_inverse @ sums.sum(axis=0)
-    start = len(layout.patterns)
     if solution.influence_maps is None:
+        return theta, None
+    return theta, np.stack([sums[g] - counts.group_gram(g) @ theta for g in range(sums.shape[0])])
+
+
+def joint_effects(theta: np.ndarray, residuals: np.ndarray | None, layout: Layout, counts: Counts,
+                  maps: np.ndarray | None) -> list[FactorEffects]:
+    """Per factor, the joint fit's weighted centred effects and their corrected group influences
+    (``joint_fit``; maps: ``influence_maps``)."""
+    start = len(layout.patterns)
+    if residuals is None:
         influence = np.zeros((1, theta.shape[0] - start, theta.shape[1]))
     else:
-        residuals = np.stack([sums[g] - counts.group_gram(g) @ theta for g in range(sums.shape[0])])
-        influence = np.matmul(solution.influence_maps, residuals.astype("float32")).astype("float64")
+        influence = np.matmul(maps, residuals.astype("float32")).astype("float64")
     found = []
     for a in range(len(layout.names)):
         block = layout.block(a)

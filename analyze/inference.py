@@ -150,18 +150,21 @@ in 10.5 % of layers at a nominal 5 %), so noise that is nearly isotropic is judg
 
 
 def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
-    """A symmetric map P (d, d) with P S P = I, S the noise covariance of the layer estimated from the
-    rows of every factor's group influences (each row a sum of token noises) and shrunk towards a multiple
-    of the identity (Ledoit & Wolf 2004), so that a few dimensions of huge variance (massive activations,
-    sink tokens) do not hide directions that stand above the noise elsewhere; None without noise or when
-    the noise is nearly isotropic (``ANISOTROPY``)."""
+    """A symmetric map P (d, d) with P S P = I, S the noise covariance of the layer estimated from every
+    factor's group influences (each row a sum of token noises) and shrunk towards a multiple of the
+    identity (Ledoit & Wolf 2004), so that a few dimensions of huge variance (massive activations, sink
+    tokens) do not hide directions that stand above the noise elsewhere; None without noise or when the
+    noise is nearly isotropic (``ANISOTROPY``). The groups, not the rows, are the independent samples of
+    the shrinkage: the rows of one group share its units' noise (a document's noise enters each of its
+    classes), and counting them as independent would leave a sample covariance of few documents
+    unshrunk and call isotropic noise anisotropic."""
     d = influences[0].shape[-1]
-    rows = np.concatenate([influence.reshape(-1, d) for influence in influences])
-    covariance = rows.T @ rows / len(rows)
+    per_group = np.concatenate([influence for influence in influences], axis=1)  # (groups, rows, d)
+    covariance = np.einsum("gkd,gke->de", per_group, per_group) / len(per_group)
     level = np.trace(covariance) / d
     if not level > 0:
         return None
-    shrinkage = ledoit_wolf_shrinkage(rows, covariance, level)
+    shrinkage = ledoit_wolf_shrinkage(per_group, covariance, level)
     values, vectors = np.linalg.eigh(covariance)
     shrunk = (1 - shrinkage) * np.maximum(values, 0.0) + shrinkage * level
     if not shrunk.min() > NUMERICAL_ZERO * level:
@@ -171,12 +174,14 @@ def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
     return (vectors / np.sqrt(shrunk)) @ vectors.T
 
 
-def ledoit_wolf_shrinkage(rows: np.ndarray, covariance: np.ndarray, level: float) -> float:
-    """Ledoit & Wolf's (2004) shrinkage intensity towards level * I of the covariance of rows (n, d) with
-    mean zero, covariance = rows' rows / n: the rows' own spread of x x' around it, sum_i |x_i x_i' - S|^2 / n^2
-    = (mean |x_i|^4 - |S|^2) / n, over |S - level I|^2 (at most 1)."""
+def ledoit_wolf_shrinkage(samples: np.ndarray, covariance: np.ndarray, level: float) -> float:
+    """Ledoit & Wolf's (2004) shrinkage intensity towards level * I of covariance = mean_g X_g' X_g, the
+    samples X_g (groups, rows, d) independent with mean zero (rows of one sample need not be): their own
+    spread around it, sum_g |X_g' X_g - S|^2 / n^2 = (mean |X_g X_g'|^2 - |S|^2) / n, over |S - level I|^2
+    (at most 1). With one row a sample, Ledoit & Wolf's own estimate."""
     square = np.sum(covariance**2)
-    spread = (np.mean(np.sum(rows**2, axis=1) ** 2) - square) / len(rows)
+    own = np.matmul(samples, np.swapaxes(samples, 1, 2))  # |X_g' X_g|_F = |X_g X_g'|_F, (rows, rows) each
+    spread = (np.mean(np.sum(own**2, axis=(1, 2))) - square) / len(samples)
     distance = square - covariance.shape[0] * level**2
     return float(min(max(spread, 0.0) / distance, 1.0)) if distance > 0 else 1.0
 

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .blocks import Packer
-from .design import Counts, FactorEffects, JointSolution, Layout, NoiseTraces, joint_effects, marginal_effects
+from .design import (
+    Counts,
+    FactorEffects,
+    JointSolution,
+    Layout,
+    NoiseTraces,
+    SharedNoise,
+    joint_effects,
+    joint_fit,
+    marginal_effects,
+)
 from .geometry import principal_angles
 from .inference import (
     ANGLE_TOLERANCE,
@@ -119,6 +129,7 @@ class LayerFit:
 
     factors: list[FactorFit]
     outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
+    shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -156,17 +167,27 @@ class FactorView:
 
 
 def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
-              traces: list[NoiseTraces] | None, settings: DrawSettings, heads: dict[str, list[np.ndarray]],
-              radial: list[np.ndarray]) -> LayerFit | None:
+              traces: list[NoiseTraces] | None, shared: SharedNoise | None, settings: DrawSettings,
+              heads: dict[str, list[np.ndarray]], radial: list[np.ndarray]) -> LayerFit | None:
     """Every factor's subspace at one layer and what its draws say (None when the layer holds NaN or
-    Inf: the finite check then names them). traces: ``design.noise_traces`` (None without groups);
-    radial: per factor, which classes enter the radius statistics."""
+    Inf: the finite check then names them). traces: ``design.noise_traces`` of independent tokens (None
+    without groups); shared: the layer's share of noise shared within units is estimated with it, and
+    the influences and traces follow it (None: tokens independent); radial: per factor, which classes
+    enter the radius statistics."""
     parts = packer.unpack(vector)
     if parts["nonfinite"]:
         return None
     sums = parts["sums"]
-    effects = (joint_effects(sums, counts, layout, solution) if solution is not None
-               else marginal_effects(sums, counts, layout))
+    share = 0.0
+    if solution is not None:
+        theta, residuals = joint_fit(sums, counts, solution)
+        maps = solution.influence_maps
+        share = shared.estimate(residuals) if shared is not None else 0.0
+        if share > 0:
+            maps, traces = shared.corrections(share)
+        effects = joint_effects(theta, residuals, layout, counts, maps)
+    else:
+        effects = marginal_effects(sums, counts, layout)
     views = []
     for a, factor in enumerate(effects):
         block = layout.block(a)
@@ -176,7 +197,7 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a]) for a, view in enumerate(views)]
-    layer = LayerFit(fits, int(parts["outliers"]))
+    layer = LayerFit(fits, int(parts["outliers"]), share)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
         _infer(layer, views, counts, layout, pairs, settings)

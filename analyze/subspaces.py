@@ -53,7 +53,19 @@ from sklearn.metrics import mutual_info_score
 from orthosphere.params import Text, parameter
 
 from .blocks import Packer, sample_block_sums, tree_sum
-from .design import ESTIMATORS, Counts, JointSolution, Layout, check_shared_tokens, count_block, noise_traces, solve_joint
+from .design import (
+    ESTIMATORS,
+    Counts,
+    JointSolution,
+    Layout,
+    SharedNoise,
+    check_shared_tokens,
+    count_block,
+    count_units,
+    noise_traces,
+    solve_joint,
+    stacked_unit_grams,
+)
 from .errors import AnalysisError
 from .factors import Discovery, FactorClasses, design_columns, discover_classes, parse_factors, parse_intercepts
 from .geometry import column_space
@@ -74,7 +86,7 @@ from .multiplicity import state_multiplicity
 from .options import FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
-from .units import GROUP_BY, GROUP_BY_HELP, check_units, resampling_units, token_groups, warn_fewer_units_than_groups
+from .units import GROUP_BY, GROUP_BY_HELP, Units, bootstrap_group, check_units, resampling_units, token_groups, token_units, warn_fewer_units_than_groups
 
 log = logging.getLogger("orthosphere.analyze")
 
@@ -139,6 +151,7 @@ class Design:
     association: np.ndarray  # (factor, other) normalised mutual information of the labels
     shared_tokens: np.ndarray  # (factor, other)
     traces: list | None  # design.noise_traces, None without groups
+    shared_noise: SharedNoise | None  # None for the marginal estimator, without groups or with units of one token
 
     @property
     def classes(self) -> dict[str, FactorClasses]:
@@ -265,7 +278,8 @@ class FactorSubspaces:
         if n_groups > 1:
             check_units(units, url)
             warn_fewer_units_than_groups(units, self.seed, n_groups, url)
-        groups = token_groups(dataset, units, self.seed, n_groups).rechunk(mask.chunks)
+        keys = token_units(dataset, units).rechunk(mask.chunks)
+        groups = token_groups(keys, self.seed, n_groups)
         intercepts = parse_intercepts(dataset, self.intercepts, factors)
         discovery = discover_classes(dataset, factors, mask, self.max_classes, groups, n_groups, intercepts)
         classes = discovery.classes
@@ -273,7 +287,7 @@ class FactorSubspaces:
         self._check_rank(classes, dataset.sizes["d_model"])
         layout = Layout(tuple(names), tuple(classes[name].size for name in names), tuple(int(c) for c in discovery.cells))
         columns = design_columns(dataset, factors, discovery, layout, mask)
-        design = self._design(discovery, layout, columns, groups, n_groups, url)
+        design = self._design(discovery, layout, columns, groups, keys, units, n_groups, url)
         packer = Packer({"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
                          "squares": (layout.n_columns,)})
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
@@ -316,21 +330,26 @@ class FactorSubspaces:
                     "(then each factor's rank is the number of its directions that stand above noise)"
                 )
 
-    def _design(self, discovery: Discovery, layout: Layout, columns, groups, n_groups: int, url: str) -> Design:
-        """The second label pass: co-occurrence counts, then the joint solution and the association."""
-        parts = [dask.delayed(count_block)(c, g, layout.n_columns, n_groups)
-                 for c, g in zip(columns.to_delayed().ravel(), groups.to_delayed().ravel())]
-        (stacked,) = dask.compute(tree_sum(parts))
+    def _design(self, discovery: Discovery, layout: Layout, columns, groups, keys, units: Units, n_groups: int,
+                url: str) -> Design:
+        """The second label pass: co-occurrence counts (per group, and per resampling unit), then the joint
+        solution, the association and what the noise draws need of the design."""
         n = layout.n_columns
+        columns, groups, keys = (array.to_delayed().ravel() for array in (columns, groups, keys))
+        parts = [dask.delayed(count_block)(c, g, n, n_groups) for c, g in zip(columns, groups)]
+        per_unit = [dask.delayed(count_units)(c, k, units.token_keys, n) for c, k in zip(columns, keys)]
+        stacked, unit_counts = dask.compute(tree_sum(parts), tree_sum(per_unit))
         gram = np.asarray(sum(stacked[g * n: (g + 1) * n] for g in range(n_groups)).todense())
-        counts = Counts(gram, stacked.tocsr(), n_groups)
-        solution = None
+        unit_grams = stacked_unit_grams(unit_counts.tocsr(), bootstrap_group(units.token_keys, self.seed, n_groups), n_groups)
+        counts = Counts(gram, stacked.tocsr(), n_groups, unit_grams)
+        solution = shared_noise = None
         if self.estimator == "joint":
             check_shared_tokens(counts, layout, url)
             solution = solve_joint(counts, layout, url)
+            shared_noise = SharedNoise.of(counts, layout, solution)
         association, shared = label_association(counts, layout)
         traces = noise_traces(counts, layout, solution) if n_groups > 1 else None
-        design = Design(discovery, layout, counts, solution, association, shared, traces)
+        design = Design(discovery, layout, counts, solution, association, shared, traces, shared_noise)
         _log_design(design, url)
         return design
 
@@ -353,7 +372,7 @@ class FactorSubspaces:
 
 def _fit_layer_of_design(vector, design: Design, **kwargs) -> LayerFit:
     return fit_layer(vector, counts=design.counts, layout=design.layout, solution=design.solution,
-                     traces=design.traces, radial=[design.classes[name].sphere_classes for name in design.layout.names],
+                     traces=design.traces, shared=design.shared_noise, radial=[design.classes[name].sphere_classes for name in design.layout.names],
                      **kwargs)
 
 
@@ -556,6 +575,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "whitened_singular_value": (fd + ("component",), white_singular),
         "explained": (fd + ("component",), explained),
         "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
+        "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -629,6 +649,9 @@ DESCRIPTIONS = {
     "structure_p": "p-value of 'the labels carry no information' (sign-flip null of the corrected influences; add-one)",
     "outlier_tokens": "analysed tokens whose norm exceeds OUTLIER_NORM (10) times the median of their block of "
                       "samples (sink tokens beyond the start token): counted, not left out of the fit",
+    "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
+                         "effect per document), estimated from the groups' residual sums; the corrections of the "
+                         "influences assume it (0: tokens independent; joint estimator only)",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

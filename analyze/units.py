@@ -13,7 +13,7 @@ is a unit of its own.
 The grouping label is ``group_by``: by default (None) ``document`` when the store holds it, else none
 (``sample``: one sample a unit, as the stores of a task of independent samples are); a user's own
 label ties the tokens that share one of its values. The statistics of tokens (subspaces, spheres)
-resample the units of their tokens (``token_groups``: each unit hashed into one of the
+resample the units of their tokens (``token_units``, ``token_groups``: each unit hashed into one of the
 ``bootstrap_groups`` groups of the draws; one sample a unit gives each sample the group it always
 had); the replay's, which are counted per sample, resample each sample with its *main* unit, the
 value holding most of its tokens (``Units.sample_key``).
@@ -91,25 +91,27 @@ def bootstrap_group(keys: np.ndarray, seed: int, n_groups: int) -> np.ndarray:
     return (z % np.uint64(n_groups)).astype("int64")
 
 
-def token_groups(dataset: xr.Dataset, units: Units, seed: int, n_groups: int) -> da.Array:
-    """Lazy (sample, pos) int64: the group of each token's unit (``bootstrap_group`` of its key), in
-    the label's sample chunks, whole along pos."""
+def token_units(dataset: xr.Dataset, units: Units) -> da.Array:
+    """Lazy (sample, pos) int64: the key of each token's unit (one of ``Units.token_keys``), in the
+    label's sample chunks, whole along pos."""
     sample_key = da.from_array(units.sample_key, chunks=-1)
     if units.label == SAMPLE:
-        return da.broadcast_to(sample_key[:, None], (dataset.sizes["sample"], dataset.sizes["pos"])).map_blocks(
-            bootstrap_group, seed, n_groups, dtype="int64").rechunk({1: -1})
+        return da.broadcast_to(sample_key[:, None], (dataset.sizes["sample"], dataset.sizes["pos"])).rechunk({1: -1})
     label = da.asarray(dataset[units.label].data).rechunk({1: -1})
     sample_key = sample_key.rechunk((label.chunks[0],))[:, None]
-    return da.map_blocks(_token_groups, label, sample_key, units.values, units.missing, seed, n_groups, dtype="int64")
+    return da.map_blocks(_token_keys, label, sample_key, units.values, units.missing, dtype="int64")
 
 
-def _token_groups(block: np.ndarray, sample_key: np.ndarray, values: np.ndarray, missing, seed: int,
-                  n_groups: int) -> np.ndarray:
+def token_groups(keys: da.Array, seed: int, n_groups: int) -> da.Array:
+    """Lazy: the group of each token's unit (``bootstrap_group`` of its key, from ``token_units``)."""
+    return keys.map_blocks(bootstrap_group, seed, n_groups, dtype="int64")
+
+
+def _token_keys(block: np.ndarray, sample_key: np.ndarray, values: np.ndarray, missing) -> np.ndarray:
     block = np.asarray(block)
     present = applies(block, missing)
     codes = np.searchsorted(values, np.where(present, block, values[0] if len(values) else block))
-    keys = np.where(present, codes, np.broadcast_to(sample_key, block.shape))
-    return bootstrap_group(keys, seed, n_groups)
+    return np.where(present, codes, np.broadcast_to(sample_key, block.shape))
 
 
 def grouping_label(dataset: xr.Dataset, group_by: str | None) -> str:

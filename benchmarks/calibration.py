@@ -105,6 +105,7 @@ def departures(base: Cell) -> list[Cell]:
         replace(base, departure="documents", signal="none", b_classes=8, rank_b=3),
         replace(base, departure="documents", b_classes=8, rank_b=3),
         replace(base, departure="bursty", signal="none", n_classes=64),
+        replace(base, departure="rogue", signal="none", b_classes=8, rank_b=3),
         replace(base, departure="rogue", b_classes=8, rank_b=3),
         replace(base, departure="float16", n_classes=6, rank=3, truth="orthogonal", confounded=True, signal="strong"),
         replace(base, departure="vocabulary", n_classes=20000, zipf=True, rank=3, sphere="on", truth="orthogonal",

@@ -8,7 +8,7 @@ import pytest
 
 from orthosphere.analyze import AnalysisError, open_for_analysis
 from orthosphere.analyze.subspaces import FactorSubspaces
-from orthosphere.analyze.units import bootstrap_group, main_units, resampling_units, token_groups
+from orthosphere.analyze.units import bootstrap_group, main_units, resampling_units, token_groups, token_units
 from tests.synthetic import NOT_APPLICABLE, write_store
 
 N_POS = 8
@@ -50,7 +50,7 @@ def test_every_token_of_a_document_lands_in_one_group_across_windows_and_a_share
     units = resampling_units(dataset, None)
     assert units.label == "document" and units.n_units == len(lengths)  # one unit a document, none chained
     np.testing.assert_array_equal(units.sample_key[:6], [0, 0, 0, 1, 1, 2])  # window 3: 3 tokens of 0, 4 of 1
-    groups = token_groups(dataset, units, 3, 32).compute()
+    groups = token_groups(token_units(dataset, units), 3, 32).compute()
     expected = bootstrap_group(np.where(documents >= 0, documents, units.sample_key[:, None]), 3, 32)
     np.testing.assert_array_equal(groups, expected)  # each token its document's group; the BOS its window's main one
     assert len(set(groups[:3].ravel())) == 1 and set(groups[3, 1:]) == {expected[0, 1], expected[4, 1]}
@@ -63,7 +63,7 @@ def test_stores_without_documents_keep_one_sample_a_unit_in_the_groups_they_alwa
     units = resampling_units(dataset, None)
     assert units.label == "sample" and units.n_units == 5
     np.testing.assert_array_equal(units.sample_key, np.arange(5))
-    np.testing.assert_array_equal(token_groups(dataset, units, 3, 32).compute(),
+    np.testing.assert_array_equal(token_groups(token_units(dataset, units), 3, 32).compute(),
                                   np.repeat(bootstrap_group(np.arange(5), 3, 32)[:, None], 3, axis=1))
 
 
