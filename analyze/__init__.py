@@ -137,7 +137,12 @@ Every p-value and interval's description says the correction it enters or that i
                                          site's total variance on the factor's tokens
   singular_value (layer, factor, component)   of the sqrt(n_c)-weighted centred effects (joint or marginal)
   whitened_singular_value (layer, factor, component)   the same in coordinates whitened by the noise
-                                         covariance where it is anisotropic (Ledoit-Wolf, from the groups' influences)
+                                         covariance where it is anisotropic (the analysed tokens' covariance
+                                         around the joint fit, OAS-shrunk)
+  whitened (layer)                       whether the layer's noise is anisotropic: structure tests and ranks
+                                         judged whitened (inference.ANISOTROPY)
+  whitened_basis (layer, factor)         its directions stand above noise only whitened: basis mapped back
+                                         from the whitened estimate, angles without intervals or claims
   noise_singular_value (layer, factor, component)   what each step of the rank's test compared the
                                          whitened singular value with
   explained (layer, factor, component)   cumulative share of their variance

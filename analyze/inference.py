@@ -15,8 +15,9 @@ layer, so that the draws keep the correlation of factors read on the same tokens
   quantile of the largest singular value of the noise draws with W's k leading directions (left
   and right) projected out; the rank is the first step whose singular value does not stand above
   (found by bisection over the steps). Where the noise is anisotropic (``noise_whitening``) W and
-  the draws are whitened by its covariance first; directions carrying less than the relevance floor
-  of the factor's noise-corrected between-class variance (``shrunk_variances``) end the count.
+  the draws are whitened by its covariance first (for the structure test too); directions carrying
+  less than the relevance floor of the factor's noise-corrected between-class variance
+  (``shrunk_variances``, in the coordinates the rank is judged in) end the count.
 - **Draws of subspaces around a truth**: a truth T (class x d, in the span Y of the fitted bases)
   plus a noise draw, and the leading subspace of T + N re-estimated as the fit estimates it. Only
   Gram matrices are needed: (T + N)(T + N)' = AA' + A(NY)' + (NY)A' + NN' with A = TY, so each draw
@@ -143,47 +144,35 @@ def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
 
 
 ANISOTROPY = 4.0
-"""The rank's test is whitened only when the shrunk noise covariance's largest eigenvalue exceeds this
-multiple of its median (a dimension with twice the others' spread): whitening by an estimate costs some
-calibration (forced on isotropic planted noise, the structure test, whitened too, found false structure
-in 10.5 % of layers at a nominal 5 %), so noise that is nearly isotropic is judged as it is."""
+"""The tests are whitened only when the shrunk noise covariance's largest eigenvalue exceeds this
+multiple of its median (a dimension with twice the others' spread): noise that is nearly isotropic is
+judged as it is, and its results are those of the unwhitened tests exactly."""
 
 
-def noise_whitening(influences: list[np.ndarray]) -> np.ndarray | None:
-    """A symmetric map P (d, d) with P S P = I, S the noise covariance of the layer estimated from every
-    factor's group influences (each row a sum of token noises) and shrunk towards a multiple of the
-    identity (Ledoit & Wolf 2004), so that a few dimensions of huge variance (massive activations, sink
-    tokens) do not hide directions that stand above the noise elsewhere; None without noise or when the
-    noise is nearly isotropic (``ANISOTROPY``). The groups, not the rows, are the independent samples of
-    the shrinkage: the rows of one group share its units' noise (a document's noise enters each of its
-    classes), and counting them as independent would leave a sample covariance of few documents
-    unshrunk and call isotropic noise anisotropic."""
-    d = influences[0].shape[-1]
-    per_group = np.concatenate([influence for influence in influences], axis=1)  # (groups, rows, d)
-    covariance = np.einsum("gkd,gke->de", per_group, per_group) / len(per_group)
+def noise_whitening(covariance: np.ndarray, n_samples: int) -> np.ndarray | None:
+    """A symmetric map P (d, d) with P S P = I, S the layer's noise covariance per token (the tokens'
+    covariance around the fit, ``layer.noise_covariance``) shrunk towards a multiple of the identity by the
+    oracle approximating shrinkage (OAS, Chen et al. 2010, as scikit-learn's), so that a few dimensions of
+    huge variance (massive activations, sink tokens) do not hide directions that stand above the noise
+    elsewhere; None without noise or when the noise is nearly isotropic (``ANISOTROPY``). S comes from
+    every analysed token, not from the groups' influences that the tests draw: whitened by their own
+    estimate, the influences under-state the noise of the effects in the directions that estimate
+    happens to shrink (by 20 % on planted rogue dimensions), and the tests find structure in noise."""
+    d = len(covariance)
     level = np.trace(covariance) / d
     if not level > 0:
         return None
-    shrinkage = ledoit_wolf_shrinkage(per_group, covariance, level)
+    square = np.trace(covariance @ covariance) / d
+    numerator = square + level**2 * d  # OAS in scikit-learn's form: tr(S^2)/d + tr(S)^2/d
+    denominator = (n_samples + 1) * (square - level**2)
+    shrinkage = 1.0 if denominator == 0 else min(numerator / denominator, 1.0)
     values, vectors = np.linalg.eigh(covariance)
     shrunk = (1 - shrinkage) * np.maximum(values, 0.0) + shrinkage * level
     if not shrunk.min() > NUMERICAL_ZERO * level:
-        return None  # noise in too few directions to whiten (no shrinkage with as many groups as dimensions)
+        return None
     if shrunk[-1] <= ANISOTROPY * np.median(shrunk):
         return None
     return (vectors / np.sqrt(shrunk)) @ vectors.T
-
-
-def ledoit_wolf_shrinkage(samples: np.ndarray, covariance: np.ndarray, level: float) -> float:
-    """Ledoit & Wolf's (2004) shrinkage intensity towards level * I of covariance = mean_g X_g' X_g, the
-    samples X_g (groups, rows, d) independent with mean zero (rows of one sample need not be): their own
-    spread around it, sum_g |X_g' X_g - S|^2 / n^2 = (mean |X_g X_g'|^2 - |S|^2) / n, over |S - level I|^2
-    (at most 1). With one row a sample, Ledoit & Wolf's own estimate."""
-    square = np.sum(covariance**2)
-    own = np.matmul(samples, np.swapaxes(samples, 1, 2))  # |X_g' X_g|_F = |X_g X_g'|_F, (rows, rows) each
-    spread = (np.mean(np.sum(own**2, axis=(1, 2))) - square) / len(samples)
-    distance = square - covariance.shape[0] * level**2
-    return float(min(max(spread, 0.0) / distance, 1.0)) if distance > 0 else 1.0
 
 
 def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:

@@ -96,15 +96,22 @@ class FactorFit:
     radius_cv_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
     sphere_null_p: float = np.nan  # "exactly on a sphere" (cv 0)
     sphere_p: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))  # claims "on", "off"
+    whitened_basis: bool = False  # its directions stand above noise only in whitened coordinates (_whitened_basis)
 
     @property
     def variance_share(self) -> np.ndarray:
         """Each direction's share of the factor's between-class variance: its noise-free variance over
         that of the significant directions together (NaN without draws or significant directions)."""
-        if self.signal_variance is None or not self.significance_rank:
+        if self.signal_variance is None:
             return np.full(len(self.singular), np.nan)
-        total = self.signal_variance[: self.significance_rank].sum()
-        return self.signal_variance / total if total > 0 else np.full(len(self.singular), np.nan)
+        return shares_of(self.signal_variance, self.significance_rank)
+
+
+def shares_of(variances: np.ndarray, significant: int | None) -> np.ndarray:
+    """Each direction's noise-free variance over that of the `significant` leading ones together (NaN
+    without significant directions)."""
+    total = variances[:significant].sum() if significant else 0.0
+    return variances / total if total > 0 else np.full(len(variances), np.nan)
 
 
 @dataclass
@@ -130,6 +137,7 @@ class LayerFit:
     factors: list[FactorFit]
     outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
     shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
+    whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.noise_whitening)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -188,6 +196,10 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         effects = joint_effects(theta, residuals, layout, counts, maps)
     else:
         effects = marginal_effects(sums, counts, layout)
+    whitening = None
+    if solution is not None and (len(settings.null) or len(settings.draws)):
+        covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), counts, layout, solution)
+        whitening = noise_whitening(covariance, n_tokens)
     views = []
     for a, factor in enumerate(effects):
         block = layout.block(a)
@@ -196,11 +208,11 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         left, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
-                        None if traces is None else traces[a]) for a, view in enumerate(views)]
-    layer = LayerFit(fits, int(parts["outliers"]), share)
+                        None if traces is None else traces[a], whitening) for a, view in enumerate(views)]
+    layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
-        _infer(layer, views, counts, layout, pairs, settings)
+        _infer(layer, views, counts, layout, pairs, settings, whitening)
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -214,9 +226,20 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     return layer
 
 
+def noise_covariance(gram: np.ndarray, total: np.ndarray, counts: Counts, layout: Layout,
+                     solution: JointSolution) -> tuple[np.ndarray, int]:
+    """The analysed tokens' covariance around the joint fit (d, d) and their number (each has one intercept
+    cell), from their Gram matrix X'X and the sums per column Z'X: (X'X - X'Z G Z'X) / n, G the fit's
+    generalised inverse. (The marginal estimator's factors have no common fit to take out: its tests are
+    not whitened.)"""
+    n_tokens = int(np.diag(counts.gram)[: len(layout.patterns)].sum())
+    return (gram - total.T @ solution.g_inverse @ total) / max(n_tokens, 1), n_tokens
+
+
 def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
-                traces: NoiseTraces | None) -> FactorFit:
-    """Singular values, between-class fraction and structure test of one factor; its rank when fixed."""
+                traces: NoiseTraces | None, whitening: np.ndarray | None) -> FactorFit:
+    """Singular values, between-class fraction and structure test of one factor (judged in coordinates
+    whitened by the noise covariance where it is anisotropic); its rank when fixed."""
     weighted = view.effects.weighted
     singular = np.linalg.svd(weighted, compute_uv=False)[: min(n_classes - 1, min(weighted.shape))]
     spread = squares.sum() - view.counts.sum() * view.mean @ view.mean
@@ -224,18 +247,19 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
     fit = FactorFit(singular, rank, view.directions[:, :rank],
                     float((singular**2).sum() / spread) if spread > 0 else np.nan, float(spread))
     if len(settings.null):
-        fit.structure_p = structure_p(view.effects, settings.null, traces)
+        fit.structure_p = structure_p(whitened(view.effects, whitening), settings.null, traces)
     return fit
 
 
-def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings) -> None:
+def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings,
+           whitening: np.ndarray | None) -> None:
     """Ranks (judged on the effects whitened by the noise covariance when it is anisotropic; kept unless
-    fixed), then intervals, claims and spheres in the original coordinates, from one set of noise draws."""
+    fixed), then intervals, claims and spheres in the original coordinates, from one set of noise draws,
+    for the factors whose directions stand above noise there too (the others: ``_whitened_basis``)."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
     noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
     starts = np.concatenate([[0], np.cumsum(widths)])
-    whitening = noise_whitening([view.effects.influence for view in views])
     white = [whitened(view.effects, whitening) for view in views]
     white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
     if whitening is not None:
@@ -244,11 +268,22 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
         white_starts = np.concatenate([[0], np.cumsum([part.shape[1] for part in directions])])
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
         fit.white_singular = np.linalg.svd(white[a].weighted, compute_uv=False)[: len(fit.singular)]
-        significance = noise_rank(white[a].weighted, white_noise.gram[a],
-                                  white_noise.along[a][..., white_starts[a]: white_starts[a + 1]],
-                                  settings.rank_significance, len(fit.singular))
-        _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings)
-    structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
+        white_along = white_noise.along[a][..., white_starts[a]: white_starts[a + 1]]
+        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along, settings.rank_significance,
+                                  len(fit.singular))
+        judged = None  # the shares the relevance floor reads: those of the coordinates the rank is judged in
+        if whitening is not None:
+            left, singular = np.linalg.svd(white[a].weighted, full_matrices=False)[:2]
+            n = len(fit.singular)
+            judged = shares_of(shrunk_variances(left[:, :n], singular[:n], white_noise.gram[a], white_along[..., :n]),
+                               significance[0])
+        _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings, judged)
+        if whitening is not None and fit.rank and settings.rank is None:
+            raw = noise_rank(view.effects.weighted, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]],
+                             settings.rank_significance, fit.rank)[0]
+            if raw < fit.rank:
+                _whitened_basis(fit, white[a], whitening)
+    structured = [a for a, fit in enumerate(layer.factors) if fit.rank and not fit.whitened_basis]
     if not structured:
         return
     for a in structured:
@@ -274,18 +309,31 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
 
 
 def _rank(fit: FactorFit, view: FactorView, significance: tuple[int, np.ndarray], gram: np.ndarray, along: np.ndarray,
-          settings: DrawSettings) -> None:
+          settings: DrawSettings, judged: np.ndarray | None) -> None:
     """The significance rank with its noise thresholds (``noise_rank`` of the whitened effects), each
     direction's variance without its noise, and the rank: the fixed one, or the leading significant
-    directions that reach the relevance floor. gram: the draws' N N' (draws, k, k); along: N V (draws, k, p),
-    in the original coordinates."""
+    directions that reach the relevance floor (in `judged`, the whitened directions' shares where the rank
+    is judged whitened; else in variance_share). gram: the draws' N N' (draws, k, k); along: N V (draws,
+    k, p), in the original coordinates."""
     n = len(fit.singular)
     fit.significance_rank, fit.noise_singular = significance
     fit.signal_variance = shrunk_variances(view.left[:, :n], fit.singular, gram, along[..., :n])
     if settings.rank is None:
-        relevant = relevant_rank(fit.variance_share[: fit.significance_rank], settings.relevance_floor)
+        shares = fit.variance_share if judged is None else judged
+        relevant = relevant_rank(shares[: fit.significance_rank], settings.relevance_floor)
         fit.rank = min(fit.significance_rank, relevant)
         fit.basis = view.directions[:, : fit.rank]
+
+
+def _whitened_basis(fit: FactorFit, white: FactorEffects, whitening: np.ndarray) -> None:
+    """A factor whose directions stand above noise only in whitened coordinates (noise of a few huge
+    dimensions hides them in the residual stream's own): its basis is their estimate there mapped back
+    (the whitened effects' row space is P U for a true basis U, P the whitening), orthonormalised. The
+    draws of the original coordinates cannot judge that estimate, so it has no intervals, claims or
+    sphere tests."""
+    directions = np.linalg.svd(white.weighted, full_matrices=False)[2][: fit.rank].T
+    fit.basis = np.linalg.qr(np.linalg.solve(whitening, directions))[0]
+    fit.whitened_basis = True
 
 
 @dataclass

@@ -116,10 +116,11 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 
 
 def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups: int):
-    """Sums of the token vectors per (group, design column), of their squared norms per column, the
-    count of non-finite ones and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the
-    block's median). A (group, class) cell of one block sums few tokens, so float32
-    sums lose nothing that matters; blocks are then accumulated in float64."""
+    """Sums of the token vectors per (group, design column), of their squared norms per column, their
+    Gram matrix X'X (d, d: for the noise covariance that whitens the tests), the count of non-finite ones
+    and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the block's median). A
+    (group, class) cell of one block sums few tokens, so float32 sums lose nothing that matters; blocks
+    are then accumulated in float64."""
     squares = square_norms(x).ravel()
     vectors = x.reshape(-1, x.shape[-1])
     columns = columns.reshape(len(vectors), -1)
@@ -129,10 +130,14 @@ def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups
     onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
                                shape=(n_groups * n_columns, len(vectors)))
     column_squares = np.bincount(columns[rows, which], weights=squares[rows].astype("float64"), minlength=n_columns)
-    counted = squares[columns[:, 0] >= 0]
+    analysed = columns[:, 0] >= 0
+    counted = squares[analysed]
     outliers = np.count_nonzero(counted > OUTLIER_NORM**2 * np.median(counted)) if counted.size else 0
+    tokens = vectors[analysed]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite tokens are counted, and the layer reported
+        gram = tokens.T @ tokens
     return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "outliers": outliers, "sums": onehot @ vectors,
-                        "squares": column_squares})
+                        "squares": column_squares, "gram": gram})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +294,7 @@ class FactorSubspaces:
         columns = design_columns(dataset, factors, discovery, layout, mask)
         design = self._design(discovery, layout, columns, groups, keys, units, n_groups, url)
         packer = Packer({"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
-                         "squares": (layout.n_columns,)})
+                         "squares": (layout.n_columns,), "gram": (dataset.sizes["d_model"],) * 2})
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
         settings = self._draw_settings(n_groups)
         heads = head_read_spaces(dataset, layers)
@@ -433,16 +438,17 @@ def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[s
 # The results group.
 
 
-def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, significance: float) -> np.ndarray:
+def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, significance: float,
+              drawn: bool) -> np.ndarray:
     """(layer, factor, other) relation from the ranks (layer, factor), the structure tests' adjusted
     p-values (NaN without a null) and the claims' adjusted p-values (layer, factor, other, claim;
-    NaN without draws): see ``RELATION_RULE``."""
+    NaN without draws, or for a factor of a whitened basis): see ``RELATION_RULE``."""
     structured = (rank > 0) & ~(structure_q > significance)
     both = structured[:, :, None] & structured[:, None, :]
     shown = claim_q <= significance
     relation = np.select([shown[..., i] for i in range(len(CLAIMS))], list(CLAIMS), "undetermined")
     relation = np.where(both, relation, "no structure")
-    tested = np.isfinite(claim_q).any(axis=-1) | ~both
+    tested = np.isfinite(claim_q).any(axis=-1) | ~both | drawn
     n = rank.shape[1]
     relation = np.where(tested & ~np.eye(n, dtype=bool)[None], relation, "")
     return relation.astype(object)
@@ -459,8 +465,8 @@ RELATION_RULE = (
     "no structure: either factor has rank 0 or its structure_q > significance; else the claim whose "
     "claim_q <= significance (Benjamini-Hochberg over every claim of the run): orthogonal (every principal "
     "angle above 90 - orthogonality_deg), dependent (the smallest angle below independence_deg), "
-    "independent (neither: the smallest angle shown between them); undetermined when no claim is shown; "
-    "empty without noise draws"
+    "independent (neither: the smallest angle shown between them); undetermined when no claim is shown or "
+    "either factor's basis is whitened (whitened_basis: no claims); empty without noise draws"
 )
 
 
@@ -554,7 +560,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     null_median = _padded({index: value[0] for index, value in null_angles.items()}, pair_shape, max_rank)
     null_ci = _padded({index: value[1] for index, value in null_angles.items()}, pair_shape, max_rank, 2)
     null_median[~both], null_ci[~both] = np.nan, np.nan
-    relation = relations(rank, structure_q, claim_q, fitted.significance)
+    relation = relations(rank, structure_q, claim_q, fitted.significance, bool(fitted.n_bootstrap))
     fd, pair = ("layer", "factor"), ("layer", "factor", "other")
     solution = design.solution
     data = {
@@ -576,6 +582,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "explained": (fd + ("component",), explained),
         "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
+        "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
+        "whitened_basis": (fd, np.array([[f.whitened_basis for f in fits[layer].factors] for layer in layers], bool)),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -652,6 +660,11 @@ DESCRIPTIONS = {
     "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
                          "effect per document), estimated from the groups' residual sums; the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
+    "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged in "
+                "coordinates whitened by the analysed tokens' covariance around the fit (inference.noise_whitening)",
+    "whitened_basis": "the factor's directions stand above noise only in whitened coordinates: its basis is their "
+                      "estimate there mapped back to the residual stream; its angles are point estimates with no "
+                      "interval, claim or sphere test (relation undetermined)",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

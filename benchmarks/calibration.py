@@ -128,10 +128,9 @@ COLUMNS = {
     "design": ("rank_exact", "rank_exact_b", "min_coverage", "max_coverage", "min_raw_bias", "called_independent"),
     "spheres": ("rank_exact", "sphere_right", "sphere_wrong", "sphere_on_p05", "sphere_off_p05", "radius_cv_coverage",
                 "radius_cv_below", "radius_cv_above"),
-    "departures": ("structure_fp", "structure_fp_corrected", "structure_found", "rank_exact", "rank_exact_b", "rank_mean", "rank_b_mean",
-                   "min_coverage",
-                   "max_coverage", "called_orthogonal", "called_dependent", "called_independent", "sphere_right",
-                   "sphere_wrong", "seconds_per_layer"),
+    "departures": ("structure_fp", "structure_fp_corrected", "structure_found", "rank_exact", "rank_exact_b", "rank_mean",
+                   "rank_b_mean", "intervals_given", "min_coverage", "max_coverage", "min_raw_bias", "called_orthogonal",
+                   "called_dependent", "called_independent", "sphere_right", "sphere_wrong", "seconds_per_layer"),
 }
 
 

@@ -404,7 +404,7 @@ def run(planted: Planted, **options):
 
 def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> dict:
     """Error rates of one cell against its planted truth (shares over the store's layers). An interval's
-    coverage is the share of layers whose interval holds the planted value, with the shares that miss it
+    coverage is the share of layers with an interval (of exact ranks: `intervals_given`) whose interval holds the planted value, with the shares that miss it
     below (`_below`: the truth under the lower bound) and above; at a planted 90 (0) degrees, or a radius
     spread of 0, only the upper (lower) bound can miss, so coverage is one-sided there (nominal
     (1 + confidence) / 2)."""
@@ -426,14 +426,16 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
     scores["rank_exact_b"] = float(np.mean(rank_b == cell.rank_b))
     scores["rank_mean"], scores["rank_b_mean"] = float(np.mean(rank)), float(np.mean(rank_b))
     pair = subspaces.sel(factor=a, other=b)
+    given = exact & np.isfinite(pair["min_angle_ci"].values).all(axis=-1)  # no interval for a whitened basis
+    scores["intervals_given"] = float(np.mean(given[exact])) if exact.any() else np.nan
     for name, column in (("min", 0), ("max", 1)):
         low, high = pair[f"{name}_angle_ci"].values.T
         truth = planted.angles[:, column]
         covered = (low - 1e-9 <= truth) & (truth <= high + 1e-9)
-        scores[f"{name}_coverage"] = float(np.mean(covered[exact])) if exact.any() else np.nan
-        scores[f"{name}_above"] = float(np.mean((truth > high + 1e-9)[exact])) if exact.any() else np.nan
-        scores[f"{name}_below"] = float(np.mean((truth < low - 1e-9)[exact])) if exact.any() else np.nan
-        scores[f"{name}_bias"] = float(np.mean((pair[f"{name}_angle_estimate"].values - truth)[exact])) if exact.any() else np.nan
+        scores[f"{name}_coverage"] = float(np.mean(covered[given])) if given.any() else np.nan
+        scores[f"{name}_above"] = float(np.mean((truth > high + 1e-9)[given])) if given.any() else np.nan
+        scores[f"{name}_below"] = float(np.mean((truth < low - 1e-9)[given])) if given.any() else np.nan
+        scores[f"{name}_bias"] = float(np.mean((pair[f"{name}_angle_estimate"].values - truth)[given])) if given.any() else np.nan
         scores[f"{name}_raw_bias"] = float(np.mean((pair[f"{name}_angle"].values - truth)[exact])) if exact.any() else np.nan
     relation = pair["relation"].values
     for verdict in ("orthogonal", "dependent", "independent", "undetermined", "no structure"):

@@ -391,26 +391,19 @@ def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_free
     assert interval_levels(0.9, 2)[0] < 1e-6  # two groups hardly estimate the noise's variance
 
 
-def test_the_shrinkage_of_one_row_a_sample_is_ledoit_and_wolfs():
-    from sklearn.covariance import ledoit_wolf_shrinkage as sklearn_shrinkage
+def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
+    """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic
+    noise; two dimensions of 8 times the others' spread are whitened."""
+    from sklearn.covariance import oas
 
-    from orthosphere.analyze.inference import ledoit_wolf_shrinkage
-
-    rows = np.random.default_rng(4).normal(size=(40, 12)) * np.linspace(1, 3, 12)
-    covariance = rows.T @ rows / len(rows)
-    found = ledoit_wolf_shrinkage(rows[:, None, :], covariance, np.trace(covariance) / 12)
-    assert found == pytest.approx(sklearn_shrinkage(rows, assume_centered=True), rel=1e-9)
-
-
-def test_isotropic_noise_shared_within_groups_is_not_whitened():
-    """Rows of one group sharing its noise (a document in every class of the group) are one sample of the
-    shrinkage: 32 groups of 8 such rows in 64 isotropic dimensions stay unwhitened; two dimensions of 8
-    times the spread are whitened."""
     from orthosphere.analyze.inference import noise_whitening
 
-    rng = np.random.default_rng(5)
-    shared = rng.normal(size=(32, 1, 64)) * rng.uniform(0.5, 2, size=(32, 8, 1)) + 0.3 * rng.normal(size=(32, 8, 64))
-    assert noise_whitening([shared]) is None
-    rogue = shared.copy()
-    rogue[..., :2] *= 8
-    assert noise_whitening([rogue]) is not None
+    rng = np.random.default_rng(4)
+    tokens = rng.normal(size=(300, 12))
+    tokens[:, :2] *= 8
+    covariance = tokens.T @ tokens / len(tokens)
+    whitening = noise_whitening(covariance, len(tokens))
+    shrunk = oas(tokens, assume_centered=True)[0]
+    np.testing.assert_allclose(whitening @ shrunk @ whitening, np.eye(12), atol=1e-9)
+    isotropic = rng.normal(size=(300, 12))
+    assert noise_whitening(isotropic.T @ isotropic / 300, 300) is None
