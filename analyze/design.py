@@ -241,8 +241,7 @@ class SharedNoise:
             total = sum(covariances)
             found = []
             for group, covariance in enumerate(covariances):
-                pulled = counts.group_gram(group).toarray() @ solution.g_inverse
-                found.append(covariance - pulled @ covariance - covariance @ pulled.T + pulled @ total @ pulled.T)
+                found.append(residual_covariance(counts.group_gram(group).toarray(), solution.g_inverse, covariance, total))
             parts.append(np.stack(found))
         normal = np.array([[np.sum(x * y) for y in parts] for x in parts])
         if normal[0, 0] <= 0 or 1 - normal[0, 1] ** 2 / (normal[0, 0] * normal[1, 1]) < SAME_MODELS:
@@ -289,14 +288,20 @@ def residual_corrections(counts: Counts, g_inverse: np.ndarray, share: float = 0
             continue
         basis = vectors[:, kept]
         gram = (basis * values[kept]) @ basis.T
-        pulled = gram @ g_inverse
-        residual = covariance - pulled @ covariance - covariance @ pulled.T + pulled @ total @ pulled.T
+        residual = residual_covariance(gram, g_inverse, covariance, total)
         root, inverse_root = _roots(basis.T @ covariance @ basis)
         kept_values, turn = np.linalg.eigh(inverse_root @ (basis.T @ residual @ basis) @ inverse_root)
         partial = kept_values > FULL_LEVERAGE
         scale = np.where(partial, 1 / np.sqrt(np.where(partial, kept_values, 1.0)), 1.0)
         within = root @ (turn * scale) @ turn.T @ inverse_root
         yield identity + basis @ (within - np.eye(len(within))) @ basis.T
+
+
+def residual_covariance(gram: np.ndarray, g_inverse: np.ndarray, covariance: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Cov(R_g) of a group's residual sums R_g = s_g - Q_g G sum_h s_h, its sums s_g of covariance S_g
+    (`covariance`), T = sum_h S_h (`total`), Q_g = Z_g'Z_g (`gram`): S_g - Q_g G S_g - S_g G Q_g + Q_g G T G Q_g."""
+    pulled = gram @ g_inverse
+    return covariance - pulled @ covariance - covariance @ pulled.T + pulled @ total @ pulled.T
 
 
 def _roots(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
