@@ -281,13 +281,13 @@ def residual_corrections(counts: Counts, g_inverse: np.ndarray, share: float = 0
     covariances = counts.working_covariances(share)
     total = sum(covariances)
     for group, covariance in enumerate(covariances):
-        values, vectors = np.linalg.eigh(counts.group_gram(group).toarray())
+        gram = counts.group_gram(group).toarray()
+        values, vectors = np.linalg.eigh(gram)
         kept = values > NULL_TOLERANCE * max(values[-1], 1.0)
         if not kept.any():
             yield identity
             continue
         basis = vectors[:, kept]
-        gram = (basis * values[kept]) @ basis.T
         residual = residual_covariance(gram, g_inverse, covariance, total)
         root, inverse_root = _roots(basis.T @ covariance @ basis)
         kept_values, turn = np.linalg.eigh(inverse_root @ (basis.T @ residual @ basis) @ inverse_root)

@@ -197,8 +197,8 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     else:
         effects = marginal_effects(sums, counts, layout)
     whitening = None
-    if solution is not None and (len(settings.null) or len(settings.draws)):
-        covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), counts, layout, solution)
+    if "gram" in parts:
+        covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
         whitening = noise_whitening(covariance, n_tokens)
     views = []
     for a, factor in enumerate(effects):
@@ -226,14 +226,14 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     return layer
 
 
-def noise_covariance(gram: np.ndarray, total: np.ndarray, counts: Counts, layout: Layout,
-                     solution: JointSolution) -> tuple[np.ndarray, int]:
+def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, counts: Counts,
+                     layout: Layout) -> tuple[np.ndarray, int]:
     """The analysed tokens' covariance around the joint fit (d, d) and their number (each has one intercept
-    cell), from their Gram matrix X'X and the sums per column Z'X: (X'X - X'Z G Z'X) / n, G the fit's
-    generalised inverse. (The marginal estimator's factors have no common fit to take out: its tests are
-    not whitened.)"""
+    cell), from their Gram matrix X'X, the sums per column Z'X and the fit's coefficients theta:
+    (X'X - X'Z theta) / n. (The marginal estimator's factors have no common fit to take out: its tests
+    are not whitened.)"""
     n_tokens = int(np.diag(counts.gram)[: len(layout.patterns)].sum())
-    return (gram - total.T @ solution.g_inverse @ total) / max(n_tokens, 1), n_tokens
+    return (gram - total.T @ theta) / max(n_tokens, 1), n_tokens
 
 
 def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
@@ -263,18 +263,18 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
     white = [whitened(view.effects, whitening) for view in views]
     white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
     if whitening is not None:
-        directions = [np.linalg.svd(factor.weighted, full_matrices=False)[2].T for factor in white]
-        white_noise = noise_parts(white, settings.draws, np.hstack(directions), [])
-        white_starts = np.concatenate([[0], np.cumsum([part.shape[1] for part in directions])])
+        svds = [np.linalg.svd(factor.weighted, full_matrices=False) for factor in white]
+        white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), [])
+        white_starts = np.concatenate([[0], np.cumsum([len(right) for _, _, right in svds])])
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
-        fit.white_singular = np.linalg.svd(white[a].weighted, compute_uv=False)[: len(fit.singular)]
+        n = len(fit.singular)
         white_along = white_noise.along[a][..., white_starts[a]: white_starts[a + 1]]
-        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along, settings.rank_significance,
-                                  len(fit.singular))
+        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along, settings.rank_significance, n)
         judged = None  # the shares the relevance floor reads: those of the coordinates the rank is judged in
+        fit.white_singular = fit.singular
         if whitening is not None:
-            left, singular = np.linalg.svd(white[a].weighted, full_matrices=False)[:2]
-            n = len(fit.singular)
+            left, singular, right_t = svds[a]
+            fit.white_singular = singular[:n]
             judged = shares_of(shrunk_variances(left[:, :n], singular[:n], white_noise.gram[a], white_along[..., :n]),
                                significance[0])
         _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings, judged)
@@ -282,7 +282,7 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
             raw = noise_rank(view.effects.weighted, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]],
                              settings.rank_significance, fit.rank)[0]
             if raw < fit.rank:
-                _whitened_basis(fit, white[a], whitening)
+                _whitened_basis(fit, right_t[: fit.rank].T, whitening)
     structured = [a for a, fit in enumerate(layer.factors) if fit.rank and not fit.whitened_basis]
     if not structured:
         return
@@ -325,13 +325,12 @@ def _rank(fit: FactorFit, view: FactorView, significance: tuple[int, np.ndarray]
         fit.basis = view.directions[:, : fit.rank]
 
 
-def _whitened_basis(fit: FactorFit, white: FactorEffects, whitening: np.ndarray) -> None:
+def _whitened_basis(fit: FactorFit, directions: np.ndarray, whitening: np.ndarray) -> None:
     """A factor whose directions stand above noise only in whitened coordinates (noise of a few huge
     dimensions hides them in the residual stream's own): its basis is their estimate there mapped back
     (the whitened effects' row space is P U for a true basis U, P the whitening), orthonormalised. The
     draws of the original coordinates cannot judge that estimate, so it has no intervals, claims or
-    sphere tests."""
-    directions = np.linalg.svd(white.weighted, full_matrices=False)[2][: fit.rank].T
+    sphere tests. directions: the leading right singular vectors of the whitened effects (d, rank)."""
     fit.basis = np.linalg.qr(np.linalg.solve(whitening, directions))[0]
     fit.whitened_basis = True
 

@@ -133,11 +133,13 @@ def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups
     analysed = columns[:, 0] >= 0
     counted = squares[analysed]
     outliers = np.count_nonzero(counted > OUTLIER_NORM**2 * np.median(counted)) if counted.size else 0
-    tokens = vectors[analysed]
-    with np.errstate(invalid="ignore", over="ignore"):  # non-finite tokens are counted, and the layer reported
-        gram = tokens.T @ tokens
-    return packer.pack({"nonfinite": np.count_nonzero(~np.isfinite(squares)), "outliers": outliers, "sums": onehot @ vectors,
-                        "squares": column_squares, "gram": gram})
+    found = {"nonfinite": np.count_nonzero(~np.isfinite(squares)), "outliers": outliers, "sums": onehot @ vectors,
+             "squares": column_squares}
+    if "gram" in packer.shapes:  # only where the tests can be whitened
+        tokens = vectors[analysed]
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite tokens are counted, and the layer reported
+            found["gram"] = tokens.T @ tokens
+    return packer.pack(found)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +295,11 @@ class FactorSubspaces:
         layout = Layout(tuple(names), tuple(classes[name].size for name in names), tuple(int(c) for c in discovery.cells))
         columns = design_columns(dataset, factors, discovery, layout, mask)
         design = self._design(discovery, layout, columns, groups, keys, units, n_groups, url)
-        packer = Packer({"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, dataset.sizes["d_model"]),
-                         "squares": (layout.n_columns,), "gram": (dataset.sizes["d_model"],) * 2})
+        d_model = dataset.sizes["d_model"]
+        shapes = {"nonfinite": (), "outliers": (), "sums": (n_groups, layout.n_columns, d_model), "squares": (layout.n_columns,)}
+        if self._whitens(n_groups):
+            shapes["gram"] = (d_model, d_model)
+        packer = Packer(shapes)
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
         settings = self._draw_settings(n_groups)
         heads = head_read_spaces(dataset, layers)
@@ -335,17 +340,23 @@ class FactorSubspaces:
                     "(then each factor's rank is the number of its directions that stand above noise)"
                 )
 
+    def _whitens(self, n_groups: int) -> bool:
+        """Whether the fit has draws and a common fit: the shared noise's share is estimated and the tests
+        can be whitened (the joint estimator with groups)."""
+        return self.estimator == "joint" and n_groups > 1
+
     def _design(self, discovery: Discovery, layout: Layout, columns, groups, keys, units: Units, n_groups: int,
                 url: str) -> Design:
-        """The second label pass: co-occurrence counts (per group, and per resampling unit), then the joint
-        solution, the association and what the noise draws need of the design."""
+        """The second label pass: co-occurrence counts (per group, and per resampling unit where the shared
+        noise is estimated), then the joint solution, the association and what the noise draws need."""
         n = layout.n_columns
         columns, groups, keys = (array.to_delayed().ravel() for array in (columns, groups, keys))
-        parts = [dask.delayed(count_block)(c, g, n, n_groups) for c, g in zip(columns, groups)]
-        per_unit = [dask.delayed(count_units)(c, k, units.token_keys, n) for c, k in zip(columns, keys)]
-        stacked, unit_counts = dask.compute(tree_sum(parts), tree_sum(per_unit))
+        parts = tree_sum([dask.delayed(count_block)(c, g, n, n_groups) for c, g in zip(columns, groups)])
+        per_unit = tree_sum([dask.delayed(count_units)(c, k, units.token_keys, n) for c, k in zip(columns, keys)])
+        stacked, unit_counts = dask.compute(parts, per_unit if self._whitens(n_groups) else None)
         gram = np.asarray(sum(stacked[g * n: (g + 1) * n] for g in range(n_groups)).todense())
-        unit_grams = stacked_unit_grams(unit_counts.tocsr(), bootstrap_group(units.token_keys, self.seed, n_groups), n_groups)
+        unit_grams = None if unit_counts is None else stacked_unit_grams(
+            unit_counts.tocsr(), bootstrap_group(units.token_keys, self.seed, n_groups), n_groups)
         counts = Counts(gram, stacked.tocsr(), n_groups, unit_grams)
         solution = shared_noise = None
         if self.estimator == "joint":
