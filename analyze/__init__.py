@@ -140,9 +140,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          covariance where it is anisotropic (the analysed tokens' covariance
                                          around the joint fit, OAS-shrunk)
   whitened (layer)                       whether the layer's noise is anisotropic: structure tests and ranks
-                                         judged whitened (inference.ANISOTROPY)
-  whitened_basis (layer, factor)         its directions stand above noise only whitened: basis mapped back
-                                         from the whitened estimate, angles without intervals or claims
+                                         judged, and bases estimated, whitened and mapped back, the noise
+                                         draws' too (inference.ANISOTROPY)
   noise_singular_value (layer, factor, component)   what each step of the rank's test compared the
                                          whitened singular value with
   explained (layer, factor, component)   cumulative share of their variance

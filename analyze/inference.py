@@ -22,9 +22,11 @@ layer, so that the draws keep the correlation of factors read on the same tokens
   plus a noise draw, and the leading subspace of T + N re-estimated as the fit estimates it. Only
   Gram matrices are needed: (T + N)(T + N)' = AA' + A(NY)' + (NY)A' + NN' with A = TY, so each draw
   costs its noise's Gram matrices once, and each truth a (class x class) eigen-decomposition (a
-  Cholesky factor when the factor keeps every direction), whatever d_model.
-- **Truths** to draw around: the fitted effects with each leading singular value shrunk to what
-  it would be without the noise (``denoised``), so that draws around them are as noisy as the fit.
+  Cholesky factor when the factor keeps every direction), whatever d_model. In a whitened layer the
+  fit's subspaces are estimated whitened and mapped back, and so are the draws' (``WhitenedDraws``).
+- **Truths** to draw around: the fitted effects projected on the factor's basis, each singular value
+  shrunk to what it would be without the noise (``denoised``), so that draws around them are as noisy
+  as the fit.
 - **Angles**: noise biases principal angles (towards 90 degrees for the noise it adds to each
   direction, towards 0 when it tilts the two estimates together, and each sorted angle by the
   others near it), so the intervals of the smallest and the largest angle come from inverting
@@ -321,13 +323,26 @@ class Complement:
         return cls(basis, basis.T @ gram @ basis, basis.T @ noise)
 
 
+@dataclass
+class WhitenedDraws:
+    """What the draws of a subspace estimated in whitened coordinates need, P the whitening: N P^2 N'
+    (draws, k, k), N P^2 Y (draws, k, q) and Y' P^2 Y (q, q)."""
+
+    gram: np.ndarray
+    noise: np.ndarray
+    span: np.ndarray
+
+
 def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank: int,
-                    complement: Complement | None = None) -> Drawn:
+                    complement: Complement | None = None, whitened: WhitenedDraws | None = None) -> Drawn:
     """The leading `rank` subspaces of the draws T + N around a truth with Y-coordinates `truth` (k, q),
     from the draws' Gram N N' (draws, k, k) and N Y (draws, k, q). With `complement` (a rank of k - 1),
     T + N keeps every direction of its rows' space: its basis comes from a Cholesky factor of
     Q'(T + N)(T + N)'Q = L L' (U* = (T + N)'Q L^-T, its rows' coordinates (T + N) U* = Q L) instead of an
-    eigen-decomposition, several times cheaper."""
+    eigen-decomposition, several times cheaper. With `whitened`, the subspace is estimated as the fit's is
+    in a whitened layer: the leading right singular vectors of (T + N) P mapped back by P^-1, which span
+    (T + N)'u for the leading eigenvectors u of (T + N) P^2 (T + N)'; orthonormalised, U* = (T + N)'u C with
+    C = (u'(T + N)(T + N)'u)^(-1/2)."""
     if complement is not None:
         rows = complement.basis.T @ truth
         mixed = rows @ np.swapaxes(complement.noise, -1, -2)
@@ -340,10 +355,35 @@ def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank
             return Drawn(complement.basis @ np.swapaxes(inverse, -1, -2), truth, noise, lambda: complement.basis @ lower)
     mixed = truth @ np.swapaxes(noise, -1, -2)
     total = truth @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + gram
-    values, vectors = np.linalg.eigh(total)
-    values = np.maximum(values[:, ::-1][:, :rank], np.finfo(float).tiny)
-    vectors = vectors[..., ::-1][..., :rank]
-    return Drawn(vectors / np.sqrt(values)[:, None, :], truth, noise, lambda: vectors * np.sqrt(values)[:, None, :])
+    estimated_from = total
+    if whitened is not None:
+        mixed = truth @ np.swapaxes(whitened.noise, -1, -2)
+        estimated_from = truth @ whitened.span @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + whitened.gram
+    scaled = _orthonormalising(_leading_vectors(estimated_from, rank), total)
+    return Drawn(scaled, truth, noise, lambda: total @ scaled)
+
+
+def _leading_vectors(matrices: np.ndarray, rank: int) -> np.ndarray:
+    """Eigenvectors of the `rank` largest eigenvalues of symmetric matrices (draws, k, k), found in float32
+    by torch's batched eigen-decomposition (several times faster than numpy's in float64 at k = 64): only
+    their span is used, and ``_orthonormalising`` makes the basis exact in float64."""
+    import torch
+
+    vectors = torch.linalg.eigh(torch.from_numpy(np.ascontiguousarray(matrices, dtype=np.float32)))[1].numpy()
+    return vectors[..., ::-1][..., :rank].astype(np.float64)
+
+
+def _orthonormalising(leading: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """C such that U* = (T + N)' u C is orthonormal, u the `leading` vectors (draws, k, r) and total
+    (T + N)(T + N)' (draws, k, k): C = L^-T with L L' = u' total u (an inverse square root where some
+    draw spans fewer than r directions)."""
+    inner = np.swapaxes(leading, -1, -2) @ total @ leading
+    try:
+        return leading @ np.swapaxes(np.linalg.inv(np.linalg.cholesky(inner)), -1, -2)
+    except np.linalg.LinAlgError:
+        values, vectors = np.linalg.eigh(inner)
+        root = vectors / np.sqrt(np.maximum(values, np.finfo(float).tiny))[:, None, :]
+        return leading @ root @ np.swapaxes(vectors, -1, -2)
 
 
 def cosines_against(fixed: Drawn, other_noise: np.ndarray, cross: np.ndarray) -> Callable[[Drawn], np.ndarray]:
@@ -374,16 +414,17 @@ def cosine_angles(cosines: np.ndarray) -> np.ndarray:
 # Truths: the fit's effects without the noise that inflates them, and turned.
 
 
-def denoised(weighted: np.ndarray, rank: int, gram: np.ndarray, along: np.ndarray) -> np.ndarray:
-    """The factor's effects (k, d) as a truth to draw around: their `rank` leading directions, each
-    singular value y shrunk to the s whose noisy version would read y. For a direction with left and
-    right singular vectors u, v and the noise's energies a = E|N v|^2 and b = E|N' u|^2 along them,
+def denoised(weighted: np.ndarray, basis: np.ndarray, gram: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """The factor's effects (k, d) projected on its basis (d, r) as a truth to draw around: each singular
+    value y of the projection shrunk to the s whose noisy version would read y. For a direction with left
+    and right singular vectors u, v and the noise's energies a = E|N v|^2 and b = E|N' u|^2 along them,
     y^2 = (s^2 + a)(s^2 + b) / s^2 (Benaych-Georges & Nadakuditi 2012; with noise of variance s2 in
     every entry, a = s2 k and b = s2 d), so s^2 = (y^2 - a - b + sqrt((y^2 - a - b)^2 - 4ab)) / 2.
-    gram: the draws' N N' (draws, k, k); along: N V (draws, k, p), V the right singular vectors."""
-    left, singular, right_t = np.linalg.svd(weighted, full_matrices=False)
-    shrunk = shrunk_variances(left[:, :rank], singular[:rank], gram, along[..., :rank])
-    return (left[:, :rank] * np.sqrt(shrunk)) @ right_t[:rank]
+    gram: the draws' N N' (draws, k, k); noise: N times the basis (draws, k, r). With the leading right
+    singular vectors as the basis, the truth is the shrunk truncated SVD."""
+    left, singular, right_t = np.linalg.svd(weighted @ basis, full_matrices=False)
+    shrunk = shrunk_variances(left, singular, gram, noise @ right_t.T)
+    return (left * np.sqrt(shrunk)) @ (basis @ right_t.T).T
 
 
 def shrunk_variances(left: np.ndarray, singular: np.ndarray, gram: np.ndarray, along: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from .inference import (
     Complement,
     Drawn,
     FamilySearch,
+    WhitenedDraws,
     add_one_share,
     basic_interval,
     corrected_radii,
@@ -96,7 +97,6 @@ class FactorFit:
     radius_cv_ci: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))
     sphere_null_p: float = np.nan  # "exactly on a sphere" (cv 0)
     sphere_p: np.ndarray = field(default_factory=lambda: np.full(2, np.nan))  # claims "on", "off"
-    whitened_basis: bool = False  # its directions stand above noise only in whitened coordinates (_whitened_basis)
 
     @property
     def variance_share(self) -> np.ndarray:
@@ -253,9 +253,10 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
 
 def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings,
            whitening: np.ndarray | None) -> None:
-    """Ranks (judged on the effects whitened by the noise covariance when it is anisotropic; kept unless
-    fixed), then intervals, claims and spheres in the original coordinates, from one set of noise draws,
-    for the factors whose directions stand above noise there too (the others: ``_whitened_basis``)."""
+    """Ranks, then intervals, claims and spheres, from one set of noise draws. Where the noise is
+    anisotropic (`whitening` P), ranks are judged and subspaces estimated in whitened coordinates and
+    mapped back (``_whitened_bases``); the draws estimate theirs the same way, so that the intervals
+    and claims are those of the estimator the fit used."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
     noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
@@ -266,36 +267,40 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
         svds = [np.linalg.svd(factor.weighted, full_matrices=False) for factor in white]
         white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), [])
         white_starts = np.concatenate([[0], np.cumsum([len(right) for _, _, right in svds])])
+    white_along = [white_noise.along[a][..., white_starts[a]: white_starts[a + 1]] for a in range(len(views))]
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
         n = len(fit.singular)
-        white_along = white_noise.along[a][..., white_starts[a]: white_starts[a + 1]]
-        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along, settings.rank_significance, n)
+        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along[a], settings.rank_significance, n)
         judged = None  # the shares the relevance floor reads: those of the coordinates the rank is judged in
         fit.white_singular = fit.singular
         if whitening is not None:
-            left, singular, right_t = svds[a]
+            left, singular, _ = svds[a]
             fit.white_singular = singular[:n]
-            judged = shares_of(shrunk_variances(left[:, :n], singular[:n], white_noise.gram[a], white_along[..., :n]),
+            judged = shares_of(shrunk_variances(left[:, :n], singular[:n], white_noise.gram[a], white_along[a][..., :n]),
                                significance[0])
         _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings, judged)
-        if whitening is not None and fit.rank and settings.rank is None:
-            raw = noise_rank(view.effects.weighted, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]],
-                             settings.rank_significance, fit.rank)[0]
-            if raw < fit.rank:
-                _whitened_basis(fit, right_t[: fit.rank].T, whitening)
-    structured = [a for a, fit in enumerate(layer.factors) if fit.rank and not fit.whitened_basis]
+    structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
     if not structured:
         return
+    if whitening is not None:
+        _whitened_bases([layer.factors[a] for a in structured], [svds[a][2] for a in structured], whitening)
     for a in structured:
         _class_radii(views[a], layer.factors[a])
     span = span_basis([layer.factors[a].basis for a in structured])
-    selected = np.concatenate([np.arange(starts[a], starts[a] + layer.factors[a].rank) for a in structured])
+    kept = [widths[a] if whitening is not None else layer.factors[a].rank for a in structured]  # columns spanning Y
+    selected = np.concatenate([np.arange(starts[a], starts[a] + n) for a, n in zip(structured, kept)])
     to_span = np.linalg.lstsq(columns[:, selected], span, rcond=None)[0]
     in_span = {a: noise.along[a][..., selected] @ to_span for a in structured}
     mean_noise = {a: noise.along[a][..., starts[-1] + a] for a in structured}
-    truths = {a: denoised(views[a].effects.weighted, layer.factors[a].rank, noise.gram[a],
-                          noise.along[a][..., starts[a]: starts[a + 1]]) for a in structured}
-    sources = {a: _Source(views[a], layer.factors[a], truths[a], span, noise.gram[a], in_span[a], mean_noise[a])
+    truths = {a: denoised(views[a].effects.weighted, layer.factors[a].basis, noise.gram[a],
+                          noise.along[a][..., starts[a]: starts[a + 1]] @ (views[a].directions.T @ layer.factors[a].basis))
+              for a in structured}
+    draws_of = dict.fromkeys(structured)
+    if whitening is not None:
+        white_span = whitening @ span
+        draws_of = {a: WhitenedDraws(white_noise.gram[a], np.tensordot(settings.draws, np.tensordot(
+            white[a].influence, white_span, axes=(2, 0)), axes=(1, 0)), white_span.T @ white_span) for a in structured}
+    sources = {a: _Source(views[a], layer.factors[a], truths[a], span, noise.gram[a], in_span[a], mean_noise[a], draws_of[a])
                for a in structured}
     for a in structured:
         _spheres(sources[a], settings)
@@ -325,14 +330,13 @@ def _rank(fit: FactorFit, view: FactorView, significance: tuple[int, np.ndarray]
         fit.basis = view.directions[:, : fit.rank]
 
 
-def _whitened_basis(fit: FactorFit, directions: np.ndarray, whitening: np.ndarray) -> None:
-    """A factor whose directions stand above noise only in whitened coordinates (noise of a few huge
-    dimensions hides them in the residual stream's own): its basis is their estimate there mapped back
-    (the whitened effects' row space is P U for a true basis U, P the whitening), orthonormalised. The
-    draws of the original coordinates cannot judge that estimate, so it has no intervals, claims or
-    sphere tests. directions: the leading right singular vectors of the whitened effects (d, rank)."""
-    fit.basis = np.linalg.qr(np.linalg.solve(whitening, directions))[0]
-    fit.whitened_basis = True
+def _whitened_bases(fits: list[FactorFit], right_ts: list[np.ndarray], whitening: np.ndarray) -> None:
+    """In a whitened layer, each factor's basis is its subspace estimated in whitened coordinates, mapped
+    back and orthonormalised: the whitened effects' row space is P U for a true basis U (P the whitening),
+    and a few dimensions of huge noise (massive activations, sink tokens) no longer decide which
+    directions lead. right_ts: the whitened effects' right singular vectors (components, d)."""
+    for fit, right_t in zip(fits, right_ts):
+        fit.basis = np.linalg.qr(np.linalg.solve(whitening, right_t[: fit.rank].T))[0]
 
 
 @dataclass
@@ -346,10 +350,11 @@ class _Source:
     gram: np.ndarray  # (draws, k, k)
     noise: np.ndarray  # N Y (draws, k, q)
     mean_noise: np.ndarray  # N mean (draws, k)
+    whitened: WhitenedDraws | None  # in a whitened layer: what the whitened estimate's draws need
 
     def drawn(self, truth: np.ndarray) -> Drawn:
         """The draws around a truth given by its coordinates (k, q) in the span Y."""
-        return drawn_subspaces(truth, self.gram, self.noise, self.fit.rank, self.complement)
+        return drawn_subspaces(truth, self.gram, self.noise, self.fit.rank, self.complement, self.whitened)
 
     @functools.cached_property
     def at_truth(self) -> Drawn:

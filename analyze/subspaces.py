@@ -453,7 +453,7 @@ def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, si
               drawn: bool) -> np.ndarray:
     """(layer, factor, other) relation from the ranks (layer, factor), the structure tests' adjusted
     p-values (NaN without a null) and the claims' adjusted p-values (layer, factor, other, claim;
-    NaN without draws, or for a factor of a whitened basis): see ``RELATION_RULE``."""
+    NaN without draws): see ``RELATION_RULE``."""
     structured = (rank > 0) & ~(structure_q > significance)
     both = structured[:, :, None] & structured[:, None, :]
     shown = claim_q <= significance
@@ -476,8 +476,8 @@ RELATION_RULE = (
     "no structure: either factor has rank 0 or its structure_q > significance; else the claim whose "
     "claim_q <= significance (Benjamini-Hochberg over every claim of the run): orthogonal (every principal "
     "angle above 90 - orthogonality_deg), dependent (the smallest angle below independence_deg), "
-    "independent (neither: the smallest angle shown between them); undetermined when no claim is shown or "
-    "either factor's basis is whitened (whitened_basis: no claims); empty without noise draws"
+    "independent (neither: the smallest angle shown between them); undetermined when no claim is shown; "
+    "empty without noise draws"
 )
 
 
@@ -594,7 +594,6 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
         "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
-        "whitened_basis": (fd, np.array([[f.whitened_basis for f in fits[layer].factors] for layer in layers], bool)),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -671,11 +670,9 @@ DESCRIPTIONS = {
     "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
                          "effect per document), estimated from the groups' residual sums; the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
-    "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged in "
-                "coordinates whitened by the analysed tokens' covariance around the fit (inference.noise_whitening)",
-    "whitened_basis": "the factor's directions stand above noise only in whitened coordinates: its basis is their "
-                      "estimate there mapped back to the residual stream; its angles are point estimates with no "
-                      "interval, claim or sphere test (relation undetermined)",
+    "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
+                "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
+                "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

@@ -426,7 +426,7 @@ def score(planted: Planted, subspaces, spheres, significance: float = 0.05) -> d
     scores["rank_exact_b"] = float(np.mean(rank_b == cell.rank_b))
     scores["rank_mean"], scores["rank_b_mean"] = float(np.mean(rank)), float(np.mean(rank_b))
     pair = subspaces.sel(factor=a, other=b)
-    given = exact & np.isfinite(pair["min_angle_ci"].values).all(axis=-1)  # no interval for a whitened basis
+    given = exact & np.isfinite(pair["min_angle_ci"].values).all(axis=-1)  # layers whose pair drew an interval
     scores["intervals_given"] = float(np.mean(given[exact])) if exact.any() else np.nan
     for name, column in (("min", 0), ("max", 1)):
         low, high = pair[f"{name}_angle_ci"].values.T

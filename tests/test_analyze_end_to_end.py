@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy.linalg import subspace_angles
+from sklearn.covariance import OAS
 
 import orthosphere.workflows
 from orthosphere.analyze import analyze, norm_spread, open_for_analysis, open_results, store_attention
@@ -65,12 +66,17 @@ def test_every_analysis_runs_on_an_extracted_store(extracted, tmp_path):
 
     spheres = results["spheres"]
     layer = 1  # the joint fit by brute force: role intercepts and every factor's one-hot columns, least squares
-    effects, counts, mean = _joint_effects(dataset, counted, layer, "digit_value", "digit")
+    effects, counts, mean, residuals = _joint_effects(dataset, counted, layer, "digit_value", "digit")
     rank = int(subspaces["subspace_rank"].sel(layer=layer, factor=FACTORS[0]))
     weighted = np.sqrt(counts)[:, None] * effects
-    expected_basis = np.linalg.svd(weighted, full_matrices=False)[2][:rank].T
+    whitening, tolerance = np.eye(weighted.shape[1]), 1e-3  # degrees
+    if subspaces["whitened"].sel(layer=layer).item():  # the residuals' OAS covariance^(-1/2), from X'X summed in float32
+        values, vectors = np.linalg.eigh(OAS(assume_centered=True).fit(residuals).covariance_)
+        whitening, tolerance = (vectors / np.sqrt(values)) @ vectors.T, 1e-2
+    right = np.linalg.svd(weighted @ whitening, full_matrices=False)[2][:rank].T
+    expected_basis = np.linalg.solve(whitening, right)
     found_basis = subspaces["basis"].sel(layer=layer, factor=FACTORS[0]).values[:, :rank]
-    assert np.degrees(subspace_angles(expected_basis, found_basis)).max() < 1e-3
+    assert np.degrees(subspace_angles(expected_basis, found_basis)).max() < tolerance
     radii = np.linalg.norm((mean + effects) @ found_basis, axis=1)
     found = spheres["class_radius"].sel(layer=layer, factor=FACTORS[0]).values[:10]
     np.testing.assert_allclose(found, radii, rtol=0.02)  # less each class effect's noise variance
@@ -107,7 +113,8 @@ def test_attention_recomputed_from_stored_q_k_is_the_models_own(extracted):
 
 def _joint_effects(dataset, counted, layer: int, label: str, role: str):
     """Centred effects (class, d) of `label`[role=...] from one least-squares fit of every factor of FACTORS
-    with one intercept per (pattern, role), its class counts and the mean of its tokens."""
+    with one intercept per (pattern, role), its class counts, the mean of its tokens and every token's
+    residual (token, d)."""
     x = dataset["resid_pre"].sel(layer=layer).values.astype("float64")[counted]
     roles = np.array(dataset["role"].values[counted].tolist())
     digit = roles == role
@@ -126,4 +133,4 @@ def _joint_effects(dataset, counted, layer: int, label: str, role: str):
     raw = theta[sizes[factor]: sizes[factor + 1]]
     counts = blocks[factor].sum(axis=0)
     effects = raw - counts @ raw / counts.sum()
-    return effects, counts, x[digit].mean(axis=0)
+    return effects, counts, x[digit].mean(axis=0), x - design @ theta

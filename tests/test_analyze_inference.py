@@ -24,6 +24,7 @@ from orthosphere.analyze.inference import (
     AngleFamilies,
     Complement,
     FamilySearch,
+    WhitenedDraws,
     basic_interval,
     benjamini_hochberg,
     cosines_against,
@@ -220,7 +221,8 @@ def test_denoising_shrinks_singular_values_back_to_the_truth():
         weighted, gram, along, truth = spiked(2, 2.0, rng)
         s_true = np.linalg.svd(truth, compute_uv=False)[:2]
         errors_raw.append(np.linalg.svd(weighted, compute_uv=False)[:2] - s_true)
-        errors_shrunk.append(np.linalg.svd(denoised(weighted, 2, gram, along), compute_uv=False)[:2] - s_true)
+        basis = np.linalg.svd(weighted, full_matrices=False)[2][:2].T
+        errors_shrunk.append(np.linalg.svd(denoised(weighted, basis, gram, along[..., :2]), compute_uv=False)[:2] - s_true)
     s = 2.0 * (20 * 60) ** 0.25
     assert np.mean(errors_raw) > 0.15 * s  # the noisy singular values sit well above the truth
     assert abs(np.mean(errors_shrunk)) < 0.05 * s
@@ -311,11 +313,51 @@ def test_draws_that_keep_every_direction_are_the_eigen_decompositions_subspaces(
     noise_full = centring @ rng.normal(size=(30, 6, 20))  # 30 draws in d = 20; Y: the first 9 coordinates
     gram, noise = noise_full @ np.swapaxes(noise_full, -1, -2), noise_full[..., :9]
     fast = drawn_subspaces(truth, gram, noise, 5, Complement.of(counts, gram, noise))
-    slow = drawn_subspaces(truth, gram, noise, 5)
-    projector = fast.scaled @ np.swapaxes(fast.scaled, -1, -2)
-    np.testing.assert_allclose(projector, slow.scaled @ np.swapaxes(slow.scaled, -1, -2), atol=1e-10)
+    slow = drawn_subspaces(truth, gram, noise, 5)  # its leading vectors found in float32
+    values, vectors = np.linalg.eigh(truth @ truth.T + truth @ np.swapaxes(noise, -1, -2)
+                                     + noise @ truth.T + gram)  # the float64 reference
+    scaled = vectors[..., ::-1][..., :5] / np.sqrt(values[:, ::-1][:, None, :5])
+    reference = scaled @ np.swapaxes(scaled, -1, -2)
+    np.testing.assert_allclose(fast.scaled @ np.swapaxes(fast.scaled, -1, -2), reference, atol=1e-10 * np.abs(reference).max())
+    np.testing.assert_allclose(slow.scaled @ np.swapaxes(slow.scaled, -1, -2), reference, atol=1e-5 * np.abs(reference).max())
     coordinates = fast.coordinates @ np.swapaxes(fast.coordinates, -1, -2)
-    np.testing.assert_allclose(coordinates, slow.coordinates @ np.swapaxes(slow.coordinates, -1, -2), atol=1e-9)
+    np.testing.assert_allclose(coordinates, slow.coordinates @ np.swapaxes(slow.coordinates, -1, -2),
+                               atol=1e-5 * np.abs(coordinates).max())
+
+
+def test_draws_estimated_whitened_are_the_whitened_subspaces_mapped_back():
+    """With a whitening P, each draw's U* spans P^-1 times the leading right singular vectors of (T + N) P,
+    built in d_model in float64 (the draws find their leading vectors in float32); it is orthonormal; and
+    its rows' coordinates are (T + N) U*. With P = I it is the unwhitened estimate's subspace."""
+    rng = np.random.default_rng(11)
+    d, n, k, rank = 14, 25, 6, 2
+    span = np.linalg.qr(rng.normal(size=(d, 5)))[0]  # Y
+    truth = rng.normal(size=(k, 5)) @ span.T
+    noise_full = rng.normal(size=(n, k, d)) * np.r_[8.0, 8.0, np.ones(d - 2)]  # two rogue dimensions
+    spread = rng.normal(size=(d, d))
+    whitening = spread @ spread.T / d + np.diag(np.r_[0.1, 0.1, np.ones(d - 2)])  # any symmetric positive definite P
+    squared = whitening @ whitening
+
+    def drawn(metric):
+        white = WhitenedDraws(noise_full @ metric @ np.swapaxes(noise_full, -1, -2), noise_full @ metric @ span,
+                              span.T @ metric @ span)
+        return drawn_subspaces(truth @ span, noise_full @ np.swapaxes(noise_full, -1, -2), noise_full @ span, rank,
+                               whitened=white)
+
+    fast = drawn(squared)
+    rows = truth + noise_full  # (n, k, d)
+    basis = np.swapaxes(rows, -1, -2) @ fast.scaled  # U* (n, d, r)
+    np.testing.assert_allclose(np.swapaxes(basis, -1, -2) @ basis, np.broadcast_to(np.eye(rank), (n, rank, rank)), atol=1e-10)
+    for draw in range(n):
+        right = np.linalg.svd(rows[draw] @ whitening)[2][:rank].T
+        expected = np.linalg.qr(np.linalg.solve(whitening, right))[0]
+        np.testing.assert_allclose(basis[draw] @ basis[draw].T, expected @ expected.T, atol=1e-5)  # found in float32
+    np.testing.assert_allclose(fast.coordinates, rows @ basis, atol=1e-9)
+    plain, identity = drawn_subspaces(truth @ span, noise_full @ np.swapaxes(noise_full, -1, -2), noise_full @ span, rank), \
+        drawn(np.eye(d))
+    projector = plain.scaled @ np.swapaxes(plain.scaled, -1, -2)
+    np.testing.assert_allclose(identity.scaled @ np.swapaxes(identity.scaled, -1, -2), projector,
+                               atol=1e-5 * np.abs(projector).max())
 
 
 def test_cosines_against_a_fixed_factors_draws_are_those_of_the_subspaces_in_d_model():

@@ -166,6 +166,12 @@ def test_factors_beside_rogue_dimensions_and_sink_tokens_keep_their_ranks(tmp_pa
     result = factor_subspaces(open_for_analysis(url), factors=["a", "b"], seed=1)
     assert np.all(result["structure_q"].values <= 0.05)
     assert np.sum(result["subspace_rank"].values == [2, 3]) >= 15  # of 16 (judged in raw coordinates: 5 of 16)
+    assert result["whitened"].values.all()
+    pair = result.sel(factor="a", other="b")
+    exact = (result["subspace_rank"].values == [2, 3]).all(axis=1)
+    assert np.isfinite(pair["min_angle_ci"].values[exact]).all()  # the whitened estimate's draws give intervals
+    assert np.sum(pair["min_angle_ci"].values[exact, 1] >= 89.0) >= exact.sum() - 2  # the planted pair is orthogonal
+    assert not np.isin(pair["relation"].values, ["dependent", "independent"]).any()
 
 
 def test_tokens_of_outlying_norm_are_counted(tmp_path):
