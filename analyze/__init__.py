@@ -126,6 +126,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          when the structure test is not shown (then its angles are NaN)
   outlier_tokens (layer)                 analysed tokens of norm above 10 times their block's median (sinks):
                                          counted, not left out
+  rounding_bias (layer)                  the store dtype's rounding of a class mean over the mean's noise
+                                         (above 1: intervals judge the stored, rounded values)
   unit_shared_noise (layer)              the share of a token's noise that its resampling unit's tokens share
                                          (a random effect per document), estimated from the groups' residual
                                          sums; the influences' correction assumes it (joint estimator)

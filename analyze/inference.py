@@ -177,6 +177,34 @@ def noise_whitening(covariance: np.ndarray, n_samples: int) -> np.ndarray | None
     return (vectors / np.sqrt(shrunk)) @ vectors.T
 
 
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
+"""The stored dtypes' fraction bits: a value of magnitude m is stored on a grid of spacing 2^(floor(log2 m) - bits)."""
+
+
+def rounding_bias(covariance: np.ndarray, second_moment: np.ndarray, class_size: float, dtype: str) -> float:
+    """How far the store's rounding can move a class mean, against that mean's noise: the largest over
+    coordinates of b / (sigma / sqrt(class_size)), with sigma the coordinate's noise spread per token
+    (the diagonal of `covariance`), its magnitude the root of `second_moment` (the tokens' mean
+    square, its diagonal), D the dtype's spacing there and b the RMS, over the unknown place of the mean
+    on the grid, of the mean rounding error of values spread by sigma around it:
+    b^2 = sum_k D^2 / (2 pi^2 k^2) exp(-4 pi^2 k^2 sigma^2 / D^2) (the Fourier series of the rounding
+    error; D^2 / 12 when sigma << D, nothing once sigma exceeds D). Above 1 the class means carry a
+    bias that their noise draws do not: intervals judge the stored values, not the ones before rounding."""
+    bits = MANTISSA_BITS.get(str(dtype))
+    sigma = np.sqrt(np.maximum(np.diag(covariance), 0.0))
+    magnitude = np.sqrt(np.maximum(second_moment, 0.0))
+    if bits is None or not class_size > 0 or not np.any(magnitude > 0):
+        return np.nan
+    spacing = np.exp2(np.floor(np.log2(np.maximum(magnitude, np.finfo(float).tiny))) - bits)
+    harmonics = np.arange(1, 257)[:, None]  # the series to within 0.2 % of D^2 / 12
+    bias = spacing * np.sqrt(np.sum(np.exp(-4 * np.pi**2 * harmonics**2 * (sigma / spacing) ** 2)
+                                    / (2 * np.pi**2 * harmonics**2), axis=0))
+    noise = sigma / np.sqrt(class_size)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(noise > 0, bias / noise, np.where(bias > 0, np.inf, 0.0))
+    return float(ratio.max())
+
+
 def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:
     """A factor's effects and influences in whitened coordinates (as they are without a whitening)."""
     if whitening is None:

@@ -43,6 +43,7 @@ from .inference import (
     noise_rank,
     noise_whitening,
     relevant_rank,
+    rounding_bias,
     shrunk_variances,
     span_basis,
     structure_p,
@@ -138,6 +139,7 @@ class LayerFit:
     outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
     shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
     whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.noise_whitening)
+    rounding_bias: float = np.nan  # the store's rounding of a class mean over its noise (inference.rounding_bias)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -176,12 +178,12 @@ class FactorView:
 
 def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
               traces: list[NoiseTraces] | None, shared: SharedNoise | None, settings: DrawSettings,
-              heads: dict[str, list[np.ndarray]], radial: list[np.ndarray]) -> LayerFit | None:
+              heads: dict[str, list[np.ndarray]], radial: list[np.ndarray], dtype: str | None = None) -> LayerFit | None:
     """Every factor's subspace at one layer and what its draws say (None when the layer holds NaN or
     Inf: the finite check then names them). traces: ``design.noise_traces`` of independent tokens (None
     without groups); shared: the layer's share of noise shared within units is estimated with it, and
     the influences and traces follow it (None: tokens independent); radial: per factor, which classes
-    enter the radius statistics."""
+    enter the radius statistics; dtype: the store's, whose rounding is weighed against the noise."""
     parts = packer.unpack(vector)
     if parts["nonfinite"]:
         return None
@@ -196,10 +198,12 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         effects = joint_effects(theta, residuals, layout, counts, maps)
     else:
         effects = marginal_effects(sums, counts, layout)
-    whitening = None
+    whitening, bias = None, np.nan
     if "gram" in parts:
         covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
         whitening = noise_whitening(covariance, n_tokens)
+        class_size = np.median(np.concatenate([counts.factor_counts(layout, a) for a in range(len(effects))]))
+        bias = rounding_bias(covariance, np.diag(parts["gram"]) / max(n_tokens, 1), class_size, dtype)
     views = []
     for a, factor in enumerate(effects):
         block = layout.block(a)
@@ -209,7 +213,7 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a], whitening) for a, view in enumerate(views)]
-    layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None)
+    layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None, bias)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
         _infer(layer, views, counts, layout, pairs, settings, whitening)

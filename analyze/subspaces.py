@@ -117,18 +117,18 @@ def d_model_site(dataset: xr.Dataset, site: str, purpose: str) -> xr.DataArray:
 
 def _design_sums(x, groups, columns, *, packer: Packer, n_columns: int, n_groups: int):
     """Sums of the token vectors per (group, design column), of their squared norms per column, their
-    Gram matrix X'X (d, d: for the noise covariance that whitens the tests), the count of non-finite ones
-    and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the block's median). A
-    (group, class) cell of one block sums few tokens, so float32 sums lose nothing that matters; blocks
-    are then accumulated in float64."""
+    second moments X'X (d, d: for the noise covariance that whitens the tests), the count of non-finite
+    ones and of outliers (analysed tokens whose norm exceeds OUTLIER_NORM times the block's median).
+    Summed in float64: the fit and the noise covariance subtract the means' part from these sums, and a
+    noise far below the tokens' magnitude (a residual stream's mean, strong class effects) would be lost
+    to float32's rounding."""
     squares = square_norms(x).ravel()
-    vectors = x.reshape(-1, x.shape[-1])
+    vectors = x.reshape(-1, x.shape[-1]).astype("float64")
     columns = columns.reshape(len(vectors), -1)
     token_group = groups.ravel()
     rows, which = np.nonzero(columns >= 0)
     index = token_group[rows] * n_columns + columns[rows, which]
-    onehot = sparse.csr_matrix((np.ones(rows.size, dtype=vectors.dtype), (index, rows)),
-                               shape=(n_groups * n_columns, len(vectors)))
+    onehot = sparse.csr_matrix((np.ones(rows.size), (index, rows)), shape=(n_groups * n_columns, len(vectors)))
     column_squares = np.bincount(columns[rows, which], weights=squares[rows].astype("float64"), minlength=n_columns)
     analysed = columns[:, 0] >= 0
     counted = squares[analysed]
@@ -310,7 +310,7 @@ class FactorSubspaces:
             vector = sample_block_sums(kernel, packer.size, layer_data(array, layer), groups, columns)
             (chunk,) = vector.to_delayed(optimize_graph=False)  # unoptimised: its reads stay shared
             fit = dask.delayed(_fit_layer_of_design)(chunk, shared, packer=packer, settings=settings,
-                                                     heads=heads.get(layer, {}))
+                                                     heads=heads.get(layer, {}), dtype=dataset.attrs.get("dtype"))
             lazy[layer] = (vector[packer.offsets["nonfinite"]], fit)
             finite.reads(layer, (self.site, layer))
 
@@ -321,6 +321,7 @@ class FactorSubspaces:
             self.resampling_ = units.attrs(self.seed, n_groups)
             self.n_tokens_ = {name: int(classes[name].counts.sum()) for name in names}
             self.fits_ = {layer: fit for layer, (_, fit) in computed.items()}
+            _warn_rounding(self.fits_, dataset.attrs.get("dtype"), url)
             self.has_weights_ = bool(heads)
             self.d_model_ = dataset.sizes["d_model"]
             self.heads_ = {"q": dataset["head"].values, "k": dataset["kv_head"].values}
@@ -431,6 +432,17 @@ def _log_design(design: Design, url: str) -> None:
             "strongly associated (%s), which inflates the noise of their effects %s-fold; read their angles with "
             "their intervals, or drop one of the associated factors", url, solution.condition, CONDITION_WARNING,
             strongest, {name: round(float(v), 1) for name, v in zip(layout.names, solution.variance_inflation)})
+
+
+def _warn_rounding(fits: dict[int, LayerFit | None], dtype: str | None, url: str) -> None:
+    """Say which layers' class means the store's rounding moves more than their noise does."""
+    biased = [layer for layer, fit in fits.items() if fit is not None and fit.rounding_bias > 1]
+    if biased:
+        worst = max(fits[layer].rounding_bias for layer in biased)
+        log.warning(
+            "subspaces of %s: in layers %s the %s rounding of the stored values can move a class mean up to %.3g times "
+            "its noise (rounding_bias): their intervals judge the stored values, not those before rounding; store "
+            "float32 activations to remove it", url, biased, dtype, worst)
 
 
 def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
@@ -594,6 +606,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
         "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
+        "rounding_bias": (("layer",), [fits[layer].rounding_bias for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -670,6 +683,10 @@ DESCRIPTIONS = {
     "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
                          "effect per document), estimated from the groups' residual sums; the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
+    "rounding_bias": "how far the store dtype's rounding can move a class mean, over that mean's noise (the largest "
+                     "over coordinates, for the median class size; inference.rounding_bias): above 1 the intervals, "
+                     "which model the noise only, judge the stored values and may miss those before rounding; NaN "
+                     "where the tests are not whitened (the tokens' covariance is not streamed)",
     "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
                 "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
                 "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",

@@ -433,6 +433,27 @@ def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_free
     assert interval_levels(0.9, 2)[0] < 1e-6  # two groups hardly estimate the noise's variance
 
 
+def test_the_rounding_bias_is_a_uniform_errors_spread_below_the_spacing_and_vanishes_above_it():
+    """Values of magnitude 5 in float16 (spacing 2^-8): with noise far below the spacing, a class mean's
+    rounding error is uniform over the spacing, sd 2^-8 / sqrt(12); with noise of a spacing or more it
+    averages away. The ratio is that bias over the mean's noise sigma / sqrt(n)."""
+    from orthosphere.analyze.inference import rounding_bias
+
+    spacing, n = 2.0**-8, 400
+    second = np.full(2, 25.0)
+    for sigma, expected in ((1e-6, spacing / np.sqrt(12)), (2 * spacing, 0.0)):
+        ratio = rounding_bias(np.diag([sigma**2, sigma**2]), second, n, "float16")
+        assert ratio == pytest.approx(expected / (sigma / np.sqrt(n)), rel=5e-3, abs=1e-6)  # 256 harmonics
+    rng = np.random.default_rng(3)  # against the rounding of simulated means at a noise of a quarter spacing
+    sigma = spacing / 4
+    means = 5 + rng.random(4000) * spacing
+    errors = (means[:, None] + sigma * rng.normal(size=(4000, 2000))).astype(np.float16).astype(float).mean(axis=1) - means
+    measured = np.sqrt(np.mean(errors**2) - sigma**2 / 2000)
+    bias = rounding_bias(np.diag([sigma**2]), np.array([25.0]), 1, "float16") * sigma
+    assert bias == pytest.approx(measured, rel=0.05)
+    assert np.isnan(rounding_bias(np.eye(2), second, n, "int8"))
+
+
 def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
     """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic
     noise; two dimensions of 8 times the others' spread are whitened."""

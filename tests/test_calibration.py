@@ -202,6 +202,18 @@ def test_the_float16_cell_holds_its_twin_rounded_to_float16(tmp_path):
     assert FLOAT16_NOISE / 3 < rounding < 3 * FLOAT16_NOISE  # as large as the noise: the rounding is there
 
 
+def test_the_float16_cells_rounding_is_flagged_and_its_twin_is_judged_as_isotropic(tmp_path):
+    """float16's spacing exceeds the cell's noise: the class means' rounding bias is many times their noise
+    (rounding_bias > 1 in every layer). The float32 twin, noise a thousandth of its values' magnitude and
+    of its class effects, keeps that noise through the sums (float64): nothing to flag, nothing to whiten."""
+    cell = Cell(departure="float16", n_classes=6, rank=3, truth="orthogonal", confounded=True, signal="strong",
+                n_layers=3)
+    rounded = run(plant(cell, tmp_path))[0]
+    assert np.all(rounded["rounding_bias"].values > 2)
+    twin = run(plant(twin_of(cell), tmp_path))[0]
+    assert np.all(twin["rounding_bias"].values < 1e-3) and not twin["whitened"].values.any()
+
+
 def test_a_zipf_vocabulary_is_text_with_most_tokens_beyond_the_kept_classes(tmp_path):
     cell = Cell(departure="vocabulary", n_classes=20000, zipf=True, rank=3, sphere="on", truth="orthogonal",
                 n_samples=512, n_pos=33, n_layers=1)
