@@ -130,7 +130,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          (above 1: intervals judge the stored, rounded values)
   unit_shared_noise (layer)              the share of a token's noise that its resampling unit's tokens share
                                          (a random effect per document), estimated from the groups' residual
-                                         sums; the influences' correction assumes it (joint estimator)
+                                         sums (whitened where the tests are); the influences' correction
+                                         assumes it (joint estimator)
   significance_rank (layer, factor)      directions standing above noise (deflated parallel analysis of the
                                          effects, whitened where the noise is anisotropic; each step at
                                          rank_significance), before the floor

@@ -188,22 +188,22 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     if parts["nonfinite"]:
         return None
     sums = parts["sums"]
-    share = 0.0
+    share, whitening, bias = 0.0, None, np.nan
     if solution is not None:
         theta, residuals = joint_fit(sums, counts, solution)
+        if "gram" in parts:  # the tokens' covariance around the fit: whitening and the rounding's weight
+            covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
+            whitening = noise_whitening(covariance, n_tokens)
+            class_size = np.median(np.concatenate([counts.factor_counts(layout, a) for a in range(len(layout.names))]))
+            bias = rounding_bias(covariance, np.diag(parts["gram"]) / max(n_tokens, 1), class_size, dtype)
         maps = solution.influence_maps
-        share = shared.estimate(residuals) if shared is not None else 0.0
+        if shared is not None:  # judged whitened where the tests are: a few huge dimensions do not set it
+            share = shared.estimate(residuals if whitening is None else residuals @ whitening)
         if share > 0:
             maps, traces = shared.corrections(share)
         effects = joint_effects(theta, residuals, layout, counts, maps)
     else:
         effects = marginal_effects(sums, counts, layout)
-    whitening, bias = None, np.nan
-    if "gram" in parts:
-        covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
-        whitening = noise_whitening(covariance, n_tokens)
-        class_size = np.median(np.concatenate([counts.factor_counts(layout, a) for a in range(len(effects))]))
-        bias = rounding_bias(covariance, np.diag(parts["gram"]) / max(n_tokens, 1), class_size, dtype)
     views = []
     for a, factor in enumerate(effects):
         block = layout.block(a)

@@ -681,7 +681,7 @@ DESCRIPTIONS = {
     "outlier_tokens": "analysed tokens whose norm exceeds OUTLIER_NORM (10) times the median of their block of "
                       "samples (sink tokens beyond the start token): counted, not left out of the fit",
     "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
-                         "effect per document), estimated from the groups' residual sums; the corrections of the "
+                         "effect per document), estimated from the groups' residual sums (whitened where the tests are); the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
     "rounding_bias": "how far the store dtype's rounding can move a class mean, over that mean's noise (the largest "
                      "over coordinates, for the median class size; inference.rounding_bias): above 1 the intervals, "

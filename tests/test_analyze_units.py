@@ -95,3 +95,24 @@ def test_a_store_of_one_document_is_refused_and_fewer_documents_than_groups_are_
         result = FactorSubspaces(factors=["parity"], rank=1, n_bootstrap=0, n_null=99).fit(few).to_dataset()
     assert "holds 6 resampling units" in caplog.text and "fewer than bootstrap_groups=32" in caplog.text
     assert result.attrs["n_units"] == 6 and result.attrs["occupied_groups"] <= 6
+
+
+def test_a_huge_dimension_shared_within_documents_does_not_set_the_share_of_the_others(tmp_path, monkeypatch):
+    """Independent noise in 15 dimensions and, in a 16th of 6 times their spread, an offset per document of
+    30 times (as a document's sink-like tokens give): the tests are whitened there, and the share of noise
+    shared within documents is judged whitened, where that dimension is one of 16; judged raw, it alone
+    sets a share four times larger, and every other dimension's noise would be corrected as shared."""
+    rng = np.random.default_rng(4)
+    n_samples, d = 400, 16
+    documents = windows_of([int(n) for n in rng.integers(3, 30, size=200)])[:n_samples]
+    x = rng.normal(size=(len(documents), 1, N_POS, d))
+    offsets = 30.0 * rng.normal(size=documents.max() + 1)
+    x[..., 0] += 6.0 * rng.normal(size=x.shape[:3]) + np.where(documents >= 0, offsets[np.maximum(documents, 0)], 0.0)[:, None]
+    labels = {"document": np.asarray(documents, "int16"),
+              "parity": np.broadcast_to(np.arange(N_POS) % 2, documents.shape).astype("int16")}
+    url = write_store(tmp_path / "rogue-documents.zarr", {"resid_pre": x}, labels=labels, with_weights=False)
+    whitened = FactorSubspaces(factors=["parity"], seed=1).fit(open_for_analysis(url)).to_dataset()
+    assert bool(whitened["whitened"].values[0]) and whitened["unit_shared_noise"].values[0] < 0.08
+    monkeypatch.setattr("orthosphere.analyze.layer.noise_whitening", lambda covariance, n_samples: None)
+    raw = FactorSubspaces(factors=["parity"], seed=1).fit(open_for_analysis(url)).to_dataset()
+    assert raw["unit_shared_noise"].values[0] > 0.12
