@@ -461,15 +461,30 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
         guess_low, guess_high = basic_interval(angle, fitted_angles[:, column], settings.confidence)
         pair.extremes_ci[index] = [search.crossing(lower, column, high, angle, guess_low),
                                    search.crossing(upper, column, low, angle, guess_high)]
-    pair.estimate = _median_unbiased(pair.angles, families.estimate, angles_at, pair.extremes_ci)
-    first_angle = pair.angles[0]
-    pair.claim_p = np.array([
-        tail_p(edges["smallest"][0], first_angle, upper=True),
-        tail_p(edges["equal"][1], first_angle, upper=False),
-        max(tail_p(edges["equal"][0], first_angle, upper=False), tail_p(edges["smallest"][1], first_angle, upper=True)),
-    ])
+    if _unbracketed(pair, settings):
+        pair.extremes_ci[:] = np.nan
+    else:
+        pair.estimate = _median_unbiased(pair.angles, families.estimate, angles_at, pair.extremes_ci)
+        first_angle = pair.angles[0]
+        pair.claim_p = np.array([
+            tail_p(edges["smallest"][0], first_angle, upper=True),
+            tail_p(edges["equal"][1], first_angle, upper=False),
+            max(tail_p(edges["equal"][0], first_angle, upper=False), tail_p(edges["smallest"][1], first_angle, upper=True)),
+        ])
     _pair_cross_terms(pair, first, second, fitted[1:], draw(np.full(m, 90.0))[1:], contingency, settings)
     return pair
+
+
+def _unbracketed(pair: PairFit, settings: DrawSettings) -> bool:
+    """Whether the draws failed to bracket the measurement: the smallest angle's interval pinned at 90
+    degrees although the measured smallest angle lies below the orthogonal boundary, or the largest's
+    pinned at 0 although the measured largest lies above the dependent one. The draws around every truth
+    of the family then lie beyond what was measured (seen where a factor keeping all its directions meets
+    one estimated whitened from few tokens, its own estimate's tilt drawn again around it): no truth
+    explains the data, and the pair gets no interval, estimate or claim (relation "undetermined")."""
+    smallest, largest = pair.extremes_ci
+    return bool((np.all(smallest == 90.0) and pair.angles[0] < settings.orthogonal_deg)
+                or (np.all(largest == 0.0) and pair.angles[-1] > settings.dependent_deg))
 
 
 def _bias_corrected(angles: np.ndarray, truth: np.ndarray, drawn: np.ndarray) -> np.ndarray:

@@ -470,3 +470,22 @@ def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic
     np.testing.assert_allclose(whitening @ shrunk @ whitening, np.eye(12), atol=1e-9)
     isotropic = rng.normal(size=(300, 12))
     assert noise_whitening(isotropic.T @ isotropic / 300, 300) is None
+
+
+def test_an_interval_pinned_at_the_end_of_its_family_far_from_the_measurement_withholds_the_pair():
+    """The smallest angle's interval at [90, 90] for a measured 34 degrees (every truth's draws fall below
+    it) or the largest's at [0, 0] for a measured 70: no truth explains the data. Pinned at 90 for a
+    measured 89 is an orthogonal pair's ordinary interval."""
+    from types import SimpleNamespace
+
+    from orthosphere.analyze.layer import PairFit, _unbracketed
+
+    settings = SimpleNamespace(orthogonal_deg=80.0, dependent_deg=10.0)
+    pinned = PairFit(np.array([34.0, 42.0]), extremes_ci=np.array([[90.0, 90.0], [40.0, 90.0]]))
+    assert _unbracketed(pinned, settings)
+    low = PairFit(np.array([60.0, 70.0]), extremes_ci=np.array([[50.0, 80.0], [0.0, 0.0]]))
+    assert _unbracketed(low, settings)
+    orthogonal = PairFit(np.array([89.0, 89.5]), extremes_ci=np.array([[90.0, 90.0], [89.0, 90.0]]))
+    assert not _unbracketed(orthogonal, settings)
+    ordinary = PairFit(np.array([34.0, 42.0]), extremes_ci=np.array([[30.0, 40.0], [38.0, 50.0]]))
+    assert not _unbracketed(ordinary, settings)
