@@ -87,6 +87,7 @@ def build(directory: str, layers: int, n_paragraphs: int) -> tuple[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     paragraphs = prose(n_paragraphs)
+    Path(directory).mkdir(parents=True, exist_ok=True)  # a --dir that does not exist yet
     corpus = os.path.join(directory, "corpus.txt")
     Path(corpus).write_text("\n".join(paragraphs) + "\n")
     backend = Tokenizer(models.BPE())
