@@ -471,7 +471,7 @@ def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, si
     shown = claim_q <= significance
     relation = np.select([shown[..., i] for i in range(len(CLAIMS))], list(CLAIMS), "undetermined")
     relation = np.where(both, relation, "no structure")
-    tested = np.isfinite(claim_q).any(axis=-1) | ~both | drawn
+    tested = ~both | drawn  # with draws every structured pair has claims (NaN where withheld: undetermined)
     n = rank.shape[1]
     relation = np.where(tested & ~np.eye(n, dtype=bool)[None], relation, "")
     return relation.astype(object)
