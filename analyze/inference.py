@@ -67,7 +67,9 @@ layer, so that the draws keep the correlation of factors read on the same tokens
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -392,13 +394,42 @@ def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank
 
 
 def _leading_vectors(matrices: np.ndarray, rank: int) -> np.ndarray:
-    """Eigenvectors of the `rank` largest eigenvalues of symmetric matrices (draws, k, k), found in float32
-    by torch's batched eigen-decomposition (several times faster than numpy's in float64 at k = 64): only
-    their span is used, and ``_orthonormalising`` makes the basis exact in float64."""
-    import torch
-
-    vectors = torch.linalg.eigh(torch.from_numpy(np.ascontiguousarray(matrices, dtype=np.float32)))[1].numpy()
+    """Eigenvectors of the `rank` largest eigenvalues of symmetric matrices (draws, k, k): torch's batched
+    decomposition in float32 where torch is installed (several times faster than numpy's in float64 at
+    k = 64), numpy's otherwise. Only their span is used, and ``_orthonormalising`` makes the basis exact
+    in float64. (A block Krylov space from the draws' mean matrix was tried for low ranks: the weak
+    directions that decide a rank sit within a few per cent of the noise's bulk, and most draws did
+    not converge.)"""
+    try:
+        import torch
+    except ImportError:
+        return np.linalg.eigh(matrices)[1][..., ::-1][..., :rank]
+    with one_torch_thread(torch):
+        vectors = torch.linalg.eigh(torch.from_numpy(np.ascontiguousarray(matrices, dtype=np.float32)))[1].numpy()
     return vectors[..., ::-1][..., :rank].astype(np.float64)
+
+
+_torch_threads = {"lock": threading.Lock(), "users": 0, "saved": 1}
+
+
+@contextlib.contextmanager
+def one_torch_thread(torch):
+    """torch's own threads held at one while any thread decomposes, and set back after the last: the
+    analyses' parallelism is Dask's threads, one a core, and torch's threads on top oversubscribe
+    the cores (the language-model store's subspaces: 60 s instead of 43 s)."""
+    state = _torch_threads
+    with state["lock"]:
+        if state["users"] == 0:
+            state["saved"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        state["users"] += 1
+    try:
+        yield
+    finally:
+        with state["lock"]:
+            state["users"] -= 1
+            if state["users"] == 0:
+                torch.set_num_threads(state["saved"])
 
 
 def _orthonormalising(leading: np.ndarray, total: np.ndarray) -> np.ndarray:

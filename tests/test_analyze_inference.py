@@ -3,6 +3,8 @@ traces of the structure test, the noise-aware rank, the shrinkage of singular va
 target angles, the search of a family of truths, Benjamini-Hochberg and the tail p-values."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from scipy import sparse
@@ -358,6 +360,43 @@ def test_draws_estimated_whitened_are_the_whitened_subspaces_mapped_back():
     projector = plain.scaled @ np.swapaxes(plain.scaled, -1, -2)
     np.testing.assert_allclose(identity.scaled @ np.swapaxes(identity.scaled, -1, -2), projector,
                                atol=1e-5 * np.abs(projector).max())
+
+
+def test_leading_vectors_without_torch_and_torchs_threads_set_back(monkeypatch):
+    """Without torch the leading vectors come from numpy's float64 decomposition and span what torch's
+    float32 one spans; while torch decomposes, its own threads are one (the analyses' threads are Dask's),
+    and the caller's setting is back afterwards, also after decompositions on several threads at once."""
+    import threading
+
+    import torch
+
+    from orthosphere.analyze import inference
+
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(20, 8, 30)) * np.r_[5.0, 3.0, np.ones(28)]
+    matrices = rows @ np.swapaxes(rows, -1, -2)
+    values, vectors = np.linalg.eigh(matrices)
+    reference = vectors[..., -3:] @ np.swapaxes(vectors[..., -3:], -1, -2)  # the float64 reference
+    seen = []
+    original_eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda m: (seen.append(torch.get_num_threads()), original_eigh(m))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        workers = [threading.Thread(target=inference._leading_vectors, args=(matrices, 3)) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        with_torch = inference._leading_vectors(matrices, 3)
+        assert seen == [1] * 5 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    without_torch = inference._leading_vectors(matrices, 3)
+    gap = np.min(values[:, -3] - values[:, -4]) / np.max(values)
+    np.testing.assert_allclose(without_torch @ np.swapaxes(without_torch, -1, -2), reference, atol=1e-12 / gap)
+    np.testing.assert_allclose(with_torch @ np.swapaxes(with_torch, -1, -2), reference, atol=1e-6 / gap)  # float32
 
 
 def test_cosines_against_a_fixed_factors_draws_are_those_of_the_subspaces_in_d_model():
