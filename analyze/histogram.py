@@ -26,15 +26,23 @@ POOL_BLOCK = 64
 """Groups shifted to value / median at once when pooling: a few MiB per (groups, N_BINS + 1) array."""
 
 
-def log_histogram(values: np.ndarray, weights: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
-    """Weighted counts (n_groups, N_SLOTS) of values per group (arrays of one shape)."""
+def log_histogram(values: np.ndarray, weights: np.ndarray | None = None, groups: np.ndarray | None = None,
+                  n_groups: int = 1) -> np.ndarray:
+    """Weighted counts (n_groups, N_SLOTS) of values per group (arrays of one shape); without weights
+    every value counts once, without groups all are in one."""
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log(np.asarray(values, dtype="float32").ravel())
-    slots = np.floor((logs - np.float32(LOG_LOW)) * np.float32(1 / BIN_WIDTH)) + 1
-    slots = np.clip(np.nan_to_num(slots, nan=0.0, neginf=0.0, posinf=N_SLOTS - 1), 0, N_SLOTS - 1)
-    index = np.asarray(groups).ravel() * N_SLOTS + slots.astype("int64")
-    counts = np.bincount(index, weights=np.asarray(weights, dtype="float64").ravel(), minlength=n_groups * N_SLOTS)
-    return counts.reshape(n_groups, N_SLOTS)
+        logs -= np.float32(LOG_LOW)
+        logs *= np.float32(1 / BIN_WIDTH)
+    np.floor(logs, out=logs)
+    np.nan_to_num(logs, copy=False, nan=-1.0, neginf=-1.0, posinf=N_SLOTS)
+    np.clip(logs, -1, N_SLOTS - 2, out=logs)
+    index = logs.astype(np.intp) + 1  # slot 0: below e^LOG_LOW, zeros and NaN included
+    if groups is not None:
+        index += np.asarray(groups).ravel() * N_SLOTS
+    weights = None if weights is None else np.asarray(weights, dtype="float64").ravel()
+    counts = np.bincount(index, weights=weights, minlength=n_groups * N_SLOTS)
+    return counts.reshape(n_groups, N_SLOTS).astype("float64")
 
 
 def _cumulative(flat: np.ndarray) -> np.ndarray:

@@ -107,8 +107,8 @@ def _block_sums(x, valid, samples, *rest, summed: Packer, maximised: Packer, gro
             "other_norm": per_group(np.where(other, norms, 0).sum(axis=1)),
             "other_log_norm": per_group(np.where(other & (norms > 0), np.log(np.where(norms > 0, norms, 1)), 0).sum(axis=1)),
             "other_count": per_group(other.sum(axis=1)),
-            "value_histogram": log_histogram(magnitudes, np.ones(magnitudes.shape), np.zeros(magnitudes.shape, "int64"), 1)[0],
-            "norm_histogram": log_histogram(norms[other], np.ones(int(other.sum())), np.zeros(int(other.sum()), "int64"), 1)[0],
+            "value_histogram": log_histogram(magnitudes)[0],
+            "norm_histogram": log_histogram(norms[other])[0],
         }
         sums.update(_scale_sums(scale, other, per_group, n_groups))
         sums.update(_attention_sums(rest, valid, start, other, groups, n_groups, n_heads, terms, source, thresholds, device))

@@ -132,7 +132,7 @@ def _site_histograms(norms, mask, *attention, site_kind, n_heads, n_groups):
     nonfinite = np.count_nonzero(~np.isfinite(norms)) + sum(np.count_nonzero(~np.isfinite(a)) for a in attention)
     weights = mask.astype("float32")
     if site_kind == "d_model" and not attention:
-        counts = log_histogram(norms, weights, np.zeros(norms.shape, dtype="int64"), 1)
+        counts = log_histogram(norms, weights)
     elif site_kind == "d_model":
         values = np.broadcast_to(norms[:, None, :], attention[0].shape)
         counts = log_histogram(values, attention[0], _head_index(values.shape, 1), n_heads)

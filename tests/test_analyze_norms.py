@@ -229,6 +229,29 @@ def test_results_say_which_norm_produced_each_site(tmp_path):
     assert normalised_by(post, "attn_in") == "" and normalised_by({"norm_placement": "qkv", "norm_type": "rms"}, "v") != ""
 
 
+def test_log_histogram_slots_every_value_as_the_definition_says():
+    """Each value lands in slot floor((log v - LOG_LOW) / BIN_WIDTH) + 1, zeros, NaN and values below
+    e^LOG_LOW in slot 0, infinities and values above e^LOG_HIGH in the last; weights add, groups keep
+    their own rows; without weights or groups every value counts once in one row."""
+    from orthosphere.analyze.histogram import BIN_WIDTH, LOG_LOW, N_SLOTS, log_histogram
+    rng = np.random.default_rng(5)
+    values = np.exp(rng.uniform(-25.0, 25.0, 3000)).astype("float32")
+    values[:30] = [0.0] * 10 + [np.nan] * 10 + [np.inf] * 10
+    weights, groups = rng.random(3000), rng.integers(0, 4, 3000)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(values.astype("float64"))
+    expected_slot = np.where(np.isfinite(logs), np.floor((logs - LOG_LOW) / BIN_WIDTH) + 1, np.where(logs == np.inf, N_SLOTS - 1, 0))
+    expected_slot = np.clip(expected_slot, 0, N_SLOTS - 1).astype(int)
+    on_an_edge = np.isfinite(logs) & (np.abs((logs - LOG_LOW) / BIN_WIDTH - np.round((logs - LOG_LOW) / BIN_WIDTH)) < 1e-3)
+    keep = ~on_an_edge  # float32's log may round across a bin edge there
+    expected = np.zeros((4, N_SLOTS))
+    np.add.at(expected, (groups[keep], expected_slot[keep]), weights[keep])
+    np.testing.assert_allclose(log_histogram(values[keep], weights[keep], groups[keep], 4), expected, atol=1e-12)
+    plain = log_histogram(values[keep])
+    assert plain.shape == (1, N_SLOTS) and plain.dtype == np.float64
+    np.testing.assert_array_equal(plain[0], np.bincount(expected_slot[keep], minlength=N_SLOTS))
+
+
 def test_summarise_matches_a_per_group_reference():
     """summarise (all groups at once) against each group's own np.interp cdf: quantiles by bisection of
     that cdf, the band as the smallest p holding the mass, the ratio histogram from cdf differences;
