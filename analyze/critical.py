@@ -14,50 +14,89 @@ linear in s, so each collapses on a ray (s_c, inf). The measured collapse holds 
 some key's D_t is positive only between two roots (a factor 1 + s u_q <= 0, or a bias): such rows
 are flagged and evaluated at the points asked for.
 
-Every array here is (key, row) for rows of sparse instances, float64.
+Every array here is (key, row) for rows of sparse instances, float64, or flat entries (key, row) of
+such arrays with their rows' indices.
+
+Bounded noise (uniform unit-RMS noise lies within sqrt(3)) lets most keys be left out of the measured
+and the exact collapse: with |u| <= U and s <= s_max < 1 / U, D_t(s) <= (1 - s_max U) m_t + (b_t - b*)
+when m_t = alpha + s_max U (|x_t| + |x*|) <= 0, and C + beta s <= C + s_max U (|x_t| + |x*|); a key for
+which both bounds stay below zero can never overtake its winner up to s_max in any draw
+(``near_keys``). In a real model's sparse rows about 1 % of the (key, row) entries remain. Theorem 7's
+first order keeps every key (its u_q alpha s term is not bounded by the clean gap).
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def key_coefficients(x: np.ndarray, bias: np.ndarray, u_key: np.ndarray, u_query: np.ndarray,
-                     winner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(A, B, C, beta) of D_t(s) for every key and row; C is -inf for keys the query may not see and at
-    most 0 (the winner holds the largest clean score; a float32 near-tie counts as a tie)."""
+def clean_differences(x: np.ndarray, bias: np.ndarray, winner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha, C) of D_t(s), which no draw changes: alpha = x_t - x*, C = alpha + (b_t - b*), -inf for keys
+    the query may not see and at most 0 (the winner holds the largest clean score; a float32 near-tie
+    counts as a tie); both 0 at the winner."""
     rows = np.arange(x.shape[1])
-    x_win, u_win, b_win = x[winner, rows], u_key[winner, rows], bias[winner, rows]
-    alpha = x - x_win
-    beta = x * u_key - x_win * u_win
+    alpha = x - x[winner, rows]
     with np.errstate(invalid="ignore"):
-        constant = np.minimum(alpha + (bias - b_win), 0.0)
+        constant = np.minimum(alpha + (bias - bias[winner, rows]), 0.0)
     constant[winner, rows] = 0.0
-    beta[winner, rows] = 0.0
     alpha[winner, rows] = 0.0
-    return u_query * beta, beta + u_query * alpha, constant, beta
+    return alpha, constant
 
 
-def linear_critical(constant: np.ndarray, slope: np.ndarray) -> np.ndarray:
-    """(row,) smallest s >= 0 beyond which some key has constant + slope s > 0; inf if none."""
+def noise_slopes(x: np.ndarray, u_key: np.ndarray, winner: np.ndarray) -> np.ndarray:
+    """beta = x_t u_t - x* u* of one draw (0 at the winner)."""
+    rows = np.arange(x.shape[1])
+    beta = x * u_key
+    beta -= beta[winner, rows]
+    return beta
+
+
+def near_keys(x: np.ndarray, winner: np.ndarray, alpha: np.ndarray, constant: np.ndarray, s_max: float,
+              bound: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """The flat entries (key, row), sorted by row, of the keys that noise within `bound` (the largest
+    |u|; None: unbounded) may let overtake their row's winner up to s_max, in the measured collapse
+    (the quadratic) or the exact condition (alpha, C: ``clean_differences``): every seen key but the
+    winner when the noise is unbounded or can reverse a factor (s_max bound >= 1). The margins cover
+    float64's rounding of D."""
+    seen = np.isfinite(constant)
+    seen[winner, np.arange(x.shape[1])] = False
+    if bound is not None and s_max * bound < 1:
+        reach = s_max * bound * (np.abs(x) + np.abs(x[winner, np.arange(x.shape[1])]))
+        with np.errstate(invalid="ignore"):
+            gap = constant - alpha  # b_t - b* where C is not clipped
+            margin = 1e-9 * (1.0 + np.abs(alpha) + reach + np.abs(np.where(seen, gap, 0.0)))
+            highest = alpha + reach
+            measured = (highest > -margin) | ((1 - s_max * bound) * highest + gap > -margin) | (constant == 0)
+            seen &= measured | (constant + reach > -margin)
+    row, key = np.nonzero(seen.T)
+    return key, row
+
+
+def linear_critical(constant: np.ndarray, slope: np.ndarray, rows: np.ndarray | None = None, n_rows: int = 0) -> np.ndarray:
+    """(row,) smallest s >= 0 beyond which some key has constant + slope s > 0; inf if none. Dense
+    (key, row) arrays, or flat entries with their `rows` (of n_rows)."""
     rising = slope > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         level = np.divide(constant, slope, out=np.full(slope.shape, -np.inf), where=rising)
-    return np.nan_to_num(-np.fmax.reduce(level, axis=0), nan=np.inf)  # fmax: a NaN (of NaN inputs) is no level
+    if rows is None:
+        return np.nan_to_num(-np.fmax.reduce(level, axis=0), nan=np.inf)  # fmax: a NaN (of NaN inputs) is no level
+    critical = np.full(n_rows, np.inf)
+    np.fmin.at(critical, rows[rising], -level[rising])
+    return critical
 
 
-def quadratic_critical(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float) -> tuple[np.ndarray, np.ndarray]:
+def quadratic_critical(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float, rows: np.ndarray,
+                       n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """(row,) smallest s in [0, s_max] beyond which D(s) = a s^2 + b s + c > 0 for some key up to
-    s_max (inf if none), and (row,) flags of rows whose collapse is not one ray in (0, s_max].
-    The roots are computed only for the keys positive at s_max, the flags' tests only for keys whose
-    D can peak inside (0, s_max) (a < 0, b > 0): a few of every (key, row)."""
+    s_max (inf if none), and (row,) flags of rows whose collapse is not one ray in (0, s_max], from
+    flat entries with their `rows` (of n_rows). The roots are computed only for the keys positive at
+    s_max, the flags' tests only for keys whose D can peak inside (0, s_max) (a < 0, b > 0)."""
     with np.errstate(invalid="ignore", over="ignore"):
         ray = ((a * s_max + b) * s_max + c) > 0
-    critical = np.full(a.shape[1], np.inf)
-    key, row = np.nonzero(ray)
-    np.minimum.at(critical, row, _entry(a[key, row], b[key, row], c[key, row], s_max))
-    flagged = np.zeros(a.shape[1], bool)
-    key, row = np.nonzero(~ray & (a < 0) & (b > 0))
-    flagged[row[_peaks_inside(a[key, row], b[key, row], c[key, row], s_max)]] = True
+    critical = np.full(n_rows, np.inf)
+    np.minimum.at(critical, rows[ray], _entry(a[ray], b[ray], c[ray], s_max))
+    flagged = np.zeros(n_rows, bool)
+    peaking = ~ray & (a < 0) & (b > 0)
+    flagged[rows[peaking][_peaks_inside(a[peaking], b[peaking], c[peaking], s_max)]] = True
     return critical, flagged
 
 
@@ -82,8 +121,13 @@ def _peaks_inside(a: np.ndarray, b: np.ndarray, c: np.ndarray, s_max: float) -> 
     return (a < 0) & (vertex > 0) & (vertex < s_max) & (peak > 0)
 
 
-def collapsed_at(a: np.ndarray, b: np.ndarray, c: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """(row, level) some key has D(s) > 0 at each level: the direct evaluation for flagged rows."""
-    s = np.asarray(levels, np.float64)[:, None, None]
+def collapsed_at(a: np.ndarray, b: np.ndarray, c: np.ndarray, levels: np.ndarray, rows: np.ndarray,
+                 n_rows: int) -> np.ndarray:
+    """(row, level) some key has D(s) > 0 at each level, from flat entries with their `rows` (of
+    n_rows): the direct evaluation for flagged rows."""
+    s = np.asarray(levels, np.float64)[:, None]
     with np.errstate(invalid="ignore"):
-        return (((a * s + b) * s + c) > 0).any(axis=1).T
+        positive = (((a * s + b) * s + c) > 0).T  # (entry, level)
+    collapsed = np.zeros((n_rows, len(levels)), bool)
+    np.logical_or.at(collapsed, rows, positive)
+    return collapsed

@@ -13,7 +13,7 @@ import scipy.sparse
 from orthosphere.params import Interval, Items, parameter
 
 from .attention import BlockAttention, ScoreTerms, ScoreWindow, per_head
-from .critical import collapsed_at, key_coefficients, linear_critical, quadratic_critical
+from .critical import clean_differences, collapsed_at, linear_critical, near_keys, noise_slopes, quadratic_critical
 from .device import resolve_device
 from .inputs import as_float32
 from .noise import unit_noise
@@ -23,6 +23,8 @@ TARGETS = ("q", "k", "m")
 
 
 DISTRIBUTIONS = ("uniform", "gaussian")
+NOISE_BOUNDS = {"uniform": math.sqrt(3.0), "gaussian": None}
+"""The largest |u| of each distribution's unit noise (None: unbounded)."""
 
 
 DEFAULT_LEVELS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
@@ -388,7 +390,9 @@ def replay_sub_block(block, *, samples, layer: int, draws: range, settings: Repl
 
 @dataclass(frozen=True, eq=False)
 class RowGroup:
-    """Sparse rows whose allowed keys lie in one range: their (key, row) float64 arrays over it alone."""
+    """Sparse rows whose allowed keys lie in one range: their (key, row) float64 arrays over it alone,
+    what no draw changes of their critical levels, and the entries of the keys that may overtake
+    their winner in the measured or exact collapse (``critical.near_keys``)."""
 
     rows: np.ndarray
     """Indices of the rows among the block's."""
@@ -397,6 +401,16 @@ class RowGroup:
     bias: np.ndarray
     winner: np.ndarray
     """The clean arg-max key of each row, counted from keys.start."""
+    alpha: np.ndarray
+    constant: np.ndarray
+    near: tuple[np.ndarray, np.ndarray]
+    """Flat (key, row) entries, sorted by row."""
+
+    @classmethod
+    def of(cls, rows: np.ndarray, keys: slice, dots: np.ndarray, bias: np.ndarray, winner: np.ndarray, s_max: float,
+           bound: float | None) -> RowGroup:
+        alpha, constant = clean_differences(dots, bias, winner)
+        return cls(rows, keys, dots, bias, winner, alpha, constant, near_keys(dots, winner, alpha, constant, s_max, bound))
 
 
 class SparseRows:
@@ -417,7 +431,10 @@ class SparseRows:
         self.of_sample = scipy.sparse.csr_array((np.ones(n_rows), (self.sample, np.arange(n_rows))),
                                                 shape=(self.n_samples, n_rows))
         """(sample, row) ones: a (row, ...) indicator's per-sample counts are its product with it."""
-        self.groups = _row_groups(dots, bias, winner) if n_rows else []
+        self.of_head = scipy.sparse.csr_array((np.ones(n_rows), (self.head, np.arange(n_rows))),
+                                              shape=(self.n_heads, n_rows))
+        bound = NOISE_BOUNDS[settings.distribution]
+        self.groups = _row_groups(dots, bias, winner, float(self.levels[-1]), bound) if n_rows else []
 
     @property
     def any(self) -> bool:
@@ -433,20 +450,25 @@ class SparseRows:
         shape = (len(self.sample), len(self.levels))
         measured, strict = np.empty(shape, bool), np.empty(shape, bool)
         predicted = {rule: np.empty(shape, bool) for rule in PREDICTIONS}
+        s_max = self.levels[-1]
         for group in self.groups:
-            rows = group.rows
+            rows, n = group.rows, len(group.rows)
             u_query, u_key = u_queries[rows], u_keys[group.keys][:, self.sample[rows], self.head[rows]]  # (key, row)
-            a, b, c, beta = key_coefficients(group.dots, group.bias, u_key, u_query, group.winner)
-            critical, flagged = quadratic_critical(a, b, c, self.levels[-1])
+            beta = noise_slopes(group.dots, u_key, group.winner)
+            predicted["theory"][rows] = self.levels > linear_critical(group.constant, beta + u_query * group.alpha)[:, None]
+            key, row = group.near
+            slope, u_row, constant = beta[key, row], u_query[row], group.constant[key, row]
+            a, b = u_row * slope, slope + u_row * group.alpha[key, row]
+            predicted["exact"][rows] = self.levels > linear_critical(constant, slope, row, n)[:, None]
+            critical, flagged = quadratic_critical(a, b, constant, s_max, row, n)
             collapsed = self.levels > critical[:, None]  # (row, level)
             if flagged.any():
-                collapsed[flagged] = collapsed_at(a[:, flagged], b[:, flagged], c[:, flagged], self.levels)
+                at = flagged[row]
+                collapsed[flagged] = collapsed_at(a[at], b[at], constant[at], self.levels, row[at], n)[flagged]
                 sums["sample_curve"] += self.of_sample[:, rows[flagged]] @ collapsed_at(
-                    a[:, flagged], b[:, flagged], c[:, flagged], self.curve_levels)
+                    a[at], b[at], constant[at], self.curve_levels, row[at], n)[flagged]
             sums["sample_curve"] += self._curve_counts(critical[~flagged], self.sample[rows[~flagged]])
             measured[rows], strict[rows] = collapsed, self._strict(group, collapsed, u_query, u_key)
-            for rule, slope in (("theory", b), ("exact", beta)):
-                predicted[rule][rows] = self.levels > linear_critical(c, slope)[:, None]
         for d, indicator in enumerate((measured, strict)):
             sums["collapses"][d] += self._per_head(indicator)
             sums["sample_collapses"][:, d] += self.of_sample @ indicator
@@ -478,7 +500,7 @@ class SparseRows:
 
     def _per_head(self, indicator: np.ndarray) -> np.ndarray:
         """(level, head) counts of a (row, level) indicator."""
-        return np.stack([np.bincount(self.head, weights=column, minlength=self.n_heads) for column in indicator.T])
+        return (self.of_head @ indicator.astype(np.float64)).T
 
     def _curve_counts(self, critical: np.ndarray, sample: np.ndarray) -> np.ndarray:
         """(sample, curve level) counts of rows collapsed at each curve level, of rows whose collapse holds
@@ -489,10 +511,12 @@ class SparseRows:
         return np.cumsum(counts.reshape(self.n_samples, n_levels + 1), axis=1)[:, :n_levels]
 
 
-def _row_groups(dots: np.ndarray, bias: np.ndarray, winner: np.ndarray) -> list[RowGroup]:
+def _row_groups(dots: np.ndarray, bias: np.ndarray, winner: np.ndarray, s_max: float,
+                bound: float | None) -> list[RowGroup]:
     """Rows (key, row) grouped by the ``KEY_RANGE``-key steps where their allowed keys (finite bias)
-    begin and end; each group over the keys any of its rows may see. Outside them a row's scores are
-    -inf, clean and perturbed: no key there can win, and its softmax terms are zeros."""
+    begin and end; each group over the keys any of its rows may see (`s_max` and `bound`: ``RowGroup.of``).
+    Outside them a row's scores are -inf, clean and perturbed: no key there can win, and its softmax
+    terms are zeros."""
     allowed = np.isfinite(bias)
     first = allowed.argmax(axis=0)
     last = len(allowed) - 1 - allowed[::-1].argmax(axis=0)
@@ -502,7 +526,8 @@ def _row_groups(dots: np.ndarray, bias: np.ndarray, winner: np.ndarray) -> list[
     for value in np.unique(code):
         rows = np.flatnonzero(code == value)
         keys = slice(int(first[rows].min()), int(last[rows].max()) + 1)
-        groups.append(RowGroup(rows, keys, dots[keys][:, rows], bias[keys][:, rows], winner[rows] - keys.start))
+        groups.append(RowGroup.of(rows, keys, dots[keys][:, rows], bias[keys][:, rows], winner[rows] - keys.start,
+                                  s_max, bound))
     return groups
 
 

@@ -656,18 +656,21 @@ def grid_counts(block, settings, samples, layer=0):
     (ScoreTerms(1.0, False, relative_bias=RELATIVE_BIAS), 4),
     (ScoreTerms(0.5, True, sink_logits=(1.0, -2.0, 0.5, 3.0)), 2),
 ], ids=["plain", "softcap", "alibi", "sliding-window", "gqa", "bidirectional-mqa", "relative-bias", "sinks"])
-@pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
-def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, n_kv_heads, distribution):
+@pytest.mark.parametrize("distribution, levels", [
+    ("uniform", (0.02, 0.05, 0.1, 0.2, 0.3, 0.6, 0.9)), ("gaussian", (0.02, 0.05, 0.1, 0.2, 0.3, 0.6, 0.9)),
+    ("uniform", (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)),
+], ids=["uniform", "gaussian", "uniform-bounded"])
+def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, n_kv_heads, distribution, levels):
     """Ties (two equal keys) and keys of zero score included; levels up to 0.9, where uniform noise
-    reverses queries (1 + kq < 0) and a collapse need not persist."""
+    reverses queries (1 + kq < 0) and a collapse need not persist; and up to 0.5, where uniform noise
+    is bounded below that (0.5 sqrt(3) < 1) and the keys too far below their winner are left out (``near_keys``)."""
     q, k, _, _ = random_heads(n_samples=16, n_pos=10, n_heads=4, n_kv_heads=n_kv_heads, scale=2.0, seed=5)
     q, k = q[:, 0], k[:, 0]
     k[:, 3] = k[:, 2]  # a tie
     k[:, 5] = 0.0  # a key of zero score
     valid = np.ones((16, 10), bool)
     valid[:3, 8:] = False
-    settings = ReplaySettings(levels=(0.02, 0.05, 0.1, 0.2, 0.3, 0.6, 0.9), n_draws=6, seed=3, min_keys=2,
-                              distribution=distribution, targets=("q", "k"))
+    settings = ReplaySettings(levels=levels, n_draws=6, seed=3, min_keys=2, distribution=distribution, targets=("q", "k"))
     block = HeadBlock(q, k, valid, terms, 0.8, min_keys=2)
     samples = np.arange(16)
     expected = grid_counts(block, settings, samples)
@@ -684,6 +687,44 @@ def test_critical_levels_give_the_grid_evaluations_counts_at_every_level(terms, 
     curve_levels = settings.curve_levels
     at_levels = np.searchsorted(curve_levels, settings.levels)
     np.testing.assert_array_equal(found["sample_curve"].sum(axis=0)[at_levels], expected["collapse"].sum(axis=1))
+
+
+def test_keys_left_out_of_the_measured_and_exact_collapse_cannot_overtake_in_any_draw():
+    """``near_keys``: for every key it leaves out, D(s) and C + beta s stay below zero for every s up to
+    s_max and every noise within the bound (D is multilinear in u_q, u_t, u*: its largest values over the
+    box lie at its corners); near-ties and a key above the winner in float64 are kept; nothing is left
+    out when the noise is unbounded or can reverse a factor."""
+    from orthosphere.analyze.critical import clean_differences, near_keys
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(0.0, 4.0, (40, 300))
+    bias = np.where(rng.random((40, 300)) < 0.1, -np.inf, rng.normal(0.0, 0.5, (40, 300)))
+    winner = np.argmax(x + bias, axis=0)
+    rows = np.arange(300)
+    x[(winner[:5] + 1) % 40, rows[:5]] = x[winner[:5], rows[:5]] + 1e-7  # float64 near-ties above the winner
+    bias[(winner[:5] + 1) % 40, rows[:5]] = bias[winner[:5], rows[:5]]
+    s_max, bound = 0.3, np.sqrt(3.0)
+    alpha, constant = clean_differences(x, bias, winner)
+    key, row = near_keys(x, winner, alpha, constant, s_max, bound)
+    assert np.all(np.diff(row) >= 0)
+    kept = np.zeros(x.shape, bool)
+    kept[key, row] = True
+    assert kept[(winner[:5] + 1) % 40, rows[:5]].all() and not kept[winner, rows].any()
+    left_out = np.isfinite(constant) & ~kept
+    left_out[winner, rows] = False
+    assert 0.3 < left_out.sum() / np.isfinite(constant).sum() < 0.99
+    t, r = np.nonzero(left_out)
+    gap = constant[t, r] - alpha[t, r]
+    s = np.linspace(0.0, s_max, 61)[:, None]
+    for u_q in (-bound, bound):
+        for u_t in (-bound, bound):
+            for u_w in (-bound, bound):
+                beta = x[t, r] * u_t - x[winner[r], r] * u_w
+                assert np.all((1 + s * u_q) * (alpha[t, r] + s * beta) + gap < 0)
+                assert np.all(constant[t, r] + s * beta < 0)
+    seen = np.isfinite(constant).sum() - 300
+    assert len(near_keys(x, winner, alpha, constant, s_max, None)[0]) == seen
+    assert len(near_keys(x, winner, alpha, constant, 0.6, bound)[0]) == seen  # 0.6 sqrt(3) > 1: a factor may reverse
 
 
 # --- bad input --------------------------------------------------------------------------------
