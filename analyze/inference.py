@@ -183,28 +183,98 @@ MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 """The stored dtypes' fraction bits: a value of magnitude m is stored on a grid of spacing 2^(floor(log2 m) - bits)."""
 
 
-def rounding_bias(covariance: np.ndarray, second_moment: np.ndarray, class_size: float, dtype: str) -> float:
-    """How far the store's rounding can move a class mean, against that mean's noise: the largest over
-    coordinates of b / (sigma / sqrt(class_size)), with sigma the coordinate's noise spread per token
-    (the diagonal of `covariance`), its magnitude the root of `second_moment` (the tokens' mean
-    square, its diagonal), D the dtype's spacing there and b the RMS, over the unknown place of the mean
-    on the grid, of the mean rounding error of values spread by sigma around it:
-    b^2 = sum_k D^2 / (2 pi^2 k^2) exp(-4 pi^2 k^2 sigma^2 / D^2) (the Fourier series of the rounding
-    error; D^2 / 12 when sigma << D, nothing once sigma exceeds D). Above 1 the class means carry a
-    bias that their noise draws do not: intervals judge the stored values, not the ones before rounding."""
+MAGNITUDE_POINTS = norm.ppf((np.arange(32) + 0.5) / 32)
+"""Where a coordinate's values are taken to lie, in units of their spread around their mean (normal quantiles)."""
+
+
+def rounding_variance(covariance: np.ndarray, mean: np.ndarray, second_moment: np.ndarray, dtype: str) -> np.ndarray | None:
+    """Per coordinate, the variance b^2 of a class mean's rounding error in the store's dtype (None for a
+    dtype without a known spacing). A class whose tokens spread by sigma around a mean of magnitude m is
+    rounded on the grid of spacing D there, and b^2, the mean square over the mean's unknown place on
+    that grid of its tokens' mean rounding error, is D^2 / (2 pi^2) sum_k exp(-4 pi^2 k^2 sigma^2 / D^2) / k^2
+    (``_mean_rounding_variance``: D^2 / 12 when sigma << D, nothing once sigma exceeds D). The magnitudes
+    are those of a normal spread of the coordinate's values (`mean`, and the root of `second_moment`, the
+    tokens' mean square, around it); sigma is the noise before rounding, the stored `covariance`'s diagonal
+    less what rounding each token added (``_noise_before_rounding``)."""
     bits = MANTISSA_BITS.get(str(dtype))
-    sigma = np.sqrt(np.maximum(np.diag(covariance), 0.0))
-    magnitude = np.sqrt(np.maximum(second_moment, 0.0))
-    if bits is None or not class_size > 0 or not np.any(magnitude > 0):
+    if bits is None:
+        return None
+    spread = np.sqrt(np.maximum(second_moment - mean**2, 0.0))
+    magnitudes = np.abs(mean + spread * MAGNITUDE_POINTS[:, None])  # (points, d)
+    if not np.any(magnitudes > 0):
+        return None
+    with np.errstate(divide="ignore"):
+        spacing = np.where(magnitudes > 0, np.exp2(np.floor(np.log2(magnitudes)) - bits), 0.0)
+    stored = np.maximum(np.diag(covariance), 0.0)
+    variance = np.zeros_like(stored)
+    # where even the least noise the stored spread allows, stored - D^2 / 12, leaves exp(-a) below 1e-26
+    # at every magnitude, the rounding averages away: only the other coordinates need the bisection
+    least = np.maximum(stored - spacing**2 / 12, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rounded = np.any(~(4 * np.pi**2 * least > 60 * spacing**2), axis=0)
+    if np.any(rounded):
+        noise = _noise_before_rounding(stored[rounded], spacing[:, rounded])
+        variance[rounded] = _mean_rounding_variance(noise, spacing[:, rounded]).mean(axis=0)
+    return variance
+
+
+def _mean_rounding_variance(noise_variance: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """b^2 = D^2 / (2 pi^2) f(4 pi^2 sigma^2 / D^2), f(a) = sum_k exp(-a k^2) / k^2: its series where it
+    converges fast (a >= 1, eight terms), below that its Poisson-summed form pi^2 / 6 - sqrt(pi a) + a / 2
+    (both to within 1e-4 of f(1)); nothing where the spacing is (a value of 0 rounds exactly)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(spacing > 0, 4 * np.pi**2 * noise_variance / spacing**2, np.inf)
+    small = np.minimum(a, 1.0)
+    closed = np.pi**2 / 6 - np.sqrt(np.pi * small) + small / 2
+    large = np.where(np.isfinite(a), np.maximum(a, 1.0), np.inf)[..., None]
+    harmonics = np.arange(1, 9)
+    series = np.sum(np.exp(-large * harmonics**2) / harmonics**2, axis=-1)
+    return spacing**2 / (2 * np.pi**2) * np.where(a < 1, closed, series)
+
+
+def _noise_before_rounding(stored_variance: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """Per coordinate, the noise variance sigma^2 before rounding that the stored values' variance implies:
+    a token's rounding adds what its class mean's does not, D^2 / 12 - b^2 (averaged over the magnitudes),
+    and stored = sigma^2 + that; the sum grows with sigma^2, so bisection finds it (40 halvings)."""
+    low, high = np.zeros_like(stored_variance), stored_variance.copy()
+    for _ in range(40):
+        middle = (low + high) / 2
+        added = (spacing**2 / 12 - _mean_rounding_variance(middle, spacing)).mean(axis=0)
+        below = middle + added < stored_variance
+        low, high = np.where(below, middle, low), np.where(below, high, middle)
+    return (low + high) / 2
+
+
+def rounding_bias(covariance: np.ndarray, variance: np.ndarray | None, class_size: float) -> float:
+    """How far the store's rounding can move a class mean, against that mean's noise: the largest over
+    coordinates of b / (sigma / sqrt(class_size)), with b^2 the rounding `variance` (``rounding_variance``;
+    None: a dtype without a known spacing) and sigma^2 the diagonal of `covariance`. Above 1 the class means
+    carry an error that the noise draws of their tokens do not (``rounding_inflation`` adds it)."""
+    if variance is None or not class_size > 0:
         return np.nan
-    spacing = np.exp2(np.floor(np.log2(np.maximum(magnitude, np.finfo(float).tiny))) - bits)
-    harmonics = np.arange(1, 257)[:, None]  # the series to within 0.2 % of D^2 / 12
-    bias = spacing * np.sqrt(np.sum(np.exp(-4 * np.pi**2 * harmonics**2 * (sigma / spacing) ** 2)
-                                    / (2 * np.pi**2 * harmonics**2), axis=0))
-    noise = sigma / np.sqrt(class_size)
+    noise = np.sqrt(np.maximum(np.diag(covariance), 0.0) / class_size)
+    bias = np.sqrt(variance)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(noise > 0, bias / noise, np.where(bias > 0, np.inf, 0.0))
     return float(ratio.max())
+
+
+def rounding_inflation(covariance: np.ndarray, variance: np.ndarray | None, class_size: float,
+                       whitening: np.ndarray | None) -> float:
+    """The factor f^2 >= 1 by which a layer's noise draws' variance grows to carry the class means'
+    rounding error as well as their tokens' noise: 1 + n tr(P B P') / tr(P S P'), with B the rounding
+    `variance` (``rounding_variance``) of a class mean of n = class_size tokens, S the tokens' noise
+    covariance and P the whitening the layer is judged in (the identity without one). The rounding is
+    drawn with the noise's shape and their total variance; 1 where the dtype's spacing is far below the
+    noise (float32, or float16 at a language model's spreads)."""
+    if variance is None or not class_size > 0 or not np.any(variance > 0):
+        return 1.0
+    if whitening is None:
+        noise, rounding = np.trace(covariance), variance.sum()
+    else:
+        noise = np.trace(whitening @ covariance @ whitening.T)
+        rounding = np.einsum("ij,j,ij->", whitening, variance, whitening)
+    return float(1.0 + class_size * rounding / noise) if noise > 0 else 1.0
 
 
 def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:
@@ -276,6 +346,14 @@ class NoiseParts:
     gram: list[np.ndarray]
     along: list[np.ndarray]
     cross: dict
+
+    def inflated(self, variance_factor: float) -> NoiseParts:
+        """The same draws with their variance multiplied by `variance_factor` (``rounding_inflation``)."""
+        if variance_factor == 1.0:
+            return self
+        scale = np.sqrt(variance_factor)
+        return NoiseParts([g * variance_factor for g in self.gram], [a * scale for a in self.along],
+                          {pair: c * variance_factor for pair, c in self.cross.items()})
 
 
 def noise_parts(effects: list[FactorEffects], signs: np.ndarray, columns: np.ndarray, pairs) -> NoiseParts:

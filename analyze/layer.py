@@ -44,6 +44,8 @@ from .inference import (
     noise_whitening,
     relevant_rank,
     rounding_bias,
+    rounding_inflation,
+    rounding_variance,
     shrunk_variances,
     span_basis,
     structure_p,
@@ -140,6 +142,7 @@ class LayerFit:
     shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
     whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.noise_whitening)
     rounding_bias: float = np.nan  # the store's rounding of a class mean over its noise (inference.rounding_bias)
+    rounding_inflation: float = np.nan  # the draws' variance factor that carries that rounding (inference.rounding_inflation)
     pairs: dict = field(default_factory=dict)
     null_angles: dict = field(default_factory=dict)
     head_angles: dict = field(default_factory=dict)
@@ -188,14 +191,18 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     if parts["nonfinite"]:
         return None
     sums = parts["sums"]
-    share, whitening, bias = 0.0, None, np.nan
+    share, whitening, bias, inflation = 0.0, None, np.nan, np.nan
     if solution is not None:
         theta, residuals = joint_fit(sums, counts, solution)
         if "gram" in parts:  # the tokens' covariance around the fit: whitening and the rounding's weight
             covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
             whitening = noise_whitening(covariance, n_tokens)
-            class_size = np.median(np.concatenate([counts.factor_counts(layout, a) for a in range(len(layout.names))]))
-            bias = rounding_bias(covariance, np.diag(parts["gram"]) / max(n_tokens, 1), class_size, dtype)
+            class_size = rounding_group_size(counts, layout)
+            moments = (sums.sum(axis=0)[: len(layout.patterns)].sum(axis=0) / max(n_tokens, 1),
+                       np.diag(parts["gram"]) / max(n_tokens, 1))  # each token has one intercept cell
+            rounding = rounding_variance(covariance, *moments, dtype)
+            bias = rounding_bias(covariance, rounding, class_size)
+            inflation = rounding_inflation(covariance, rounding, class_size, whitening)
         maps = solution.influence_maps
         if shared is not None:  # judged whitened where the tests are: a few huge dimensions do not set it
             share = shared.estimate(residuals if whitening is None else residuals @ whitening)
@@ -213,10 +220,10 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
                         None if traces is None else traces[a], whitening) for a, view in enumerate(views)]
-    layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None, bias)
+    layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None, bias, inflation)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
-        _infer(layer, views, counts, layout, pairs, settings, whitening)
+        _infer(layer, views, counts, layout, pairs, settings, whitening, 1.0 if np.isnan(inflation) else inflation)
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -228,6 +235,22 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         if fits[a].rank and fits[b].rank and (a, b) not in layer.pairs:
             layer.pairs[a, b] = PairFit(principal_angles(fits[a].basis, fits[b].basis))
     return layer
+
+
+def rounding_group_size(counts: Counts, layout: Layout) -> float:
+    """How many tokens a class mean's rounding error is the mean of, as if independent: the tokens of one
+    cell of labels share their values' place on the store's grid, and a class of n_c tokens in cells of
+    n_j averages sum_j n_j^2 / n_c of them. The cells are those of the class with each other factor (the
+    finest such split, an upper bound where a third factor splits them further); the median over classes."""
+    sizes = []
+    for a in range(len(layout.names)):
+        n = counts.factor_counts(layout, a).astype(float)
+        size = n.copy()
+        for b in range(len(layout.names)):
+            if b != a:
+                size = np.minimum(size, (counts.contingency(layout, a, b).astype(float) ** 2).sum(axis=1) / np.maximum(n, 1))
+        sizes.append(size[n > 0])
+    return float(np.median(np.concatenate(sizes)))
 
 
 def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, counts: Counts,
@@ -256,20 +279,21 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
 
 
 def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings,
-           whitening: np.ndarray | None) -> None:
+           whitening: np.ndarray | None, inflation: float) -> None:
     """Ranks, then intervals, claims and spheres, from one set of noise draws. Where the noise is
     anisotropic (`whitening` P), ranks are judged and subspaces estimated in whitened coordinates and
     mapped back (``_whitened_bases``); the draws estimate theirs the same way, so that the intervals
-    and claims are those of the estimator the fit used."""
+    and claims are those of the estimator the fit used. The draws' variance is multiplied by `inflation`
+    so that they carry the class means' rounding in the store's dtype (``inference.rounding_inflation``)."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
-    noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
+    noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs).inflated(inflation)
     starts = np.concatenate([[0], np.cumsum(widths)])
     white = [whitened(view.effects, whitening) for view in views]
     white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
     if whitening is not None:
         svds = [np.linalg.svd(factor.weighted, full_matrices=False) for factor in white]
-        white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), [])
+        white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), []).inflated(inflation)
         white_starts = np.concatenate([[0], np.cumsum([len(right) for _, _, right in svds])])
     white_along = [white_noise.along[a][..., white_starts[a]: white_starts[a + 1]] for a in range(len(views))]
     for a, (fit, view) in enumerate(zip(layer.factors, views)):

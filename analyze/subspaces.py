@@ -441,8 +441,8 @@ def _warn_rounding(fits: dict[int, LayerFit | None], dtype: str | None, url: str
         worst = max(fits[layer].rounding_bias for layer in biased)
         log.warning(
             "subspaces of %s: in layers %s the %s rounding of the stored values can move a class mean up to %.3g times "
-            "its noise (rounding_bias): their intervals judge the stored values, not those before rounding; store "
-            "float32 activations to remove it", url, biased, dtype, worst)
+            "its noise (rounding_bias): their draws carry that rounding (rounding_inflation), so their intervals are "
+            "wider than the noise alone makes them; store float32 activations to narrow them", url, biased, dtype, worst)
 
 
 def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
@@ -607,6 +607,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
         "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
         "rounding_bias": (("layer",), [fits[layer].rounding_bias for layer in layers]),
+        "rounding_inflation": (("layer",), [fits[layer].rounding_inflation for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
         "structure_p": (fd, structure_p),
         "structure_q": (fd, structure_q),
@@ -684,9 +685,13 @@ DESCRIPTIONS = {
                          "effect per document), estimated from the groups' residual sums (whitened where the tests are); the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
     "rounding_bias": "how far the store dtype's rounding can move a class mean, over that mean's noise (the largest "
-                     "over coordinates, for the median class size; inference.rounding_bias): above 1 the intervals, "
-                     "which model the noise only, judge the stored values and may miss those before rounding; NaN "
-                     "where the tests are not whitened (the tokens' covariance is not streamed)",
+                     "over coordinates, for the median number of tokens a class mean's rounding averages; "
+                     "inference.rounding_bias): above 1 the rounding, not the noise, sets the class means' error, and "
+                     "the draws carry it (rounding_inflation); NaN where the tokens' covariance is not streamed",
+    "rounding_inflation": "the factor by which the noise draws' variance grows to carry the class means' rounding in the "
+                          "store's dtype as well as their tokens' noise (inference.rounding_inflation; 1: the rounding "
+                          "averages away, as in float32 stores and at a language model's spreads; NaN where the tokens' covariance is "
+                          "not streamed, and the draws carry the noise alone)",
     "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
                 "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
                 "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",

@@ -472,26 +472,60 @@ def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_free
     assert interval_levels(0.9, 2)[0] < 1e-6  # two groups hardly estimate the noise's variance
 
 
-def test_the_rounding_bias_is_a_uniform_errors_spread_below_the_spacing_and_vanishes_above_it():
+def test_the_rounding_variance_is_a_uniform_errors_below_the_spacing_and_vanishes_above_it():
     """Values of magnitude 5 in float16 (spacing 2^-8): with noise far below the spacing, a class mean's
-    rounding error is uniform over the spacing, sd 2^-8 / sqrt(12); with noise of a spacing or more it
-    averages away. The ratio is that bias over the mean's noise sigma / sqrt(n)."""
-    from orthosphere.analyze.inference import rounding_bias
+    rounding error is uniform over the spacing, variance 2^-16 / 12; with noise of two spacings it averages
+    away. The bias is that error over the mean's noise sigma / sqrt(n); float32 and unknown dtypes add nothing."""
+    from orthosphere.analyze.inference import rounding_bias, rounding_inflation, rounding_variance
 
     spacing, n = 2.0**-8, 400
-    second = np.full(2, 25.0)
-    for sigma, expected in ((1e-6, spacing / np.sqrt(12)), (2 * spacing, 0.0)):
-        ratio = rounding_bias(np.diag([sigma**2, sigma**2]), second, n, "float16")
-        assert ratio == pytest.approx(expected / (sigma / np.sqrt(n)), rel=5e-3, abs=1e-6)  # 256 harmonics
-    rng = np.random.default_rng(3)  # against the rounding of simulated means at a noise of a quarter spacing
-    sigma = spacing / 4
-    means = 5 + rng.random(4000) * spacing
-    errors = (means[:, None] + sigma * rng.normal(size=(4000, 2000))).astype(np.float16).astype(float).mean(axis=1) - means
-    measured = np.sqrt(np.mean(errors**2) - sigma**2 / 2000)
-    bias = rounding_bias(np.diag([sigma**2]), np.array([25.0]), 1, "float16") * sigma
-    assert bias == pytest.approx(measured, rel=0.05)
-    assert np.isnan(rounding_bias(np.eye(2), second, n, "int8"))
+    mean, second = np.full(2, 5.0), np.full(2, 25.0)
+    for sigma, expected in ((1e-6, spacing**2 / 12), (2 * spacing, 0.0)):
+        stored = np.diag([sigma**2 + (spacing**2 / 12 if sigma > spacing else 0.0)] * 2)  # what rounding adds
+        variance = rounding_variance(stored, mean, second, "float16")
+        assert variance == pytest.approx(np.full(2, expected), rel=1e-3, abs=1e-12)
+        assert rounding_bias(stored, variance, n) == pytest.approx(np.sqrt(expected) / (sigma / np.sqrt(n)), rel=2e-3)
+    assert not rounding_variance(np.eye(2) * 1e-6, mean, second, "float32").any()
+    assert rounding_variance(np.eye(2), mean, second, "int8") is None and np.isnan(rounding_bias(np.eye(2), None, n))
+    assert rounding_inflation(np.eye(2), np.zeros(2), n, None) == 1.0
 
+
+@pytest.mark.parametrize("sigma_in_spacings", [0.1, 0.25, 0.4])
+def test_the_rounding_variance_matches_simulated_class_means_from_their_stored_spread(sigma_in_spacings):
+    """Classes at random places on float16's grid, their tokens spread by sigma: from the stored values'
+    pooled spread (which the rounding widens) and their moments alone, the variance of a class mean's
+    rounding error is that of the simulation's."""
+    from orthosphere.analyze.inference import rounding_variance
+
+    rng = np.random.default_rng(3)
+    spacing = 2.0**-8
+    sigma = sigma_in_spacings * spacing
+    means = 5 + rng.random(2000) * spacing
+    true = means[:, None] + sigma * rng.normal(size=(2000, 1000))
+    stored = true.astype(np.float16).astype(float)
+    errors = (stored - true).mean(axis=1)
+    measured = np.mean(errors**2) - np.var(stored - true, axis=1).mean() / 1000  # less the tokens' own averaged noise
+    spread = np.var(stored - stored.mean(axis=1, keepdims=True), axis=1).mean()
+    variance = rounding_variance(np.diag([spread]), np.array([stored.mean()]), np.array([np.mean(stored**2)]), "float16")
+    assert variance[0] == pytest.approx(measured, rel=0.1)
+
+
+def test_the_draws_carry_the_rounding_of_tokens_that_share_a_cell():
+    """Each class of a averages independent roundings of its cells with b (one per cell): a class of n
+    tokens in cells of n_j shares sum_j n_j^2 / n of them; the inflation adds that many tokens' rounding
+    variance to one token's noise, in the whitened coordinates where the layer is judged."""
+    from orthosphere.analyze.inference import rounding_inflation
+    from orthosphere.analyze.layer import rounding_group_size
+
+    _, _, counts, layout = small_design(0)
+    a, b = layout.block(0), layout.block(1)
+    cells = counts.gram[a, b]
+    expected = np.median(np.concatenate([(cells**2).sum(axis=1) / cells.sum(axis=1), (cells**2).sum(axis=0) / cells.sum(axis=0)]))
+    assert rounding_group_size(counts, layout) == pytest.approx(expected)
+    covariance, variance = np.diag([4.0, 1.0]), np.array([0.01, 0.0])
+    assert rounding_inflation(covariance, variance, 50, None) == pytest.approx(1 + 50 * 0.01 / 5)
+    whitening = np.diag([0.5, 1.0])  # whitened, each coordinate's noise is 1 and the first's rounding 0.01 / 4
+    assert rounding_inflation(covariance, variance, 50, whitening) == pytest.approx(1 + 50 * 0.0025 / 2)
 
 def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
     """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic

@@ -36,25 +36,50 @@ def as_layers(tokens: np.ndarray, n_samples: int = N_SAMPLES, n_pos: int = N_POS
     return x
 
 
-@pytest.fixture(scope="module")
-def rounded(tmp_path_factory):
+def orthogonal_spheres(rng, faint: float, noise: float, dtype: str, path) -> str:
     """alpha (8 skewed classes on a sphere of radius 2, rank 3) and beta (5, radius 1.5, rank 2) on exactly
-    orthogonal subspaces, beta = alpha mod 5 on half the tokens, no noise but float16's rounding: the
-    rounding adds directions about 400 times weaker than the planted ones (10^-7 of their variance)."""
-    rng = np.random.default_rng(3)
+    orthogonal subspaces, beta = alpha mod 5 on half the tokens, each with `faint` effects in directions
+    of their own (alpha 4, beta 2: 10^-6 of their variance at 2e-3), `noise` per token, stored in `dtype`."""
     n_tokens = N_SAMPLES * (N_POS - 1)
     alpha, beta = correlated_labels(n_tokens, [skewed(8, rng), skewed(5, rng)], 0.5, rng)
-    basis = random_basis(D_MODEL, 5, rng)
-    points_a, points_b = sphere_points(8, basis[:, :3], 2.0, rng), sphere_points(5, basis[:, 3:], 1.5, rng)
-    x = 3.0 * rng.normal(size=D_MODEL) + points_a[alpha] + points_b[beta]
-    url = write_store(tmp_path_factory.mktemp("rounded") / "store.zarr", {"resid_pre": as_layers(x[None])},
-                      labels={"alpha": as_label(alpha), "beta": as_label(beta)}, samples_per_chunk=100, dtype="float16")
+    basis = random_basis(D_MODEL, 11, rng)
+    points_a, points_b = sphere_points(8, basis[:, :3], 2.0, rng), sphere_points(5, basis[:, 3:5], 1.5, rng)
+    points_a += faint * rng.normal(size=(8, 4)) @ basis[:, 5:9].T
+    points_b += faint * rng.normal(size=(5, 2)) @ basis[:, 9:].T
+    x = 3.0 * rng.normal(size=D_MODEL) + points_a[alpha] + points_b[beta] + noise * rng.normal(size=(n_tokens, D_MODEL))
+    url = write_store(path / "store.zarr", {"resid_pre": as_layers(x[None])}, labels={"alpha": as_label(alpha), "beta": as_label(beta)},
+                      samples_per_chunk=100, dtype=dtype)
     return open_for_analysis(url)
 
 
+@pytest.fixture(scope="module")
+def rounded(tmp_path_factory):
+    """The orthogonal spheres with no noise but float16's rounding, which adds directions about 400 times
+    weaker than the planted ones (10^-7 of their variance) and the same in every token of a cell."""
+    return orthogonal_spheres(np.random.default_rng(3), 0.0, 0.0, "float16", tmp_path_factory.mktemp("rounded"))
+
+
+@pytest.fixture(scope="module")
+def faint(tmp_path_factory):
+    """The orthogonal spheres with faint directions of their own, significant over a float32 noise of 1e-4."""
+    return orthogonal_spheres(np.random.default_rng(3), 2e-3, 1e-4, "float32", tmp_path_factory.mktemp("faint"))
+
+
 def test_directions_of_float16_rounding_do_not_decide_ranks_or_angles(rounded):
+    """The draws carry the class means' rounding (rounding_inflation), so its directions are not even
+    significant, and the pair reads orthogonal."""
     result = factor_subspaces(rounded, factors=["alpha", "beta"], seed=1)
-    assert result["significance_rank"].values[0].tolist() == [7, 4]  # the rounding is significant...
+    assert result["rounding_inflation"].values[0] > 10 and result["rounding_bias"].values[0] > 1
+    assert result["significance_rank"].values[0].tolist() == [3, 2]
+    assert result["subspace_rank"].values[0].tolist() == [3, 2]
+    assert result["min_angle"].values[0, 0, 1] > 89.0
+    assert result["relation"].values[0, 0, 1] == "orthogonal"
+
+
+def test_faint_directions_are_significant_but_not_relevant(faint):
+    result = factor_subspaces(faint, factors=["alpha", "beta"], seed=1)
+    assert result["rounding_inflation"].values[0] == 1.0
+    assert result["significance_rank"].values[0].tolist() == [7, 4]  # the faint directions are significant...
     assert result["subspace_rank"].values[0].tolist() == [3, 2]  # ...but not relevant
     share = result["variance_share"].values[0]
     assert np.all(share[0, :3] > 0.01) and np.all(share[0, 3:7] < 1e-5)
@@ -65,8 +90,8 @@ def test_directions_of_float16_rounding_do_not_decide_ranks_or_angles(rounded):
     assert result["relation"].values[0, 0, 1] == "orthogonal"
 
 
-def test_a_relevance_floor_of_zero_keeps_every_significant_direction(rounded):
-    result = factor_subspaces(rounded, factors=["alpha", "beta"], seed=1, relevance_floor=0.0)
+def test_a_relevance_floor_of_zero_keeps_every_significant_direction(faint):
+    result = factor_subspaces(faint, factors=["alpha", "beta"], seed=1, relevance_floor=0.0)
     assert result["subspace_rank"].values[0].tolist() == [7, 4]
     assert result.attrs["relevance_floor"] == 0.0
 
