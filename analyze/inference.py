@@ -179,8 +179,11 @@ def noise_whitening(covariance: np.ndarray, n_samples: int) -> np.ndarray | None
     return (vectors / np.sqrt(shrunk)) @ vectors.T
 
 
-MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
-"""The stored dtypes' fraction bits: a value of magnitude m is stored on a grid of spacing 2^(floor(log2 m) - bits)."""
+ROUNDING_BITS = {"float16": 10, "bfloat16": 7}
+"""The store dtypes narrower than the models' float32 arithmetic, with their fraction bits: a value of magnitude m
+is stored on a grid of spacing 2^(floor(log2 m) - bits)."""
+EXACT_DTYPES = ("float32", "float64")
+"""Store dtypes that hold what the model computed as it is: nothing is rounded by the store."""
 
 
 MAGNITUDE_POINTS = norm.ppf((np.arange(32) + 0.5) / 32)
@@ -188,15 +191,17 @@ MAGNITUDE_POINTS = norm.ppf((np.arange(32) + 0.5) / 32)
 
 
 def rounding_variance(covariance: np.ndarray, mean: np.ndarray, second_moment: np.ndarray, dtype: str) -> np.ndarray | None:
-    """Per coordinate, the variance b^2 of a class mean's rounding error in the store's dtype (None for a
-    dtype without a known spacing). A class whose tokens spread by sigma around a mean of magnitude m is
+    """Per coordinate, the variance b^2 of a class mean's rounding error in the store's dtype (zeros for a
+    store that rounds nothing, None for a dtype without a known spacing). A class whose tokens spread by sigma around a mean of magnitude m is
     rounded on the grid of spacing D there, and b^2, the mean square over the mean's unknown place on
     that grid of its tokens' mean rounding error, is D^2 / (2 pi^2) sum_k exp(-4 pi^2 k^2 sigma^2 / D^2) / k^2
     (``_mean_rounding_variance``: D^2 / 12 when sigma << D, nothing once sigma exceeds D). The magnitudes
     are those of a normal spread of the coordinate's values (`mean`, and the root of `second_moment`, the
     tokens' mean square, around it); sigma is the noise before rounding, the stored `covariance`'s diagonal
     less what rounding each token added (``_noise_before_rounding``)."""
-    bits = MANTISSA_BITS.get(str(dtype))
+    if str(dtype) in EXACT_DTYPES:
+        return np.zeros(len(mean))
+    bits = ROUNDING_BITS.get(str(dtype))
     if bits is None:
         return None
     spread = np.sqrt(np.maximum(second_moment - mean**2, 0.0))

@@ -475,7 +475,8 @@ def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_free
 def test_the_rounding_variance_is_a_uniform_errors_below_the_spacing_and_vanishes_above_it():
     """Values of magnitude 5 in float16 (spacing 2^-8): with noise far below the spacing, a class mean's
     rounding error is uniform over the spacing, variance 2^-16 / 12; with noise of two spacings it averages
-    away. The bias is that error over the mean's noise sigma / sqrt(n); float32 and unknown dtypes add nothing."""
+    away. The bias is that error over the mean's noise sigma / sqrt(n). A float32 store holds what the model
+    computed, even without noise: nothing to add; an unknown dtype: nothing known."""
     from orthosphere.analyze.inference import rounding_bias, rounding_inflation, rounding_variance
 
     spacing, n = 2.0**-8, 400
@@ -485,7 +486,7 @@ def test_the_rounding_variance_is_a_uniform_errors_below_the_spacing_and_vanishe
         variance = rounding_variance(stored, mean, second, "float16")
         assert variance == pytest.approx(np.full(2, expected), rel=1e-3, abs=1e-12)
         assert rounding_bias(stored, variance, n) == pytest.approx(np.sqrt(expected) / (sigma / np.sqrt(n)), rel=2e-3)
-    assert not rounding_variance(np.eye(2) * 1e-6, mean, second, "float32").any()
+    assert not rounding_variance(np.zeros((2, 2)), mean, second, "float32").any()  # stored as computed
     assert rounding_variance(np.eye(2), mean, second, "int8") is None and np.isnan(rounding_bias(np.eye(2), None, n))
     assert rounding_inflation(np.eye(2), np.zeros(2), n, None) == 1.0
 
