@@ -128,8 +128,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          counted, not left out
   rounding_bias (layer)                  the store dtype's rounding of a class mean over the mean's noise
                                          (above 1: the rounding, not the noise, sets the class means' error)
-  rounding_inflation (layer)             the factor by which the draws' variance grows to carry that rounding
-                                         (1: it averages away)
+  rounding_inflation (layer)             by how much the draws' variance grows, on average, to carry that
+                                         rounding (1: it averages away)
   unit_shared_noise (layer)              the share of a token's noise that its resampling unit's tokens share
                                          (a random effect per document), estimated from the groups' residual
                                          sums (whitened where the tests are); the influences' correction

@@ -186,40 +186,35 @@ EXACT_DTYPES = ("float32", "float64")
 """Store dtypes that hold what the model computed as it is: nothing is rounded by the store."""
 
 
-MAGNITUDE_POINTS = norm.ppf((np.arange(32) + 0.5) / 32)
-"""Where a coordinate's values are taken to lie, in units of their spread around their mean (normal quantiles)."""
-
-
-def rounding_variance(covariance: np.ndarray, mean: np.ndarray, second_moment: np.ndarray, dtype: str) -> np.ndarray | None:
-    """Per coordinate, the variance b^2 of a class mean's rounding error in the store's dtype (zeros for a
-    store that rounds nothing, None for a dtype without a known spacing). A class whose tokens spread by sigma around a mean of magnitude m is
-    rounded on the grid of spacing D there, and b^2, the mean square over the mean's unknown place on
-    that grid of its tokens' mean rounding error, is D^2 / (2 pi^2) sum_k exp(-4 pi^2 k^2 sigma^2 / D^2) / k^2
-    (``_mean_rounding_variance``: D^2 / 12 when sigma << D, nothing once sigma exceeds D). The magnitudes
-    are those of a normal spread of the coordinate's values (`mean`, and the root of `second_moment`, the
-    tokens' mean square, around it); sigma is the noise before rounding, the stored `covariance`'s diagonal
-    less what rounding each token added (``_noise_before_rounding``)."""
+def cell_rounding_variance(covariance: np.ndarray, cell_means: np.ndarray, cell_counts: np.ndarray,
+                           dtype: str) -> np.ndarray | None:
+    """(cell, d): the variance b^2 of each cell mean's rounding error in the store's dtype (zeros for a store
+    that rounds nothing, None for a dtype without a known spacing). The tokens of one cell of labels spread
+    by sigma around its mean, of magnitude m, and are rounded on the grid of spacing D there; b^2, the mean
+    square over the mean's unknown place on that grid of its tokens' mean rounding error, is
+    D^2 / (2 pi^2) sum_k exp(-4 pi^2 k^2 sigma^2 / D^2) / k^2 (``_mean_rounding_variance``: D^2 / 12 when
+    sigma << D, nothing once sigma exceeds D). sigma is the noise before rounding: the stored `covariance`'s
+    diagonal less what rounding added to each token (``_noise_before_rounding``, over the cells' magnitudes
+    weighted by their `cell_counts`)."""
     if str(dtype) in EXACT_DTYPES:
-        return np.zeros(len(mean))
+        return np.zeros(cell_means.shape)
     bits = ROUNDING_BITS.get(str(dtype))
     if bits is None:
         return None
-    spread = np.sqrt(np.maximum(second_moment - mean**2, 0.0))
-    magnitudes = np.abs(mean + spread * MAGNITUDE_POINTS[:, None])  # (points, d)
-    if not np.any(magnitudes > 0):
-        return None
+    magnitudes = np.abs(cell_means)
     with np.errstate(divide="ignore"):
         spacing = np.where(magnitudes > 0, np.exp2(np.floor(np.log2(magnitudes)) - bits), 0.0)
     stored = np.maximum(np.diag(covariance), 0.0)
-    variance = np.zeros_like(stored)
+    variance = np.zeros(cell_means.shape)
     # where even the least noise the stored spread allows, stored - D^2 / 12, leaves exp(-a) below 1e-26
-    # at every magnitude, the rounding averages away: only the other coordinates need the bisection
+    # in every cell, the rounding averages away: only the other coordinates need the bisection
     least = np.maximum(stored - spacing**2 / 12, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         rounded = np.any(~(4 * np.pi**2 * least > 60 * spacing**2), axis=0)
     if np.any(rounded):
-        noise = _noise_before_rounding(stored[rounded], spacing[:, rounded])
-        variance[rounded] = _mean_rounding_variance(noise, spacing[:, rounded]).mean(axis=0)
+        weights = cell_counts / max(cell_counts.sum(), 1)
+        noise = _noise_before_rounding(stored[rounded], spacing[:, rounded], weights)
+        variance[:, rounded] = _mean_rounding_variance(noise, spacing[:, rounded])
     return variance
 
 
@@ -237,49 +232,47 @@ def _mean_rounding_variance(noise_variance: np.ndarray, spacing: np.ndarray) -> 
     return spacing**2 / (2 * np.pi**2) * np.where(a < 1, closed, series)
 
 
-def _noise_before_rounding(stored_variance: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+def _noise_before_rounding(stored_variance: np.ndarray, spacing: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Per coordinate, the noise variance sigma^2 before rounding that the stored values' variance implies:
-    a token's rounding adds what its class mean's does not, D^2 / 12 - b^2 (averaged over the magnitudes),
-    and stored = sigma^2 + that; the sum grows with sigma^2, so bisection finds it (40 halvings)."""
+    a token's rounding adds what its cell mean's does not, D^2 / 12 - b^2 (averaged over the cells, rows of
+    `spacing`, with `weights`), and stored = sigma^2 + that; the sum grows with sigma^2, so bisection finds
+    it (40 halvings)."""
     low, high = np.zeros_like(stored_variance), stored_variance.copy()
     for _ in range(40):
         middle = (low + high) / 2
-        added = (spacing**2 / 12 - _mean_rounding_variance(middle, spacing)).mean(axis=0)
+        added = weights @ (spacing**2 / 12 - _mean_rounding_variance(middle, spacing))
         below = middle + added < stored_variance
         low, high = np.where(below, middle, low), np.where(below, high, middle)
     return (low + high) / 2
 
 
-def rounding_bias(covariance: np.ndarray, variance: np.ndarray | None, class_size: float) -> float:
+def rounding_bias(covariance: np.ndarray, class_rounding: list[np.ndarray] | None) -> float:
     """How far the store's rounding can move a class mean, against that mean's noise: the largest over
-    coordinates of b / (sigma / sqrt(class_size)), with b^2 the rounding `variance` (``rounding_variance``;
-    None: a dtype without a known spacing) and sigma^2 the diagonal of `covariance`. Above 1 the class means
-    carry an error that the noise draws of their tokens do not (``rounding_inflation`` adds it)."""
-    if variance is None or not class_size > 0:
+    factors, classes and coordinates of sqrt(W / sigma^2), with W a class's rounding variance in count-
+    weighted coordinates (``class_rounding``; None: a dtype without a known spacing) and sigma^2 the
+    diagonal of `covariance`, a weighted class mean's noise. Above 1 the rounding, not the noise, sets
+    the class means' error."""
+    if class_rounding is None:
         return np.nan
-    noise = np.sqrt(np.maximum(np.diag(covariance), 0.0) / class_size)
-    bias = np.sqrt(variance)
+    noise = np.maximum(np.diag(covariance), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(noise > 0, bias / noise, np.where(bias > 0, np.inf, 0.0))
-    return float(ratio.max())
+        ratios = [np.where(noise > 0, np.sqrt(w / noise), np.where(w > 0, np.inf, 0.0)) for w in class_rounding]
+    return float(max((r.max() for r in ratios if r.size), default=0.0))
 
 
-def rounding_inflation(covariance: np.ndarray, variance: np.ndarray | None, class_size: float,
+def rounding_inflation(covariance: np.ndarray, class_rounding: list[np.ndarray] | None,
                        whitening: np.ndarray | None) -> float:
-    """The factor f^2 >= 1 by which a layer's noise draws' variance grows to carry the class means'
-    rounding error as well as their tokens' noise: 1 + n tr(P B P') / tr(P S P'), with B the rounding
-    `variance` (``rounding_variance``) of a class mean of n = class_size tokens, S the tokens' noise
-    covariance and P the whitening the layer is judged in (the identity without one). The rounding is
-    drawn with the noise's shape and their total variance; 1 where the dtype's spacing is far below the
-    noise (float32, or float16 at a language model's spreads)."""
-    if variance is None or not class_size > 0 or not np.any(variance > 0):
+    """By how much, on average over factors and classes, the draws' variance grows when they carry the
+    class means' rounding: 1 + tr(P W P') / tr(P S P'), with W a class's rounding variances (diagonal, in
+    count-weighted coordinates), S the tokens' noise covariance and P the whitening the layer is judged in
+    (the identity without one); 1 where the dtype's spacing is far below the noise (float32, or float16 at
+    a language model's spreads)."""
+    if class_rounding is None or not any(np.any(w > 0) for w in class_rounding):
         return 1.0
-    if whitening is None:
-        noise, rounding = np.trace(covariance), variance.sum()
-    else:
-        noise = np.trace(whitening @ covariance @ whitening.T)
-        rounding = np.einsum("ij,j,ij->", whitening, variance, whitening)
-    return float(1.0 + class_size * rounding / noise) if noise > 0 else 1.0
+    P = np.eye(len(covariance)) if whitening is None else whitening
+    noise = np.trace(P @ covariance @ P.T)
+    rounding = np.mean(np.concatenate([w for w in class_rounding]), axis=0)
+    return float(1.0 + np.einsum("ij,j,ij->", P, rounding, P) / noise) if noise > 0 else np.inf  # rounding and no noise
 
 
 def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffects:
@@ -351,14 +344,6 @@ class NoiseParts:
     gram: list[np.ndarray]
     along: list[np.ndarray]
     cross: dict
-
-    def inflated(self, variance_factor: float) -> NoiseParts:
-        """The same draws with their variance multiplied by `variance_factor` (``rounding_inflation``)."""
-        if variance_factor == 1.0:
-            return self
-        scale = np.sqrt(variance_factor)
-        return NoiseParts([g * variance_factor for g in self.gram], [a * scale for a in self.along],
-                          {pair: c * variance_factor for pair, c in self.cross.items()})
 
 
 def noise_parts(effects: list[FactorEffects], signs: np.ndarray, columns: np.ndarray, pairs) -> NoiseParts:

@@ -32,6 +32,7 @@ from .inference import (
     WhitenedDraws,
     add_one_share,
     basic_interval,
+    cell_rounding_variance,
     corrected_radii,
     cosine_angles,
     cosines_against,
@@ -42,10 +43,10 @@ from .inference import (
     noise_parts,
     noise_rank,
     noise_whitening,
+    rademacher,
     relevant_rank,
     rounding_bias,
     rounding_inflation,
-    rounding_variance,
     shrunk_variances,
     span_basis,
     structure_p,
@@ -73,10 +74,12 @@ class DrawSettings:
     orthogonal_deg: float  # the boundary of "orthogonal": every angle above it
     dependent_deg: float  # the boundary of "dependent": the smallest angle below it
     radius_cv_tolerance: float
+    rounding_groups: int = 0  # the last columns of `draws`: pseudo-groups that carry the rounding (``_with_rounding``)
 
     @property
     def n_groups(self) -> int:
-        return self.draws.shape[1]
+        """The groups of tokens the draws resample (the intervals' reference counts these alone)."""
+        return self.draws.shape[1] - self.rounding_groups
 
 
 @dataclass
@@ -191,18 +194,16 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     if parts["nonfinite"]:
         return None
     sums = parts["sums"]
-    share, whitening, bias, inflation = 0.0, None, np.nan, np.nan
+    share, whitening, bias, inflation, rounding = 0.0, None, np.nan, np.nan, None
     if solution is not None:
         theta, residuals = joint_fit(sums, counts, solution)
         if "gram" in parts:  # the tokens' covariance around the fit: whitening and the rounding's weight
             covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
             whitening = noise_whitening(covariance, n_tokens)
-            class_size = rounding_group_size(counts, layout)
-            moments = (sums.sum(axis=0)[: len(layout.patterns)].sum(axis=0) / max(n_tokens, 1),
-                       np.diag(parts["gram"]) / max(n_tokens, 1))  # each token has one intercept cell
-            rounding = rounding_variance(covariance, *moments, dtype)
-            bias = rounding_bias(covariance, rounding, class_size)
-            inflation = rounding_inflation(covariance, rounding, class_size, whitening)
+            rounding = cell_rounding(covariance, sums, counts, layout, dtype)
+            per_class = None if rounding is None else [cells.class_variance for cells in rounding]
+            bias = rounding_bias(covariance, per_class)
+            inflation = rounding_inflation(covariance, per_class, whitening)
         maps = solution.influence_maps
         if shared is not None:  # judged whitened where the tests are: a few huge dimensions do not set it
             share = shared.estimate(residuals if whitening is None else residuals @ whitening)
@@ -223,7 +224,8 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     layer = LayerFit(fits, int(parts["outliers"]), share, whitening is not None, bias, inflation)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
-        _infer(layer, views, counts, layout, pairs, settings, whitening, 1.0 if np.isnan(inflation) else inflation)
+        drawn_views, drawn_settings = _with_rounding(views, settings, rounding)
+        _infer(layer, drawn_views, counts, layout, pairs, drawn_settings, whitening)
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -237,20 +239,78 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     return layer
 
 
-def rounding_group_size(counts: Counts, layout: Layout) -> float:
-    """How many tokens a class mean's rounding error is the mean of, as if independent: the tokens of one
-    cell of labels share their values' place on the store's grid, and a class of n_c tokens in cells of
-    n_j averages sum_j n_j^2 / n_c of them. The cells are those of the class with each other factor (the
-    finest such split, an upper bound where a third factor splits them further); the median over classes."""
-    sizes = []
-    for a in range(len(layout.names)):
-        n = counts.factor_counts(layout, a).astype(float)
-        size = n.copy()
-        for b in range(len(layout.names)):
-            if b != a:
-                size = np.minimum(size, (counts.contingency(layout, a, b).astype(float) ** 2).sum(axis=1) / np.maximum(n, 1))
-        sizes.append(size[n > 0])
-    return float(np.median(np.concatenate(sizes)))
+@dataclass
+class CellRounding:
+    """One factor's classes as cells of labels, whose means the store rounds independently: the cells'
+    rounding variances (cell, d) (``inference.cell_rounding_variance``), the class's tokens in each cell
+    (class, cell), and the pair of factors whose cells they are (two factors of one pair share them)."""
+
+    pair: tuple[int, int]
+    members: np.ndarray
+    variance: np.ndarray
+
+    @property
+    def class_variance(self) -> np.ndarray:
+        """W (class, d): a class mean's rounding variance in count-weighted coordinates, sum_j n_j^2 b_j^2 / n_c."""
+        return (self.members**2 @ self.variance) / np.maximum(self.members.sum(axis=1), 1)[:, None]
+
+    def drawn(self, cell_noise: np.ndarray) -> np.ndarray:
+        """(group, class, d) count-weighted class errors of (group, cell, d) unit noise per cell: sum_j n_j e_j / sqrt(n_c)."""
+        errors = np.sqrt(self.variance) * cell_noise
+        return (self.members @ errors) / np.sqrt(np.maximum(self.members.sum(axis=1), 1))[:, None]
+
+
+def cell_rounding(covariance: np.ndarray, sums: np.ndarray, counts: Counts, layout: Layout,
+                  dtype: str | None) -> list[CellRounding] | None:
+    """Per factor, its classes' rounding as cells (``CellRounding``; None: a dtype without a known spacing).
+    The tokens of one cell of labels share their values' place on the store's grid. A factor's cells are its
+    classes with the factor that splits them finest (the tokens without that factor's label, and the other
+    factor's without this one's, cells of their own; alone, its classes), their means the two classes'
+    means less the tokens' mean (the fit's cells, additive)."""
+    totals = sums.sum(axis=0)
+    n_tokens = max(np.diag(counts.gram)[: len(layout.patterns)].sum(), 1)
+    grand = totals[: len(layout.patterns)].sum(axis=0) / n_tokens  # each token has one intercept cell
+    sizes = [counts.factor_counts(layout, a).astype(float) for a in range(len(layout.names))]
+    means = [totals[layout.block(a)] / np.maximum(n, 1)[:, None] for a, n in enumerate(sizes)]
+    cells = {}
+    rounding = []
+    for a, n in enumerate(sizes):
+        partners = [b for b in range(len(sizes)) if b != a]
+        if not partners:
+            variance = cell_rounding_variance(covariance, means[a], n, dtype)
+            if variance is None:
+                return None
+            rounding.append(CellRounding((a, a), np.diag(n), variance))
+            continue
+        b = min(partners, key=lambda b: (counts.contingency(layout, a, b).astype(float) ** 2).sum())
+        pair = (min(a, b), max(a, b))
+        if pair not in cells:
+            cells[pair] = _pair_cells(counts, layout, pair, sizes, means, grand, covariance, dtype)
+        members, variance = cells[pair]
+        if variance is None:
+            return None
+        rounding.append(CellRounding(pair, members[pair.index(a)], variance))
+    return rounding
+
+
+def _pair_cells(counts: Counts, layout: Layout, pair: tuple[int, int], sizes, means, grand, covariance, dtype):
+    """The cells of a pair of factors: the (first class, second class) pairs with tokens, then each
+    factor's tokens without the other's label; the (class, cell) tokens of each factor, and the cells'
+    rounding variances."""
+    a, b = pair
+    table = counts.contingency(layout, a, b).astype(float)
+    c, j = np.nonzero(table)
+    rest_a, rest_b = sizes[a] - table.sum(axis=1), sizes[b] - table.sum(axis=0)
+    only_a, only_b = np.nonzero(rest_a > 0)[0], np.nonzero(rest_b > 0)[0]
+    n_cells = len(c) + len(only_a) + len(only_b)
+    members_a, members_b = np.zeros((len(sizes[a]), n_cells)), np.zeros((len(sizes[b]), n_cells))
+    members_a[c, np.arange(len(c))] = members_b[j, np.arange(len(c))] = table[c, j]
+    members_a[only_a, len(c) + np.arange(len(only_a))] = rest_a[only_a]
+    members_b[only_b, len(c) + len(only_a) + np.arange(len(only_b))] = rest_b[only_b]
+    cell_means = np.concatenate([means[a][c] + means[b][j] - grand, means[a][only_a], means[b][only_b]])
+    cell_counts = np.concatenate([table[c, j], rest_a[only_a], rest_b[only_b]])
+    variance = cell_rounding_variance(covariance, cell_means, cell_counts, dtype)
+    return (members_a, members_b), variance
 
 
 def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, counts: Counts,
@@ -278,22 +338,46 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
     return fit
 
 
+ROUNDING_GROUPS = 64
+"""Pseudo-groups that carry the class means' rounding into the draws (``_with_rounding``)."""
+ROUNDING_SEED = 20261206
+
+
+def _with_rounding(views: list[FactorView], settings: DrawSettings, rounding: list[CellRounding] | None):
+    """The views and draw settings with the class means' rounding as ROUNDING_GROUPS more groups of
+    influences: group g holds a unit normal error per cell and coordinate, scaled by its rounding's spread,
+    as each factor's classes average them over their cells (``CellRounding.drawn``: two factors of one pair
+    share the errors), divided by sqrt(G); its random signs give each draw class errors of about the
+    rounding's covariance. Unchanged where nothing is rounded."""
+    if rounding is None or not any(np.any(r.variance > 0) for r in rounding):
+        return views, settings
+    rng = np.random.default_rng(ROUNDING_SEED)
+    signs = rademacher(rng, len(settings.draws), ROUNDING_GROUPS)
+    noise = {}
+    rounded = []
+    for view, cells in zip(views, rounding):
+        if cells.pair not in noise:
+            noise[cells.pair] = rng.normal(size=(ROUNDING_GROUPS, *cells.variance.shape)) / np.sqrt(ROUNDING_GROUPS)
+        influence = np.concatenate([view.effects.influence, cells.drawn(noise[cells.pair])])
+        rounded.append(replace(view, effects=replace(view.effects, influence=influence)))
+    return rounded, replace(settings, draws=np.hstack([settings.draws, signs]), rounding_groups=ROUNDING_GROUPS)
+
+
 def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings,
-           whitening: np.ndarray | None, inflation: float) -> None:
+           whitening: np.ndarray | None) -> None:
     """Ranks, then intervals, claims and spheres, from one set of noise draws. Where the noise is
     anisotropic (`whitening` P), ranks are judged and subspaces estimated in whitened coordinates and
     mapped back (``_whitened_bases``); the draws estimate theirs the same way, so that the intervals
-    and claims are those of the estimator the fit used. The draws' variance is multiplied by `inflation`
-    so that they carry the class means' rounding in the store's dtype (``inference.rounding_inflation``)."""
+    and claims are those of the estimator the fit used."""
     widths = [view.directions.shape[1] for view in views]
     columns = np.hstack([view.directions for view in views] + [view.mean[:, None] for view in views])
-    noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs).inflated(inflation)
+    noise = noise_parts([view.effects for view in views], settings.draws, columns, pairs)
     starts = np.concatenate([[0], np.cumsum(widths)])
     white = [whitened(view.effects, whitening) for view in views]
     white_noise, white_starts = noise, starts  # the draws above, unless the noise is whitened
     if whitening is not None:
         svds = [np.linalg.svd(factor.weighted, full_matrices=False) for factor in white]
-        white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), []).inflated(inflation)
+        white_noise = noise_parts(white, settings.draws, np.hstack([right.T for _, _, right in svds]), [])
         white_starts = np.concatenate([[0], np.cumsum([len(right) for _, _, right in svds])])
     white_along = [white_noise.along[a][..., white_starts[a]: white_starts[a + 1]] for a in range(len(views))]
     for a, (fit, view) in enumerate(zip(layer.factors, views)):

@@ -685,13 +685,14 @@ DESCRIPTIONS = {
                          "effect per document), estimated from the groups' residual sums (whitened where the tests are); the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
     "rounding_bias": "how far the store dtype's rounding can move a class mean, over that mean's noise (the largest "
-                     "over coordinates, for the median number of tokens a class mean's rounding averages; "
+                     "over factors, classes and coordinates; a class mean averages the roundings of its cells of labels; "
                      "inference.rounding_bias): above 1 the rounding, not the noise, sets the class means' error, and "
                      "the draws carry it (rounding_inflation); NaN where the tokens' covariance is not streamed",
-    "rounding_inflation": "the factor by which the noise draws' variance grows to carry the class means' rounding in the "
-                          "store's dtype as well as their tokens' noise (inference.rounding_inflation; 1: the rounding "
-                          "averages away, as in float32 stores and at a language model's spreads; NaN where the tokens' covariance is "
-                          "not streamed, and the draws carry the noise alone)",
+    "rounding_inflation": "by how much the noise draws' variance grows, on average over classes, when they carry the class "
+                          "means' rounding in the store's dtype as well as their tokens' noise (layer.cell_rounding, "
+                          "inference.rounding_inflation; 1: the rounding averages away, as in float32 stores and at a "
+                          "language model's spreads; NaN where the tokens' covariance is not streamed, and the draws carry "
+                          "the noise alone)",
     "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
                 "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
                 "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",

@@ -25,7 +25,7 @@ Groups of cells (``--groups``, default all):
   its twin without it (same sizes, effects and total variance; tests/planted_cells.py DEPARTURES):
   documents across 4 packed windows with labels clustered by document (a null label, and ranks
   [2, 3]), bursty null labels, rogue dimensions and sinks (ranks [2, 3]), float16 rounding (ranks
-  [3, 2], orthogonal), a pooled Zipf vocabulary on a sphere and binned positions on a circle (sphere
+  [3, 2], orthogonal with confounded labels, oblique with crossed ones), a pooled Zipf vocabulary on a sphere and binned positions on a circle (sphere
   "on" or "undetermined", never "off"), an interaction of the two factors (ranks [2, 2], 60 degrees:
   the interaction lives in a plane of its own and belongs to neither factor). Their targets are the
   other groups' (with rogue dimensions and sinks: within 5 points of the twin).
@@ -108,6 +108,7 @@ def departures(base: Cell) -> list[Cell]:
         replace(base, departure="rogue", signal="none", b_classes=8, rank_b=3),
         replace(base, departure="rogue", b_classes=8, rank_b=3),
         replace(base, departure="float16", n_classes=6, rank=3, truth="orthogonal", confounded=True, signal="strong"),
+        replace(base, departure="float16", n_classes=6, rank=3, truth="oblique", signal="strong"),
         replace(base, departure="vocabulary", n_classes=20000, zipf=True, rank=3, sphere="on", truth="orthogonal",
                 n_samples=512, n_pos=33),
         replace(base, departure="circle", d_model=32, n_pos=129, sphere="on", truth="orthogonal"),

@@ -46,7 +46,7 @@ DEPARTURES = {
               "(twin: noise independent per token)",
     "rogue": "ROGUE_DIMS dimensions at ROGUE_SPREAD times the others' spread and SINK_SHARE of the tokens with "
              "huge norms along the first of them (twin: isotropic noise of the same total variance)",
-    "float16": "a's classes on a sphere of rank 3, b's on a circle, exactly orthogonal, FLOAT16_NOISE noise, "
+    "float16": "a's classes on a sphere of rank 3, b's on a circle (at the cell's truth: orthogonal, oblique), FLOAT16_NOISE noise, "
                "stored in float16 (twin: float32)",
     "vocabulary": "a Zipf vocabulary of n_classes types (text labels), every type on a sphere of radius "
                   "VOCABULARY_RADIUS, more types than max_classes keeps (twin: TWIN_VOCABULARY types, none pooled)",

@@ -473,30 +473,35 @@ def test_interval_levels_are_a_t_references_with_groups_less_one_degrees_of_free
 
 
 def test_the_rounding_variance_is_a_uniform_errors_below_the_spacing_and_vanishes_above_it():
-    """Values of magnitude 5 in float16 (spacing 2^-8): with noise far below the spacing, a class mean's
+    """Cells of magnitude 5 in float16 (spacing 2^-8): with noise far below the spacing, a cell mean's
     rounding error is uniform over the spacing, variance 2^-16 / 12; with noise of two spacings it averages
-    away. The bias is that error over the mean's noise sigma / sqrt(n). A float32 store holds what the model
-    computed, even without noise: nothing to add; an unknown dtype: nothing known."""
-    from orthosphere.analyze.inference import rounding_bias, rounding_inflation, rounding_variance
+    away. A float32 store holds what the model computed, even without noise: nothing to add; an unknown
+    dtype: nothing known. The bias is the largest of sqrt(W / sigma^2); the inflation 1 + W / sigma^2 on average."""
+    from orthosphere.analyze.inference import cell_rounding_variance, rounding_bias, rounding_inflation
 
-    spacing, n = 2.0**-8, 400
-    mean, second = np.full(2, 5.0), np.full(2, 25.0)
+    spacing = 2.0**-8
+    means, sizes = np.full((3, 2), 5.0), np.full(3, 100.0)
     for sigma, expected in ((1e-6, spacing**2 / 12), (2 * spacing, 0.0)):
         stored = np.diag([sigma**2 + (spacing**2 / 12 if sigma > spacing else 0.0)] * 2)  # what rounding adds
-        variance = rounding_variance(stored, mean, second, "float16")
-        assert variance == pytest.approx(np.full(2, expected), rel=1e-3, abs=1e-12)
-        assert rounding_bias(stored, variance, n) == pytest.approx(np.sqrt(expected) / (sigma / np.sqrt(n)), rel=2e-3)
-    assert not rounding_variance(np.zeros((2, 2)), mean, second, "float32").any()  # stored as computed
-    assert rounding_variance(np.eye(2), mean, second, "int8") is None and np.isnan(rounding_bias(np.eye(2), None, n))
-    assert rounding_inflation(np.eye(2), np.zeros(2), n, None) == 1.0
+        variance = cell_rounding_variance(stored, means, sizes, "float16")
+        assert variance == pytest.approx(np.full((3, 2), expected), rel=1e-3, abs=1e-12)
+    assert not cell_rounding_variance(np.zeros((2, 2)), means, sizes, "float32").any()  # stored as computed
+    assert cell_rounding_variance(np.eye(2), means, sizes, "int8") is None
+    covariance, rounding = np.diag([4.0, 1.0]), [np.array([[0.16, 0.0], [0.04, 0.0]])]
+    assert rounding_bias(covariance, rounding) == pytest.approx(0.2) and np.isnan(rounding_bias(covariance, None))
+    assert rounding_inflation(covariance, rounding, None) == pytest.approx(1 + 0.1 / 5)
+    whitening = np.diag([0.5, 1.0])  # whitened, each coordinate's noise is 1 and the first's rounding 0.1 / 4
+    assert rounding_inflation(covariance, rounding, whitening) == pytest.approx(1 + 0.025 / 2)
+    assert rounding_inflation(covariance, [np.zeros((2, 2))], None) == 1.0
+    assert rounding_inflation(np.zeros((2, 2)), rounding, None) == np.inf  # rounding against no noise at all
 
 
 @pytest.mark.parametrize("sigma_in_spacings", [0.1, 0.25, 0.4])
-def test_the_rounding_variance_matches_simulated_class_means_from_their_stored_spread(sigma_in_spacings):
-    """Classes at random places on float16's grid, their tokens spread by sigma: from the stored values'
-    pooled spread (which the rounding widens) and their moments alone, the variance of a class mean's
+def test_the_rounding_variance_matches_simulated_cell_means_from_their_stored_spread(sigma_in_spacings):
+    """Cells at random places on float16's grid, their tokens spread by sigma: from the stored values'
+    pooled spread (which the rounding widens) and the cells' means alone, the variance of a cell mean's
     rounding error is that of the simulation's."""
-    from orthosphere.analyze.inference import rounding_variance
+    from orthosphere.analyze.inference import cell_rounding_variance
 
     rng = np.random.default_rng(3)
     spacing = 2.0**-8
@@ -507,26 +512,33 @@ def test_the_rounding_variance_matches_simulated_class_means_from_their_stored_s
     errors = (stored - true).mean(axis=1)
     measured = np.mean(errors**2) - np.var(stored - true, axis=1).mean() / 1000  # less the tokens' own averaged noise
     spread = np.var(stored - stored.mean(axis=1, keepdims=True), axis=1).mean()
-    variance = rounding_variance(np.diag([spread]), np.array([stored.mean()]), np.array([np.mean(stored**2)]), "float16")
-    assert variance[0] == pytest.approx(measured, rel=0.1)
+    variance = cell_rounding_variance(np.diag([spread]), stored.mean(axis=1)[:, None], np.full(2000, 1000.0), "float16")
+    assert variance.mean() == pytest.approx(measured, rel=0.1)
 
 
-def test_the_draws_carry_the_rounding_of_tokens_that_share_a_cell():
-    """Each class of a averages independent roundings of its cells with b (one per cell): a class of n
-    tokens in cells of n_j shares sum_j n_j^2 / n of them; the inflation adds that many tokens' rounding
-    variance to one token's noise, in the whitened coordinates where the layer is judged."""
-    from orthosphere.analyze.inference import rounding_inflation
-    from orthosphere.analyze.layer import rounding_group_size
+def test_a_class_mean_averages_the_roundings_of_its_cells_and_two_factors_share_them():
+    """A class of n_c tokens in cells of n_j has rounding variance sum_j n_j^2 b_j^2 / n_c (count-weighted);
+    the cells are those of the two factors (their tables' nonzero entries), shared by both, and a draw's
+    errors are the cells' averaged the same way."""
+    from orthosphere.analyze.layer import cell_rounding
 
     _, _, counts, layout = small_design(0)
-    a, b = layout.block(0), layout.block(1)
-    cells = counts.gram[a, b]
-    expected = np.median(np.concatenate([(cells**2).sum(axis=1) / cells.sum(axis=1), (cells**2).sum(axis=0) / cells.sum(axis=0)]))
-    assert rounding_group_size(counts, layout) == pytest.approx(expected)
-    covariance, variance = np.diag([4.0, 1.0]), np.array([0.01, 0.0])
-    assert rounding_inflation(covariance, variance, 50, None) == pytest.approx(1 + 50 * 0.01 / 5)
-    whitening = np.diag([0.5, 1.0])  # whitened, each coordinate's noise is 1 and the first's rounding 0.01 / 4
-    assert rounding_inflation(covariance, variance, 50, whitening) == pytest.approx(1 + 50 * 0.0025 / 2)
+    table = counts.contingency(layout, 0, 1)
+    rng = np.random.default_rng(1)
+    sums = np.zeros((counts.n_groups, layout.n_columns, 3))
+    sums[0] = 5.0 * np.diag(counts.gram)[:, None] * (1 + 1e-3 * rng.random((layout.n_columns, 3)))  # means near 5
+    rounding = cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "float16")
+    assert [cells.pair for cells in rounding] == [(0, 1), (0, 1)]
+    b2 = 2.0**-16 / 12  # noise far below the spacing: every cell's b^2
+    assert rounding[0].variance == pytest.approx(np.full((np.count_nonzero(table), 3), b2), rel=1e-3)
+    expected_a = (table**2).sum(axis=1) / table.sum(axis=1) * b2
+    assert rounding[0].class_variance == pytest.approx(np.repeat(expected_a[:, None], 3, axis=1), rel=1e-3)
+    expected_b = (table**2).sum(axis=0) / table.sum(axis=0) * b2
+    assert rounding[1].class_variance == pytest.approx(np.repeat(expected_b[:, None], 3, axis=1), rel=1e-3)
+    unit = rng.normal(size=(2000, np.count_nonzero(table), 3))
+    drawn_a, drawn_b = rounding[0].drawn(unit), rounding[1].drawn(unit)
+    assert np.var(drawn_a, axis=0) == pytest.approx(rounding[0].class_variance, rel=0.15)
+    assert abs(np.corrcoef(drawn_a[:, 0, 0], drawn_b[:, 0, 0])[0, 1]) > 0.2  # one cell's error moves both
 
 def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
     """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic
