@@ -221,7 +221,7 @@ def cell_rounding_variance(covariance: np.ndarray, cell_means: np.ndarray, cell_
 def _mean_rounding_variance(noise_variance: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     """b^2 = D^2 / (2 pi^2) f(4 pi^2 sigma^2 / D^2), f(a) = sum_k exp(-a k^2) / k^2: its series where it
     converges fast (a >= 1, eight terms), below that its Poisson-summed form pi^2 / 6 - sqrt(pi a) + a / 2
-    (both to within 1e-4 of f(1)); nothing where the spacing is (a value of 0 rounds exactly)."""
+    (both to within 1e-4 of f(1)); nothing where the spacing is 0 (a value of 0 rounds exactly)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         a = np.where(spacing > 0, 4 * np.pi**2 * noise_variance / spacing**2, np.inf)
     small = np.minimum(a, 1.0)
@@ -249,7 +249,7 @@ def _noise_before_rounding(stored_variance: np.ndarray, spacing: np.ndarray, wei
 def rounding_bias(covariance: np.ndarray, class_rounding: list[np.ndarray] | None) -> float:
     """How far the store's rounding can move a class mean, against that mean's noise: the largest over
     factors, classes and coordinates of sqrt(W / sigma^2), with W a class's rounding variance in count-
-    weighted coordinates (``class_rounding``; None: a dtype without a known spacing) and sigma^2 the
+    weighted coordinates (``layer.CellRounding.class_variance``; None: a dtype without a known spacing) and sigma^2 the
     diagonal of `covariance`, a weighted class mean's noise. Above 1 the rounding, not the noise, sets
     the class means' error."""
     if class_rounding is None:
@@ -271,7 +271,7 @@ def rounding_inflation(covariance: np.ndarray, class_rounding: list[np.ndarray] 
         return 1.0
     P = np.eye(len(covariance)) if whitening is None else whitening
     noise = np.trace(P @ covariance @ P.T)
-    rounding = np.mean(np.concatenate([w for w in class_rounding]), axis=0)
+    rounding = np.mean(np.concatenate(class_rounding), axis=0)
     return float(1.0 + np.einsum("ij,j,ij->", P, rounding, P) / noise) if noise > 0 else np.inf  # rounding and no noise
 
 
