@@ -24,6 +24,7 @@ from .inference import (
     ANGLE_TOLERANCE,
     CLAIMS,
     CV_TOLERANCE,
+    EXACT_DTYPES,
     GAP_QUANTILE,
     AngleFamilies,
     Complement,
@@ -262,11 +263,13 @@ class CellRounding:
 
 def cell_rounding(covariance: np.ndarray, sums: np.ndarray, counts: Counts, layout: Layout,
                   dtype: str | None) -> list[CellRounding] | None:
-    """Per factor, its classes' rounding as cells (``CellRounding``; None: a dtype without a known spacing).
-    The tokens of one cell of labels share their values' place on the store's grid. A factor's cells are its
+    """Per factor, its classes' rounding as cells (``CellRounding``; none for a store that rounds nothing,
+    None for a dtype without a known spacing). The tokens of one cell of labels share their values' place on the store's grid. A factor's cells are its
     classes with the factor that splits them finest (the tokens without that factor's label, and the other
     factor's without this one's, cells of their own; alone, its classes), their means the two classes'
     means less the tokens' mean (the fit's cells, additive)."""
+    if str(dtype) in EXACT_DTYPES:
+        return []
     totals = sums.sum(axis=0)
     n_tokens = max(np.diag(counts.gram)[: len(layout.patterns)].sum(), 1)
     grand = totals[: len(layout.patterns)].sum(axis=0) / n_tokens  # each token has one intercept cell
@@ -340,7 +343,6 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
 
 ROUNDING_GROUPS = 64
 """Pseudo-groups that carry the class means' rounding into the draws (``_with_rounding``)."""
-ROUNDING_SEED = 20261206
 
 
 def _with_rounding(views: list[FactorView], settings: DrawSettings, rounding: list[CellRounding] | None):
@@ -348,10 +350,11 @@ def _with_rounding(views: list[FactorView], settings: DrawSettings, rounding: li
     influences: group g holds a unit normal error per cell and coordinate, scaled by its rounding's spread,
     as each factor's classes average them over their cells (``CellRounding.drawn``: two factors of one pair
     share the errors), divided by sqrt(G); its random signs give each draw class errors of about the
-    rounding's covariance. Unchanged where nothing is rounded."""
+    rounding's covariance; their randomness follows the draws' signs (so the analysis's seed). Unchanged where
+    nothing is rounded."""
     if rounding is None or not any(np.any(r.variance > 0) for r in rounding):
         return views, settings
-    rng = np.random.default_rng(ROUNDING_SEED)
+    rng = np.random.default_rng(np.packbits(settings.draws > 0))
     signs = rademacher(rng, len(settings.draws), ROUNDING_GROUPS)
     noise = {}
     rounded = []

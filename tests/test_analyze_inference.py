@@ -539,6 +539,8 @@ def test_a_class_mean_averages_the_roundings_of_its_cells_and_two_factors_share_
     drawn_a, drawn_b = rounding[0].drawn(unit), rounding[1].drawn(unit)
     assert np.var(drawn_a, axis=0) == pytest.approx(rounding[0].class_variance, rel=0.15)
     assert abs(np.corrcoef(drawn_a[:, 0, 0], drawn_b[:, 0, 0])[0, 1]) > 0.2  # one cell's error moves both
+    assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "float32") == []  # stored as computed
+    assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "int8") is None
 
 def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
     """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic
