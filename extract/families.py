@@ -92,9 +92,10 @@ class Family:
     route: str = "interface"
     output_multiplier: str | None = None
     """Config attribute that scales the attention output before the residual add (Granite)."""
-    query_prescaled: bool = False
-    """The module multiplies q by its ``scaling`` right after the projection and scores with 1.0 (OPT):
-    the stored q and w_q carry the scale, the score's scale is 1."""
+    query_scale_of: Callable | None = None
+    """(attention module) -> the factor the module multiplies q by right after the projection, where it
+    does so and scores with 1.0 (OPT: its ``scaling``; ESM: 1/sqrt(d_head), before rotary embedding): the
+    stored q and w_q carry the scale, the score's scale is 1."""
     norm_gain: str = "weight"
     """How the norms' gain enters: "weight", or "1 + weight" (Gemma)."""
     alibi_slopes: Callable | None = None
@@ -201,6 +202,26 @@ def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, nam
     return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
                   mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned", mlp="output.dense",
                   refuse=_refuse_decoder_encoder(name), base_class=base_class)
+
+
+def _pre_norm_encoder(model_type: str, lm_class: str, prefix: str, base_class: str, name: str, attn_norm: str,
+                      mlp_norm: str, final: str, embedding_norm: bool) -> Family:
+    """A BERT-shaped encoder with Pre-Norm LayerNorms (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL): a norm
+    before the self-attention and one before the MLP inside the block, a final one after the last block."""
+    norms = ((Norm("embedding", f"{prefix}.embeddings.LayerNorm"),) if embedding_norm else ()) + (
+        Norm("attn_input", attn_norm), Norm("mlp_input", mlp_norm), Norm("final", final))
+    return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
+                  mid="output:attention", norms=norms, causal=False, positions="learned", mlp="output.dense",
+                  refuse=_refuse_decoder_encoder(name), base_class=base_class)
+
+
+def _refuse_esm(config):
+    if config.position_embedding_type != "rotary":
+        return (f"ESM with position_embedding_type={config.position_embedding_type!r} (ESM-1b's learned positions): "
+                "expected ESM-2's 'rotary'")
+    if getattr(config, "emb_layer_norm_before", False):
+        return "ESM with emb_layer_norm_before=True (ESM-1b's embedding norm): expected ESM-2's False"
+    return _refuse_decoder_encoder("ESM")(config)
 
 
 def _electra_norms(config):
@@ -388,6 +409,12 @@ def _phi_norms(config):
     return norms
 
 
+def _glm4_moe_norms(config):
+    if config.use_qk_norm:
+        return _with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)
+    return LLAMA_NORMS
+
+
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "transformer.h", "attn",
            Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="concat"),
@@ -429,7 +456,8 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            d_ff_keys=("n_inner",), activation_keys=("activation_function",)),
     Family("opt", "OPTForCausalLM", "model.decoder.layers", "self_attn",
            Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-           mid=_opt_mid, norms=_opt_norms, positions="learned", query_prescaled=True, d_ff_keys=("ffn_dim",), mlp="fc2",
+           mid=_opt_mid, norms=_opt_norms, positions="learned", query_scale_of=lambda attention: attention.scaling,
+           d_ff_keys=("ffn_dim",), mlp="fc2",
            activation_keys=("activation_function",)),
     _bert_like("bert", "BertForMaskedLM", "bert", "BertModel", "BERT"),
     _bert_like("roberta", "RobertaForMaskedLM", "roberta", "RobertaModel", "RoBERTa"),
@@ -499,6 +527,32 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                   Norm("mlp_input", "mlp_norm"), Norm("final", "model.final_norm")),
            scale_of=lambda attention: attention.head_dim**-0.5,
            extra_config=("global_attn_every_n_layers", "local_attention")),
+    _llama_like("glm", "GlmForCausalLM"),
+    _llama_like("ernie4_5", "Ernie4_5ForCausalLM"),
+    _llama_like("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
+    _llama_like("jais2", "Jais2ForCausalLM"),
+    _llama_like("vaultgemma", "VaultGemmaForCausalLM", mid="input:pre_feedforward_layernorm", norm_gain="1 + weight",
+                norms=(Norm("attn_input", "input_layernorm"), Norm("mlp_input", "pre_feedforward_layernorm"),
+                       Norm("final", "model.norm"))),
+    _llama_like("dots1", "Dots1ForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
+    _llama_like("glm4_moe", "Glm4MoeForCausalLM", norms=_glm4_moe_norms),
+    _llama_like("flex_olmo", "FlexOlmoForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
+    _bert_like("ernie", "ErnieForMaskedLM", "ernie", "ErnieModel", "ERNIE"),
+    _bert_like("data2vec-text", "Data2VecTextForMaskedLM", "data2vec_text", "Data2VecTextModel", "Data2Vec-Text"),
+    _pre_norm_encoder("roberta-prelayernorm", "RobertaPreLayerNormForMaskedLM", "roberta_prelayernorm",
+                      "RobertaPreLayerNormModel", "RoBERTa-PreLayerNorm", "attention.LayerNorm", "intermediate.LayerNorm",
+                      "roberta_prelayernorm.LayerNorm", embedding_norm=True),
+    _pre_norm_encoder("xlm-roberta-xl", "XLMRobertaXLForMaskedLM", "roberta", "XLMRobertaXLModel", "XLM-RoBERTa-XL",
+                      "attention.self_attn_layer_norm", "LayerNorm", "roberta.encoder.LayerNorm", embedding_norm=False),
+    Family("gpt_bigcode", "GPTBigCodeForCausalLM", "transformer.h", "attn",
+           Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="grouped"),
+           mid="input:ln_2", positions="learned", refuse=_refuse_gpt2,
+           norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
+           d_ff_keys=("n_inner",), activation_keys=("activation_function",), extra_config=("multi_query",)),
+    _llama_like("ministral3", "Ministral3ForCausalLM"),
+    replace(_pre_norm_encoder("esm", "EsmForMaskedLM", "esm", "EsmModel", "ESM", "attention.LayerNorm", "LayerNorm",
+                              "esm.encoder.emb_layer_norm_after", embedding_norm=False),
+            positions="rotary", refuse=_refuse_esm, query_scale_of=lambda attention: attention.attention_head_size**-0.5),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

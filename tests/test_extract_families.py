@@ -41,7 +41,8 @@ from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import FAMILIES, MODERNBERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
-ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert")
+ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert",
+            "ernie", "data2vec-text", "roberta-prelayernorm", "xlm-roberta-xl", "esm")
 BLOCK_SITES = ("z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
 """Stored too, where the family provides them (mlp_in and mlp_norm_scale are refused by some)."""
 T5_FAMILIES = ("t5", "mt5", "umt5")
@@ -76,14 +77,24 @@ PLACEMENTS = {
     "xlm-roberta": ("post", "layer", None, False), "camembert": ("post", "layer", None, False),
     "electra": ("post", "layer", None, False), "gpt_oss": ("pre", "rms", None, False),
     "mpnet": ("post", "layer", None, False), "modernbert": ("pre", "layer", None, False),
+    "glm": ("pre", "rms", None, False), "ernie4_5": ("pre", "rms", None, False),
+    "ernie4_5_moe": ("pre", "rms", None, False), "jais2": ("pre", "layer", None, False),
+    "vaultgemma": ("pre", "rms", None, False), "dots1": ("pre", "rms", "head", False),
+    "glm4_moe": ("pre", "rms", "head", False), "flex_olmo": ("output", "rms", "projection", False),
+    "ernie": ("post", "layer", None, False), "data2vec-text": ("post", "layer", None, False),
+    "roberta-prelayernorm": ("pre", "layer", None, False), "xlm-roberta-xl": ("pre", "layer", None, False),
+    "gpt_bigcode": ("pre", "layer", None, False),
+    "ministral3": ("pre", "rms", None, False), "esm": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
            "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
            "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
-           "modernbert": [None, MODERNBERT_HALF_WINDOW + 1]}
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "gemma2": [0.25, 0.25],
+           "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
+           "ministral3": [WINDOW, WINDOW]}
+SOFTCAPPED = ("gemma2", "vaultgemma")
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "esm": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
@@ -192,7 +203,7 @@ def test_score_terms_are_the_configs(family):
     model_type, store, _ = family
     score = store.attrs["model"]["score"]
     assert score["sliding_window"] == WINDOWS.get(model_type, [None, None])
-    assert score["softcap"] == ([20.0, 20.0] if model_type == "gemma2" else [None, None])
+    assert score["softcap"] == ([20.0, 20.0] if model_type in SOFTCAPPED else [None, None])
     np.testing.assert_allclose(score["scale"], SCALES.get(model_type, [8**-0.5] * 2), rtol=1e-12)
     assert score["alibi_slopes"] == ([BLOOM_SLOPES] * 2 if model_type == "bloom" else None)
 
@@ -261,6 +272,24 @@ def assert_head_site_from_the_maps(store, eager, name, layer):
 def test_weight_maps_reproduce_q_k_v_before_rotary_and_qk_norm(family):
     model_type, store, eager = family
     assert "clip_qkv" not in store.attrs["model"]  # the tiny configs do not clip: the maps are linear
+    for layer in range(store.sizes["layer"]):
+        for name in ("q", "k", "v"):
+            assert_head_site_from_the_maps(store, eager, name, layer)
+
+
+@pytest.fixture(scope="module")
+def multi_query_bigcode(tmp_path_factory):
+    """(model_type, store, eager model) of a tiny GPTBigCode with one key/value head (StarCoder's layout)."""
+    return extracted("gpt_bigcode", tmp_path_factory.mktemp("bigcode-mq"), tiny_model("gpt_bigcode", multi_query=True))
+
+
+def test_a_multi_query_gpt_bigcode_splits_its_fused_projection_and_stays_exact(multi_query_bigcode):
+    """multi_query fuses [all q | k | v] with one key/value head (the tiny model of the family has one
+    per head, [q_h | k_h | v_h]): both read exactly."""
+    model_type, store, eager = multi_query_bigcode
+    assert store.attrs["model"]["n_kv_heads"] == 1 and store.attrs["model"]["multi_query"] is True
+    assert store.sizes["kv_head"] == 1
+    assert_exact(*multi_query_bigcode)
     for layer in range(store.sizes["layer"]):
         for name in ("q", "k", "v"):
             assert_head_site_from_the_maps(store, eager, name, layer)
@@ -521,7 +550,8 @@ def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
         load_source(directory, device="cpu")
 MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "bert": "resid_mid", "roberta": "resid_mid",
                   "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
-                  "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in"}
+                  "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in",
+                  "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid"}
 """Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
 input norm (parallel blocks) or the Post-Norm's resid_mid."""
 

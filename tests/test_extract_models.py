@@ -464,6 +464,11 @@ def _tiny_config(name, **options):
     ("BloomForCausalLM", _tiny_config("BloomConfig", apply_residual_connection_post_layernorm=True),
      "Bloom with apply_residual_connection_post_layernorm=True"),
     ("BertForMaskedLM", _tiny_config("BertConfig", is_decoder=True), "BERT configured as a decoder"),
+    ("EsmForMaskedLM", _tiny_config("EsmConfig", position_embedding_type="absolute", pad_token_id=0, max_position_embeddings=64),
+     "ESM with position_embedding_type='absolute'.*expected ESM-2's 'rotary'"),
+    ("EsmForMaskedLM", _tiny_config("EsmConfig", emb_layer_norm_before=True, pad_token_id=0, position_embedding_type="rotary"),
+     "ESM with emb_layer_norm_before=True"),
+    ("XLMRobertaXLForMaskedLM", _tiny_config("XLMRobertaXLConfig", is_decoder=True), "XLM-RoBERTa-XL configured as a decoder"),
 ])
 def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
     import transformers

@@ -117,7 +117,7 @@ class HuggingFaceAdapter(Adapter):
         elif self.spec.route == "projection":
             scales = [float(a.inv_norm_factor) for a in attentions]
         else:
-            scales = [1.0 if self.spec.query_prescaled else float(a.scaling) for a in attentions]
+            scales = [1.0 if self.spec.query_scale_of is not None else float(a.scaling) for a in attentions]
         windows = [self._sliding_window(attention, layer) for layer, attention in enumerate(attentions)]
         softcaps = [getattr(a, "attn_logit_softcapping", None) for a in attentions]
         alibi = None
@@ -170,7 +170,8 @@ class HuggingFaceAdapter(Adapter):
         d_head = next((getattr(attention, name) for name in ("head_dim", "head_size", "attention_head_size",
                                                               "key_value_proj_dim")
                        if isinstance(getattr(attention, name, None), int)), config.hidden_size // n_heads)
-        n_kv = getattr(attention, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or n_heads
+        n_kv = (getattr(attention, "num_kv_heads", None) or getattr(attention, "kv_heads", None)  # GPTBigCode's
+                or getattr(config, "num_key_value_heads", None) or n_heads)
         q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
         fused = ((n_heads + 2 * n_kv) * d_head,) * 2
         expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": fused, "grouped": fused}[self.spec.projections.layout]
@@ -191,8 +192,8 @@ class HuggingFaceAdapter(Adapter):
             matrix, bias = _out_in(module), _bias(module)
             weights[f"w_{name}"] = matrix[torch.as_tensor(rows[name])].permute(0, 2, 1)
             weights[f"b_{name}"] = bias[torch.as_tensor(rows[name])]
-        if self.spec.query_prescaled:
-            scaling = float(self.attention(layer).scaling)
+        if self.spec.query_scale_of is not None:
+            scaling = float(self.spec.query_scale_of(self.attention(layer)))
             weights["w_q"], weights["b_q"] = weights["w_q"] * scaling, weights["b_q"] * scaling
         output = block.get_submodule(projections.o)
         weights["w_o"] = _out_in(output).T.reshape(self.n_heads, self.d_head, -1) * self.output_multiplier
