@@ -415,6 +415,12 @@ def _glm4_moe_norms(config):
     return LLAMA_NORMS
 
 
+def _persimmon_norms(config):
+    norms = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
+             Norm("final", "model.final_layernorm"))
+    return _with_qk_norm(norms, "self_attn.q_layernorm", "self_attn.k_layernorm", "head") if config.qk_layernorm else norms
+
+
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "transformer.h", "attn",
            Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="concat"),
@@ -553,6 +559,18 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     replace(_pre_norm_encoder("esm", "EsmForMaskedLM", "esm", "EsmModel", "ESM", "attention.LayerNorm", "LayerNorm",
                               "esm.encoder.emb_layer_norm_after", embedding_norm=False),
             positions="rotary", refuse=_refuse_esm, query_scale_of=lambda attention: attention.attention_head_size**-0.5),
+    _llama_like("solar_open", "SolarOpenForCausalLM"),
+    _llama_like("mellum", "MellumForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
+    _llama_like("cohere2_moe", "Cohere2MoeForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),
+    _llama_like("persimmon", "PersimmonForCausalLM",
+                projections=Projections("self_attn.query_key_value", "self_attn.query_key_value", "self_attn.query_key_value",
+                                        "self_attn.dense", layout="grouped"),
+                norms=_persimmon_norms),
+    Family("biogpt", "BioGptForCausalLM", "biogpt.layers", "self_attn",
+           Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+           mid="input:final_layer_norm", positions="learned", mlp="fc2",
+           norms=(Norm("attn_input", "self_attn_layer_norm"), Norm("mlp_input", "final_layer_norm"),
+                  Norm("final", "biogpt.layer_norm"))),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

@@ -85,6 +85,9 @@ PLACEMENTS = {
     "roberta-prelayernorm": ("pre", "layer", None, False), "xlm-roberta-xl": ("pre", "layer", None, False),
     "gpt_bigcode": ("pre", "layer", None, False),
     "ministral3": ("pre", "rms", None, False), "esm": ("pre", "layer", None, False),
+    "solar_open": ("pre", "rms", None, False), "mellum": ("pre", "rms", "head", False),
+    "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
+    "biogpt": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -92,7 +95,7 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
            "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
            "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
-           "ministral3": [WINDOW, WINDOW]}
+           "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "esm": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
@@ -551,7 +554,8 @@ def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
 MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "bert": "resid_mid", "roberta": "resid_mid",
                   "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
                   "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in",
-                  "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid"}
+                  "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid",
+                  "cohere2_moe": "attn_in"}
 """Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
 input norm (parallel blocks) or the Post-Norm's resid_mid."""
 
