@@ -124,6 +124,9 @@ class Family:
     sliding_window: Callable | None = None
     """(attention module) -> the window its layer attends with, where the module's ``sliding_window``
     attribute is not it (EXAONE 4 keeps the config's window on its global layers too)."""
+    window_in_mask: bool = False
+    """The sliding window is applied by the model's mask and not passed to the attention call (Phi-MoE):
+    it is described from the config, and the call's window (None) is not checked against it."""
     norm_kind: str | None = None
     """The norms' type where their class does not say it ("rms": T5's LayerNorm without centring)."""
     mlp: str | None = None
@@ -571,6 +574,14 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            mid="input:final_layer_norm", positions="learned", mlp="fc2",
            norms=(Norm("attn_input", "self_attn_layer_norm"), Norm("mlp_input", "final_layer_norm"),
                   Norm("final", "biogpt.layer_norm"))),
+    Family("gpt_neo", "GPTNeoForCausalLM", "transformer.h", "attn.attention",
+           Projections("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj", "attn.attention.out_proj"),
+           mid="input:ln_2", positions="learned", route="projection", scale_of=lambda attention: 1.0,
+           sliding_window=lambda attention: attention.config.window_size if attention.attention_type == "local" else None,
+           norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
+           activation_keys=("activation_function",), extra_config=("attention_types", "window_size")),
+    _llama_like("phimoe", "PhimoeForCausalLM", window_in_mask=True,
+                sliding_window=lambda attention: attention.config.sliding_window),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

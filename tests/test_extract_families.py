@@ -87,7 +87,8 @@ PLACEMENTS = {
     "ministral3": ("pre", "rms", None, False), "esm": ("pre", "layer", None, False),
     "solar_open": ("pre", "rms", None, False), "mellum": ("pre", "rms", "head", False),
     "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
-    "biogpt": ("pre", "layer", None, False),
+    "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
+    "phimoe": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -95,9 +96,10 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
            "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
            "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
-           "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None]}
+           "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
+           "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "esm": [1.0, 1.0], "gemma2": [0.25, 0.25],
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 

@@ -52,6 +52,10 @@ class Adapter:
     parallel = False
     """Whether attention and MLP both read the block input."""
 
+    window_in_mask = False
+    """Whether the model's mask, not its attention call, applies the sliding windows (Phi-MoE): the call's
+    window is then not compared with the description (the exactness tests compare the attention itself)."""
+
     def __init__(self, model: nn.Module):
         self.model = model
         self.layer_of: dict[nn.Module, int] = {self.attention(layer): layer for layer in range(self.n_layers)}
@@ -189,7 +193,7 @@ class Adapter:
 
     def check_score_call(self, layer: int, scaling, sliding_window, softcap, position_bias=None, sinks=None) -> None:
         """Refuse a forward pass whose attention call uses other score terms than those described."""
-        called = {"scale": scaling, "sliding_window": sliding_window, "softcap": softcap}
+        called = {"scale": scaling, "softcap": softcap} | ({} if self.window_in_mask else {"sliding_window": sliding_window})
         differing = {name: value for name, value in called.items() if not same_term(self._score[name][layer], value)}
         if not self._same_position_bias(layer, position_bias):
             differing["relative_bias"] = "a position bias other than the described one"

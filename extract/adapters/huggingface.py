@@ -28,7 +28,7 @@ class HuggingFaceAdapter(Adapter):
             self.spec = self.spec.without_head(getattr(transformers, family.lm_class).base_model_prefix)
         if self.spec.mlp is None and hasattr(model.get_submodule(self.spec.blocks)[0], "mlp"):
             self.spec = replace(self.spec, mlp="mlp")
-        self.family, self.causal = family.model_type, family.causal
+        self.family, self.causal, self.window_in_mask = family.model_type, family.causal, family.window_in_mask
         if family.route == "interface":
             register_attention()
             model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
