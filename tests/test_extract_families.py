@@ -99,7 +99,8 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
            "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0], "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "gemma2": [0.25, 0.25],
+SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
+          "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
