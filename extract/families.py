@@ -602,6 +602,18 @@ REFUSED: dict[str, str] = {
     "big_bird": "BigBird's block-sparse attention attends to random blocks of keys",
     "reformer": "Reformer's LSH attention attends within hash buckets and shares its q and k projection",
     "xlnet": "XLNet's two-stream attention adds relative position and segment terms to q . k",
+    "diffllama": "DiffLlama's differential attention subtracts a second softmax over q . k from the first, which the "
+                 "score terms of one softmax cannot describe",
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "minicpm3"),
+                    "multi-head latent attention gives its values another width than its queries and keys (v_head_dim "
+                    "against qk_head_dim) and splits each head's q . k into a rotary and a non-rotary part, which the "
+                    "store's one d_head per head cannot hold"),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
+                    "its layers are recurrent or state-space layers with no attention to store"),
+    **dict.fromkeys(("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe",
+                     "qwen3_next", "recurrent_gemma", "olmo_hybrid", "kimi_linear"),
+                    "it mixes softmax attention layers with state-space, linear-attention, recurrent or convolution "
+                    "layers, whose contributions to the residual stream no stored q . k describes"),
 }
 """model_types whose attention is not a softmax over q . k plus the score terms the store describes, and why."""
 

@@ -46,7 +46,7 @@ import torch
 from orthosphere.store.schema import ACTIVATION_DTYPES
 
 from .adapters import Adapter, adapter_for
-from .families import FAMILIES, UnsupportedModelError, family_for
+from .families import FAMILIES, REFUSED, UnsupportedModelError, family_for
 from .hashing import files_sha256, tensors_sha256
 from .model import CONFIG_FILE, WEIGHTS_FILE, ArithmeticTransformer, ConfigError, load_model
 from .tasks import CHARACTERS, PAD_ID, TOKEN_ID, token_ids
@@ -593,6 +593,8 @@ def _why_gguf_refused(path: Path, architecture) -> str:
     if config.model_type in FAMILIES:
         return (f"transformers reads its configuration as model_type {config.model_type!r} but cannot map its tensors "
                 f"(the gguf package names no architecture {architecture!r})")
+    if config.model_type in REFUSED:
+        return f"transformers reads it as model_type {config.model_type!r}, which orthosphere refuses: {REFUSED[config.model_type]}"
     return (f"transformers reads it as model_type {config.model_type!r}, which has no family in extract/families.py "
             "(module orthosphere.extract.families)")
 

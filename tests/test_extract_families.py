@@ -464,11 +464,16 @@ def test_error_messages_name_files_that_exist():
 
 
 @pytest.mark.parametrize("model_type, reason", [("deberta-v2", "content-to-position"), ("deberta", "content-to-position"),
-                                                ("jetmoe", "attention experts"), ("xlnet", "two-stream")])
+                                                ("jetmoe", "attention experts"), ("xlnet", "two-stream"),
+                                                ("diffllama", "differential attention"), ("deepseek_v3", "latent attention"),
+                                                ("mamba", "no attention"), ("jamba", "state-space")])
 def test_families_whose_score_the_store_cannot_describe_are_refused_with_the_reason(model_type, reason):
-    from orthosphere.errors import UnsupportedModelError
-    from orthosphere.extract.families import family_for
+    import transformers
 
+    from orthosphere.errors import UnsupportedModelError
+    from orthosphere.extract.families import REFUSED, family_for
+
+    assert set(REFUSED) <= set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)  # each a real model_type
     with pytest.raises(UnsupportedModelError, match=rf"model_type '{model_type}' is not supported: .*{reason}"):
         family_for(model_type)
 
