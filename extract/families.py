@@ -582,6 +582,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            activation_keys=("activation_function",), extra_config=("attention_types", "window_size")),
     _llama_like("phimoe", "PhimoeForCausalLM", window_in_mask=True,
                 sliding_window=lambda attention: attention.config.sliding_window),
+    _llama_like("cwm", "CwmForCausalLM"),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

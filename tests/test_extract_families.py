@@ -88,7 +88,7 @@ PLACEMENTS = {
     "solar_open": ("pre", "rms", None, False), "mellum": ("pre", "rms", "head", False),
     "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
     "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
-    "phimoe": ("pre", "layer", None, False),
+    "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -97,7 +97,8 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
            "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
            "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
-           "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW]}
+           "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW],
+           "cwm": [WINDOW, None]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
           "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "gemma2": [0.25, 0.25],

@@ -171,6 +171,8 @@ def family_configs() -> dict:
                                          window_size=WINDOW), "GPTNeoForCausalLM"),
         "phimoe": ("PhimoeConfig", _llama_sizes(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
                    "PhimoeForCausalLM"),
+        "cwm": ("CwmConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+                "CwmForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
