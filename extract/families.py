@@ -283,6 +283,22 @@ def _bloom_slopes(config, n_heads):
     return [float(s) for s in _get_alibi_slopes(n_heads, device="cpu")]
 
 
+def _mpt_slopes(config, n_heads):
+    """MPT's ALiBi slopes (``build_mpt_alibi_tensor``: its bias is slope * (key position - last position),
+    which the softmax sees as slope * key position)."""
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    bias = build_mpt_alibi_tensor(n_heads, 2, config.attn_config.alibi_bias_max)  # (head, 1, 2): slope * [-1, 0]
+    return [float(-value) for value in bias[:, 0, 0]]
+
+
+def _refuse_mpt(config):
+    if config.attn_config.clip_qkv:
+        return (f"MPT with clip_qkv={config.attn_config.clip_qkv} clamps q, k and v after its fused projection, "
+                "whose output is what orthosphere reads on this family's route: expected clip_qkv=None")
+    return None
+
+
 def _refuse_falcon(config):
     if config.alibi:
         return ("Falcon with alibi=True computes its ALiBi bias in bfloat16 (slope times position rounded to 8 "
@@ -583,6 +599,12 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("phimoe", "PhimoeForCausalLM", window_in_mask=True,
                 sliding_window=lambda attention: attention.config.sliding_window),
     _llama_like("cwm", "CwmForCausalLM"),
+    Family("mpt", "MptForCausalLM", "transformer.blocks", "attn",
+           Projections("attn.Wqkv", "attn.Wqkv", "attn.Wqkv", "attn.out_proj", layout="concat"),
+           mid="input:norm_2", route="projection", positions="alibi", alibi_slopes=_mpt_slopes, refuse=_refuse_mpt,
+           scale_of=lambda attention: attention.softmax_scale, mlp="ffn.down_proj", d_ff_keys=("expansion_ratio",),
+           activation_keys=(),
+           norms=(Norm("attn_input", "norm_1"), Norm("mlp_input", "norm_2"), Norm("final", "transformer.norm_f"))),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

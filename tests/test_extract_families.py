@@ -88,7 +88,7 @@ PLACEMENTS = {
     "solar_open": ("pre", "rms", None, False), "mellum": ("pre", "rms", "head", False),
     "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
     "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
-    "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False),
+    "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False), "mpt": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -212,7 +212,7 @@ def test_score_terms_are_the_configs(family):
     assert score["sliding_window"] == WINDOWS.get(model_type, [None, None])
     assert score["softcap"] == ([20.0, 20.0] if model_type in SOFTCAPPED else [None, None])
     np.testing.assert_allclose(score["scale"], SCALES.get(model_type, [8**-0.5] * 2), rtol=1e-12)
-    assert score["alibi_slopes"] == ([BLOOM_SLOPES] * 2 if model_type == "bloom" else None)
+    assert score["alibi_slopes"] == ([BLOOM_SLOPES] * 2 if model_type in ("bloom", "mpt") else None)  # 4 heads: the same slopes
 
 
 def test_residual_stream_is_one_stream_and_predictions_are_the_models(family):
@@ -300,6 +300,23 @@ def test_a_multi_query_gpt_bigcode_splits_its_fused_projection_and_stays_exact(m
     for layer in range(store.sizes["layer"]):
         for name in ("q", "k", "v"):
             assert_head_site_from_the_maps(store, eager, name, layer)
+
+
+@pytest.mark.parametrize("n_heads", [4, 6, 12])
+def test_mpt_slopes_are_its_alibi_bias(n_heads):
+    """MPT's bias is slope * (key position - last position): the described slopes give it exactly, also
+    for head counts that are not a power of two (MPT interleaves two sets of slopes)."""
+    import transformers
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from orthosphere.extract.families import _mpt_slopes
+
+    config = transformers.MptConfig(d_model=8 * n_heads, n_heads=n_heads)
+    slopes = np.array(_mpt_slopes(config, n_heads))
+    bias = build_mpt_alibi_tensor(n_heads, 7, config.attn_config.alibi_bias_max)[:, 0, :].double().numpy()
+    expected = slopes[:, None] * (np.arange(7) - 6)  # float64; MPT's float32 product rounds it (2^-0.5 slopes at 12 heads)
+    np.testing.assert_allclose(bias, expected, rtol=2 * np.finfo(np.float32).eps, atol=0)
+    assert len(set(slopes)) == n_heads
 
 
 def test_a_clipping_olmo_says_so_and_stays_exact(clipped_olmo):

@@ -469,6 +469,8 @@ def _tiny_config(name, **options):
     ("EsmForMaskedLM", _tiny_config("EsmConfig", emb_layer_norm_before=True, pad_token_id=0, position_embedding_type="rotary"),
      "ESM with emb_layer_norm_before=True"),
     ("XLMRobertaXLForMaskedLM", _tiny_config("XLMRobertaXLConfig", is_decoder=True), "XLM-RoBERTa-XL configured as a decoder"),
+    ("MptForCausalLM", __import__("transformers").MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=30,
+                                                           attn_config={"clip_qkv": 6.0}), "MPT with clip_qkv=6.0 clamps"),
 ])
 def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
     import transformers

@@ -173,6 +173,8 @@ def family_configs() -> dict:
                    "PhimoeForCausalLM"),
         "cwm": ("CwmConfig", _llama_sizes(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
                 "CwmForCausalLM"),
+        "mpt": ("MptConfig", dict(d_model=D_MODEL, n_heads=N_HEADS, n_layers=N_LAYERS, expansion_ratio=2, max_seq_len=64),
+                "MptForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
