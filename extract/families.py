@@ -35,8 +35,10 @@ from orthosphere.errors import ConfigError, UnsupportedModelError  # noqa: F401
 from orthosphere.store.schema import NORM_SCOPES, NORM_SITES
 
 ROUTES = ("interface", "projection")
-LAYOUTS = ("separate", "concat", "grouped")
+LAYOUTS = ("separate", "concat", "grouped", "codegen")
 OUTSIDE_BLOCKS = ("embedding", "final")
+CODEGEN_SHARDS = 4
+"""The model-parallel shards CodeGen's fused projection interleaves (its attention's ``mp_num``)."""
 """Norm sites whose module path is relative to the model, not to a block."""
 
 
@@ -64,7 +66,8 @@ class Projections:
     "separate") and W_O. ``layout``: ``separate`` (one module each), ``concat`` (one module,
     [all q | all k | all v] along its output) or ``grouped`` (one module, [q of the group's
     heads | k | v] for each key/value group in turn: [q_h | k_h | v_h] per head when every head
-    has its own key and value, [all q | k | v] with one key/value head)."""
+    has its own key and value, [all q | k | v] with one key/value head) or ``codegen`` (one module in
+    CODEGEN_SHARDS model-parallel shards, each [q | v | k] of its consecutive heads: CodeGen's)."""
 
     q: str
     k: str
@@ -175,6 +178,11 @@ def split_heads_rows(layout: str, n_heads: int, n_kv_heads: int, d_head: int) ->
         heads = np.arange(n_heads)
         return {"q": start[heads // group] + (heads % group)[:, None] * d_head + within,
                 "k": start + group * d_head + within, "v": start + (group + 1) * d_head + within}
+    if layout == "codegen":
+        per_shard = n_heads // CODEGEN_SHARDS
+        heads = np.arange(n_heads)
+        start = (heads // per_shard)[:, None] * 3 * per_shard * d_head + (heads % per_shard)[:, None] * d_head + within
+        return {"q": start, "v": start + per_shard * d_head, "k": start + 2 * per_shard * d_head}
     raise ValueError(f"unknown projection layout {layout!r}: expected one of {list(LAYOUTS)}")
 
 
@@ -296,6 +304,13 @@ def _refuse_mpt(config):
     if config.attn_config.clip_qkv:
         return (f"MPT with clip_qkv={config.attn_config.clip_qkv} clamps q, k and v after its fused projection, "
                 "whose output is what orthosphere reads on this family's route: expected clip_qkv=None")
+    return None
+
+
+def _refuse_codegen(config):
+    if config.n_head % CODEGEN_SHARDS:
+        return (f"CodeGen with {config.n_head} heads: its fused projection splits into {CODEGEN_SHARDS} shards of whole "
+                f"heads, so expected a multiple of {CODEGEN_SHARDS}")
     return None
 
 
@@ -605,6 +620,10 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            scale_of=lambda attention: attention.softmax_scale, mlp="ffn.down_proj", d_ff_keys=("expansion_ratio",),
            activation_keys=(),
            norms=(Norm("attn_input", "norm_1"), Norm("mlp_input", "norm_2"), Norm("final", "transformer.norm_f"))),
+    Family("codegen", "CodeGenForCausalLM", "transformer.h", "attn",
+           Projections("attn.qkv_proj", "attn.qkv_proj", "attn.qkv_proj", "attn.out_proj", layout="codegen"),
+           mid="parallel", norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_1"), Norm("final", "transformer.ln_f")),
+           refuse=_refuse_codegen, d_ff_keys=("n_inner",), activation_keys=("activation_function",)),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),

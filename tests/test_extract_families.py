@@ -89,6 +89,7 @@ PLACEMENTS = {
     "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
     "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
     "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False), "mpt": ("pre", "layer", None, False),
+    "codegen": ("pre", "layer", None, True),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -101,7 +102,7 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "cwm": [WINDOW, None]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
-          "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "gemma2": [0.25, 0.25],
+          "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "codegen": [0.5, 0.5], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
 
@@ -472,6 +473,19 @@ def test_grouped_layout_splits_a_fused_projection_as_falcon_does(variant):
         torch.testing.assert_close(fused[..., torch.as_tensor(rows[name])], expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n_heads", [4, 8, 16])
+def test_codegen_layout_splits_a_fused_projection_as_codegen_does(n_heads):
+    """[q | v | k] of consecutive heads in each of CodeGen's 4 model-parallel shards, against its own split."""
+    from orthosphere.extract.families import split_heads_rows
+
+    d_head = 8
+    fused = torch.randn(2, 5, 3 * n_heads * d_head)
+    query, value, key = fused.view(2, 5, 4, -1).split(n_heads * d_head // 4, dim=-1)  # CodeGenAttention.forward's split
+    rows = split_heads_rows("codegen", n_heads, n_heads, d_head)
+    for name, expected in (("q", query), ("k", key), ("v", value)):
+        torch.testing.assert_close(fused[..., torch.as_tensor(rows[name])], expected.reshape(2, 5, n_heads, d_head), rtol=0, atol=0)
+
+
 def test_error_messages_name_files_that_exist():
     """The messages that point at the family descriptions name the file by its path in the repository."""
     root = Path(__file__).resolve().parents[1]
@@ -581,7 +595,7 @@ MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "be
                   "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
                   "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in",
                   "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid",
-                  "cohere2_moe": "attn_in"}
+                  "cohere2_moe": "attn_in", "codegen": "attn_in"}
 """Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
 input norm (parallel blocks) or the Post-Norm's resid_mid."""
 

@@ -439,7 +439,7 @@ def test_weights_hash_tells_models_apart(tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type,reason", [("codegen", "a new transformers family is a few lines"),
+@pytest.mark.parametrize("model_type,reason", [("xglm", "a new transformers family is a few lines"),
                                                ("bart", "extract/families.py"), (None, "few lines")])
 def test_unknown_architecture_lists_the_supported_ones(tmp_path, model_type, reason):
     directory = tmp_path / str(model_type)
@@ -471,6 +471,8 @@ def _tiny_config(name, **options):
     ("XLMRobertaXLForMaskedLM", _tiny_config("XLMRobertaXLConfig", is_decoder=True), "XLM-RoBERTa-XL configured as a decoder"),
     ("MptForCausalLM", __import__("transformers").MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=30,
                                                            attn_config={"clip_qkv": 6.0}), "MPT with clip_qkv=6.0 clamps"),
+    ("CodeGenForCausalLM", __import__("transformers").CodeGenConfig(n_embd=36, n_head=6, n_layer=1, vocab_size=30, rotary_dim=2),
+     "CodeGen with 6 heads.*multiple of 4"),
 ])
 def test_families_and_configurations_that_cannot_be_exact_are_refused(model_class, config, reason):
     import transformers

@@ -175,6 +175,8 @@ def family_configs() -> dict:
                 "CwmForCausalLM"),
         "mpt": ("MptConfig", dict(d_model=D_MODEL, n_heads=N_HEADS, n_layers=N_LAYERS, expansion_ratio=2, max_seq_len=64),
                 "MptForCausalLM"),
+        "codegen": ("CodeGenConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=2 * N_HEADS, n_inner=D_FF, n_positions=64,
+                                          rotary_dim=2), "CodeGenForCausalLM"),  # two heads in each of its 4 shards
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),

@@ -174,7 +174,7 @@ class HuggingFaceAdapter(Adapter):
                 or getattr(config, "num_key_value_heads", None) or n_heads)
         q_rows, k_rows = (_out_features(self.blocks[0].get_submodule(p)) for p in (self.spec.projections.q, self.spec.projections.k))
         fused = ((n_heads + 2 * n_kv) * d_head,) * 2
-        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": fused, "grouped": fused}[self.spec.projections.layout]
+        expected = {"separate": (n_heads * d_head, n_kv * d_head), "concat": fused, "grouped": fused, "codegen": fused}[self.spec.projections.layout]
         if (q_rows, k_rows) != expected:
             raise UnsupportedModelError(
                 f"{self.family} model with q/k projections of {q_rows}/{k_rows} outputs: expected {expected} for "
