@@ -89,7 +89,7 @@ PLACEMENTS = {
     "cohere2_moe": ("pre", "layer", None, True), "persimmon": ("pre", "layer", "head", False),
     "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
     "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False), "mpt": ("pre", "layer", None, False),
-    "codegen": ("pre", "layer", None, True),
+    "codegen": ("pre", "layer", None, True), "modernbert-decoder": ("pre", "layer", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -99,7 +99,7 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
            "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
            "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW],
-           "cwm": [WINDOW, None]}
+           "cwm": [WINDOW, None], "modernbert-decoder": [WINDOW, None]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
           "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "codegen": [0.5, 0.5], "gemma2": [0.25, 0.25],

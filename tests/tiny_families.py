@@ -177,6 +177,9 @@ def family_configs() -> dict:
                 "MptForCausalLM"),
         "codegen": ("CodeGenConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=2 * N_HEADS, n_inner=D_FF, n_positions=64,
                                           rotary_dim=2), "CodeGenForCausalLM"),  # two heads in each of its 4 shards
+        "modernbert-decoder": ("ModernBertDecoderConfig", _bert_sizes(local_attention=2 * WINDOW,
+                                                                      layer_types=["sliding_attention", "full_attention"]),
+                               "ModernBertDecoderForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
