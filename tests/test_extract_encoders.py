@@ -25,7 +25,9 @@ from tests.test_extract_models import word_tokenizer, write_text
 from tests.tiny_families import tiny_config, tiny_model
 
 HEADLESS = {"bert": "BertModel", "roberta": "RobertaModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
-            "xlm-roberta": "XLMRobertaModel", "electra": "ElectraModel", "modernbert": "ModernBertModel"}
+            "xlm-roberta": "XLMRobertaModel", "electra": "ElectraModel", "modernbert": "ModernBertModel",
+            "ernie": "ErnieModel", "data2vec-text": "Data2VecTextModel", "roberta-prelayernorm": "RobertaPreLayerNormModel",
+            "xlm-roberta-xl": "XLMRobertaXLModel", "esm": "EsmModel"}
 WITHOUT_POOLER = ("distilbert", "electra", "modernbert")
 SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
 
