@@ -37,9 +37,9 @@ from orthosphere.store.schema import NORM_SCOPES, NORM_SITES
 ROUTES = ("interface", "projection")
 LAYOUTS = ("separate", "concat", "grouped", "codegen")
 OUTSIDE_BLOCKS = ("embedding", "final")
+"""Norm sites whose module path is relative to the model, not to a block."""
 CODEGEN_SHARDS = 4
 """The model-parallel shards CodeGen's fused projection interleaves (its attention's ``mp_num``)."""
-"""Norm sites whose module path is relative to the model, not to a block."""
 
 
 @dataclass(frozen=True)
