@@ -264,8 +264,8 @@ class CellRounding:
 def cell_rounding(covariance: np.ndarray, sums: np.ndarray, counts: Counts, layout: Layout,
                   dtype: str | None) -> list[CellRounding] | None:
     """Per factor, its classes' rounding as cells (``CellRounding``; none for a store that rounds nothing,
-    None for a dtype without a known spacing). The tokens of one cell of labels share their values' place on the store's grid. A factor's cells are its
-    classes with the factor that splits them finest (the tokens without that factor's label, and the other
+    None for a dtype without a known spacing). The tokens of one cell of labels share their values' place
+    on the store's grid. A factor's cells are its classes with the factor that splits them finest (the tokens without that factor's label, and the other
     factor's without this one's, cells of their own; alone, its classes), their means the two classes'
     means less the tokens' mean (the fit's cells, additive)."""
     if str(dtype) in EXACT_DTYPES:

@@ -208,22 +208,19 @@ OUTPUT_NORMS_QK_PROJECTION = (Norm("attn_output", "post_attention_layernorm"),
 COHERE_NORMS = (Norm("attn_input", "input_layernorm"), Norm("mlp_input", "input_layernorm"), Norm("final", "model.norm"))
 
 
-def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, name: str) -> Family:
-    """A BERT-shaped encoder: Post-Norm LayerNorms, learned positions, bidirectional."""
+def _bert_like(model_type: str, lm_class: str, prefix: str, base_class: str, name: str, norms=None) -> Family:
+    """A BERT-shaped encoder: learned positions, bidirectional; Post-Norm LayerNorms unless `norms` says
+    otherwise (``_pre_norm``)."""
     return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
-                  mid="output:attention", norms=_bert_norms(prefix), causal=False, positions="learned", mlp="output.dense",
-                  refuse=_refuse_decoder_encoder(name), base_class=base_class)
+                  mid="output:attention", norms=norms or _bert_norms(prefix), causal=False, positions="learned",
+                  mlp="output.dense", refuse=_refuse_decoder_encoder(name), base_class=base_class)
 
 
-def _pre_norm_encoder(model_type: str, lm_class: str, prefix: str, base_class: str, name: str, attn_norm: str,
-                      mlp_norm: str, final: str, embedding_norm: bool) -> Family:
-    """A BERT-shaped encoder with Pre-Norm LayerNorms (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL): a norm
-    before the self-attention and one before the MLP inside the block, a final one after the last block."""
-    norms = ((Norm("embedding", f"{prefix}.embeddings.LayerNorm"),) if embedding_norm else ()) + (
+def _pre_norm(attn_norm: str, mlp_norm: str, final: str, embedding: str | None = None) -> tuple[Norm, ...]:
+    """A BERT-shaped encoder's Pre-Norm LayerNorms (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, ESM): one before
+    the self-attention and one before the MLP inside the block, a final one after the last block."""
+    return ((Norm("embedding", embedding),) if embedding else ()) + (
         Norm("attn_input", attn_norm), Norm("mlp_input", mlp_norm), Norm("final", final))
-    return Family(model_type, lm_class, f"{prefix}.encoder.layer", "attention.self", BERT_PROJECTIONS,
-                  mid="output:attention", norms=norms, causal=False, positions="learned", mlp="output.dense",
-                  refuse=_refuse_decoder_encoder(name), base_class=base_class)
 
 
 def _refuse_esm(config):
@@ -579,19 +576,19 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("flex_olmo", "FlexOlmoForCausalLM", mid="input:mlp", norms=OUTPUT_NORMS_QK_PROJECTION),
     _bert_like("ernie", "ErnieForMaskedLM", "ernie", "ErnieModel", "ERNIE"),
     _bert_like("data2vec-text", "Data2VecTextForMaskedLM", "data2vec_text", "Data2VecTextModel", "Data2Vec-Text"),
-    _pre_norm_encoder("roberta-prelayernorm", "RobertaPreLayerNormForMaskedLM", "roberta_prelayernorm",
-                      "RobertaPreLayerNormModel", "RoBERTa-PreLayerNorm", "attention.LayerNorm", "intermediate.LayerNorm",
-                      "roberta_prelayernorm.LayerNorm", embedding_norm=True),
-    _pre_norm_encoder("xlm-roberta-xl", "XLMRobertaXLForMaskedLM", "roberta", "XLMRobertaXLModel", "XLM-RoBERTa-XL",
-                      "attention.self_attn_layer_norm", "LayerNorm", "roberta.encoder.LayerNorm", embedding_norm=False),
+    _bert_like("roberta-prelayernorm", "RobertaPreLayerNormForMaskedLM", "roberta_prelayernorm", "RobertaPreLayerNormModel",
+               "RoBERTa-PreLayerNorm", _pre_norm("attention.LayerNorm", "intermediate.LayerNorm", "roberta_prelayernorm.LayerNorm",
+                                                 embedding="roberta_prelayernorm.embeddings.LayerNorm")),
+    _bert_like("xlm-roberta-xl", "XLMRobertaXLForMaskedLM", "roberta", "XLMRobertaXLModel", "XLM-RoBERTa-XL",
+               _pre_norm("attention.self_attn_layer_norm", "LayerNorm", "roberta.encoder.LayerNorm")),
     Family("gpt_bigcode", "GPTBigCodeForCausalLM", "transformer.h", "attn",
            Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="grouped"),
            mid="input:ln_2", positions="learned", refuse=_refuse_gpt2,
            norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
            d_ff_keys=("n_inner",), activation_keys=("activation_function",), extra_config=("multi_query",)),
     _llama_like("ministral3", "Ministral3ForCausalLM"),
-    replace(_pre_norm_encoder("esm", "EsmForMaskedLM", "esm", "EsmModel", "ESM", "attention.LayerNorm", "LayerNorm",
-                              "esm.encoder.emb_layer_norm_after", embedding_norm=False),
+    replace(_bert_like("esm", "EsmForMaskedLM", "esm", "EsmModel", "ESM",
+                       _pre_norm("attention.LayerNorm", "LayerNorm", "esm.encoder.emb_layer_norm_after")),
             positions="rotary", refuse=_refuse_esm, query_scale_of=lambda attention: attention.attention_head_size**-0.5),
     _llama_like("solar_open", "SolarOpenForCausalLM"),
     _llama_like("mellum", "MellumForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
