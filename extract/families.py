@@ -93,8 +93,9 @@ class Family:
     causal: bool = True
     positions: str = "rotary"
     route: str = "interface"
-    output_multiplier: str | None = None
-    """Config attribute that scales the attention output before the residual add (Granite)."""
+    output_multiplier: str | Callable | None = None
+    """Config attribute that scales the attention output before the residual add (Granite), or a function
+    of the config giving that factor (ESM C's 1 / sqrt(n_layers / 36))."""
     query_scale_of: Callable | None = None
     """(attention module) -> the factor the module multiplies q by right after the projection, where it
     does so and scores with 1.0 (OPT: its ``scaling``; ESM: 1/sqrt(d_head), before rotary embedding): the
@@ -111,7 +112,8 @@ class Family:
     d_ff_keys: tuple[str, ...] = ("intermediate_size",)
     activation_keys: tuple[str, ...] = ("hidden_act",)
     extra_config: tuple[str, ...] = ()
-    """Config attributes copied into the model description when present."""
+    """Config attributes copied into the model description when present (this and the two above: names, or
+    dotted paths through sub-configs, DBRX's "attn_config.clip_qkv", described under their last part)."""
     base_class: str | None = None
     """The class without a task head (encoders), loaded when a checkpoint lacks the head's tensors
     (its stores hold no ``pred``); paths then lose the head class's base-model prefix."""
@@ -237,6 +239,21 @@ def _electra_norms(config):
     first layer then reads the projection, no norm's output)."""
     norms = _bert_norms("electra")
     return norms if config.embedding_size == config.hidden_size else norms[1:]
+
+
+def _bert_scale(attention) -> float:
+    """The score's scale of a BERT-shaped attention computing its own softmax (projection route)."""
+    return attention.attention_head_size**-0.5
+
+
+def _rotary_post_norm(model_type: str, lm_class: str, prefix: str, base_class: str) -> Family:
+    """A Post-Norm encoder with rotary positions and Llama's projection names (Nomic BERT, GTE, Jina v3): its
+    ``post_attention_layernorm`` normalises the residual after the attention's add, ``post_mlp_layernorm``
+    after the MLP's."""
+    return Family(model_type, lm_class, f"{prefix}.layers", "self_attn", LLAMA_PROJECTIONS,
+                  mid="output:post_attention_layernorm", causal=False, base_class=base_class,
+                  norms=(Norm("embedding", f"{prefix}.embeddings.LayerNorm"), Norm("resid_mid", "post_attention_layernorm"),
+                         Norm("resid_post", "post_mlp_layernorm")))
 
 
 def _llama_like(model_type: str, lm_class: str, **options) -> Family:
@@ -626,6 +643,38 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            norms=(Norm("embedding", "model.embeddings.norm"), Norm("attn_input", "attn_norm"),
                   Norm("mlp_input", "mlp_norm"), Norm("final", "model.final_norm")),
            activation_keys=("hidden_activation",), extra_config=("local_attention", "layer_types")),
+    _llama_like("minimax_m2", "MiniMaxM2ForCausalLM",
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "projection")),
+    _llama_like("internlm3", "LlamaForCausalLM"),
+    _llama_like("exaone", "LlamaForCausalLM"),
+    Family("dbrx", "DbrxForCausalLM", "transformer.blocks", "norm_attn_norm.attn",
+           Projections("norm_attn_norm.attn.Wqkv", "norm_attn_norm.attn.Wqkv", "norm_attn_norm.attn.Wqkv",
+                       "norm_attn_norm.attn.out_proj", layout="concat"),
+           mid="input:norm_attn_norm.norm_2", mlp="ffn", d_ff_keys=("ffn_config.ffn_hidden_size",),
+           activation_keys=("ffn_config.ffn_act_fn.name",), extra_config=("attn_config.clip_qkv",),
+           norms=(Norm("attn_input", "norm_attn_norm.norm_1"), Norm("mlp_input", "norm_attn_norm.norm_2"),
+                  Norm("final", "transformer.norm_f"))),
+    replace(_bert_like("megatron-bert", "MegatronBertForMaskedLM", "bert", "MegatronBertModel", "Megatron-BERT",
+                       _pre_norm("attention.ln", "ln", "bert.encoder.ln")),
+            route="projection", scale_of=_bert_scale),
+    replace(_bert_like("rembert", "RemBertForMaskedLM", "rembert", "RemBertModel", "RemBERT",
+                       _bert_norms("rembert")[1:]),  # its embedding norm is followed by a projection to hidden_size
+            route="projection", scale_of=_bert_scale),
+    _rotary_post_norm("nomic_bert", "NomicBertForMaskedLM", "nomic_bert", "NomicBertModel"),
+    _rotary_post_norm("gte", "GteForMaskedLM", "gte", "GteModel"),
+    _rotary_post_norm("jina_embeddings_v3", "JinaEmbeddingsV3ForMaskedLM", "roberta", "JinaEmbeddingsV3Model"),
+    _llama_like("eurobert", "EuroBertForMaskedLM", causal=False, base_class="EuroBertModel"),
+    _llama_like("ultrabert", "UltrabertForMaskedLM", causal=False, base_class="UltrabertModel",
+                extra_config=("layer_types", "sliding_window")),
+    Family("bert-generation", None, "encoder.layer", "attention.self", BERT_PROJECTIONS, mid="output:attention",
+           norms=(Norm("embedding", "embeddings.LayerNorm"), Norm("resid_mid", "attention.output.LayerNorm"),
+                  Norm("resid_post", "output.LayerNorm")),
+           causal=False, positions="learned", mlp="output.dense", base_class="BertGenerationEncoder",
+           refuse=_refuse_decoder_encoder("BertGeneration")),
+    Family("esmc", "EsmcForMaskedLM", "esmc.layers", "self_attn", LLAMA_PROJECTIONS, mid="input:post_attention_layernorm",
+           causal=False, base_class="EsmcModel", output_multiplier=lambda config: (config.num_hidden_layers / 36) ** -0.5,
+           norms=_with_qk_norm((Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
+                                Norm("final", "esmc.norm")), "self_attn.q_norm", "self_attn.k_norm", "projection")),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),
@@ -655,9 +704,37 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
                     "its layers are recurrent or state-space layers with no attention to store"),
     **dict.fromkeys(("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe",
-                     "qwen3_next", "recurrent_gemma", "olmo_hybrid", "kimi_linear"),
+                     "qwen3_next", "recurrent_gemma", "olmo_hybrid", "kimi_linear", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                     "qwen3_5_moe_text", "minimax"),
                     "it mixes softmax attention layers with state-space, linear-attention, recurrent or convolution "
                     "layers, whose contributions to the residual stream no stored q . k describes"),
+    "albert": "ALBERT runs one shared layer module at every depth, so what a module's hooks see cannot be told "
+              "apart by layer",
+    "mobilebert": "MobileBERT's q and k read a bottleneck projection of the residual stream while v reads the stream "
+                  "itself, its NoNorm is an affine map and not a norm, and each block stacks several MLPs",
+    "convbert": "ConvBERT concatenates span-based dynamic convolution heads with its softmax heads before the output "
+                "projection",
+    "squeezebert": "SqueezeBERT computes q, k, v and its MLP with grouped convolutions over channels-first tensors, "
+                   "which no per-head weight map of the residual stream's layout holds",
+    "ibert": "I-BERT's quantised attention uses an integer approximation of the softmax and requantises q and k",
+    "xmod": "X-MOD follows each MLP with a language adapter chosen per token by its language id",
+    **dict.fromkeys(("xlm", "flaubert"),
+                    "XLM and FlauBERT have no block module: their layers are lists of attention, norm and MLP modules "
+                    "whose residual adds happen inline in the model's forward"),
+    "funnel": "Funnel Transformer pools the sequence between blocks and adds Transformer-XL relative position and "
+              "token-type terms to q . k",
+    **dict.fromkeys(("gemma3n", "gemma3n_text"),
+                    "Gemma 3n's AltUp keeps several residual streams that learned steps predict and correct, beside a "
+                    "low-rank LAuReL branch and per-layer embeddings: there is no one residual stream to store"),
+    **dict.fromkeys(("gemma4", "gemma4_text"),
+                    "Gemma 4's global layers have another head width (global_head_dim) and number of key-value heads "
+                    "than its sliding layers, may take v from the key projection (attention_k_eq_v) or reuse an earlier "
+                    "layer's keys and values (num_kv_shared_layers), and add per-layer embeddings to the residual "
+                    "stream: the store's one d_head and n_kv_heads per model cannot hold it"),
+    **dict.fromkeys(("llama4", "llama4_text"),
+                    "Llama 4's rotary layers attend within chunks of attention_chunk_size positions, which no score term "
+                    "describes, and its NoPE layers scale each query by a temperature of its position, which no "
+                    "weight map holds"),
 }
 """model_types whose attention is not a softmax over q . k plus the score terms the store describes, and why."""
 

@@ -466,12 +466,17 @@ def _complete_model(directory: Path, family, dtype: torch.dtype):
 
 def _from_pretrained(model_class, directory: Path, dtype: torch.dtype):
     """The model and the sorted names of the tensors the checkpoint lacks; an encoder without its
-    head is built without a pooler, which no stored activation depends on."""
+    head is built without a pooler, which no stored activation depends on. The config is read by the
+    checkpoint's own config class (AutoConfig), so that a family that borrows another's model class
+    (InternLM3 and EXAONE read by Llama's) keeps its own names for the sizes (EXAONE's ``num_layers``)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     options = {}
     if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters:
         options["add_pooling_layer"] = False
     model, info = model_class.from_pretrained(
-        directory, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
+        directory, config=config, use_safetensors=True, local_files_only=True, trust_remote_code=False, dtype=dtype,
         output_loading_info=True, ignore_mismatched_sizes=True, **options,
     )
     if info["mismatched_keys"]:

@@ -27,8 +27,11 @@ from tests.tiny_families import tiny_config, tiny_model
 HEADLESS = {"bert": "BertModel", "roberta": "RobertaModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
             "xlm-roberta": "XLMRobertaModel", "electra": "ElectraModel", "modernbert": "ModernBertModel",
             "ernie": "ErnieModel", "data2vec-text": "Data2VecTextModel", "roberta-prelayernorm": "RobertaPreLayerNormModel",
-            "xlm-roberta-xl": "XLMRobertaXLModel", "esm": "EsmModel"}
-WITHOUT_POOLER = ("distilbert", "electra", "modernbert")
+            "xlm-roberta-xl": "XLMRobertaXLModel", "esm": "EsmModel", "megatron-bert": "MegatronBertModel",
+            "rembert": "RemBertModel", "nomic_bert": "NomicBertModel", "gte": "GteModel",
+            "jina_embeddings_v3": "JinaEmbeddingsV3Model", "eurobert": "EuroBertModel", "ultrabert": "UltrabertModel",
+            "esmc": "EsmcModel"}
+WITHOUT_POOLER = ("distilbert", "electra", "modernbert", "eurobert", "ultrabert", "esmc")
 SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v")
 
 

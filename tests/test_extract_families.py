@@ -38,11 +38,13 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import FAMILIES, MODERNBERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
+from tests.tiny_families import (DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, ULTRABERT_HALF_WINDOW, WINDOW, family_configs,
+                                 tiny_model)
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert",
-            "ernie", "data2vec-text", "roberta-prelayernorm", "xlm-roberta-xl", "esm")
+            "ernie", "data2vec-text", "roberta-prelayernorm", "xlm-roberta-xl", "esm", "megatron-bert", "rembert", "nomic_bert",
+            "gte", "jina_embeddings_v3", "eurobert", "ultrabert", "bert-generation", "esmc")
 BLOCK_SITES = ("z", "attn_out", "mlp_in", "mlp_norm_scale", "mlp_out")
 """Stored too, where the family provides them (mlp_in and mlp_norm_scale are refused by some)."""
 T5_FAMILIES = ("t5", "mt5", "umt5")
@@ -90,6 +92,13 @@ PLACEMENTS = {
     "biogpt": ("pre", "layer", None, False), "gpt_neo": ("pre", "layer", None, False),
     "phimoe": ("pre", "layer", None, False), "cwm": ("pre", "rms", None, False), "mpt": ("pre", "layer", None, False),
     "codegen": ("pre", "layer", None, True), "modernbert-decoder": ("pre", "layer", None, False),
+    "minimax_m2": ("pre", "rms", "projection", False), "internlm3": ("pre", "rms", None, False),
+    "exaone": ("pre", "rms", None, False), "dbrx": ("pre", "layer", None, False),
+    "megatron-bert": ("pre", "layer", None, False), "rembert": ("post", "layer", None, False),
+    "nomic_bert": ("post", "layer", None, False), "gte": ("post", "layer", None, False),
+    "jina_embeddings_v3": ("post", "layer", None, False), "eurobert": ("pre", "rms", None, False),
+    "ultrabert": ("pre", "rms", None, False), "bert-generation": ("post", "layer", None, False),
+    "esmc": ("pre", "layer", "projection", False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -99,7 +108,7 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "modernbert": [None, MODERNBERT_HALF_WINDOW + 1], "vaultgemma": [WINDOW, None],
            "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
            "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW],
-           "cwm": [WINDOW, None], "modernbert-decoder": [WINDOW, None]}
+           "cwm": [WINDOW, None], "modernbert-decoder": [WINDOW, None], "ultrabert": [ULTRABERT_HALF_WINDOW + 1, None]}
 SOFTCAPPED = ("gemma2", "vaultgemma")
 SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
           "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "codegen": [0.5, 0.5], "gemma2": [0.25, 0.25],
@@ -139,10 +148,16 @@ CLIP_QKV = 2.0
 """OLMo's clip_qkv for the clipped variant: below the largest |q|, |k|, |v| entries, so the clamp bites."""
 
 
-@pytest.fixture(scope="module")
-def clipped_olmo(tmp_path_factory):
-    """(model_type, store, eager model) of a tiny OLMo that clamps q, k and v to +-CLIP_QKV."""
-    return extracted("olmo", tmp_path_factory.mktemp("olmo-clipped"), tiny_model("olmo", clip_qkv=CLIP_QKV))
+CLIPPED = {"olmo": dict(clip_qkv=CLIP_QKV),
+           "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=CLIP_QKV))}
+"""The config overrides of the clipped variants: OLMo's clip_qkv, DBRX's in its attention sub-config."""
+
+
+@pytest.fixture(scope="module", params=list(CLIPPED))
+def clipped(request, tmp_path_factory):
+    """(model_type, store, eager model) of a tiny OLMo or DBRX that clamps q, k and v to +-CLIP_QKV."""
+    model_type = request.param
+    return extracted(model_type, tmp_path_factory.mktemp(f"{model_type}-clipped"), tiny_model(model_type, **CLIPPED[model_type]))
 
 
 def eager_run(model, store):
@@ -279,7 +294,8 @@ def assert_head_site_from_the_maps(store, eager, name, layer):
 
 def test_weight_maps_reproduce_q_k_v_before_rotary_and_qk_norm(family):
     model_type, store, eager = family
-    assert "clip_qkv" not in store.attrs["model"]  # the tiny configs do not clip: the maps are linear
+    clip = store.attrs["model"].get("clip_qkv")
+    assert clip is None or clip == DBRX_NO_CLIP  # the tiny configs do not clip (DBRX's clamps far out): the maps are linear
     for layer in range(store.sizes["layer"]):
         for name in ("q", "k", "v"):
             assert_head_site_from_the_maps(store, eager, name, layer)
@@ -320,10 +336,10 @@ def test_mpt_slopes_are_its_alibi_bias(n_heads):
     assert len(set(slopes)) == n_heads
 
 
-def test_a_clipping_olmo_says_so_and_stays_exact(clipped_olmo):
-    """clip_qkv clamps q, k, v after the projections: the description records it, the weight maps
-    reproduce the stored sites only with the clamp, and attention stays exact."""
-    model_type, store, eager = clipped_olmo
+def test_a_clipping_model_says_so_and_stays_exact(clipped):
+    """clip_qkv clamps q, k, v after the projections: the description records it (DBRX's from its attention
+    sub-config), the weight maps reproduce the stored sites only with the clamp, and attention stays exact."""
+    model_type, store, eager = clipped
     assert store.attrs["model"]["clip_qkv"] == CLIP_QKV
     assert np.abs(store["q"].values[:, :, 0]).max() == pytest.approx(CLIP_QKV)  # rotary is the identity at position 0
     unclipped = np.einsum("spm,hmd->sphd", store["attn_in"].values[:, 0].astype(np.float64), store["w_q"].values[0])
@@ -421,7 +437,7 @@ def test_norm_description_is_the_familys_placement(family):
     found = (description["norm_placement"], description["norm_type"], description["qk_norm"], description["parallel"])
     assert found == PLACEMENTS[model_type]
     assert description["v_norm"] is None and description["causal"] is (model_type not in ENCODERS)
-    assert set(description) <= set(MODEL_KEYS) | set(DESCRIBED[model_type].extra_config)
+    assert set(description) <= set(MODEL_KEYS) | {key.rpartition(".")[2] for key in DESCRIBED[model_type].extra_config}
     gains = {norm["gain"] for norm in description["norms"]}
     assert gains == ({"none"} if model_type == "olmo" else {DESCRIBED[model_type].norm_gain})
 
@@ -591,11 +607,34 @@ def test_a_mixture_of_experts_checkpoint_lacking_experts_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"tensor model.layers.1.mlp.experts.down_proj has the shape \(3, 32, 16\) "
                                           r"there but Qwen2MoeForCausalLM expects \(4, 32, 16\).*lacking an expert"):
         load_source(directory, device="cpu")
+
+
+def test_a_family_read_by_another_familys_class_keeps_its_own_config_names(tmp_path):
+    """EXAONE's checkpoints name their sizes as its config class does (num_layers, layer_norm_epsilon) and are read
+    by Llama's model class: loaded through the checkpoint's own config class, the model has the file's layers and
+    epsilon, not Llama's defaults."""
+    import json
+
+    from orthosphere.extract.sources import load_source
+
+    directory = tmp_path / "exaone"
+    tiny_model("exaone", rms_norm_eps=1e-3).save_pretrained(directory, safe_serialization=True)
+    config = json.loads((directory / "config.json").read_text())
+    for canonical, own in (("num_hidden_layers", "num_layers"), ("rms_norm_eps", "layer_norm_epsilon"),
+                           ("hidden_act", "activation_function")):
+        config[own] = config.pop(canonical)
+    (directory / "config.json").write_text(json.dumps(config))
+    model = load_source(directory, device="cpu").adapter.model
+    assert type(model).__name__ == "LlamaForCausalLM" and len(model.model.layers) == 2
+    assert model.model.layers[0].input_layernorm.variance_epsilon == 1e-3
+
+
 MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "bert": "resid_mid", "roberta": "resid_mid",
                   "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
                   "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in",
                   "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid",
-                  "cohere2_moe": "attn_in", "codegen": "attn_in"}
+                  "cohere2_moe": "attn_in", "codegen": "attn_in", "rembert": "resid_mid", "nomic_bert": "resid_mid",
+                  "gte": "resid_mid", "jina_embeddings_v3": "resid_mid", "bert-generation": "resid_mid"}
 """Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
 input norm (parallel blocks) or the Post-Norm's resid_mid."""
 

@@ -17,6 +17,8 @@ D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, D_FF, WINDOW = 32, 2, 4, 2, 64, 4
 T5_DISTANCE = 6
 MODERNBERT_HALF_WINDOW = 2
 """ModernBERT's local layers see keys up to this far on either side (local_attention = twice it)."""
+ULTRABERT_HALF_WINDOW = 2
+"""UltraBERT's sliding layers see keys up to this far on either side (its sliding_window)."""
 SHARPEN = 5.0
 """q and k maps drawn with standard deviation SHARPEN / sqrt(d_model), QK-norm gains multiplied by it:
 logits of order 10 and more."""
@@ -27,6 +29,9 @@ RELATIVE_BIAS_STD = 3.0
 """MPNet's relative position bias drawn with this standard deviation (its init's 0.02 would hide it)."""
 SINK_STD = 3.0
 """GPT-OSS's sink logits drawn with this standard deviation: of the order of the smaller logits."""
+DBRX_NO_CLIP = 1e4
+"""DBRX's clip_qkv in the tiny config: its attention needs a value (None fails in transformers), this one
+far beyond any |q|, |k|, |v| (the maps stay linear)."""
 EMBEDDING_STD = 1.0
 """Token and position embeddings drawn with this standard deviation (transformers' default is 0.02):
 the tokens then differ by more than the biases every position shares, so that the residual stream
@@ -180,6 +185,27 @@ def family_configs() -> dict:
         "modernbert-decoder": ("ModernBertDecoderConfig", _bert_sizes(local_attention=2 * WINDOW,
                                                                       layer_types=["sliding_attention", "full_attention"]),
                                "ModernBertDecoderForCausalLM"),
+        "minimax_m2": ("MiniMaxM2Config", _llama_sizes(head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                            partial_rotary_factor=0.5)),
+                       "MiniMaxM2ForCausalLM"),
+        "internlm3": ("InternLM3Config", _llama_sizes(head_dim=8, qkv_bias=True, bias=True), "LlamaForCausalLM"),
+        "exaone": ("ExaoneConfig", _llama_sizes(), "LlamaForCausalLM"),
+        "dbrx": ("DbrxConfig", dict(d_model=D_MODEL, n_heads=N_HEADS, n_layers=N_LAYERS, max_seq_len=64,
+                                    attn_config=dict(kv_n_heads=N_KV_HEADS, rope_theta=10000.0, clip_qkv=DBRX_NO_CLIP),
+                                    ffn_config=dict(ffn_hidden_size=D_FF // 4, moe_num_experts=4, moe_top_k=2)),
+                 "DbrxForCausalLM"),
+        "megatron-bert": ("MegatronBertConfig", _bert_sizes(), "MegatronBertForMaskedLM"),
+        "rembert": ("RemBertConfig", _bert_sizes(input_embedding_size=16, output_embedding_size=24), "RemBertForMaskedLM"),
+        "nomic_bert": ("NomicBertConfig", _bert_sizes(), "NomicBertForMaskedLM"),
+        "gte": ("GteConfig", _bert_sizes(), "GteForMaskedLM"),
+        "jina_embeddings_v3": ("JinaEmbeddingsV3Config", _bert_sizes(), "JinaEmbeddingsV3ForMaskedLM"),
+        "eurobert": ("EuroBertConfig", _llama_sizes(), "EuroBertForMaskedLM"),
+        "ultrabert": ("UltrabertConfig", _llama_sizes(sliding_window=ULTRABERT_HALF_WINDOW,
+                                                      layer_types=["sliding_attention", "full_attention"]),
+                      "UltrabertForMaskedLM"),
+        "bert-generation": ("BertGenerationConfig", _bert_sizes(), "BertGenerationEncoder"),
+        "esmc": ("EsmcConfig", _llama_sizes() | dict(num_key_value_heads=N_HEADS), "EsmcForMaskedLM"),  # no grouped heads
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
@@ -232,4 +258,6 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                 parameter.normal_(0.0, SINK_STD)
             if "SelfAttention.q." in name:  # T5 scores with 1 and folds 1/sqrt(d_head) into W_Q, as its init does
                 parameter.mul_(model.config.d_kv**-0.5)
+            if name.endswith("embedding_hidden_mapping_in.weight"):  # RemBERT's projection of the embeddings: unit gain
+                parameter.normal_(0.0, parameter.shape[1] ** -0.5)  # (its init's 0.02 would shrink the stream)
     return model

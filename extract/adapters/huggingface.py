@@ -45,8 +45,11 @@ class HuggingFaceAdapter(Adapter):
 
     @property
     def output_multiplier(self) -> float:
-        """The factor on the attention output before the residual add (1 but for Granite)."""
-        return float(getattr(self.config, self.spec.output_multiplier)) if self.spec.output_multiplier else 1.0
+        """The factor on the attention output before the residual add (1 but for Granite and ESM C)."""
+        multiplier = self.spec.output_multiplier
+        if multiplier is None:
+            return 1.0
+        return float(multiplier(self.config) if callable(multiplier) else getattr(self.config, multiplier))
 
     @property
     def blocks(self):
@@ -106,8 +109,9 @@ class HuggingFaceAdapter(Adapter):
         if self.spec.positions == "rotary" and rope:
             description["rope_parameters"] = _plain(rope)
         for key in self.spec.extra_config:
-            if getattr(self.config, key, None) is not None:
-                description[key] = _plain(getattr(self.config, key))
+            value = config_value(self.config, key)
+            if value is not None:
+                description[key.rpartition(".")[2]] = _plain(value)
         return description
 
     def score_terms(self):
@@ -158,7 +162,7 @@ class HuggingFaceAdapter(Adapter):
 
     def _config_value(self, keys, default):
         for key in keys:
-            value = getattr(self.config, key, None)
+            value = config_value(self.config, key)
             if value is not None:
                 return value
         return default
@@ -395,6 +399,17 @@ class HuggingFaceAdapter(Adapter):
             return output
 
         return hook
+
+
+def config_value(config, key: str):
+    """The config's value at `key`, a dotted path through sub-configs (DBRX's "attn_config.clip_qkv");
+    None where it has none."""
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
 
 
 def _function(path: str):
