@@ -241,6 +241,15 @@ def _electra_norms(config):
     return norms if config.embedding_size == config.hidden_size else norms[1:]
 
 
+def _refuse_cross_attention(name):
+    def refuse(config):
+        if getattr(config, "add_cross_attention", False):
+            return f"{name} with cross-attention (add_cross_attention=True): expected a decoder-only {name}"
+        return None
+
+    return refuse
+
+
 def _bert_scale(attention) -> float:
     """The score's scale of a BERT-shaped attention computing its own softmax (projection route)."""
     return attention.attention_head_size**-0.5
@@ -265,12 +274,6 @@ def _llama_like(model_type: str, lm_class: str, **options) -> Family:
 
 def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False):
     return tuple(norms) + (Norm("q", q, scope, heads_first), Norm("k", k, scope, heads_first))
-
-
-def _refuse_gpt2(config):
-    if getattr(config, "add_cross_attention", False):
-        return "GPT-2 with cross-attention (add_cross_attention=True): expected a decoder-only GPT-2"
-    return None
 
 
 def _refuse_decoder_encoder(name):
@@ -472,7 +475,7 @@ def _persimmon_norms(config):
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "transformer.h", "attn",
            Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="concat"),
-           mid="input:ln_2", positions="learned", refuse=_refuse_gpt2,
+           mid="input:ln_2", positions="learned", refuse=_refuse_cross_attention("GPT-2"),
            norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
            d_ff_keys=("n_inner",), activation_keys=("activation_function",),
            extra_config=("scale_attn_by_inverse_layer_idx",)),
@@ -600,7 +603,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                _pre_norm("attention.self_attn_layer_norm", "LayerNorm", "roberta.encoder.LayerNorm")),
     Family("gpt_bigcode", "GPTBigCodeForCausalLM", "transformer.h", "attn",
            Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="grouped"),
-           mid="input:ln_2", positions="learned", refuse=_refuse_gpt2,
+           mid="input:ln_2", positions="learned", refuse=_refuse_cross_attention("GPTBigCode"),
            norms=(Norm("attn_input", "ln_1"), Norm("mlp_input", "ln_2"), Norm("final", "transformer.ln_f")),
            d_ff_keys=("n_inner",), activation_keys=("activation_function",), extra_config=("multi_query",)),
     _llama_like("ministral3", "Ministral3ForCausalLM"),
@@ -675,6 +678,28 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            causal=False, base_class="EsmcModel", output_multiplier=lambda config: (config.num_hidden_layers / 36) ** -0.5,
            norms=_with_qk_norm((Norm("attn_input", "input_layernorm"), Norm("mlp_input", "post_attention_layernorm"),
                                 Norm("final", "esmc.norm")), "self_attn.q_norm", "self_attn.k_norm", "projection")),
+    Family("xglm", "XGLMForCausalLM", "model.layers", "self_attn",
+           Projections("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+           mid="input:final_layer_norm", positions="sinusoidal", route="projection", mlp="fc2",
+           scale_of=lambda attention: attention.scaling, refuse=_refuse_cross_attention("XGLM"),
+           norms=(Norm("attn_input", "self_attn_layer_norm"), Norm("mlp_input", "final_layer_norm"),
+                  Norm("final", "model.layer_norm")),
+           d_ff_keys=("ffn_dim",), activation_keys=("activation_function",), extra_config=("scale_embedding",)),
+    Family("openai-gpt", "OpenAIGPTLMHeadModel", "transformer.h", "attn",
+           Projections("attn.c_attn", "attn.c_attn", "attn.c_attn", "attn.c_proj", layout="concat"),
+           mid="output:ln_1", positions="learned", route="projection",
+           scale_of=lambda attention: (attention.split_size // attention.n_head) ** -0.5,
+           norms=(Norm("resid_mid", "ln_1"), Norm("resid_post", "ln_2")), d_ff_keys=(), activation_keys=("afn",)),
+    Family("ctrl", "CTRLLMHeadModel", "transformer.h", "multi_head_attention",
+           Projections("multi_head_attention.Wq", "multi_head_attention.Wk", "multi_head_attention.Wv",
+                       "multi_head_attention.dense"),
+           mid="input:layernorm2", positions="sinusoidal", mlp="ffn", d_ff_keys=("dff",), activation_keys=(),
+           norms=(Norm("attn_input", "layernorm1"), Norm("mlp_input", "layernorm2"), Norm("final", "transformer.layernorm"))),
+    _llama_like("iquestcoder", "LlamaForCausalLM"),
+    _llama_like("apertus1p5_text", "Apertus1p5TextForCausalLM", mid="input:feedforward_layernorm",
+                norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
+                                     Norm("final", "model.norm")),
+                                    "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),
@@ -697,10 +722,15 @@ REFUSED: dict[str, str] = {
     "xlnet": "XLNet's two-stream attention adds relative position and segment terms to q . k",
     "diffllama": "DiffLlama's differential attention subtracts a second softmax over q . k from the first, which the "
                  "score terms of one softmax cannot describe",
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "minicpm3"),
-                    "multi-head latent attention gives its values another width than its queries and keys (v_head_dim "
-                    "against qk_head_dim) and splits each head's q . k into a rotary and a non-rotary part, which the "
-                    "store's one d_head per head cannot hold"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu"),
+                    "multi-head latent attention computes each head's key from a normed low-rank latent plus a rotary "
+                    "part shared by every head, and splits q . k into a rotary and a non-rotary part (its values may "
+                    "have another width, v_head_dim against qk_head_dim): no per-head weight map of the residual stream "
+                    "gives q and k, and the store's one d_head per head cannot hold them"),
+    "longcat_flash": "LongCat-Flash uses multi-head latent attention, and each of its layers holds two attention "
+                     "sublayers and a shortcut mixture of experts added at the block's end",
+    "doge": "Doge's dynamic mask adds to each score a bias computed from the key's value and keeps only the top keys "
+            "beyond a window, which no score term describes",
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
                     "its layers are recurrent or state-space layers with no attention to store"),
     **dict.fromkeys(("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe",
@@ -739,8 +769,13 @@ REFUSED: dict[str, str] = {
 """model_types whose attention is not a softmax over q . k plus the score terms the store describes, and why."""
 
 
+ALIASES = {"gpt-sw3": "gpt2"}
+"""model_types that are another family's model under another name (GPT-SW3: GPT-2's classes with its own tokenizer)."""
+
+
 def family_for(model_type) -> Family:
     """The family of a transformers model_type; an unknown one, or one of REFUSED, is an UnsupportedModelError."""
+    model_type = ALIASES.get(model_type, model_type)
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     if model_type in REFUSED:

@@ -38,8 +38,7 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import (DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, ULTRABERT_HALF_WINDOW, WINDOW, family_configs,
-                                 tiny_model)
+from tests.tiny_families import DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, ULTRABERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert",
@@ -98,7 +97,9 @@ PLACEMENTS = {
     "nomic_bert": ("post", "layer", None, False), "gte": ("post", "layer", None, False),
     "jina_embeddings_v3": ("post", "layer", None, False), "eurobert": ("pre", "rms", None, False),
     "ultrabert": ("pre", "rms", None, False), "bert-generation": ("post", "layer", None, False),
-    "esmc": ("pre", "layer", "projection", False),
+    "esmc": ("pre", "layer", "projection", False), "xglm": ("pre", "layer", None, False),
+    "openai-gpt": ("post", "layer", None, False), "ctrl": ("pre", "layer", None, False),
+    "iquestcoder": ("pre", "rms", None, False), "apertus1p5_text": ("pre", "rms", "head", False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -629,12 +630,29 @@ def test_a_family_read_by_another_familys_class_keeps_its_own_config_names(tmp_p
     assert model.model.layers[0].input_layernorm.variance_epsilon == 1e-3
 
 
+def test_gpt_sw3_is_read_as_gpt2(tmp_path):
+    """GPT-SW3's checkpoints are GPT-2 models whose config says model_type "gpt-sw3": read by GPT-2's family,
+    exactly as a GPT-2 checkpoint."""
+    import json
+
+    from orthosphere.extract.sources import load_source
+
+    directory = tmp_path / "gpt-sw3"
+    tiny_model("gpt2").save_pretrained(directory, safe_serialization=True)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"model_type": "gpt-sw3"}))
+    loaded = load_source(directory, device="cpu")
+    assert type(loaded.adapter.model).__name__ == "GPT2LMHeadModel" and loaded.adapter.spec.model_type == "gpt2"
+    assert loaded.describe()["norm_placement"] == "pre" and loaded.describe()["n_layers"] == 2
+
+
 MLP_IN_REFUSED = {"olmo2": "resid_mid", "phi": "attn_in", "gptj": "attn_in", "bert": "resid_mid", "roberta": "resid_mid",
                   "distilbert": "resid_mid", "xlm-roberta": "resid_mid", "camembert": "resid_mid", "electra": "resid_mid",
                   "mpnet": "resid_mid", "olmo3": "resid_mid", "exaone4": "resid_mid", "cohere": "attn_in", "cohere2": "attn_in",
                   "flex_olmo": "resid_mid", "ernie": "resid_mid", "data2vec-text": "resid_mid",
                   "cohere2_moe": "attn_in", "codegen": "attn_in", "rembert": "resid_mid", "nomic_bert": "resid_mid",
-                  "gte": "resid_mid", "jina_embeddings_v3": "resid_mid", "bert-generation": "resid_mid"}
+                  "gte": "resid_mid", "jina_embeddings_v3": "resid_mid", "bert-generation": "resid_mid",
+                  "openai-gpt": "resid_mid"}
 """Families whose MLP input is another site: the MLP reads no norm of its own (OLMo 2), the attention's
 input norm (parallel blocks) or the Post-Norm's resid_mid."""
 

@@ -206,6 +206,13 @@ def family_configs() -> dict:
                       "UltrabertForMaskedLM"),
         "bert-generation": ("BertGenerationConfig", _bert_sizes(), "BertGenerationEncoder"),
         "esmc": ("EsmcConfig", _llama_sizes() | dict(num_key_value_heads=N_HEADS), "EsmcForMaskedLM"),  # no grouped heads
+        "xglm": ("XGLMConfig", dict(d_model=D_MODEL, num_layers=N_LAYERS, attention_heads=N_HEADS, ffn_dim=D_FF,
+                                    max_position_embeddings=64), "XGLMForCausalLM"),
+        "openai-gpt": ("OpenAIGPTConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=64),
+                       "OpenAIGPTLMHeadModel"),
+        "ctrl": ("CTRLConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, dff=D_FF, n_positions=64), "CTRLLMHeadModel"),
+        "iquestcoder": ("IQuestCoderConfig", _llama_sizes(head_dim=8), "LlamaForCausalLM"),
+        "apertus1p5_text": ("Apertus1p5TextConfig", _llama_sizes(head_dim=8), "Apertus1p5TextForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
@@ -226,7 +233,7 @@ def tiny_config(model_type: str, **overrides):
 
 SHARPENED = ("Wqkv", "q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
              "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.", "attn.q.",
-             "attn.k.")
+             "attn.k.", "Wq.", "Wk.")
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):

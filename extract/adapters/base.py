@@ -371,7 +371,8 @@ def first_input(args, kwargs):
 
 
 def first_output(args, output):
-    return output[0] if isinstance(output, tuple) else output
+    """A module's main output: the first of a tuple (or of a list: OpenAI GPT's blocks return one)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def _no_norm(args, kwargs):
