@@ -524,7 +524,7 @@ GGUF_READ_AS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 """GGUF architectures that transformers reads as another model_type: the text model of a multimodal
 one (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint renames them)."""
 
-GGUF_FILE_ARCHITECTURE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+GGUF_FILE_ARCHITECTURE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2"}
 """transformers' names of GGUF architectures that llama.cpp's files (and the gguf package) spell otherwise."""
 
 

@@ -122,7 +122,8 @@ GGUF_VOCAB = 256 + len(GGUF_TOKENS_EXTRA)
 GGUF_SPECIAL_ID = GGUF_VOCAB - 1
 """<|endoftext|>: the GGUF tokenizer's BOS, EOS and padding token."""
 GPT2_TRANSPOSED = ("attn_qkv.weight", "ffn_down.weight", "ffn_up.weight", "attn_output.weight")
-GGUF_ARCHITECTURE = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+GGUF_ARCHITECTURE = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss",
+                     "minimax_m2": "minimax-m2"}
 """model_type -> the GGUF architecture llama.cpp writes it as, where they differ."""
 GGUF_EPS = 2.0 ** -17
 """A norm epsilon that the file's float32 metadata holds exactly."""
@@ -142,6 +143,7 @@ GGUF_CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, num_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, num_experts=4, num_experts_per_tok=2,
                                          norm_topk_prob=True)),
+    "minimax_m2": ("MiniMaxM2Config", dict(GGUF_LLAMA_SIZES, rms_norm_eps=GGUF_EPS, num_local_experts=4, num_experts_per_tok=2)),
     "falcon": ("FalconConfig", dict(GGUF_SIZES, max_position_embeddings=64)),
     "bloom": ("BloomConfig", dict(hidden_size=SIZES["d_model"], n_layer=SIZES["layers"], n_head=SIZES["heads"],
                                   layer_norm_epsilon=GGUF_EPS)),
@@ -221,7 +223,9 @@ def _gguf_name(names, name: str) -> str | None:
 
 def _gguf_tensors(names, parameter: str, tensor: np.ndarray, config) -> list[tuple[str, np.ndarray]]:
     """The GGUF tensors (name, array) llama.cpp writes for a parameter: none for one it does not know;
-    a mixture of experts' fused gate and up projections as two stacks of experts (Qwen2-MoE, Qwen3-MoE)."""
+    a mixture of experts' fused gate and up projections as two stacks of experts (Qwen2-MoE, Qwen3-MoE, MiniMax-M2)."""
+    if parameter.endswith("mlp.e_score_correction_bias"):  # MiniMax-M2's router bias
+        return [(f"blk.{parameter.split('.')[2]}.exp_probs_b.bias", tensor)]
     if parameter.endswith("mlp.experts.gate_up_proj"):
         block = parameter.split(".")[2]
         gate, up = np.split(tensor, 2, axis=1)
