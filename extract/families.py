@@ -695,6 +695,10 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                        "multi_head_attention.dense"),
            mid="input:layernorm2", positions="sinusoidal", mlp="ffn", d_ff_keys=("dff",), activation_keys=(),
            norms=(Norm("attn_input", "layernorm1"), Norm("mlp_input", "layernorm2"), Norm("final", "transformer.layernorm"))),
+    _llama_like("nanochat", "NanoChatForCausalLM",  # one gain-free norm module on the embeddings and before the head
+                norms=_with_qk_norm((Norm("embedding", "model.norm"),) + LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm",
+                                    "head", heads_first=True),
+                extra_config=("final_logit_softcapping",)),
     _llama_like("iquestcoder", "LlamaForCausalLM"),
     _llama_like("apertus1p5_text", "Apertus1p5TextForCausalLM", mid="input:feedforward_layernorm",
                 norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),

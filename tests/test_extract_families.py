@@ -38,7 +38,8 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, ULTRABERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
+from tests.tiny_families import (DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, NANOCHAT_HEAD_DIM, ULTRABERT_HALF_WINDOW, WINDOW,
+                                 family_configs, tiny_model)
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert",
@@ -99,7 +100,7 @@ PLACEMENTS = {
     "ultrabert": ("pre", "rms", None, False), "bert-generation": ("post", "layer", None, False),
     "esmc": ("pre", "layer", "projection", False), "xglm": ("pre", "layer", None, False),
     "openai-gpt": ("post", "layer", None, False), "ctrl": ("pre", "layer", None, False),
-    "iquestcoder": ("pre", "rms", None, False), "apertus1p5_text": ("pre", "rms", "head", False),
+    "iquestcoder": ("pre", "rms", None, False), "nanochat": ("pre", "rms", "head", False), "apertus1p5_text": ("pre", "rms", "head", False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -110,8 +111,10 @@ WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WI
            "ministral3": [WINDOW, WINDOW], "mellum": [WINDOW, None], "cohere2_moe": [WINDOW, None],
            "gpt_neo": [None, WINDOW], "phimoe": [WINDOW, WINDOW],
            "cwm": [WINDOW, None], "modernbert-decoder": [WINDOW, None], "ultrabert": [ULTRABERT_HALF_WINDOW + 1, None]}
+GAIN_FREE = ("olmo", "nanochat")
+"""Families whose norms have no gain."""
 SOFTCAPPED = ("gemma2", "vaultgemma")
-SCALES = {"gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
+SCALES = {"nanochat": [NANOCHAT_HEAD_DIM**-0.5] * 2, "gpt2": [8**-0.5, 8**-0.5 / 2], "granite": [0.3, 0.3], "granitemoe": [0.3, 0.3], "opt": [1.0, 1.0],
           "esm": [1.0, 1.0], "gpt_neo": [1.0, 1.0], "codegen": [0.5, 0.5], "gemma2": [0.25, 0.25],
           **{model_type: [1.0, 1.0] for model_type in T5_FAMILIES}}
 BLOOM_SLOPES = [0.25, 0.0625, 0.015625, 0.00390625]
@@ -366,14 +369,20 @@ def recorded_norms(model, store) -> dict:
         for layer in [None] if entry["site"] in OUTSIDE_BLOCKS else blocks:
             module = model.get_submodule(entry["module"].format(layer=layer))
             hooks.append(module.register_forward_hook(
-                lambda _m, inputs, output, key=(entry["site"], layer): records.__setitem__(
-                    key, (inputs[0].numpy().reshape(shape), output.numpy().reshape(shape)))))
+                lambda _m, inputs, output, key=(entry["site"], layer): _record(records, key, inputs[0], output, shape)))
     with torch.no_grad():
         model(input_ids=torch.from_numpy(store["tokens"].values).long(),
               attention_mask=torch.from_numpy(store["valid"].values).long())
     for hook in hooks:
         hook.remove()
     return records
+
+
+def _record(records: dict, key, norm_input, output, shape) -> None:
+    """Keep a norm's call: the first for the embedding norm, the last for the others (NanoChat's one module
+    is both its embedding and its final norm)."""
+    if key[0] != "embedding" or key not in records:
+        records[key] = (norm_input.numpy().reshape(shape), output.numpy().reshape(shape))
 
 
 def test_every_described_norm_gives_the_stored_sites(family):
@@ -440,7 +449,7 @@ def test_norm_description_is_the_familys_placement(family):
     assert description["v_norm"] is None and description["causal"] is (model_type not in ENCODERS)
     assert set(description) <= set(MODEL_KEYS) | {key.rpartition(".")[2] for key in DESCRIBED[model_type].extra_config}
     gains = {norm["gain"] for norm in description["norms"]}
-    assert gains == ({"none"} if model_type == "olmo" else {DESCRIBED[model_type].norm_gain})
+    assert gains == ({"none"} if model_type in GAIN_FREE else {DESCRIBED[model_type].norm_gain})
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

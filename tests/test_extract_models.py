@@ -443,7 +443,7 @@ def test_weights_hash_tells_models_apart(tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type,reason", [("nanochat", "a new transformers family is a few lines"),
+@pytest.mark.parametrize("model_type,reason", [("roc_bert", "a new transformers family is a few lines"),
                                                ("bart", "extract/families.py"), (None, "few lines")])
 def test_unknown_architecture_lists_the_supported_ones(tmp_path, model_type, reason):
     directory = tmp_path / str(model_type)

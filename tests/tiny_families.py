@@ -32,6 +32,9 @@ SINK_STD = 3.0
 DBRX_NO_CLIP = 1e4
 """DBRX's clip_qkv in the tiny config: its attention needs a value (None fails in transformers), this one
 far beyond any |q|, |k|, |v| (the maps stay linear)."""
+NANOCHAT_HEAD_DIM = 64
+"""NanoChat's q and k are normed without a gain, so its logits are at most sqrt(d_head): 8 at this width, with
+W_K tied to W_Q (each token's own key scores highest), make its attention sharp."""
 EMBEDDING_STD = 1.0
 """Token and position embeddings drawn with this standard deviation (transformers' default is 0.02):
 the tokens then differ by more than the biases every position shares, so that the residual stream
@@ -211,6 +214,8 @@ def family_configs() -> dict:
         "openai-gpt": ("OpenAIGPTConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=64),
                        "OpenAIGPTLMHeadModel"),
         "ctrl": ("CTRLConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, dff=D_FF, n_positions=64), "CTRLLMHeadModel"),
+        "nanochat": ("NanoChatConfig", _llama_sizes(head_dim=NANOCHAT_HEAD_DIM) | dict(num_key_value_heads=N_HEADS),
+                     "NanoChatForCausalLM"),
         "iquestcoder": ("IQuestCoderConfig", _llama_sizes(head_dim=8), "LlamaForCausalLM"),
         "apertus1p5_text": ("Apertus1p5TextConfig", _llama_sizes(head_dim=8), "Apertus1p5TextForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
@@ -265,6 +270,8 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                 parameter.normal_(0.0, SINK_STD)
             if "SelfAttention.q." in name:  # T5 scores with 1 and folds 1/sqrt(d_head) into W_Q, as its init does
                 parameter.mul_(model.config.d_kv**-0.5)
+            if model_type == "nanochat" and name.endswith("self_attn.k_proj.weight"):  # see NANOCHAT_HEAD_DIM
+                parameter.copy_(model.get_parameter(name.replace("k_proj", "q_proj")))
             if name.endswith("embedding_hidden_mapping_in.weight"):  # RemBERT's projection of the embeddings: unit gain
                 parameter.normal_(0.0, parameter.shape[1] ** -0.5)  # (its init's 0.02 would shrink the stream)
     return model
