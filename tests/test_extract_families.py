@@ -38,8 +38,7 @@ from orthosphere.store import open_store
 from orthosphere.store.schema import MODEL_KEYS, NORM_SITES
 from tests.reference import attention_atol, attention_float64
 from tests.test_extract_models import word_tokenizer, write_text
-from tests.tiny_families import (DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, NANOCHAT_HEAD_DIM, ULTRABERT_HALF_WINDOW, WINDOW,
-                                 family_configs, tiny_model)
+from tests.tiny_families import DBRX_NO_CLIP, FAMILIES, MODERNBERT_HALF_WINDOW, NANOCHAT_HEAD_DIM, ULTRABERT_HALF_WINDOW, WINDOW, family_configs, tiny_model
 
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_in", "q", "k", "v", "pattern")
 ENCODERS = ("bert", "roberta", "distilbert", "t5", "mt5", "umt5", "xlm-roberta", "camembert", "electra", "mpnet", "modernbert",
