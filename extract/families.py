@@ -241,13 +241,17 @@ def _electra_norms(config):
     return norms if config.embedding_size == config.hidden_size else norms[1:]
 
 
-def _refuse_cross_attention(name):
+def _refuse_if(flag: str, reason: str) -> Callable:
+    """A family's refusal: `reason` where the config sets `flag`, else None."""
     def refuse(config):
-        if getattr(config, "add_cross_attention", False):
-            return f"{name} with cross-attention (add_cross_attention=True): expected a decoder-only {name}"
-        return None
+        return reason if getattr(config, flag, False) else None
 
     return refuse
+
+
+def _refuse_cross_attention(name: str) -> Callable:
+    return _refuse_if("add_cross_attention", f"{name} with cross-attention (add_cross_attention=True): expected a "
+                                             f"decoder-only {name}")
 
 
 def _bert_scale(attention) -> float:
@@ -276,23 +280,13 @@ def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False):
     return tuple(norms) + (Norm("q", q, scope, heads_first), Norm("k", k, scope, heads_first))
 
 
-def _refuse_decoder_encoder(name):
-    def refuse(config):
-        if getattr(config, "is_decoder", False):
-            return f"{name} configured as a decoder (is_decoder=True): expected the bidirectional encoder"
-        return None
-
-    return refuse
+def _refuse_decoder_encoder(name: str) -> Callable:
+    return _refuse_if("is_decoder", f"{name} configured as a decoder (is_decoder=True): expected the bidirectional encoder")
 
 
-def _refuse_bidirectional(name):
-    def refuse(config):
-        if getattr(config, "use_bidirectional_attention", False):
-            return (f"{name} with use_bidirectional_attention=True (its sliding windows are two-sided): "
-                    "expected the causal model")
-        return None
-
-    return refuse
+def _refuse_bidirectional(name: str) -> Callable:
+    return _refuse_if("use_bidirectional_attention", f"{name} with use_bidirectional_attention=True (its sliding windows "
+                                                     "are two-sided): expected the causal model")
 
 
 def _refuse_bloom(config):
