@@ -54,6 +54,8 @@ class Norm:
     scope: str = "d_model"
     heads_first: bool = False
     """A per-head norm whose input is (batch, head, pos, d_head) (Gemma 3, Phi, StableLM), not (batch, pos, head, d_head)."""
+    after_rotary: bool = False
+    """A q or k norm applied after rotary embedding (HunYuan), not before."""
 
     def __post_init__(self):
         if self.site not in NORM_SITES or self.scope not in NORM_SCOPES:
@@ -276,8 +278,8 @@ def _llama_like(model_type: str, lm_class: str, **options) -> Family:
     return Family(model_type, lm_class, "model.layers", "self_attn", **options)
 
 
-def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False):
-    return tuple(norms) + (Norm("q", q, scope, heads_first), Norm("k", k, scope, heads_first))
+def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False, after_rotary: bool = False):
+    return tuple(norms) + (Norm("q", q, scope, heads_first, after_rotary), Norm("k", k, scope, heads_first, after_rotary))
 
 
 def _refuse_decoder_encoder(name: str) -> Callable:
@@ -691,8 +693,14 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            norms=(Norm("attn_input", "layernorm1"), Norm("mlp_input", "layernorm2"), Norm("final", "transformer.layernorm"))),
     _llama_like("nanochat", "NanoChatForCausalLM",  # one gain-free norm module on the embeddings and before the head
                 norms=_with_qk_norm((Norm("embedding", "model.norm"),) + LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm",
-                                    "head", heads_first=True),
+                                    "head", heads_first=True, after_rotary=True),
                 extra_config=("final_logit_softcapping",)),
+    _llama_like("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM",
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.query_layernorm", "self_attn.key_layernorm", "head",
+                                    heads_first=True, after_rotary=True)),
+    _llama_like("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM",
+                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.query_layernorm", "self_attn.key_layernorm", "head",
+                                    heads_first=True, after_rotary=True)),
     _llama_like("iquestcoder", "LlamaForCausalLM"),
     _llama_like("apertus1p5_text", "Apertus1p5TextForCausalLM", mid="input:feedforward_layernorm",
                 norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),

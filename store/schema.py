@@ -30,7 +30,7 @@ OPTIONAL_SCORE_KEYS = ("relative_bias", "sink_logits")
 """Score terms only some families have: T5's learned relative position bias (RELATIVE_BIAS_KEYS), GPT-OSS's sink logits."""
 RELATIVE_BIAS_KEYS = ("max_offset", "tables", "table_of_layer")
 # model["norms"]: one entry per norm of the model.
-NORM_KEYS = ("site", "module", "type", "scope", "eps", "gain", "bias")
+NORM_KEYS = ("site", "module", "type", "scope", "eps", "gain", "bias", "after_rotary")
 NORM_SITES = ("embedding", "attn_input", "q", "k", "v", "attn_output", "resid_mid", "mlp_input", "mlp_output",
               "resid_post", "final")
 NORM_SCOPES = ("d_model", "head", "projection")

@@ -99,7 +99,8 @@ PLACEMENTS = {
     "ultrabert": ("pre", "rms", None, False), "bert-generation": ("post", "layer", None, False),
     "esmc": ("pre", "layer", "projection", False), "xglm": ("pre", "layer", None, False),
     "openai-gpt": ("post", "layer", None, False), "ctrl": ("pre", "layer", None, False),
-    "iquestcoder": ("pre", "rms", None, False), "nanochat": ("pre", "rms", "head", False), "apertus1p5_text": ("pre", "rms", "head", False),
+    "iquestcoder": ("pre", "rms", None, False), "nanochat": ("pre", "rms", "head", False),
+    "hunyuan_v1_dense": ("pre", "rms", "head", False), "hunyuan_v1_moe": ("pre", "rms", "head", False), "apertus1p5_text": ("pre", "rms", "head", False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
@@ -280,7 +281,8 @@ def _apply_head_norm(norm, x: np.ndarray) -> np.ndarray:
 def assert_head_site_from_the_maps(store, eager, name, layer):
     """The stored q, k or v of `layer` is its weight map applied to attn_in, followed by the site's
     described norm; q and k then turn by rotary embedding (identity at position 0, norms kept but for
-    the attention factor of a YaRN rope, GPT-OSS's, on both)."""
+    the attention factor of a YaRN rope, GPT-OSS's, on both). A norm after rotary embedding (HunYuan)
+    turns its input before its gain: the norms then compare with the gain divided out."""
     expected = _mapped(store, name, layer)
     norm = _norm_module(eager, store, name, layer)
     if norm is not None:
@@ -290,9 +292,19 @@ def assert_head_site_from_the_maps(store, eager, name, layer):
     stored = store[name].values[:, layer]
     if name != "v" and store.attrs["model"]["positions"] == "rotary":
         _close(stored[:, 0], expected[:, 0])
-        _close(np.linalg.norm(stored, axis=-1), np.linalg.norm(expected, axis=-1))
+        gain = _gain_after_rotary(norm, expected.shape[-2:])
+        _close(np.linalg.norm(stored / gain, axis=-1), np.linalg.norm(expected / gain, axis=-1))
     else:
         _close(stored, expected)
+
+
+def _gain_after_rotary(norm, shape) -> np.ndarray | float:
+    """The gain (head, d_head) of a q or k norm that acts after rotary embedding; 1 for any other."""
+    if norm is None or not norm[0].get("after_rotary") or norm[0]["gain"] == "none":
+        return 1.0
+    weight = norm[1].weight.detach().double().numpy()
+    gain = 1 + weight if norm[0]["gain"] == "1 + weight" else weight
+    return np.broadcast_to(gain.reshape(shape) if gain.size == np.prod(shape) else gain, shape)
 
 
 def test_weight_maps_reproduce_q_k_v_before_rotary_and_qk_norm(family):

@@ -216,6 +216,8 @@ def family_configs() -> dict:
         "ctrl": ("CTRLConfig", dict(n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, dff=D_FF, n_positions=64), "CTRLLMHeadModel"),
         "nanochat": ("NanoChatConfig", _llama_sizes(head_dim=NANOCHAT_HEAD_DIM) | dict(num_key_value_heads=N_HEADS),
                      "NanoChatForCausalLM"),
+        "hunyuan_v1_dense": ("HunYuanDenseV1Config", _llama_sizes(head_dim=8), "HunYuanDenseV1ForCausalLM"),
+        "hunyuan_v1_moe": ("HunYuanMoEV1Config", _llama_sizes(head_dim=8, num_experts=4, moe_topk=2), "HunYuanMoEV1ForCausalLM"),
         "iquestcoder": ("IQuestCoderConfig", _llama_sizes(head_dim=8), "LlamaForCausalLM"),
         "apertus1p5_text": ("Apertus1p5TextConfig", _llama_sizes(head_dim=8), "Apertus1p5TextForCausalLM"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
@@ -238,7 +240,7 @@ def tiny_config(model_type: str, **overrides):
 
 SHARPENED = ("Wqkv", "q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",
              "q_norm", "k_norm", "q_layernorm", "k_layernorm", "SelfAttention.q.", "SelfAttention.k.", "attn.q.",
-             "attn.k.", "Wq.", "Wk.")
+             "attn.k.", "Wq.", "Wk.", "query_layernorm", "key_layernorm")
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
