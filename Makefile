@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/orthosphere run workflows/configs/quickstart.toml
 
+# The suite in parallel over the cores (at most 4 processes; each test file's fixtures are built per process).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
