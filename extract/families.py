@@ -282,6 +282,14 @@ def _with_qk_norm(norms, q: str, k: str, scope: str, heads_first: bool = False, 
     return tuple(norms) + (Norm("q", q, scope, heads_first, after_rotary), Norm("k", k, scope, heads_first, after_rotary))
 
 
+APERTUS_NORMS = _with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
+                               Norm("final", "model.norm")), "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)
+"""Apertus's (1 and 1.5): Pre-Norm under other names, QK-norm per head."""
+HUNYUAN_NORMS = _with_qk_norm(LLAMA_NORMS, "self_attn.query_layernorm", "self_attn.key_layernorm", "head", heads_first=True,
+                              after_rotary=True)
+"""HunYuan's (dense and MoE): Llama's, and a QK-norm per head after rotary embedding."""
+
+
 def _refuse_decoder_encoder(name: str) -> Callable:
     return _refuse_if("is_decoder", f"{name} configured as a decoder (is_decoder=True): expected the bidirectional encoder")
 
@@ -551,10 +559,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                        Norm("q", "self_attn.q_norm", "head", heads_first=True),
                        Norm("k", "self_attn.k_norm", "head", heads_first=True), Norm("final", "model.norm")),
                 sliding_window=lambda attention: attention.sliding_window if attention.is_sliding else None),
-    _llama_like("apertus", "ApertusForCausalLM", mid="input:feedforward_layernorm",
-                norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
-                                     Norm("final", "model.norm")),
-                                    "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)),
+    _llama_like("apertus", "ApertusForCausalLM", mid="input:feedforward_layernorm", norms=APERTUS_NORMS),
     _llama_like("glm4", "Glm4ForCausalLM", mid="input:post_attention_layernorm",
                 norms=(Norm("attn_input", "input_layernorm"), Norm("attn_output", "post_self_attn_layernorm"),
                        Norm("mlp_input", "post_attention_layernorm"), Norm("mlp_output", "post_mlp_layernorm"),
@@ -695,17 +700,10 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
                 norms=_with_qk_norm((Norm("embedding", "model.norm"),) + LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm",
                                     "head", heads_first=True, after_rotary=True),
                 extra_config=("final_logit_softcapping",)),
-    _llama_like("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM",
-                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.query_layernorm", "self_attn.key_layernorm", "head",
-                                    heads_first=True, after_rotary=True)),
-    _llama_like("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM",
-                norms=_with_qk_norm(LLAMA_NORMS, "self_attn.query_layernorm", "self_attn.key_layernorm", "head",
-                                    heads_first=True, after_rotary=True)),
+    _llama_like("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", norms=HUNYUAN_NORMS),
+    _llama_like("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", norms=HUNYUAN_NORMS),
     _llama_like("iquestcoder", "LlamaForCausalLM"),
-    _llama_like("apertus1p5_text", "Apertus1p5TextForCausalLM", mid="input:feedforward_layernorm",
-                norms=_with_qk_norm((Norm("attn_input", "attention_layernorm"), Norm("mlp_input", "feedforward_layernorm"),
-                                     Norm("final", "model.norm")),
-                                    "self_attn.q_norm", "self_attn.k_norm", "head", heads_first=True)),
+    _llama_like("apertus1p5_text", "Apertus1p5TextForCausalLM", mid="input:feedforward_layernorm", norms=APERTUS_NORMS),
     _t5_encoder("t5", "T5EncoderModel"),
     _t5_encoder("mt5", "MT5EncoderModel"),
     _t5_encoder("umt5", "UMT5EncoderModel"),
