@@ -46,8 +46,8 @@ def norm_factor(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
 def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: str | None = None) -> dict:
     """``norms``: one entry per norm: site, module path (``{layer}`` for the block's index), type
     (`kind`, else from the module's class), scope, eps, how its gain enters ("weight", "1 + weight"
-    or "none"), whether it has a bias and (q and k norms) whether it acts after rotary embedding; ``norm_type`` and
-    ``norm_eps`` of the main norm (the first
+    or "none"), whether it has a bias and, only where true, that it acts after rotary embedding (q and k norms);
+    ``norm_type`` and ``norm_eps`` of the main norm (the first
     of MAIN_NORM_SITES present, else the QK-norm), None without norms."""
     entries = []
     block_path = next(name for name, module in model.named_modules() if module is block)
@@ -62,7 +62,7 @@ def described_norms(model: nn.Module, block: nn.Module, norms, gain: str, kind: 
             "site": norm.site, "module": prefix + norm.module, "type": kind or norm_type(module), "scope": norm.scope,
             "eps": float(eps), "gain": gain if has_gain else "none",
             "bias": isinstance(getattr(leaf, "bias", None), torch.Tensor),
-        } | ({"after_rotary": norm.after_rotary} if norm.site in ("q", "k") else {}))
+        } | ({"after_rotary": True} if norm.after_rotary else {}))
     ranked = sorted(entries, key=lambda entry: (MAIN_NORM_SITES + ("q",) + NORM_SITES).index(entry["site"]))
     main = ranked[0] if ranked else {"type": None, "eps": None}
     return {"norms": entries, "norm_type": main["type"], "norm_eps": main["eps"]}
