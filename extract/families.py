@@ -711,6 +711,32 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
 """transformers model_type -> its family. (The project's own arithmetic transformers have their
 own hook points and adapter, in adapters/arithmetic.py.)"""
 
+
+def _multimodal(text: Family, model_type: str, lm_class: str, language_model: str = "model.language_model") -> Family:
+    """A multimodal model's family, read on text alone (its vision tower never runs): its language model is
+    `text`'s family (whose blocks and norms outside them lie under "model."), under `language_model`. Its
+    config checks are the text family's, on the text config, which must be of that family."""
+    def moved(path: str) -> str:
+        return f"{language_model}.{path.removeprefix('model.')}"
+
+    def refuse(text_config):
+        if text_config.model_type != text.model_type:
+            return (f"{model_type} whose language model is {text_config.model_type!r}: orthosphere reads {model_type} "
+                    f"with a {text.model_type!r} language model")
+        return text.refuse(text_config) if text.refuse is not None else None
+
+    norms = tuple(replace(norm, module=moved(norm.module)) if norm.site in OUTSIDE_BLOCKS else norm for norm in text.norms)
+    return replace(text, model_type=model_type, lm_class=lm_class, blocks=moved(text.blocks), norms=norms, base_class=None,
+                   refuse=refuse)
+
+
+FAMILIES.update({family.model_type: family for family in (
+    _multimodal(FAMILIES["gemma3_text"], "gemma3", "Gemma3ForConditionalGeneration"),
+    _multimodal(FAMILIES["mistral"], "mistral3", "Mistral3ForConditionalGeneration"),
+    _multimodal(FAMILIES["llama"], "llava", "LlavaForConditionalGeneration"),
+)})
+"""Multimodal models read on text alone (Gemma 3 from 4B up, Mistral Small 3.1, LLaVA)."""
+
 REFUSED: dict[str, str] = {
     "deberta": "DeBERTa's disentangled attention adds content-to-position and position-to-content terms (q . r_k "
                "and r_q . k, with learned relative position embeddings r) to q . k, which no score term describes",

@@ -100,10 +100,12 @@ PLACEMENTS = {
     "esmc": ("pre", "layer", "projection", False), "xglm": ("pre", "layer", None, False),
     "openai-gpt": ("post", "layer", None, False), "ctrl": ("pre", "layer", None, False),
     "iquestcoder": ("pre", "rms", None, False), "nanochat": ("pre", "rms", "head", False),
-    "hunyuan_v1_dense": ("pre", "rms", "head", False), "hunyuan_v1_moe": ("pre", "rms", "head", False), "apertus1p5_text": ("pre", "rms", "head", False),
+    "hunyuan_v1_dense": ("pre", "rms", "head", False), "hunyuan_v1_moe": ("pre", "rms", "head", False),
+    "apertus1p5_text": ("pre", "rms", "head", False), "gemma3": ("sandwich", "rms", "head", False),
+    "mistral3": ("pre", "rms", None, False), "llava": ("pre", "rms", None, False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
-WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
+WINDOWS = {"gemma3": [WINDOW, None], "mistral3": [WINDOW, WINDOW], "mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],
            "starcoder2": [WINDOW, WINDOW], "qwen2": [None, WINDOW], "gemma2": [WINDOW, None],
            "gemma3_text": [WINDOW, None], "ministral": [WINDOW, WINDOW], "olmo3": [WINDOW, None],
            "exaone4": [WINDOW, None], "cohere2": [WINDOW, None], "gpt_oss": [WINDOW, None],
@@ -648,6 +650,16 @@ def test_a_family_read_by_another_familys_class_keeps_its_own_config_names(tmp_p
     model = load_source(directory, device="cpu").adapter.model
     assert type(model).__name__ == "LlamaForCausalLM" and len(model.model.layers) == 2
     assert model.model.layers[0].input_layernorm.variance_epsilon == 1e-3
+
+
+def test_a_multimodal_model_with_another_language_model_is_refused_naming_it():
+    """Mistral 3 is read as its Mistral language model: one with a Llama language model is refused, naming both."""
+    from orthosphere.errors import UnsupportedModelError
+
+    model = tiny_model("mistral3", text_config=family_configs()["mistral3"][1]["text_config"] | dict(model_type="llama"))
+    with pytest.raises(UnsupportedModelError, match="mistral3 whose language model is 'llama': orthosphere reads mistral3 "
+                                                    "with a 'mistral' language model"):
+        adapter_for(model)
 
 
 def test_gpt_sw3_is_read_as_gpt2(tmp_path):

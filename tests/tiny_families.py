@@ -51,6 +51,12 @@ def _bert_sizes(max_position_embeddings=64, **extra):
                 max_position_embeddings=max_position_embeddings, **extra)
 
 
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4)
+"""The vision tower of a multimodal family's tiny model (text alone never reaches it)."""
+MULTIMODAL_TOKENS = dict(boi_token_index=len(VOCAB), eoi_token_index=len(VOCAB) + 1, image_token_index=len(VOCAB) + 2)
+"""Its image tokens: three more ids after the test tokenizer's words (which text alone never gives)."""
+
+
 def _t5_sizes():
     """T5's encoder with relative distances bucketed up to T5_DISTANCE, beyond which (the test
     sequences reach 11) every key shares its side's last bucket."""
@@ -220,6 +226,17 @@ def family_configs() -> dict:
         "hunyuan_v1_moe": ("HunYuanMoEV1Config", _llama_sizes(head_dim=8, num_experts=4, moe_topk=2), "HunYuanMoEV1ForCausalLM"),
         "iquestcoder": ("IQuestCoderConfig", _llama_sizes(head_dim=8), "LlamaForCausalLM"),
         "apertus1p5_text": ("Apertus1p5TextConfig", _llama_sizes(head_dim=8), "Apertus1p5TextForCausalLM"),
+        "gemma3": ("Gemma3Config", dict(text_config=_llama_sizes(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                                                 sliding_window_pattern=2),
+                                        vision_config=TINY_VISION, mm_tokens_per_image=4, **MULTIMODAL_TOKENS),
+                   "Gemma3ForConditionalGeneration"),
+        "mistral3": ("Mistral3Config", dict(text_config=_llama_sizes(head_dim=8, sliding_window=WINDOW), vision_config=TINY_VISION
+                                            | dict(head_dim=8), image_token_index=MULTIMODAL_TOKENS["image_token_index"]),
+                     "Mistral3ForConditionalGeneration"),
+        "llava": ("LlavaConfig", dict(text_config=_llama_sizes(attention_bias=True) | dict(model_type="llama"),
+                                      vision_config=TINY_VISION | dict(model_type="clip_vision_model"),
+                                      image_token_index=MULTIMODAL_TOKENS["image_token_index"]),
+                  "LlavaForConditionalGeneration"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
@@ -235,7 +252,11 @@ def tiny_config(model_type: str, **overrides):
 
     config_class, options, _ = family_configs()[model_type]
     ids = dict(vocab_size=len(VOCAB), pad_token_id=0, bos_token_id=4, eos_token_id=4)
-    return getattr(transformers, config_class)(**(options | overrides), **ids, tie_word_embeddings=False)
+    options = options | overrides
+    if "text_config" in options:  # a multimodal family: the language model takes the ids
+        ids |= dict(vocab_size=len(VOCAB) + len(MULTIMODAL_TOKENS), tie_word_embeddings=False)
+        options, ids = options | {"text_config": options["text_config"] | ids}, {}
+    return getattr(transformers, config_class)(**options, **ids, tie_word_embeddings=False)
 
 
 SHARPENED = ("Wqkv", "q_proj", "k_proj", "query.", "key.", "q_lin", "k_lin", "c_attn", "query_key_value", "qkv_proj",

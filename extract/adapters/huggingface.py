@@ -19,8 +19,9 @@ class HuggingFaceAdapter(Adapter):
     """Any transformers family of ``families.py``, driven by its declarative description."""
 
     def __init__(self, model: nn.Module, family: Family):
-        check_supported(family, model.config)
-        self.model, self.spec = model, family.resolved(model.config)
+        text_config = model.config.get_text_config()  # a multimodal model's language model's (Gemma 3), else itself
+        check_supported(family, text_config)
+        self.model, self.spec = model, family.resolved(text_config)
         self.lm_head = type(model).__name__ == family.lm_class
         if not self.lm_head and family.lm_class is not None:
             import transformers
@@ -41,7 +42,8 @@ class HuggingFaceAdapter(Adapter):
 
     @property
     def config(self):
-        return self.model.config
+        """The config of the language model: the model's own, or a multimodal model's text config."""
+        return self.model.config.get_text_config()
 
     @property
     def output_multiplier(self) -> float:
