@@ -734,8 +734,13 @@ FAMILIES.update({family.model_type: family for family in (
     _multimodal(FAMILIES["gemma3_text"], "gemma3", "Gemma3ForConditionalGeneration"),
     _multimodal(FAMILIES["mistral"], "mistral3", "Mistral3ForConditionalGeneration"),
     _multimodal(FAMILIES["llama"], "llava", "LlavaForConditionalGeneration"),
+    _multimodal(_llama_like("qwen2_vl_text", None), "qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    _multimodal(_llama_like("qwen2_5_vl_text", None), "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    _multimodal(replace(FAMILIES["qwen3"], model_type="qwen3_vl_text"), "qwen3_vl", "Qwen3VLForConditionalGeneration"),
 )})
-"""Multimodal models read on text alone (Gemma 3 from 4B up, Mistral Small 3.1, LLaVA)."""
+"""Multimodal models read on text alone (Gemma 3 from 4B up, Mistral Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL: their multimodal rotary embeddings turn text alone by each token's position, and Qwen3-VL adds its
+visual features to early layers only where there is an image)."""
 
 REFUSED: dict[str, str] = {
     "deberta": "DeBERTa's disentangled attention adds content-to-position and position-to-content terms (q . r_k "

@@ -102,7 +102,8 @@ PLACEMENTS = {
     "iquestcoder": ("pre", "rms", None, False), "nanochat": ("pre", "rms", "head", False),
     "hunyuan_v1_dense": ("pre", "rms", "head", False), "hunyuan_v1_moe": ("pre", "rms", "head", False),
     "apertus1p5_text": ("pre", "rms", "head", False), "gemma3": ("sandwich", "rms", "head", False),
-    "mistral3": ("pre", "rms", None, False), "llava": ("pre", "rms", None, False),
+    "mistral3": ("pre", "rms", None, False), "llava": ("pre", "rms", None, False), "qwen2_5_vl": ("pre", "rms", None, False),
+    "qwen2_vl": ("pre", "rms", None, False), "qwen3_vl": ("pre", "rms", "head", False),
 }
 # Score terms of the tiny configs: sliding windows per layer, soft-cap, scales that are not 1/sqrt(d_head).
 WINDOWS = {"gemma3": [WINDOW, None], "mistral3": [WINDOW, WINDOW], "mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW], "phi3": [WINDOW, WINDOW],

@@ -55,6 +55,10 @@ TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, nu
 """The vision tower of a multimodal family's tiny model (text alone never reaches it)."""
 MULTIMODAL_TOKENS = dict(boi_token_index=len(VOCAB), eoi_token_index=len(VOCAB) + 1, image_token_index=len(VOCAB) + 2)
 """Its image tokens: three more ids after the test tokenizer's words (which text alone never gives)."""
+QWEN_VL_TOKENS = dict(vision_start_token_id=len(VOCAB), video_token_id=len(VOCAB) + 1, image_token_id=len(VOCAB) + 2)
+"""The same ids under the Qwen VL configs' names."""
+MROPE = dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 2])
+"""Qwen VL's multimodal rotary embedding at d_head 8: time, height and width sections of the 4 frequencies."""
 
 
 def _t5_sizes():
@@ -237,6 +241,17 @@ def family_configs() -> dict:
                                       vision_config=TINY_VISION | dict(model_type="clip_vision_model"),
                                       image_token_index=MULTIMODAL_TOKENS["image_token_index"]),
                   "LlavaForConditionalGeneration"),
+        "qwen2_vl": ("Qwen2VLConfig", dict(text_config=_llama_sizes(rope_parameters=MROPE), vision_config=dict(
+            depth=1, embed_dim=16, hidden_size=D_MODEL, num_heads=2, patch_size=4), **QWEN_VL_TOKENS),
+                     "Qwen2VLForConditionalGeneration"),
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(text_config=_llama_sizes(rope_parameters=MROPE), vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D_MODEL, patch_size=4, window_size=8,
+            fullatt_block_indexes=[0]), **QWEN_VL_TOKENS), "Qwen2_5_VLForConditionalGeneration"),
+        "qwen3_vl": ("Qwen3VLConfig", dict(text_config=_llama_sizes(head_dim=8, rope_parameters=MROPE | dict(mrope_interleaved=True)),
+                                           vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                              out_hidden_size=D_MODEL, patch_size=4, deepstack_visual_indexes=[0],
+                                                              num_position_embeddings=16), **QWEN_VL_TOKENS),
+                     "Qwen3VLForConditionalGeneration"),
         "t5": ("T5Config", _t5_sizes(), "T5EncoderModel"),
         "mt5": ("MT5Config", _t5_sizes(), "MT5EncoderModel"),
         "umt5": ("UMT5Config", _t5_sizes(), "UMT5EncoderModel"),
