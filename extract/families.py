@@ -257,7 +257,8 @@ def _refuse_cross_attention(name: str) -> Callable:
 
 
 def _bert_scale(attention) -> float:
-    """The score's scale of a BERT-shaped attention computing its own softmax (projection route)."""
+    """1/sqrt(d_head) of a BERT-shaped attention: the score's scale where it computes its own softmax (projection
+    route: MPNet, Megatron-BERT, RemBERT), ESM's factor on q."""
     return attention.attention_head_size**-0.5
 
 
@@ -577,7 +578,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            mlp="output.dense",
            norms=(Norm("embedding", "mpnet.embeddings.LayerNorm"), Norm("resid_mid", "attention.LayerNorm"),
                   Norm("resid_post", "output.LayerNorm")),
-           relative_bias=_mpnet_relative_bias, scale_of=lambda attention: attention.attention_head_size**-0.5),
+           relative_bias=_mpnet_relative_bias, scale_of=_bert_scale),
     Family("modernbert", "ModernBertForMaskedLM", "model.layers", "attn",
            Projections("attn.Wqkv", "attn.Wqkv", "attn.Wqkv", "attn.Wo", layout="concat"),
            mid="input:mlp_norm", causal=False, base_class="ModernBertModel",
@@ -610,7 +611,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     _llama_like("ministral3", "Ministral3ForCausalLM"),
     replace(_bert_like("esm", "EsmForMaskedLM", "esm", "EsmModel", "ESM",
                        _pre_norm("attention.LayerNorm", "LayerNorm", "esm.encoder.emb_layer_norm_after")),
-            positions="rotary", refuse=_refuse_esm, query_scale_of=lambda attention: attention.attention_head_size**-0.5),
+            positions="rotary", refuse=_refuse_esm, query_scale_of=_bert_scale),
     _llama_like("solar_open", "SolarOpenForCausalLM"),
     _llama_like("mellum", "MellumForCausalLM", norms=_with_qk_norm(LLAMA_NORMS, "self_attn.q_norm", "self_attn.k_norm", "head")),
     _llama_like("cohere2_moe", "Cohere2MoeForCausalLM", mid="parallel", norms=COHERE_NORMS, extra_config=("logit_scale",)),

@@ -19,9 +19,9 @@ class HuggingFaceAdapter(Adapter):
     """Any transformers family of ``families.py``, driven by its declarative description."""
 
     def __init__(self, model: nn.Module, family: Family):
-        text_config = model.config.get_text_config()  # a multimodal model's language model's (Gemma 3), else itself
-        check_supported(family, text_config)
-        self.model, self.spec = model, family.resolved(text_config)
+        self.model = model
+        check_supported(family, self.config)
+        self.spec = family.resolved(self.config)
         self.lm_head = type(model).__name__ == family.lm_class
         if not self.lm_head and family.lm_class is not None:
             import transformers
