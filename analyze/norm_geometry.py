@@ -42,7 +42,7 @@ from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, summarise
 from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, sample_values, square_norms
 from .kernels import CleanAttention
-from .options import DEVICE, LAYERS, PROBABILITY, SHARE, SITE, AnalysisConfig, integer
+from .options import CONFIDENCE, DEVICE, LAYERS, SHARE, SITE, AnalysisConfig, integer
 from .plan import Plan
 from .registry import Analysis
 from .replay_blocks import DEFAULT_MIN_KEYS, MIN_KEYS, SPARSE_THRESHOLD
@@ -60,7 +60,7 @@ class NormGeometryConfig(AnalysisConfig):
     min_keys: int = parameter(DEFAULT_MIN_KEYS, MIN_KEYS, help="sparse attention counts queries that may see at least this many keys")
     interval_groups: int = parameter(32, integer(2), help="groups of consecutive samples resampled for the intervals")
     interval_draws: int = parameter(200, integer(10), help="bootstrap draws of the groups")
-    confidence: float = parameter(0.9, PROBABILITY, help="the intervals' coverage")
+    confidence: float = parameter(0.9, CONFIDENCE, help="the intervals' coverage")
     seed: int = parameter(0, integer(0), help="seed of the bootstrap draws")
     device: str = parameter("cpu", DEVICE, help="where the attention recomputed from q and k runs (device.py)")
 

@@ -31,6 +31,7 @@ SITE = Text("a site name")
 FLAG = Flag()
 SHARE = Interval(float, 0, 1, closed="right")
 PROBABILITY = Interval(float, 0, 1, closed="neither", hint="e.g. 0.05")
+CONFIDENCE = Interval(float, 0, 1, closed="neither", hint="e.g. 0.9")
 FLOOR = Interval(float, 0, 1, closed="left", noun="a share",
                  hint="(0 keeps every significant direction; 0.01 by default)")
 SHARES = Items(Interval(float, 0, 1))

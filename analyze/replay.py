@@ -142,7 +142,7 @@ from .attention import AttentionShare, ScoreTerms, attention_inputs
 from .inputs import FiniteCheck, check_layers, store_url
 from .kernels import replay_block
 from .multiplicity import state_multiplicity
-from .options import LAYERS, PROBABILITY, integer
+from .options import CONFIDENCE, LAYERS, integer
 from .plan import Plan
 from .registry import Analysis
 from .replay_blocks import (
@@ -177,7 +177,7 @@ class ReplayConfig(ReplaySettings):
                                        help="the collapse rate whose level collapse_level reports")
     n_bootstrap: int = parameter(1000, integer(0), help="bootstrap resamples of the resampling units (documents) for "
                                                         "the intervals of the collapse levels, rates, recall and precision")
-    confidence: float = parameter(0.95, PROBABILITY, help="the confidence of those intervals")
+    confidence: float = parameter(0.95, CONFIDENCE, help="the confidence of those intervals")
     group_by: str | None = parameter(None, GROUP_BY, None, help=GROUP_BY_HELP)
     layers: tuple[int, ...] | None = parameter(None, LAYERS, None, help="layers (default: every one stored)")
     n_bins: int = parameter(20, integer(1, "histogram bins"), help="bins of the histogram of the largest attention")

@@ -83,7 +83,7 @@ from .inputs import (
 )
 from .layer import DrawSettings, LayerFit, fit_layer
 from .multiplicity import state_multiplicity
-from .options import FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
+from .options import CONFIDENCE, FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
 from .registry import Analysis
 from .units import GROUP_BY, GROUP_BY_HELP, Units, bootstrap_group, check_units, resampling_units, token_groups, token_units, warn_fewer_units_than_groups
@@ -189,7 +189,7 @@ class SubspacesConfig(AnalysisConfig):
     n_bootstrap: int = parameter(200, integer(0), help="noise draws of the ranks, intervals, claims and spheres")
     bootstrap_groups: int = parameter(32, integer(2), help="groups of samples the draws resample")
     group_by: str | None = parameter(None, GROUP_BY, None, help=GROUP_BY_HELP)
-    confidence: float = parameter(0.9, PROBABILITY, help="the intervals' confidence")
+    confidence: float = parameter(0.9, CONFIDENCE, help="the intervals' confidence")
     n_null: int | None = parameter(None, integer(0), None, help="draws of the structure test (default: enough for "
                                                                "the correction)")
     significance: float = parameter(0.05, PROBABILITY, help="of the tests and claims, after the correction")

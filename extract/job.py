@@ -73,7 +73,7 @@ from orthosphere.store.writer import new_store
 from .data import ArithmeticData, CorpusData, open_dataset, task_data
 from .defaults import DEFAULT_BATCH_SIZE
 from .shards import Meter, ShardPlan, run_in_process, run_on_dask
-from .sources import MODEL_DTYPES, LoadedModel, check_device, from_model, load_source
+from .sources import MODEL_DTYPES, CharacterTokenizer, LoadedModel, check_device, from_model, load_source
 
 log = logging.getLogger("orthosphere.extract")
 
@@ -209,6 +209,12 @@ def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
     packed windows before the corpus is tokenised, padded documents once their longest is known."""
     limit = max_positions(loaded.adapter.model)
     if not isinstance(data, CorpusData):
+        if not isinstance(loaded.tokenizer, CharacterTokenizer):
+            raise ConfigError(
+                f"the arithmetic task with a {description.get('family', 'non-arithmetic')} model: the task's tokens are the "
+                "arithmetic transformers' character ids, which mean nothing to this model's embeddings; give it a text corpus "
+                "(e.g. text:path=FILE,context=256), or extract the arithmetic task with an orthosphere arithmetic model"
+            )
         dataset = open_dataset(data, n_samples=job.n_samples)
         _check_positions(dataset.n_pos, limit, "max_length")
         return dataset

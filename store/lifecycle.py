@@ -159,7 +159,7 @@ def _exists_message(location: Location, found: Found) -> str:
 def check_same_job(url: str, attrs: dict, identity: dict) -> None:
     """Refuse to resume a store made by another job, naming the first attribute that differs."""
     attrs = {**attrs, "pred": holds_pred(attrs)}  # stores written before the attribute existed say it so
-    for key in IDENTITY_KEYS:
+    for key in sorted(IDENTITY_KEYS, key=lambda key: key != "n_samples"):  # a changed count changes the task's too: name it first
         stored, wanted = _normalised(attrs.get(key)), _normalised(identity[key])
         for ignored in IDENTITY_IGNORED.get(key, ()):
             if isinstance(stored, dict) and isinstance(wanted, dict):

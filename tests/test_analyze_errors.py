@@ -145,7 +145,7 @@ def test_nan_and_inf_are_reported_with_where_they_are(tmp_path, run):
 @pytest.mark.parametrize("options, message", [
     ({"significance": 0.0}, r"significance=0.0: expected a number strictly between 0 and 1"),
     ({"significance": 1}, r"significance=1: expected a number strictly between 0 and 1"),
-    ({"confidence": 1.0}, r"confidence=1.0: expected a number strictly between 0 and 1"),
+    ({"confidence": 1.0}, r"confidence=1.0: expected a number strictly between 0 and 1, e.g. 0.9"),
     ({"rank_significance": -0.1}, r"rank_significance=-0.1: expected a number strictly between 0 and 1"),
     ({"orthogonality_deg": 0}, r"orthogonality_deg=0: expected a tolerance in degrees strictly between 0 and 90"),
     ({"independence_deg": 90}, r"independence_deg=90: expected a tolerance in degrees strictly between 0 and 90"),

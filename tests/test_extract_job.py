@@ -372,3 +372,12 @@ def test_writer_failure_reaches_the_producer():
         for start in range(100):
             sink.put(start, block(start, start + 1))
             time.sleep(0.01)
+
+
+def test_the_arithmetic_task_is_refused_for_a_model_that_reads_text(tmp_path):
+    model = write_hf_model(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError, match=r"the arithmetic task with a llama model: the task's tokens are the arithmetic "
+                                          r"transformers' character ids.*give it a text corpus"):
+        run_job(ExtractJob(model=str(model), task="arithmetic:split=test,seed=1", n_samples=4, out=str(tmp_path / "s.zarr")),
+                progress=False)
+    assert not (tmp_path / "s.zarr").exists()

@@ -69,6 +69,7 @@ def test_an_atlas_compares_the_models_and_names_the_failures(atlas_run):
     markdown = (out / "atlas.md").read_text()
     assert "| broken | failed: ConfigError: model" in markdown and "| llama | ok | llama |" in markdown
     assert (out / "atlas.png").stat().st_size > 0 and (out / "atlas.csv").read_text().startswith("model,status,")
+    assert ",rotary,2,4," in (out / "atlas.csv").read_text()  # whole numbers as integers
 
 
 @pytest.mark.slow
@@ -142,3 +143,82 @@ def test_the_shipped_size_series_is_three_sizes_of_the_pre_norm_family_that_the_
         assert shipped["norm_placement"] == "pre", model.name
         layers.setdefault(shipped["n_layers"], []).append(model.name)
     assert {n: len(names) for n, names in layers.items()} == {2: 2, 3: 2, 4: 2}
+
+
+LLAMA_ENTRY = f'[[models]]\nname = "llama"\npath = "{MODELS / "demo-llama"}"\n'
+
+
+@pytest.mark.parametrize("text, message", [
+    (LLAMA_ENTRY + "[extract]\nbogus = 1\n", r"atlas.toml \[extract\]: unknown keys \['bogus'\]; expected some of"),
+    (LLAMA_ENTRY + "task = 5\n", r"\[\[models\]\] #1 task = 5: expected a task spec string"),
+    ('[[models]]\nname = 5\npath = "m"\n', r"atlas.toml: model name 5: expected a string"),
+    ('[[models]]\nname = true\npath = "m"\n', r"model name True: expected a string"),
+    ('[[models]]\nname = "status"\npath = "m"\n', r"model name 'status' is the name of a column of the atlas's table"),
+    ('[[models]]\nname = "model"\npath = "m"\n', r"model name 'model' is the name of a column"),
+    (LLAMA_ENTRY + "[analyze]\nonly = []\n", r"\[analyze\] only = \[\]: expected a non-empty list"),
+    (LLAMA_ENTRY + "[analyze]\nonly = [\"nope\"]\n", r"\[analyze\] only = \['nope'\]: unknown analyses \['nope'\]"),
+])
+def test_bad_values_in_an_atlas_config_name_their_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_atlas(write_config(tmp_path, text))
+
+
+@pytest.mark.parametrize("top, message", [
+    ("root = 5\n", r"atlas.toml: `root` = 5: expected a non-empty string"),
+    ('name = ["a"]\n', r"atlas.toml: `name` = \['a'\]: expected a non-empty string"),
+    ("[corpus]\ntask = 5\n", r"atlas.toml \[corpus\] task = 5: expected a task spec string"),
+])
+def test_bad_top_level_values_name_their_key(tmp_path, top, message):
+    config = tmp_path / "atlas.toml"
+    corpus = "" if "[corpus]" in top else f'[corpus]\ntask = "text:path={SENTENCES},context=16"\n'
+    config.write_text(top + corpus + LLAMA_ENTRY)
+    with pytest.raises(ConfigError, match=message):
+        load_atlas(config)
+
+
+def test_an_output_root_that_is_a_file_is_refused_before_any_work(tmp_path):
+    from orthosphere.workflows.atlas import run_atlas
+
+    (tmp_path / "out").write_text("")
+    with pytest.raises(ConfigError, match=r"its output root .*out is a file: give a folder \(the config's `root`, or --root\)"):
+        run_atlas(load_atlas(write_config(tmp_path, LLAMA_ENTRY)))
+
+
+def test_a_models_own_sample_count_applies_with_the_shared_corpus(tmp_path, monkeypatch):
+    import orthosphere.extract.job as job_module
+    from orthosphere.workflows.atlas import _extract_and_analyse
+
+    asked = []
+
+    def stop(job, **_):
+        asked.append(job.n_samples)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(job_module, "run_job", stop)
+    atlas = load_atlas(write_config(tmp_path, LLAMA_ENTRY + "samples = 2\n" + LLAMA_ENTRY.replace('"llama"', '"shared"')))
+    for model in atlas.models:
+        with pytest.raises(RuntimeError, match="stop here"):
+            _extract_and_analyse(atlas, model, False, None)
+    assert asked == [2, 4]
+
+
+@pytest.mark.slow
+def test_changed_options_redo_the_analyses_and_a_run_where_every_model_fails_keeps_the_comparison(atlas_run, tmp_path):
+    out, _, config = atlas_run
+    shutil.copytree(out, tmp_path / "out")
+    text = config.read_text().replace(str(out), str(tmp_path / "out"))
+    changed = tmp_path / "changed.toml"
+    changed.write_text(text.replace('"replay.n_draws" = 2', '"replay.n_draws" = 3'))
+    result = CliRunner().invoke(main, ["atlas", str(changed)])
+    assert result.exit_code == 0, result.output
+    tree = xr.open_datatree(tmp_path / "out" / "atlas.zarr", engine="zarr")
+    assert np.isfinite(tree.to_dataset().analyse_s.sel(model="llama").item())  # analysed again ...
+    assert np.isnan(tree.to_dataset().extract_s.sel(model="llama").item())  # ... from the store it had
+    assert tree["llama"]["replay"].attrs["options"]["n_draws"] == 3
+    before = (tmp_path / "out" / "atlas.md").read_text()
+    fewer = tmp_path / "fewer.toml"
+    fewer.write_text(text.replace("samples = 4", "samples = 3").replace("samples = 16", "samples = 12"))
+    result = CliRunner().invoke(main, ["atlas", str(fewer)])
+    assert result.exit_code != 0 and "every model of atlas tiny failed" in result.output
+    assert "its n_samples is 4, this job's is 3" in result.output and "rerun with --force" in result.output
+    assert (tmp_path / "out" / "atlas.md").read_text() == before

@@ -5,6 +5,7 @@ packed windows of the corpus per model (resumable, as every job), runs the analy
 spheres, neighbours, norm_geometry, replay) and writes one comparison under the output root:
 
     stores/NAME.zarr, results/NAME.zarr   each model's store and results (skipped when complete)
+    results/NAME.zarr.request.json        the analyses and options that made them (changed: made again)
     atlas.zarr                            one DataTree: the table at the root (dim ``model``), each
                                           model's results as the group NAME (``xr.open_datatree``)
     atlas.md, atlas.csv                   the table, one row per model (``atlas_table.py``)
@@ -34,6 +35,7 @@ A config::
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -42,7 +44,17 @@ from pathlib import Path
 
 from orthosphere.errors import ConfigError
 
-from .pipeline import _analysis_options, _check_keys, _extract_settings, _table, _task_data, read_config
+from .pipeline import (
+    _analysis_options,
+    _check_keys,
+    _extract_settings,
+    _table,
+    _task_data,
+    analysis_names,
+    config_samples,
+    config_text,
+    read_config,
+)
 
 log = logging.getLogger("orthosphere.atlas")
 
@@ -98,16 +110,21 @@ def model_name(model) -> str:
                      "dict {name: model}")
 
 
-def check_names(models: list[AtlasModel]) -> None:
-    """Each name once, and usable as a folder and group name."""
+def check_names(models: list[AtlasModel], where: str = "atlas models") -> None:
+    """Each name once, and usable as a folder name and as a group of atlas.zarr beside the table's variables."""
+    from .atlas_table import table_names
+
     seen: dict[str, int] = {}
     for model in models:
-        if not model.name or "/" in model.name or model.name.startswith("."):
-            raise ConfigError(f"model name {model.name!r}: expected a name without '/' that does not start with '.'")
+        if not isinstance(model.name, str) or not model.name or "/" in model.name or model.name.startswith("."):
+            raise ConfigError(f"{where}: model name {model.name!r}: expected a string without '/' that does not start with '.'")
+        if model.name in table_names():
+            raise ConfigError(f"{where}: model name {model.name!r} is the name of a column of the atlas's table (atlas.zarr "
+                              "holds both at its root): give the model another `name`")
         seen[model.name] = seen.get(model.name, 0) + 1
     twice = sorted(name for name, count in seen.items() if count > 1)
     if twice:
-        raise ConfigError(f"two or more models are named {twice}: give each model its own `name`")
+        raise ConfigError(f"{where}: two or more models are named {twice}: give each model its own `name`")
 
 
 def load_atlas(path, root: str | None = None) -> Atlas:
@@ -122,25 +139,17 @@ def load_atlas(path, root: str | None = None) -> Atlas:
     if not isinstance(entries, list) or not entries or not all(isinstance(entry, dict) for entry in entries):
         raise ConfigError(f"{path}: needs one [[models]] table per model, each with `path`")
     models = [_model_entry(number, entry, here, path) for number, entry in enumerate(entries)]
-    check_names(models)
+    check_names(models, str(path))
     analyze = _table(values, "analyze", path, {"only", "options"})
-    only = analyze.get("only")
-    if only is not None and (not isinstance(only, list) or not all(isinstance(name, str) for name in only)):
-        raise ConfigError(f"{path} [analyze] only = {only!r}: expected a list of analysis names, e.g. [\"norms\"]")
+    only = analysis_names(analyze, path)
     options = with_defaults(_analysis_options(analyze.get("options", {}), only, path), only)
     return Atlas(
-        name=values.get("name", path.stem), root=Path(root or values.get("root") or f"runs/{path.stem}"),
+        name=config_text(values, "name", path, path.stem), root=Path(root or config_text(values, "root", path, f"runs/{path.stem}")),
         models=tuple(models), corpus=_task_data(corpus["task"], here, f"{path} [corpus]"),
-        samples=_samples(corpus.get("samples"), f"{path} [corpus] samples"),
+        samples=config_samples(corpus.get("samples"), f"{path} [corpus] samples"),
         extract=_extract_settings(_table(values, "extract", path), path), only=None if only is None else tuple(only),
         options=options,
     )
-
-
-def _samples(value, where: str) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"{where} = {value!r}: expected a positive number of samples (windows of the corpus)")
-    return value
 
 
 def _model_entry(number: int, entry: dict, here: Path, path: Path) -> AtlasModel:
@@ -151,7 +160,7 @@ def _model_entry(number: int, entry: dict, here: Path, path: Path) -> AtlasModel
     model = here / entry["path"]
     task = _task_data(entry["task"], here, where) if "task" in entry else None
     return AtlasModel(name=entry.get("name", model_name(model)), model=model, task=task,
-                      samples=_samples(entry.get("samples"), f"{where} samples"))
+                      samples=config_samples(entry.get("samples"), f"{where} samples"))
 
 
 def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
@@ -160,6 +169,9 @@ def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
     named in the table; when every model fails, ConfigError names each failure."""
     from .atlas_table import write_comparison
 
+    if atlas.root.exists() and not atlas.root.is_dir():
+        raise ConfigError(f"atlas {atlas.name}: its output root {atlas.root} is a file: give a folder (the config's `root`, "
+                          "or --root)")
     atlas.root.mkdir(parents=True, exist_ok=True)
     outcomes = {}
     for model in atlas.models:
@@ -171,10 +183,10 @@ def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
             log.error("atlas %s: model %s failed: %s", atlas.name, model.name, message)
             outcomes[model.name] = message
     failed = {name: outcome for name, outcome in outcomes.items() if isinstance(outcome, str)}
-    write_comparison(atlas, outcomes)
-    if len(failed) == len(outcomes):
+    if len(failed) == len(outcomes):  # nothing to compare: a comparison written before stays as it was
         raise ConfigError(f"every model of atlas {atlas.name} failed: "
                          + "; ".join(f"{name}: {message}" for name, message in failed.items()))
+    write_comparison(atlas, outcomes)
     return atlas.root
 
 
@@ -182,30 +194,55 @@ def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -
     """The model's store and results (each made unless complete, or with `force`), and the seconds each took
     (NaN for a step skipped)."""
     from orthosphere.analyze import analyze
+    from orthosphere.errors import JobMismatchError
     from orthosphere.extract.job import ExtractJob, run_job
 
     store, results = atlas.store(model), atlas.results(model)
+    samples = model.samples if model.samples is not None or model.task is not None else atlas.samples
     job = ExtractJob(model=str(model.model) if isinstance(model.model, os.PathLike) else model.model,
-                     task=model.task or atlas.corpus, out=str(store),
-                     n_samples=model.samples if model.task is not None else atlas.samples, **atlas.extract,
+                     task=model.task or atlas.corpus, out=str(store), n_samples=samples, **atlas.extract,
                      tokenizer=model.tokenizer, mode="overwrite" if force else "resume", command=f"orthosphere atlas ({atlas.name})")
-    extracted = run_job(job, client=client, progress=False)
+    try:
+        extracted = run_job(job, client=client, progress=False)
+    except JobMismatchError as error:
+        raise JobMismatchError(f"{error}. In the atlas: rerun with --force (force=True from Python) to redo every model "
+                               "with this config, or give another root") from None
     log.info("%s", extracted.summary())
     extract_seconds = float("nan") if extracted.already_complete else extracted.seconds
     analyse_seconds = float("nan")
-    if force or not _complete(results, atlas.only):
+    request = _request(atlas)
+    if force or not _complete(results, atlas.only, request):
         started = time.perf_counter()
+        _request_file(results).unlink(missing_ok=True)
         analyze(str(store), str(results), analyses=list(atlas.only) if atlas.only else None, overwrite=True,
                 command=f"orthosphere atlas ({atlas.name})", **atlas.options)
         analyse_seconds = time.perf_counter() - started
+        partial = _request_file(results).with_suffix(".partial")
+        partial.write_text(request)
+        partial.rename(_request_file(results))
+    else:
+        log.info("atlas %s: model %s: the results at %s are complete, with the same analyses and options: kept",
+                 atlas.name, model.name, results)
     return {"store": store, "results": results, "extract_seconds": extract_seconds, "analyse_seconds": analyse_seconds}
 
 
-def _complete(results: Path, only) -> bool:
-    """Whether results at `results` hold every analysis asked for (all that the store feeds by default)."""
+def _request(atlas: Atlas) -> str:
+    """The analyses and options asked for, as the text recorded beside each model's results."""
+    return json.dumps({"only": atlas.only, "options": atlas.options}, sort_keys=True, default=repr)
+
+
+def _request_file(results: Path) -> Path:
+    """Where the analyses and options that made `results` are recorded (written once the results are complete)."""
+    return results.with_name(results.name + ".request.json")
+
+
+def _complete(results: Path, only, request: str) -> bool:
+    """Whether results at `results` hold every analysis asked for (all that the store feeds by default),
+    made with the same request (analyses and options; a changed option makes them again)."""
     from orthosphere.analyze import ANALYSES, open_results
 
-    if not results.exists():
+    recorded = _request_file(results)
+    if not results.exists() or not recorded.is_file() or recorded.read_text() != request:
         return False
     try:
         written = set(open_results(str(results)).attrs.get("analyses", []))
@@ -232,6 +269,8 @@ def atlas(models, corpus, out, *, samples: int | None = None, analyses=None, opt
                                   tokenizer=tokenizer))
     if not entries:
         raise ConfigError("atlas models: expected at least one model (a path, or name -> model)")
+    if analyses is not None and not analyses:
+        raise ConfigError("atlas analyses=[]: expected some analysis names, or None for every analysis")
     check_names(entries)
     from orthosphere.analyze.options import nested
     from orthosphere.analyze.results import ANALYSES, configure, get_analysis

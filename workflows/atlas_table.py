@@ -125,6 +125,11 @@ def failed_row(message: str) -> dict:
     return {"status": f"failed: {message}"}
 
 
+def table_names() -> set[str]:
+    """The names at atlas.zarr's root: the table's variables and its coordinate."""
+    return {"model", *COLUMNS, *(f"{name}_{bound}" for name in INTERVALS for bound in ("low", "high"))}
+
+
 def table_dataset(rows: dict[str, dict]) -> xr.Dataset:
     """The table as a Dataset with dim model (numbers as float64, text as str)."""
     names = list(COLUMNS) + [f"{name}_{bound}" for name in INTERVALS for bound in ("low", "high")]
@@ -146,6 +151,11 @@ def _cell(value) -> str:
             return "–"
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
     return str(value)
+
+
+def _csv_cell(value):
+    """A whole number as an integer (the table holds numbers as float64), anything else as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def table_markdown(table: xr.Dataset) -> str:
@@ -201,7 +211,7 @@ def write_comparison(atlas, outcomes: dict) -> None:
         writer = csv.writer(handle)
         writer.writerow(["model", *table.data_vars])
         for model in table.model.values:
-            writer.writerow([model, *(table[name].sel(model=model).item() for name in table.data_vars)])
+            writer.writerow([model, *(_csv_cell(table[name].sel(model=model).item()) for name in table.data_vars)])
     from .atlas_figure import write_figure
 
     write_figure(trees, atlas.root / "atlas.png")

@@ -116,6 +116,7 @@ def _extract_settings(table: dict, path: Path) -> dict:
     from orthosphere.errors import ParameterError
     from orthosphere.extract.job import ExtractJob
 
+    _check_keys(table, EXTRACT_KEYS, f"{path} [extract]")
     keys = {EXTRACT_KEYS[key]: key for key in table}
     try:
         return ExtractJob.check_some({parameter: table[key] for parameter, key in keys.items()})
@@ -150,18 +151,17 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
     data = tuple(_data_entry(name, entry, here, path) for name, entry in _table(values, "data", path).items())
     if not models or not data:
         raise ConfigError(f"{path}: needs at least one [models.NAME] and one [data.NAME] table")
-    extract = _extract_settings(_table(values, "extract", path, EXTRACT_KEYS), path)
+    extract = _extract_settings(_table(values, "extract", path), path)
     analyze = _table(values, "analyze", path, ANALYZE_KEYS)
     report = _table(values, "report", path, REPORT_KEYS)
-    only = analyze.get("only")
-    if only is not None and (not isinstance(only, list) or not all(isinstance(name, str) for name in only)):
-        raise ConfigError(f"{path} [analyze] only = {only!r}: expected a list of analysis names, e.g. [\"norms\"]")
+    only = analysis_names(analyze, path)
     if analyze.get("online") and only is not None and "replay" not in only:
         raise ConfigError(f"{path} [analyze]: the online check repeats the replay's noise; add \"replay\" to `only`")
-    root = root or values.get("root") or f"runs/{values.get('name', path.stem)}"
-    local_root = Path(values.get("local_root") or (root if "://" not in root else f"runs/{path.stem}"))
+    name = config_text(values, "name", path, path.stem)
+    root = root or config_text(values, "root", path, f"runs/{name}")
+    local_root = Path(config_text(values, "local_root", path, root if "://" not in root else f"runs/{path.stem}"))
     return Pipeline(
-        name=values.get("name", path.stem),
+        name=name,
         root=root,
         local_root=local_root,
         backend=_backend(_table(values, "backend", path, {"workers", "scheduler"}), path),
@@ -172,8 +172,40 @@ def load_pipeline(path, root: str | None = None) -> Pipeline:
         analyze_options=_analysis_options(analyze.get("options", {}), only, path),
         online=_online_data(analyze.get("online", []), data, path),
         online_samples=analyze.get("online_samples"),
-        title=report.get("title", f"orthosphere report: {values.get('name', path.stem)}"),
+        title=config_text(report, "title", f"{path} [report]", f"orthosphere report: {name}"),
     )
+
+
+def config_text(values: dict, key: str, where, default: str) -> str:
+    """The config's text value `key` (`default` when absent), refused unless a non-empty string."""
+    value = values.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: `{key}` = {value!r}: expected a non-empty string in quotes, e.g. {key} = {default!r}")
+    return value
+
+
+def config_samples(value, where: str) -> int | None:
+    """A config's sample count: absent (None) or a positive integer."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{where} = {value!r}: expected a positive number of samples")
+    return value
+
+
+def analysis_names(analyze: dict, path: Path) -> list[str] | None:
+    """The [analyze] table's `only`: None (every analysis), or a non-empty list of known analysis names."""
+    from orthosphere.analyze.results import ANALYSES
+
+    only = analyze.get("only")
+    if only is None:
+        return None
+    where = f"{path} [analyze] only = {only!r}"
+    if not isinstance(only, list) or not only or not all(isinstance(name, str) for name in only):
+        raise ConfigError(f'{where}: expected a non-empty list of analysis names, e.g. ["norms"] (leave `only` out for '
+                          "every analysis)")
+    unknown = [name for name in only if name not in ANALYSES]
+    if unknown:
+        raise ConfigError(f"{where}: unknown analyses {unknown}; expected some of {sorted(ANALYSES)}")
+    return only
 
 
 def _table(values: dict, name: str, path: Path, allowed: set | None = None) -> dict:
@@ -225,9 +257,8 @@ def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
     _check_keys(entry, {"task", "samples"}, f"{path} [data.{name}]")
     if "task" not in entry:
         raise ConfigError(f"{path} [data.{name}]: needs `task`, a task spec such as 'arithmetic:split=test,seed=1'")
-    if not isinstance(entry["task"], str):
-        raise ConfigError(f"{path} [data.{name}] task = {entry['task']!r}: expected a task spec string")
-    return DataEntry(name=name, task=_task_data(entry["task"], here, f"{path} [data.{name}]"), samples=entry.get("samples"))
+    where = f"{path} [data.{name}]"
+    return DataEntry(name=name, task=_task_data(entry["task"], here, where), samples=config_samples(entry.get("samples"), f"{where} samples"))
 
 
 def _task_data(spec: str, here: Path, where: str):
@@ -235,6 +266,9 @@ def _task_data(spec: str, here: Path, where: str):
     the pipeline config's folder."""
     from orthosphere.extract.data import CorpusData, parse_task
 
+    if not isinstance(spec, str):
+        raise ConfigError(f"{where} task = {spec!r}: expected a task spec string, e.g. \"text:path=corpus.txt,context=256\" "
+                          "or \"arithmetic:split=test,seed=1\"")
     try:
         data = parse_task(spec)
     except ConfigError as error:
