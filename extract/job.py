@@ -253,13 +253,27 @@ def _scratch_folder(job: ExtractJob) -> str | None:
 
 def max_positions(model) -> int | None:
     """The longest sequence the model takes: max_position_embeddings (or n_positions) of a Hugging
-    Face config, max_len of an arithmetic model with learned positions; None where unbounded."""
+    Face (text) config, less the rows of a position table numbered after the pad id; max_len of an
+    arithmetic model with learned positions; None where unbounded."""
     config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a multimodal model's language model
     for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
+        value = getattr(text, name, None)
         if isinstance(value, int):
-            return value
+            return value - _positions_before_the_first(model)
     return config.max_len if getattr(config, "positions", None) == "learned" else None
+
+
+def _positions_before_the_first(model) -> int:
+    """Rows of the model's learned position table that no token's position reaches: RoBERTa and the
+    families that copy its embeddings (XLM-R, CamemBERT, MPNet, ESM ...) number positions from their
+    pad id + 1, the table's padding row marking it; 0 for every other model."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            return module.padding_idx + 1
+    return 0
 
 
 def write_samples(writer, dataset, block_bytes: int = 64 * 2**20) -> None:

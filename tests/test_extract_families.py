@@ -794,3 +794,32 @@ def test_a_bloom_computing_its_projections_by_slices_refuses_the_block_outputs()
     with pytest.raises(ConfigError, match=r"\['z', 'attn_out'\] cannot be provided by this bloom model.*"
                                           r"z is not read: with pretraining_tp > 1 and slow_but_exact=True"):
         adapter.check_sites(["q", "z", "attn_out"])
+
+
+def _learned_position_table(model) -> bool:
+    return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("position_embeddings", "wpe", "embed_positions")
+               for name, module in model.named_modules())
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_longest_sequence_allowed_is_the_longest_the_model_takes(model_type):
+    """max_positions (what extraction refuses beyond) runs in every family, and a learned position table
+    has no row for one token more (RoBERTa's and MPNet's count from their pad id + 1: fewer than the config says)."""
+    from orthosphere.extract.job import max_positions
+
+    model = tiny_model(model_type).eval()
+    limit = max_positions(model)
+    if limit is None:
+        assert model_type in ("bloom", "mpt", *T5_FAMILIES), f"{model_type}: no limit, but positions are not relative"
+        return
+    vocab = model.config.get_text_config().vocab_size
+
+    def forward(length):
+        ids = torch.arange(length)[None] % (vocab - 5) + 5
+        with torch.no_grad():
+            return model(input_ids=ids) if not model.config.is_encoder_decoder else model(input_ids=ids, decoder_input_ids=ids[:, :2])
+
+    forward(limit)
+    if _learned_position_table(model):
+        with pytest.raises((IndexError, RuntimeError)):
+            forward(limit + 1)
