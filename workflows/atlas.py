@@ -112,13 +112,13 @@ def model_name(model) -> str:
 
 def check_names(models: list[AtlasModel], where: str = "atlas models") -> None:
     """Each name once, and usable as a folder name and as a group of atlas.zarr beside the table's variables."""
-    from .atlas_table import table_names
+    from .atlas_table import TABLE_VARIABLES
 
     seen: dict[str, int] = {}
     for model in models:
         if not isinstance(model.name, str) or not model.name or "/" in model.name or model.name.startswith("."):
             raise ConfigError(f"{where}: model name {model.name!r}: expected a string without '/' that does not start with '.'")
-        if model.name in table_names():
+        if model.name in ("model", *TABLE_VARIABLES):
             raise ConfigError(f"{where}: model name {model.name!r} is the name of a column of the atlas's table (atlas.zarr "
                               "holds both at its root): give the model another `name`")
         seen[model.name] = seen.get(model.name, 0) + 1

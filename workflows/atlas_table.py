@@ -43,6 +43,8 @@ COLUMNS = {
 }
 INTERVALS = ("norm_scale_cv", "growth_per_layer", "sink_share", "sparse_share", "collapse_level")
 """Columns with an interval (``<column>_low``, ``<column>_high`` in the table)."""
+TABLE_VARIABLES = (*COLUMNS, *(f"{name}_{bound}" for name in INTERVALS for bound in ("low", "high")))
+"""The table's variables, at atlas.zarr's root beside its coordinate ``model`` and the models' groups."""
 
 
 def model_row(tree: xr.DataTree, windows: int) -> dict:
@@ -125,16 +127,10 @@ def failed_row(message: str) -> dict:
     return {"status": f"failed: {message}"}
 
 
-def table_names() -> set[str]:
-    """The names at atlas.zarr's root: the table's variables and its coordinate."""
-    return {"model", *COLUMNS, *(f"{name}_{bound}" for name in INTERVALS for bound in ("low", "high"))}
-
-
 def table_dataset(rows: dict[str, dict]) -> xr.Dataset:
     """The table as a Dataset with dim model (numbers as float64, text as str)."""
-    names = list(COLUMNS) + [f"{name}_{bound}" for name in INTERVALS for bound in ("low", "high")]
     variables = {}
-    for name in names:
+    for name in TABLE_VARIABLES:
         values = [row.get(name) for row in rows.values()]
         numeric = all(value is None or isinstance(value, (int, float)) for value in values) and name not in (
             "status", "family", "norm", "positions", "massive_dimension")
