@@ -553,12 +553,21 @@ def gguf_architectures() -> dict[str, str]:
 
 
 def _gguf_reader(path: Path):
+    """The gguf package's reader of a whole, little-endian, unsplit GGUF file (transformers reads no other)."""
     import gguf
 
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise ConfigError(f"{path} is not a readable GGUF file: {error}") from None
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as error:  # IndexError: a file cut short in its header or tensor table
+        raise ConfigError(f"{path} is not a readable GGUF file (cut short or damaged?): {error}") from None
+    if reader.endianess != gguf.GGUFEndian.LITTLE:
+        raise ConfigError(f"{path} is a big-endian GGUF file, which transformers does not read: convert it to "
+                          "little-endian (e.g. with the gguf package's gguf-convert-endian script)")
+    parts = reader.get_field("split.count")
+    if parts is not None and int(parts.contents()) > 1:
+        raise ConfigError(f"{path} is one part of a GGUF file split in {int(parts.contents())}: merge the parts into one "
+                          "file first (llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)")
+    return reader
 
 
 def _gguf_metadata(reader) -> dict:
@@ -649,6 +658,7 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
             "transformers needs it to build the model's vocabulary; use a GGUF file converted with its tokenizer"
         )
     _check_gguf_tensor_types(path, reader)
+    tokenizer = _gguf_tokenizer(path)
     config = _gguf_config(path, metadata, model_type)
     model_class = _model_class(model_type)
     model, info = model_class.from_pretrained(
@@ -664,6 +674,14 @@ def _load_gguf(path: Path, device: torch.device) -> LoadedModel:
                           "transformers takes the sizes the file's metadata does not state (for Qwen2-MoE and "
                           "Qwen3-MoE, the experts' widths) from its config defaults, which this model does not have; "
                           "convert the model to safetensors instead")
-    adapter = adapter_for(model.to(device))
-    tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
-    return LoadedModel(adapter, tokenizer, path, "gguf", [path])
+    return LoadedModel(adapter_for(model.to(device)), tokenizer, path, "gguf", [path])
+
+
+def _gguf_tokenizer(path: Path) -> HuggingFaceTokenizer:
+    """The tokenizer transformers builds from the file's tokenizer.ggml.* metadata, or a ConfigError naming
+    the file where that metadata is incomplete or of a kind transformers cannot build."""
+    try:
+        return _auto_tokenizer(path.parent, gguf_file=path.name)
+    except Exception as error:  # noqa: BLE001 -- transformers' builder raises KeyError, IndexError, ValueError ...
+        raise ConfigError(f"GGUF file {path}: its tokenizer cannot be built from its tokenizer.ggml.* metadata "
+                          f"({type(error).__name__}: {error}); use a GGUF file converted with its whole tokenizer") from None

@@ -5,6 +5,7 @@ written with gguf.GGUFWriter) are shared by the other extraction tests.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -700,3 +701,59 @@ def test_damaged_safetensors_index_is_a_clear_error(tmp_path):
     (directory / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ConfigError, match="is not a safetensors index"):
         load_source(directory)
+
+
+def test_a_gguf_cut_short_anywhere_before_its_tensor_data_is_refused_as_unreadable(tmp_path):
+    import gguf
+
+    whole = write_gguf(tmp_path / "whole.gguf", gguf_model())
+    data = whole.read_bytes()
+    end = gguf.GGUFReader(whole).data_offset
+    for cut in sorted({8, 24, 194, *range(40, end, max(1, end // 12)), end - 50}):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ConfigError, match="is not a readable GGUF file"):
+            load_source(tmp_path / "cut.gguf", device="cpu")
+
+
+def _bpe_tokenizer_without_merges(writer) -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + GGUF_TOKENS_EXTRA
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_eos_token_id(GGUF_SPECIAL_ID)
+
+
+def test_a_gguf_whose_tokenizer_metadata_is_incomplete_is_refused_naming_the_file(tmp_path, monkeypatch):
+    import tests.test_extract_models as this
+
+    monkeypatch.setattr(this, "_write_gguf_tokenizer", _bpe_tokenizer_without_merges)
+    path = write_gguf(tmp_path / "no-merges.gguf", gguf_model())
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}: its tokenizer cannot be built from its tokenizer.ggml.\* metadata "
+                                          r"\(KeyError: .*\); use a GGUF file converted with its whole tokenizer"):
+        load_source(path, device="cpu")
+
+
+def test_a_part_of_a_split_gguf_and_a_big_endian_gguf_are_refused_with_what_to_do(tmp_path, monkeypatch):
+    import gguf
+
+    import tests.test_extract_models as this
+
+    written_metadata = this._write_gguf_metadata
+
+    def with_split(writer, *arguments):
+        written_metadata(writer, *arguments)
+        writer.add_uint16("split.no", 0)
+        writer.add_uint16("split.count", 2)
+
+    monkeypatch.setattr(this, "_write_gguf_metadata", with_split)
+    part = write_gguf(tmp_path / "model-00001-of-00002.gguf", gguf_model())
+    with pytest.raises(ConfigError, match=r"is one part of a GGUF file split in 2: merge the parts into one file first "
+                                          r"\(llama.cpp's `llama-gguf-split --merge"):
+        load_source(part, device="cpu")
+    monkeypatch.setattr(this, "_write_gguf_metadata", written_metadata)
+    monkeypatch.setattr(gguf, "GGUFWriter", functools.partial(gguf.GGUFWriter, endianess=gguf.GGUFEndian.BIG))
+    big = write_gguf(tmp_path / "big.gguf", gguf_model())
+    with pytest.raises(ConfigError, match=r"big.gguf is a big-endian GGUF file, which transformers does not read: convert it"):
+        load_source(big, device="cpu")
