@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Mapping
 
 import xarray as xr
@@ -226,8 +227,15 @@ def _write_group(location, subtree: xr.DataTree) -> None:
 
 
 def open_results(url, storage_options: dict | None = None) -> xr.DataTree:
-    """The results tree at `url` (lazy), as written by `analyze`."""
+    """The results tree at `url` (lazy), as written by `analyze`: the groups its root lists, never one
+    that an analysis stopped while writing (zarr lists every group on disk once the root's
+    consolidated metadata is empty)."""
     location = as_location(url, storage_options)
     if not location.is_zarr():
         raise AnalysisError(f"no results at {location.url}: analyze a store with out={location.url!r} first")
-    return xr.open_datatree(location.zarr_store(read_only=True), engine="zarr")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*consolidated metadata.*", category=RuntimeWarning)
+        tree = xr.open_datatree(location.zarr_store(read_only=True), engine="zarr")
+    listed = tree.attrs.get("analyses")
+    unlisted = [name for name in tree.children if listed is not None and name not in listed]
+    return tree.drop_nodes(unlisted) if unlisted else tree

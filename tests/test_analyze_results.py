@@ -148,6 +148,27 @@ def test_a_crash_while_writing_results_never_loses_the_other_analyses(store, tmp
     assert set(open_results(out).children) == {"norms", "subspaces"}
     assert sorted(path.name for path in out.iterdir()) == ["norms", "subspaces", "zarr.json"]
 
+def test_groups_an_analysis_was_killed_writing_into_new_results_are_never_read_nor_adopted(store, tmp_path, monkeypatch):
+    """Killed before the first listing of new results: the root lists nothing and zarr would find the
+    half-written group on disk; neither open_results, the report nor a later analysis takes it."""
+    from orthosphere.workflows.report import write_report
+
+    out = tmp_path / "results.zarr"
+
+    def kill(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr("orthosphere.analyze.results.commit_metadata", kill)
+    with pytest.raises(Killed):
+        analyze(store, out, analyses=["neighbours"], layers=[0])
+    monkeypatch.undo()
+    assert (out / "neighbours").is_dir() and not open_results(out).children
+    with pytest.raises(AnalysisError, match=rf"results {out} hold no complete analysis .*run the analyses again"):
+        write_report([out], tmp_path / "report")
+    analyze(store, out, analyses=["norms"], layers=[0], norms={"sites": ["resid_pre"]})
+    assert set(open_results(out).children) == {"norms"} and open_results(out).attrs["analyses"] == ["norms"]
+
+
 @pytest.fixture
 def chunk_reads(monkeypatch):
     """Counts the chunks of each activation variable read from local stores (zarr keys VARIABLE/c/...)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import xarray as xr
 
 from orthosphere.analyze import open_results
+from orthosphere.errors import AnalysisError
 
 SPLIT_ORDER = ("test", "interpolation", "extrapolation")
 PLACEMENT_ORDER = ("pre", "qkv", "none", "post")
@@ -70,8 +71,16 @@ def _model_name(model: dict) -> str:
 
 
 def load_runs(urls) -> list[Run]:
-    """Open results; runs of one model (same weights) share a name, two models never do."""
-    return name_runs([Run(str(url), open_results(url).load()) for url in urls])
+    """Open results; runs of one model (same weights) share a name, two models never do. Results
+    that hold no complete analysis (``analyze`` stopped before writing its first) are refused."""
+    runs = []
+    for url in urls:
+        tree = open_results(url).load()
+        if not tree.children:
+            raise AnalysisError(f"results {url} hold no complete analysis (was `orthosphere analyze` stopped while "
+                                "writing them?): run the analyses again with the same --out")
+        runs.append(Run(str(url), tree))
+    return name_runs(runs)
 
 
 def name_runs(runs: list[Run]) -> list[Run]:
