@@ -179,11 +179,15 @@ def _reopen(location: Location, break_lock: bool) -> StoreWriter | None:
     """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
     when the store is complete and whole."""
     writer = open_writer(location, lock=True, break_lock=break_lock)
+    restored = writer.restore_metadata()
+    if restored:
+        log.warning("%s: the metadata of array(s) %s was missing; restored from the store's consolidated metadata",
+                    location.url, restored)
     damage = writer.find_damage()
     if damage:
         shards = writer.reopen(damage)
-        log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting shard(s) %s",
-                    location.url, len(damage), damage[0], shards)
+        log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting %s",
+                    location.url, len(damage), damage[0], f"shard(s) {shards}" if shards else f"array(s) {sorted({item.array for item in damage})}")
     elif writer.is_finished():
         writer.close()
         return None

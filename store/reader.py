@@ -1,6 +1,7 @@
 """Open a store lazily as an xarray Dataset, check it against schema v1 and its chunks, describe it."""
 from __future__ import annotations
 
+import json
 import math
 from typing import TYPE_CHECKING
 
@@ -163,10 +164,11 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     except StoreError as error:
         return [str(error)]
     sizes = dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
+    described = _consolidated_arrays(location)
     for name, var in variables_for(sites, attrs.get("with_weights", True), holds_pred(attrs)).items():
-        problems += _variable_problems(group, name, var.dims, resolved_dtype(var, attrs["dtype"]), sizes)
+        problems += _variable_problems(group, name, var.dims, resolved_dtype(var, attrs["dtype"]), sizes, described)
     for name in attrs["labels"]:
-        problems += _variable_problems(group, name, PER_SAMPLE_DIMS, None, sizes, kind="label coordinate")
+        problems += _variable_problems(group, name, PER_SAMPLE_DIMS, None, sizes, described, kind="label coordinate")
     if problems:
         return problems
     promised = _promises(group)
@@ -179,9 +181,20 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     return problems
 
 
-def _variable_problems(group, name, dims, dtype, sizes, kind="variable") -> list[str]:
+def _consolidated_arrays(location) -> set[str]:
+    """The arrays the root's consolidated metadata describes (none before the job finishes)."""
+    root = json.loads(location.fs.cat_file(location.key("zarr.json")))
+    described = (root.get("consolidated_metadata") or {}).get("metadata") or {}
+    return {name for name, node in described.items() if node.get("node_type") == "array"}
+
+
+def _variable_problems(group, name, dims, dtype, sizes, described=(), kind="variable") -> list[str]:
     array = group.get(name)
     if not isinstance(array, zarr.Array):
+        if name in described:
+            return [f"{kind} {name!r} is missing: its metadata ({name}/zarr.json) is gone, but the store's consolidated "
+                    "metadata still describes it; resume the job that made the store (`orthosphere extract ... --resume`) "
+                    "to restore it and rewrite any chunk it lost"]
         return [f"{kind} {name!r} is missing"]
     problems = []
     found_dims = tuple(array.metadata.dimension_names or ())

@@ -13,6 +13,7 @@ CRC-32C checksum.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -315,6 +316,22 @@ class StoreWriter:
         promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
         group = guarded_group(self.location, promised) if decode else self.group
         return find_damage(group, promised, files, decode=decode)
+
+    def restore_metadata(self) -> list[str]:
+        """Write back the metadata (NAME/zarr.json) of every array that the root's consolidated metadata
+        still describes but whose own file is gone (a deleted array folder, or its zarr.json alone), so
+        that the store's readers and ``find_damage`` see the array again; returns their names."""
+        self._check_lock()
+        root = json.loads(self.location.fs.cat_file(self.location.key("zarr.json")))
+        described = (root.get("consolidated_metadata") or {}).get("metadata") or {}
+        files = self.location.list_files()
+        lost = sorted(name for name, node in described.items() if node.get("node_type") == "array"
+                      and f"{name}/zarr.json" not in files)
+        for name in lost:
+            if self.location.is_local:
+                os.makedirs(os.path.dirname(self.location.key(f"{name}/zarr.json")), exist_ok=True)
+            self.location.write_atomic(f"{name}/zarr.json", json.dumps(described[name]).encode())
+        return lost
 
     def reopen(self, damage: list[Damage]) -> list[int]:
         """Mark the store incomplete and the shards (or weights) holding damaged chunks unwritten,

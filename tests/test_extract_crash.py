@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,4 +155,29 @@ def test_resume_rewrites_a_deleted_chunk_of_a_complete_store(tmp_path, model_dir
     resumed = run_cli(model_dir, out, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "rewriting shard(s) [1]" in resumed.stderr and "ran 1 of 4 shards" in resumed.stdout
+    assert_identical(out, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["folder", "metadata"])
+def test_resume_restores_an_array_whose_folder_or_metadata_was_deleted(tmp_path, model_dir, uninterrupted, lost):
+    """The root's consolidated metadata still describes the array: resume writes its zarr.json back from
+    it (and its chunks, where they went with the folder), and validate says how before."""
+    from orthosphere.store import validate
+
+    out = tmp_path / "store.zarr"
+    assert run_cli(model_dir, out).returncode == 0
+    if lost == "folder":
+        shutil.rmtree(out / "q")
+    else:
+        os.unlink(out / "v" / "zarr.json")
+    name = "q" if lost == "folder" else "v"
+    assert validate(str(out)) == [f"variable {name!r} is missing: its metadata ({name}/zarr.json) is gone, but the store's "
+                                  "consolidated metadata still describes it; resume the job that made the store (`orthosphere "
+                                  "extract ... --resume`) to restore it and rewrite any chunk it lost"]
+    resumed = run_cli(model_dir, out, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"the metadata of array(s) ['{name}'] was missing; restored" in resumed.stderr
+    assert ("rewriting shard(s) [0, 1, 2, 3]" in resumed.stderr) == (lost == "folder")
+    assert validate(str(out)) == []
     assert_identical(out, uninterrupted)
