@@ -185,13 +185,15 @@ def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dic
                 decode: bool = False) -> list[Damage]:
     """Every promised chunk that is missing or of the wrong size (`files`: the store's listing),
     and with `decode`, every one that does not decode (`group` opened on a GuardedStore, so that
-    a checksum failure is reported as such)."""
+    a checksum failure is reported as such). Chunks whose size the codecs do not fix (strings: the
+    labels' token_str, role ...) are decoded always: their size says nothing of a truncation."""
     damage = []
     for name, promise in promised.items():
-        array = group[name] if decode else None
+        decoded = decode or promise.size is None
+        array = group[name] if decoded else None
         for coords in promise.chunks():
             found = promise.check_size(coords, files.get(promise.key(coords)))
-            if found is None and decode:
+            if found is None and decoded:
                 found = _decode_damage(array, promise, coords)
             if found is not None:
                 damage.append(found)

@@ -181,3 +181,20 @@ def test_resume_restores_an_array_whose_folder_or_metadata_was_deleted(tmp_path,
     assert ("rewriting shard(s) [0, 1, 2, 3]" in resumed.stderr) == (lost == "folder")
     assert validate(str(out)) == []
     assert_identical(out, uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_truncated_string_chunk_is_found_without_full_validation_and_resume_rewrites_it(tmp_path, model_dir, uninterrupted):
+    """String labels (role) have no fixed chunk size: their chunks are decoded by every damage check."""
+    from orthosphere.store import validate
+
+    out = tmp_path / "store.zarr"
+    assert run_cli(model_dir, out).returncode == 0
+    chunk = out / "role" / "c" / "1" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-40])
+    assert [problem.split(" (")[0] for problem in validate(str(out))] == ["array 'role' chunk"]
+    assert "does not decode" in validate(str(out))[0]
+    resumed = run_cli(model_dir, out, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "array 'role' chunk (1, 0)" in resumed.stderr and "rewriting shard(s) [" in resumed.stderr
+    assert_identical(out, uninterrupted)
