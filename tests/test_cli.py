@@ -14,7 +14,7 @@ from orthosphere.store.location import as_location
 from orthosphere.store.lock import LOCK_NAME
 from orthosphere.workflows.cli import layer_list, main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model
-from tests.test_store import fill, foreign_lock, make_store
+from tests.test_store import fill, foreign_lock, make_store, sample_block
 
 
 @pytest.fixture
@@ -152,6 +152,17 @@ def test_analysing_a_store_with_a_deleted_chunk(store, tmp_path):
     line = error_line(run("analyze", store, "--out", tmp_path / "results.zarr", "--only", "norms"))
     assert line.startswith(f"Error: store {store} is damaged (1 chunk): array 'q' chunk (2, 1, 0, 0, 0) "
                            "(samples 4-5, layer 1): missing. To repair it, resume the job that wrote it")
+
+
+def test_an_incomplete_store_is_refused_with_advice_a_command_line_user_can_follow(tmp_path):
+    writer = make_store(str(tmp_path / "store.zarr"))
+    writer.write(0, sample_block(*writer.shards[0]))
+    writer.mark_shard_complete(0)
+    writer.close()
+    line = error_line(run("analyze", tmp_path / "store.zarr", "--out", tmp_path / "results.zarr", "--only", "norms"))
+    assert line == (f"Error: store {tmp_path / 'store.zarr'} is incomplete: 2 of 3 shards are missing; resume the job that "
+                    "wrote it (`orthosphere extract ... --resume`), or from Python, pass allow_incomplete=True to "
+                    "open_store to read what is there")
 
 
 @pytest.mark.slow

@@ -244,6 +244,14 @@ class ConfigCommand(click.Command):
         return super().get_params(ctx)
 
 
+ELSEWHERE = (
+    (r'(?<![\w.-])mode="(resume|overwrite)"', r"`orthosphere extract ... --\1`"),
+    (r"pass allow_incomplete=True", "from Python, pass allow_incomplete=True to open_store"),
+)
+"""How a command spells the library's advice that another command carries out (a store's job is
+`extract`'s; reading an incomplete store is the Python API's); a command's own flags come first."""
+
+
 class Spelled:
     """The flags of a command's parameters, as its error messages should name them: a library message
     names a parameter as Python does (``n_samples=``, ``break_lock=True``, ``mode="resume"``)."""
@@ -253,6 +261,7 @@ class Spelled:
         self.rules: list[tuple[re.Pattern, str]] = []
         for param in command.params if command is not None else ():
             self._add(param)
+        self.rules += [(re.compile(pattern), text) for pattern, text in ELSEWHERE]
 
     def _add(self, param: click.Parameter) -> None:
         if isinstance(param, ParameterArgument):
