@@ -182,14 +182,15 @@ def _shard_of_chunks(n_samples: int, chunk: int, shards: list[tuple[int, int]], 
 
 
 def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dict[str, int],
-                decode: bool = False) -> list[Damage]:
+                decode: bool = False, decode_strings: bool = True) -> list[Damage]:
     """Every promised chunk that is missing or of the wrong size (`files`: the store's listing),
     and with `decode`, every one that does not decode (`group` opened on a GuardedStore, so that
     a checksum failure is reported as such). Chunks whose size the codecs do not fix (strings: the
-    labels' token_str, role ...) are decoded always: their size says nothing of a truncation."""
+    labels' token_str, role ...) are decoded unless `decode_strings` is False (opening a store for
+    reading: its reads check every chunk's checksum anyway): their size says nothing of a truncation."""
     damage = []
     for name, promise in promised.items():
-        decoded = decode or promise.size is None
+        decoded = decode or (decode_strings and promise.size is None)
         array = group[name] if decoded else None
         for coords in promise.chunks():
             found = promise.check_size(coords, files.get(promise.key(coords)))

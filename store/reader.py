@@ -122,7 +122,7 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
         )
     promised = _promises(group)
     if check_chunks:
-        damage = find_damage(group, promised, location.list_files())
+        damage = find_damage(group, promised, location.list_files(), decode_strings=False)
         if damage:
             raise DamagedStoreError.of(location.url, damage)
     import xarray as xr  # here, not at the top: extraction, which writes stores, need not import xarray and pandas

@@ -304,9 +304,9 @@ class StoreWriter:
         """Whether the job finished: `complete` set, with the metadata consolidated."""
         return bool(self.group.attrs.get("complete")) and self.group.metadata.consolidated_metadata is not None
 
-    def find_damage(self, decode: bool = False) -> list[Damage]:
+    def find_damage(self, decode: bool = False, decode_strings: bool = True) -> list[Damage]:
         """The chunks that complete shards (and written weights) promise but that are missing or
-        of the wrong size (with `decode`: that do not decode). The lock holder also removes the
+        of the wrong size (with `decode`: that do not decode; strings: see integrity.find_damage). The lock holder also removes the
         temporary files of writes that a kill interrupted (the lock's own are left to it: releasing the
         lock removes them)."""
         files = self.location.list_files()
@@ -315,7 +315,7 @@ class StoreWriter:
                 self.location.remove_entry(key)
         promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
         group = guarded_group(self.location, promised) if decode else self.group
-        return find_damage(group, promised, files, decode=decode)
+        return find_damage(group, promised, files, decode=decode, decode_strings=decode_strings)
 
     def restore_metadata(self) -> list[str]:
         """Write back the metadata (NAME/zarr.json) of every array that the root's consolidated metadata
@@ -361,7 +361,7 @@ class StoreWriter:
             )
         if self.attrs["with_weights"] and not self.weights_written():
             raise IncompleteStoreError(f"cannot finish {self.url}: the attention maps were never written (write_weights)")
-        damage = self.find_damage()
+        damage = self.find_damage(decode_strings=False)  # the chunks this job wrote: their sizes and listing
         if damage:
             self.reopen(damage)
             raise DamagedStoreError.of(self.url, damage)
