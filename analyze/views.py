@@ -38,7 +38,12 @@ class OrthoAccessor:
     """``ds.ortho``: lazy views of a store's attention (see the module docstring)."""
 
     def __init__(self, dataset: xr.Dataset):
-        self._dataset = dataset
+        self._given = dataset
+
+    @property
+    def _dataset(self) -> xr.Dataset:
+        """The dataset, checked to hold what the views index by (read at each call: ``ds.load()`` changes it in place)."""
+        return _viewable(self._given)
 
     def attn_scores(self, layer: int, head=None) -> xr.DataArray:
         """The score before the softmax, (sample, head, qpos, kpos) float32, -inf for refused keys."""
@@ -125,6 +130,27 @@ def _pattern_block(terms: ScoreTerms):
 
 def _float32(block) -> np.ndarray:
     return as_float32(np.asarray(single_block(block)))
+
+
+VIEW_DIMS = ("sample", "layer", "pos", "head")
+
+
+def _viewable(dataset: xr.Dataset) -> xr.Dataset:
+    """The dataset the views read: every head and kv_head of the store (the views choose heads by head=),
+    the dims they index by, and Dask-backed (a loaded dataset is chunked as the store is)."""
+    dropped = [dim for dim in VIEW_DIMS if dim not in dataset.dims]
+    if dropped:
+        raise AnalysisError(f"the views need the dims {list(VIEW_DIMS)} of a store, and this dataset lacks {dropped} (a "
+                            "scalar selection drops a dim): select with a list to keep it, e.g. ds.isel(sample=[0]), and "
+                            "choose the layer and heads with the view's layer= and head=")
+    for dim in ("head", "kv_head"):
+        if dim in dataset.dims and not np.array_equal(dataset[dim].values, np.arange(dataset.sizes[dim])):
+            raise AnalysisError(f"the views read every {dim} of the store (a query head reads the key/value head of its "
+                                f"group), and this dataset holds {dim}s {dataset[dim].values.tolist()}: choose heads with the "
+                                "view's head= instead of a selection")
+    if any(not isinstance(array.data, da.Array) for array in dataset.data_vars.values()):
+        dataset = dataset.chunk({"sample": dataset.attrs.get("samples_per_chunk") or 16})
+    return dataset
 
 
 def _layer(dataset: xr.Dataset, layer) -> int:

@@ -4,6 +4,7 @@ one chunk of samples at a time; views a store cannot give are refused, naming wh
 from __future__ import annotations
 
 import dask
+import dask.array
 import numpy as np
 import pytest
 
@@ -72,3 +73,23 @@ def test_a_view_the_store_cannot_give_is_refused_naming_what_it_lacks(store):
         store.ortho.attn_scores(layer=0, head=7)
     with pytest.raises(AnalysisError, match=r"layer\(s\) \[5\] not in store"):
         store.ortho.attn_scores(layer=5)
+
+
+def test_a_loaded_dataset_gives_the_same_views_chunked_as_the_store(store):
+    recomputed = store.drop_vars(["pattern", "z"])
+    loaded = recomputed.compute()
+    assert not isinstance(loaded["q"].data, dask.array.Array)
+    view = loaded.ortho.pattern(layer=1, head=[1])
+    assert view.data.chunks[0] == (4, 4, 4)
+    with dask.config.set(scheduler="synchronous"):
+        np.testing.assert_array_equal(view.values, recomputed.ortho.pattern(layer=1, head=[1]).values)
+
+
+def test_selections_the_views_cannot_read_are_refused_saying_what_to_do(store):
+    with pytest.raises(AnalysisError, match=r"lacks \['layer'\] \(a scalar selection drops a dim\): select with a list"):
+        store.sel(layer=1).ortho.pattern(layer=1)
+    with pytest.raises(AnalysisError, match=r"lacks \['sample'\]"):
+        store.isel(sample=0).ortho.attn_scores(layer=1)
+    with pytest.raises(AnalysisError, match=r"holds heads \[2, 3\]: choose heads with the view's head= instead"):
+        store.isel(head=[2, 3]).ortho.z(layer=1)
+    assert store.isel(sample=[0], layer=[1]).ortho.attn_scores(layer=1).sizes["sample"] == 1
