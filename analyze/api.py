@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import xarray as xr
 
+from .errors import AnalysisError
 from .inputs import open_for_analysis
 from .results import chosen_analyses, configure, results_tree, run_analyses, write_results
 
@@ -24,6 +25,10 @@ def analyze(store: str | os.PathLike, out: str | os.PathLike | None = None, *,
     return the results tree; with `out`, also write it there (a path or fsspec URL), replacing the
     groups of these analyses in results already there for the same store (results of another store
     only with `overwrite`). `command` is recorded in the results' provenance."""
+    if not isinstance(store, (str, os.PathLike)):
+        raise AnalysisError(f"store of type {type(store).__name__}: expected the path or URL of a store (the analyses read "
+                            "every sample of it" + (f"; this dataset's store is {store.attrs['url']!r}" if isinstance(
+                                store, xr.Dataset) and "url" in store.attrs else "") + ")")
     dataset = open_for_analysis(os.fspath(store), storage_options)
     configs = configure(chosen_analyses(dataset, analyses), options)
     tree = results_tree(dataset, run_analyses(dataset, configs), command)

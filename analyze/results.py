@@ -69,6 +69,10 @@ def configure(analyses: Iterable[Analysis], options: Mapping | None = None) -> d
             own[key] = dict(value)
         else:
             shared[key] = value
+    not_dicts = [key for key in shared if key in ANALYSES]
+    if not_dicts:
+        raise AnalysisError(f"{not_dicts[0]}={shared[not_dicts[0]]!r}: an analysis's own options go in a dict, e.g. "
+                            f"{not_dicts[0]}={{'{next(iter(ANALYSES[not_dicts[0]].defaults), 'option')}': ...}}")
     unknown = [key for key in shared if not any(key in analysis.defaults for analysis in analyses)]
     unknown += [f"{name}.{option}" for name, given in own.items() for option in given
                 if name not in {analysis.name for analysis in analyses} or option not in ANALYSES[name].defaults]

@@ -375,8 +375,8 @@ def open_dataset(data, *, n_samples: int | None, tokenizer=None, causal: bool = 
     if tokenizer is None:
         raise ConfigError(
             "a text corpus needs the model's tokenizer, and this model has none: add its tokenizer files "
-            "(tokenizer.json ...) to the model directory, give the corpus as token ids (tokenized=true), "
-            "or use the arithmetic task"
+            "(tokenizer.json ...) to the model directory (a model loaded in this session: pass tokenizer=), or give the "
+            "corpus as token ids (tokenized=true)"
         )
     if data.layout == "padded":
         _check_rows(data, n_samples)

@@ -68,6 +68,8 @@ def _site_pair(value) -> tuple[str, int]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("not a (site, layer) pair")
     site, layer = value
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError("its layer is not an integer")
     return str(site), int(layer)
 
 
@@ -110,8 +112,19 @@ def _url_of(store):
         if "url" not in store.attrs:
             raise ConfigError("store: this Dataset was not opened by orthosphere.store.open_store (it has no url "
                              "attribute): pass the store's path or URL")
+        narrowed = {dim: size for dim, size in store.sizes.items() if dim in ("sample", "pos", "layer")
+                     and size != _stored_size(store.attrs, dim)}
+        if narrowed:
+            raise ConfigError(f"store: this Dataset is a selection ({narrowed}) of the store at {store.attrs['url']}, and the "
+                              "loader reads the store itself: pass the whole store, and choose tokens with where= and "
+                              "layers with sites=")
         return store.attrs["url"]
     return store
+
+
+def _stored_size(attrs: dict, dim: str) -> int | None:
+    """The size of dim sample, pos or layer in the store that `attrs` describe."""
+    return {"sample": attrs.get("n_samples"), "pos": attrs.get("n_pos"), "layer": len(attrs.get("layers", ()))}[dim]
 
 
 class TokenLoader(torch.utils.data.IterableDataset):

@@ -118,7 +118,7 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
         )
         raise IncompleteStoreError(
             f"store {location.url} is incomplete: {detail}; resume the job that wrote it "
-            '(mode="resume"), or pass allow_incomplete=True to read what is there'
+            '(mode="resume"), or read what is there with open_store(url, allow_incomplete=True)'
         )
     promised = _promises(group)
     if check_chunks:

@@ -146,9 +146,11 @@ def chosen_layers(layers, available, refusal, error=StoreError) -> list[int]:
     if layers is None:
         return [int(layer) for layer in available]
     chosen, held = sorted(set(layer_indices(layers, error))), {int(layer) for layer in available}
+    if not chosen:
+        raise error(f"layers={list(layers)!r}: expected at least one layer index (or None for every layer)")
     missing = [layer for layer in chosen if layer not in held]
-    if missing or not chosen:
-        raise error(refusal(missing or "none"))
+    if missing:
+        raise error(refusal(missing))
     return chosen
 
 

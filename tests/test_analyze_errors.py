@@ -200,3 +200,9 @@ def test_unknown_analyses_and_options_are_refused(dataset):
         analyze(url, analyses=["norms"], factors=["alpha"])
     with pytest.raises(AnalysisError, match=r"\['spheres.mass'\]"):
         analyze(url, analyses=["spheres"], spheres={"mass": 0.8})
+    with pytest.raises(AnalysisError, match=r"norms=0.8: an analysis's own options go in a dict, e.g. norms=\{'sites': ...\}"):
+        analyze(url, analyses=["norms"], norms=0.8)
+    with pytest.raises(AnalysisError, match=r"layers=\[\]: expected at least one layer index"):
+        analyze(url, analyses=["norms"], layers=[])
+    with pytest.raises(AnalysisError, match=rf"store of type Dataset: expected the path or URL of a store .*{url}"):
+        analyze(dataset)

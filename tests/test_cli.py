@@ -161,8 +161,8 @@ def test_an_incomplete_store_is_refused_with_advice_a_command_line_user_can_foll
     writer.close()
     line = error_line(run("analyze", tmp_path / "store.zarr", "--out", tmp_path / "results.zarr", "--only", "norms"))
     assert line == (f"Error: store {tmp_path / 'store.zarr'} is incomplete: 2 of 3 shards are missing; resume the job that "
-                    "wrote it (`orthosphere extract ... --resume`), or from Python, pass allow_incomplete=True to "
-                    "open_store to read what is there")
+                    "wrote it (`orthosphere extract ... --resume`), or read what is there from Python with "
+                    "open_store(url, allow_incomplete=True)")
 
 
 @pytest.mark.slow

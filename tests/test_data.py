@@ -112,6 +112,8 @@ def test_an_opened_store_is_read_as_its_path_is(store):
     assert ids(loader(opened)) == ids(loader(str(store)))
     with pytest.raises(ValueError, match="not opened by orthosphere.store.open_store"):
         loader(opened.drop_attrs())
+    with pytest.raises(ValueError, match=r"this Dataset is a selection \(\{'sample': 3\}\) of the store at .*pass the whole store"):
+        loader(opened.isel(sample=slice(0, 3)))
 
 
 def test_seeds_and_epochs_give_different_orders(store):
@@ -210,6 +212,7 @@ def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     ({"batch_size": 64}, ParameterError, r"buffer_tokens=48: expected buffer_tokens >= batch_size \(64\): a batch is drawn "),
     ({"batch_size": 0}, ParameterError, "batch_size=0: expected a positive integer"),
     ({"sites": []}, ParameterError, r"sites=\[\]: expected a non-empty list of items, each a \(site, layer\) pair"),
+    ({"sites": [("resid_pre", 1.7)]}, ParameterError, r"sites=\[\('resid_pre', 1.7\)\]: expected a non-empty list of items"),
     ({"dtype": "float16"}, ParameterError, r"dtype='float16': expected one of \['float32', 'stored'\]"),
     ({"scale_norms": True, "dtype": "stored"}, ParameterError, "scale_norms=True: expected False with dtype='stored'"),
     ({"rank": 2, "world_size": 2}, ParameterError, r"rank=2: expected 0 <= rank < world_size \(2\)"),

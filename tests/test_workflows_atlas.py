@@ -90,6 +90,8 @@ def test_two_models_with_the_same_name_are_refused(tmp_path):
         load_atlas(config)
     with pytest.raises(ConfigError, match="two or more models are named"):
         orthosphere.atlas([llama, tmp_path / "demo-llama"], f"text:path={SENTENCES},context=16", tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"atlas samples = 0: expected a positive number of samples"):
+        orthosphere.atlas(llama, f"text:path={SENTENCES},context=16", tmp_path / "out", samples=0)
 
 
 def test_a_corpus_too_short_for_the_windows_fails_every_model_with_its_message(tmp_path):
@@ -117,6 +119,9 @@ def test_a_model_loaded_in_python_joins_the_atlas(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(MODELS / "demo-llama")
     root = orthosphere.atlas({"loaded": (model, tokenizer)}, orthosphere.corpus.text(str(SENTENCES), context=16),
                              tmp_path / "out", samples=4, analyses=["norms", "norm_geometry"])
+    one = orthosphere.atlas(MODELS / "demo-llama", f"text:path={SENTENCES},context=16", tmp_path / "one", samples=2,
+                            analyses="norms")  # one model, one analysis, neither in a list
+    assert xr.open_datatree(one / "atlas.zarr", engine="zarr").to_dataset().status.sel(model="demo-llama").item() == "ok"
     table = xr.open_datatree(root / "atlas.zarr", engine="zarr").to_dataset()
     assert table.status.sel(model="loaded").item() == "ok"
     assert np.isfinite(table.massive_ratio.sel(model="loaded").item())

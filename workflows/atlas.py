@@ -253,7 +253,7 @@ def _complete(results: Path, only, request: str) -> bool:
 
 def atlas(models, corpus, out, *, samples: int | None = None, analyses=None, options: dict | None = None,
           force: bool = False, client=None, **extract_options) -> Path:
-    """The atlas from Python: `models` a list of paths, or a dict name -> path, loaded model, or
+    """The atlas from Python: `models` a path, a list of paths, or a dict name -> path, loaded model, or
     (model, tokenizer); `corpus` a task spec or data object (``orthosphere.corpus.text(...)``);
     `out` the output root; `samples` windows per model; `analyses`, `options` the analyses and their
     options (as ``orthosphere.analyze`` takes them: an analysis's own in a dict under its name); other
@@ -262,6 +262,11 @@ def atlas(models, corpus, out, *, samples: int | None = None, analyses=None, opt
     from orthosphere.extract.data import parse_task
     from orthosphere.extract.job import ExtractJob
 
+    if isinstance(models, (str, os.PathLike)) or not isinstance(models, (dict, list, tuple)):
+        models = [models]  # one model
+    if isinstance(analyses, str):
+        analyses = [analyses]
+    samples = config_samples(samples, "atlas samples")
     entries = []
     for name, given in (models.items() if isinstance(models, dict) else ((model_name(m), m) for m in models)):
         model, tokenizer = given if isinstance(given, tuple) else (given, None)

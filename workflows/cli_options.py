@@ -246,7 +246,7 @@ class ConfigCommand(click.Command):
 
 ELSEWHERE = (
     (r'(?<![\w.-])mode="(resume|overwrite)"', r"`orthosphere extract ... --\1`"),
-    (r"pass allow_incomplete=True", "from Python, pass allow_incomplete=True to open_store"),
+    (r"read what is there with open_store", "read what is there from Python with open_store"),
 )
 """How a command spells the library's advice that another command carries out (a store's job is
 `extract`'s; reading an incomplete store is the Python API's); a command's own flags come first."""
