@@ -192,7 +192,8 @@ Every p-value and interval's description says the correction it enters or that i
                                          adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
   sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
   sphere_classes (factor)                classes in the radius statistics: all but a pooled one; 0 when
-                                         the factor's classes are ranges of positions (attrs sphere_refused)
+                                         the factor's classes are ranges of positions or fewer than three
+                                         (attrs sphere_refused)
   class_radius (layer, factor, class_index)
   cross_term, cross_term_ci, cross_term_null_ci, cross_term_p (layer, factor, other[, bound])   RMS cosine
                                          of the two components' class points over their shared tokens, each

@@ -243,8 +243,10 @@ class FactorClasses:
         if self.bin_ends is not None and np.any(self.bin_ends > self.values):
             return ("its classes are ranges of positions (max_classes), whose means average points along a curve "
                     "and fall inside any sphere; give max_classes at least the number of positions")
-        if self.size - (1 if self.pooled_classes else 0) < 2:
-            return "fewer than two classes besides the pooled one"
+        if self.size - (1 if self.pooled_classes else 0) < 3:
+            return ("fewer than three classes besides the pooled one: the spread of two radii is |r1 - r2| over their "
+                    "mean, whose draws do not bracket a spread near 0 (on planted binary factors on a sphere, the 90 % "
+                    "intervals covered about half the time, and 'off sphere' was called)")
         return ""
 
     @property

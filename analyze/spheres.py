@@ -41,7 +41,8 @@ SPHERE_RULE = ("no structure: the factor has rank 0 (subspaces' subspace_rank); 
                "radius_cv_tolerance, the one on the side of the measurement (the smaller p-value), shown at "
                "significance after Benjamini-Hochberg's correction over every layer and factor, over the classes of "
                "sphere_classes (a pooled class never enters the radius statistics); undetermined: neither, or the "
-               "factor's classes cannot show a sphere (attrs sphere_refused gives the reason: binned positions); "
+               "factor's classes cannot show a sphere (attrs sphere_refused gives the reason: binned positions, fewer than "
+               "three classes); "
                "empty without noise draws")
 
 

@@ -137,3 +137,22 @@ def test_only_the_claim_on_the_side_of_the_measurement_is_tested_and_corrected()
                                false_discovery_control(smaller[kept]))
     assert np.isnan(q[1, 2, 0]) and np.isnan(q[0, 0, 1]) and np.isnan(q[3, 0]).all()
     assert (np.isfinite(q).sum(axis=-1) == kept).all()  # one tested claim per layer and factor
+
+
+def test_a_binary_factor_on_a_sphere_is_refused_a_sphere_verdict_with_the_reason(tmp_path):
+    """Two classes at +-r along one direction (count-centred: their radii differ only by the counts'
+    imbalance), beside a four-class circle: the binary factor's verdict is undetermined, with the reason."""
+    a, b = crossed_design(N_SAMPLES, N_POS, [2, 4])
+    rng = np.random.default_rng(1)
+    share = np.mean(a[a >= 0] == 0)
+    points_a = np.array([[1 - share], [-share]]) * 2.0 @ np.eye(D_MODEL)[:1]
+    points_b = circle(4) @ plane(D_MODEL, (2, 3)).T
+    x = points_a[np.maximum(a, 0)] + points_b[np.maximum(b, 0)] + 0.3 * rng.normal(size=a.shape + (D_MODEL,))
+    labels = {"alpha": a.astype("int16"), "beta": b.astype("int16")}
+    write_store(tmp_path / "s.zarr", {"resid_pre": x[:, None].astype("float32")}, labels=labels, samples_per_chunk=60)
+    result = sphere_structure(open_for_analysis(tmp_path / "s.zarr"), factors=["alpha", "beta"])
+    assert "fewer than three classes besides the pooled one" in result.attrs["sphere_refused"]["alpha"]
+    assert "beta" not in result.attrs["sphere_refused"]
+    assert result["sphere"].sel(factor="alpha").item() == "undetermined"
+    assert result["sphere"].sel(factor="beta").item() == "on sphere"
+    assert int(result["sphere_classes"].sel(factor="alpha")) == 0
