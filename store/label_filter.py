@@ -67,6 +67,9 @@ class LabelExpression:
         left, result = self._value(node.left, labels), True
         for op, comparator in zip(node.ops, node.comparators):
             right = self._value(comparator, labels)
+            if {_kind(left), _kind(right)} == {"text", "number"}:
+                raise ValueError(f"where={self.text!r}: compares text with a number, which selects no token; "
+                                 "quote a text label's values (role == 'digit') and leave a number label's bare")
             if isinstance(op, ast.In | ast.NotIn):
                 found = np.isin(left, right)
                 step = found if isinstance(op, ast.In) else ~found
@@ -75,3 +78,13 @@ class LabelExpression:
             result = np.logical_and(result, step)
             left = right
         return result
+
+
+def _kind(value) -> str | None:
+    """Whether a label's values or a literal are "text" or a "number" (None: a list mixing them, or empty)."""
+    if isinstance(value, list):
+        kinds = {_kind(item) for item in value}
+        return kinds.pop() if len(kinds) == 1 else None
+    if isinstance(value, np.ndarray):
+        return "text" if value.dtype.kind in "USOT" else "number"
+    return "text" if isinstance(value, str) else "number"

@@ -200,7 +200,7 @@ def test_every_error_is_in_one_hierarchy():
     (["1"], r"layers: '1' is not a layer index: expected integers"),
     ([True], r"layers: True is not a layer index: expected integers"),
     ("1", r"layers='1': expected a list of layer indices"),
-    ([], r"layer\(s\) none"),
+    ([], r"layers=\[\]: expected at least one layer index"),
 ])
 def test_layers_are_checked_once_and_alike_by_extraction_the_store_and_the_analyses(tmp_path, layers, message):
     from orthosphere.analyze.errors import AnalysisError

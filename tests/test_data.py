@@ -208,6 +208,7 @@ def test_workers_that_cannot_hold_a_buffer_each_are_refused(store, monkeypatch):
     ({"sites": [("resid_pre", 7)]}, ValueError, "layer 7 of site 'resid_pre' is not stored"),
     ({"where": 'colour == "red"'}, ValueError, "names 'colour', which the store does not hold"),
     ({"where": "__import__('os')"}, ValueError, "is not allowed"),
+    ({"where": "role == 3"}, ValueError, r"where='role == 3': compares text with a number, which selects no token"),
     ({"buffer_tokens": 2**50}, MemoryError, "more than the .* GiB of memory available"),
     ({"batch_size": 64}, ParameterError, r"buffer_tokens=48: expected buffer_tokens >= batch_size \(64\): a batch is drawn "),
     ({"batch_size": 0}, ParameterError, "batch_size=0: expected a positive integer"),
