@@ -164,7 +164,7 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     except StoreError as error:
         return [str(error)]
     sizes = dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
-    described = _consolidated_arrays(location)
+    described = consolidated_arrays(location)
     for name, var in variables_for(sites, attrs.get("with_weights", True), holds_pred(attrs)).items():
         problems += _variable_problems(group, name, var.dims, resolved_dtype(var, attrs["dtype"]), sizes, described)
     for name in attrs["labels"]:
@@ -181,11 +181,11 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
     return problems
 
 
-def _consolidated_arrays(location) -> set[str]:
-    """The arrays the root's consolidated metadata describes (none before the job finishes)."""
+def consolidated_arrays(location) -> dict[str, dict]:
+    """The arrays the root's consolidated metadata describes, name -> metadata (none before the job finishes)."""
     root = json.loads(location.fs.cat_file(location.key("zarr.json")))
     described = (root.get("consolidated_metadata") or {}).get("metadata") or {}
-    return {name for name, node in described.items() if node.get("node_type") == "array"}
+    return {name: node for name, node in described.items() if node.get("node_type") == "array"}
 
 
 def _variable_problems(group, name, dims, dtype, sizes, described=(), kind="variable") -> list[str]:

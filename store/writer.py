@@ -33,7 +33,7 @@ from .location import Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, release_lock
 from .names import PROGRESS_GROUP, is_lock_file
 from .provenance import provenance
-from .reader import open_group_checked
+from .reader import consolidated_arrays, open_group_checked
 from .schema import (
     DEFAULT_SITES,
     DIM_NAMES,
@@ -322,11 +322,9 @@ class StoreWriter:
         still describes but whose own file is gone (a deleted array folder, or its zarr.json alone), so
         that the store's readers and ``find_damage`` see the array again; returns their names."""
         self._check_lock()
-        root = json.loads(self.location.fs.cat_file(self.location.key("zarr.json")))
-        described = (root.get("consolidated_metadata") or {}).get("metadata") or {}
+        described = consolidated_arrays(self.location)
         files = self.location.list_files()
-        lost = sorted(name for name, node in described.items() if node.get("node_type") == "array"
-                      and f"{name}/zarr.json" not in files)
+        lost = sorted(name for name in described if f"{name}/zarr.json" not in files)
         for name in lost:
             if self.location.is_local:
                 os.makedirs(os.path.dirname(self.location.key(f"{name}/zarr.json")), exist_ok=True)
