@@ -20,7 +20,7 @@ from orthosphere.errors import JobMismatchError, StoreError, StoreExistsError
 
 from .faults import crash_point
 from .location import Location, as_location
-from .lock import acquire_lock
+from .lock import acquire_lock, holder_text, live_holder
 from .names import LOCK_FILES
 from .reader import not_a_store_error
 from .schema import bytes_per_sample, dim_sizes, holds_pred, variables_for
@@ -150,6 +150,12 @@ def _exists_message(location: Location, found: Found) -> str:
             'pass mode="resume" to create it afresh, or mode="overwrite"'
         )
     state = "complete" if found.attrs.get("complete") else "incomplete"
+    holder = live_holder(location)
+    if holder is not None:
+        return (
+            f"a store is being written at {location.url} now ({state}) by a running writer: {holder_text(holder)}; "
+            'wait for it to finish (mode="resume" then completes whatever it left), or write elsewhere'
+        )
     return (
         f'a store already exists at {location.url} ({state}): pass mode="resume" to continue the job that made it, '
         'or mode="overwrite" to replace it'

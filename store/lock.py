@@ -83,6 +83,15 @@ def stale_reason(location: Location, holder: dict) -> str | None:
     return None
 
 
+def live_holder(location: Location) -> dict | None:
+    """The holder of a live lock another writer holds on the store (a stale lock, none, or this
+    process's own: None)."""
+    holder = read_lock(location)
+    if not holder or _is_mine(holder) or stale_reason(location, holder) is not None:
+        return None
+    return holder
+
+
 def acquire_lock(location: Location, break_lock: bool = False) -> dict:
     """Take the store's lock: a stale lock is broken (with a warning), a live one only with
     `break_lock`; otherwise raise StoreLockedError naming the holder and what to do. A failure of
@@ -105,7 +114,7 @@ def _acquire_lock(location: Location, break_lock: bool) -> dict:
         if reason is None and not break_lock:
             raise StoreLockedError(_locked_message(location, holder))
         log.warning("breaking the %s lock of %s held by %s (%s)", "stale" if reason else "live", location.url,
-                    _holder_text(holder), reason or "break_lock=True given")
+                    holder_text(holder), reason or "break_lock=True given")
         _remove_lock_if_unchanged(location, text)
     mine = holder_description()
     with contextlib.suppress(FileExistsError):  # it exists: another writer's lock, or this one's (see below)
@@ -188,13 +197,13 @@ def _locked_message(location: Location, holder: dict) -> str:
         )
     age = time.time() - _last_heartbeat(location, holder)
     return (
-        f"store {location.url} is locked by a running writer: {_holder_text(holder)}, last heartbeat {age:.0f} s ago; "
+        f"store {location.url} is locked by a running writer: {holder_text(holder)}, last heartbeat {age:.0f} s ago; "
         "wait for it to finish or stop it; if you are sure it is dead, pass break_lock=True. "
         f"A lock whose heartbeat is older than {STALE_SECONDS:.0f} s is broken automatically"
     )
 
 
-def _holder_text(holder: dict) -> str:
+def holder_text(holder: dict) -> str:
     if not holder:
         return "an unknown writer"
     return (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}, "

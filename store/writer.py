@@ -355,7 +355,8 @@ class StoreWriter:
         if pending:
             raise IncompleteStoreError(
                 f"cannot finish {self.url}: {len(pending)} of {len(self.shards)} shards are not complete "
-                f"(shards {pending[:10]}{'...' if len(pending) > 10 else ''}); write them, then finish"
+                f"(shards {pending[:10]}{'...' if len(pending) > 10 else ''}); "
+                'resume the job (mode="resume") to write them and finish the store'
             )
         if self.attrs["with_weights"] and not self.weights_written():
             raise IncompleteStoreError(f"cannot finish {self.url}: the attention maps were never written (write_weights)")

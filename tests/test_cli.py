@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from orthosphere.store import IncompleteStoreError, open_store
 from orthosphere.store.location import as_location
-from orthosphere.store.lock import LOCK_NAME
+from orthosphere.store.lock import LOCK_NAME, STALE_SECONDS
 from orthosphere.workflows.cli import layer_list, main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model
 from tests.test_store import fill, foreign_lock, make_store, sample_block
@@ -202,6 +202,18 @@ def test_break_lock(tmp_path, model_dir):
     result = run(*extract_arguments(model_dir, out, "--samples", 8, "--resume", "--break-lock"))
     assert result.exit_code == 0 and "already complete (8 samples): nothing to do" in result.output
     assert not (out / LOCK_NAME).exists()
+
+
+def test_a_second_extract_without_resume_is_told_the_store_is_being_written(tmp_path, model_dir):
+    out = tmp_path / "store.zarr"
+    assert run(*extract_arguments(model_dir, out, "--samples", 8)).exit_code == 0
+    foreign_lock(str(out), seconds_ago=3)
+    line = error_line(run(*extract_arguments(model_dir, out, "--samples", 8)))
+    assert "is being written at" in line and "by a running writer: pid 4242 on gpu-node-7" in line
+    assert "wait for it to finish" in line and "--resume" in line and "pass --resume to continue" not in line
+    foreign_lock(str(out), seconds_ago=STALE_SECONDS + 5)  # its writer died: resuming is the advice again
+    line = error_line(run(*extract_arguments(model_dir, out, "--samples", 8)))
+    assert "a store already exists at" in line and "--resume" in line
 
 
 @pytest.mark.slow
