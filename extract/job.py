@@ -216,29 +216,74 @@ def _open_data(data, job: ExtractJob, loaded: LoadedModel, description: dict):
                 "(e.g. text:path=FILE,context=256), or extract the arithmetic task with an orthosphere arithmetic model"
             )
         dataset = open_dataset(data, n_samples=job.n_samples)
-        _check_positions(dataset.n_pos, limit, "max_length")
+        _check_positions(dataset.n_pos, limit, "max_length", loaded.adapter.model)
         return dataset
     if data.layout == "packed":
-        _check_positions(data.length, limit, "context")
+        _check_positions(data.length, limit, "context", loaded.adapter.model)
     dataset = open_dataset(
         data, n_samples=job.n_samples, tokenizer=loaded.corpus_tokenizer(data.tokenized), causal=description["causal"],
         vocab_size=description.get("vocab_size"), scratch=_scratch_folder(job),
     )
     if data.layout == "padded":
         try:
-            _check_positions(dataset.n_pos, limit, "max_length")
+            _check_positions(dataset.n_pos, limit, "max_length", loaded.adapter.model)
+            _check_rope_switch(dataset, loaded.adapter.model)
         except ConfigError:
             dataset.close()
             raise
     return dataset
 
 
-def _check_positions(n_pos: int, limit: int | None, option: str) -> None:
+def _check_positions(n_pos: int, limit: int | None, option: str, model) -> None:
     if limit is not None and n_pos > limit:
+        dynamic = any(parameters.get("rope_type") == "dynamic" for parameters in _rope_sets(_text_config(model)))
+        why = (" (its dynamic rope rescales its frequencies beyond them by each batch's length, which a store's terms "
+               "cannot describe)") if dynamic else ""
         raise ConfigError(
-            f"samples of {n_pos} positions are longer than the model's {limit} positions: "
+            f"samples of {n_pos} positions are longer than the model's {limit} positions{why}: "
             f"use {option}={limit} or less in the task spec"
         )
+
+
+def _check_rope_switch(dataset, model) -> None:
+    """Refuse padded documents that straddle a longrope model's switch: its rotary frequencies change to
+    their long-context set when a batch's largest position passes original_max_position_embeddings, and
+    padding every document to the longest would give the short ones the set they do not get alone."""
+    switch = rope_length_switch(model)
+    if switch is None or dataset.n_pos <= switch:
+        return
+    lengths = dataset.document_lengths
+    short = int((lengths <= switch).sum())
+    if short:
+        raise ConfigError(
+            f"padded documents of {int(lengths.min())}-{dataset.n_pos} tokens with a longrope model: it switches its rotary "
+            f"frequencies to their long-context set when a batch reaches original_max_position_embeddings={switch} "
+            f"positions, so the {short} documents of {switch} tokens or fewer, padded to {dataset.n_pos}, would be stored with "
+            f"frequencies they do not get alone; use max_length={switch} or less, or packed windows (context=N)"
+        )
+
+
+def rope_length_switch(model) -> int | None:
+    """The length above which a longrope model's rotary frequencies switch set (transformers picks the set
+    from the batch's largest position, ``modeling_rope_utils.dynamic_rope_update``); None for other models."""
+    text = _text_config(model)
+    switches = [parameters.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+                or text.max_position_embeddings for parameters in _rope_sets(text) if parameters.get("rope_type") == "longrope"]
+    return min(int(value) for value in switches) if switches else None
+
+
+def _rope_sets(text) -> list[dict]:
+    """A text config's rope parameters: one set, or one a layer type."""
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return []
+    return [rope] if "rope_type" in rope else [value for value in rope.values() if isinstance(value, dict)]
+
+
+def _text_config(model):
+    """A Hugging Face model's (text) config; a multimodal model's language model's."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _scratch_folder(job: ExtractJob) -> str | None:
@@ -255,8 +300,7 @@ def max_positions(model) -> int | None:
     """The longest sequence the model takes: max_position_embeddings (or n_positions) of a Hugging
     Face (text) config, less the rows of a position table numbered after the pad id; max_len of an
     arithmetic model with learned positions; None where unbounded."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a multimodal model's language model
+    config, text = getattr(model, "config", None), _text_config(model)
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(text, name, None)
         if isinstance(value, int):

@@ -448,6 +448,11 @@ class PaddedDocuments(CorpusSamples):
             log.warning("%d documents of %s were longer than max_length=%d tokens and were cut to it",
                         corpus.truncated_documents, corpus.data.path, max_length)
 
+    @property
+    def document_lengths(self) -> np.ndarray:
+        """The tokens of each sample's document (its valid positions)."""
+        return self.corpus.lengths[: self.n_samples]
+
     def _layout(self) -> dict:
         return {"layout": "padded", "max_length": self.max_length, "n_documents": self.n_samples,
                 "truncated_documents": self.corpus.truncated_documents}

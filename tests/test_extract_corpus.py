@@ -38,16 +38,16 @@ CLI = os.path.join(os.path.dirname(sys.executable), "orthosphere")
 
 
 def write_model(directory, max_positions: int = 64, embedding_scale: float = 1.0, d_model: int = 32, n_layers: int = 2,
-                tokenizer: bool = True, tokenizer_specials=("bos", "eos"), config_specials=(BOS, EOS)):
+                tokenizer: bool = True, tokenizer_specials=("bos", "eos"), config_specials=(BOS, EOS), **config_options):
     """A tiny random Llama (grouped-query attention: 4 heads, 2 key/value heads) whose config.json
     names config_specials as its BOS and EOS, and its word tokenizer (none with tokenizer=False)
-    holding the special tokens named in tokenizer_specials."""
+    holding the special tokens named in tokenizer_specials; config_options go to its config."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(VOCAB),
                          max_position_embeddings=max_positions, bos_token_id=config_specials[0],
-                         eos_token_id=config_specials[1], pad_token_id=PAD, tie_word_embeddings=False)
+                         eos_token_id=config_specials[1], pad_token_id=PAD, tie_word_embeddings=False, **config_options)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -722,3 +722,31 @@ def test_padded_documents_longer_than_the_model_takes_are_refused_once_tokenised
         run(model_dir, tmp_path / "s.zarr", f"text:path={text},max_length=100")
     assert not (tmp_path / "s.zarr").exists()
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".orthosphere-tokens-")]
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1], "long_factor": [2.0, 4.0], "original_max_position_embeddings": 16}
+
+
+def test_padded_documents_straddling_a_longrope_switch_are_refused(tmp_path):
+    """A longrope model picks its rotary set from a batch's largest position: a short document padded
+    past original_max_position_embeddings would be stored with the long set it does not get alone."""
+    model_dir = write_model(tmp_path / "longrope", d_model=16, rope_parameters=LONGROPE)
+    text = write_lines(tmp_path / "docs.txt", ["the cat sat", " ".join(["dog"] * 20)])
+    with pytest.raises(ConfigError, match=r"padded documents of 4-21 tokens with a longrope model: .*"
+                                          r"original_max_position_embeddings=16 .*the 1 documents of 16 tokens or fewer.*"
+                                          r"use max_length=16 or less, or packed windows"):
+        run(model_dir, tmp_path / "s.zarr", f"text:path={text},max_length=100")
+    assert not (tmp_path / "s.zarr").exists()
+    cut = run(model_dir, tmp_path / "cut.zarr", f"text:path={text},max_length=16")  # every document on the short set
+    assert cut.sizes["pos"] == 16
+    long_only = write_lines(tmp_path / "long.txt", [" ".join(["dog"] * 20), " ".join(["cat"] * 24)])
+    assert run(model_dir, tmp_path / "long.zarr", f"text:path={long_only},max_length=100").sizes["pos"] == 25
+
+
+def test_a_dynamic_rope_model_is_told_why_its_limit_is_its_original_length(tmp_path):
+    model_dir = write_model(tmp_path / "dynamic", max_positions=16, d_model=16,
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    text = write_lines(tmp_path / "docs.txt", [" ".join(["dog"] * 20)])
+    with pytest.raises(ConfigError, match=r"longer than the model's 16 positions \(its dynamic rope rescales its frequencies "
+                                          r"beyond them by each batch's length.*use max_length=16 or less"):
+        run(model_dir, tmp_path / "s.zarr", f"text:path={text},max_length=100")
