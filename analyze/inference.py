@@ -293,7 +293,10 @@ def structure_p(effects: FactorEffects, signs: np.ndarray, design: NoiseTraces) 
     groups' residuals puts into them (tau tr(M_gh), tau the noise variance that matches the diagonal:
     true noises of different groups are independent), and its spread around the centre sum_g
     Gamma_gg (itself an estimate of E|W|^2) grows to what the centre's own variance adds and the
-    groups' own noises (which sign flips cannot move) would have added (``design.noise_traces``)."""
+    groups' own noises (which sign flips cannot move) would have added (``design.noise_traces``).
+    With G groups holding the factor's tokens the signs give at most 2^(G - 1) different draws, and
+    the measurement stands for one of them: the p-value is never below 2^-(G - 1) (with 2-5 groups
+    no test can reject at 5 %; without the floor a measurement beyond every draw read 1 / (1 + draws))."""
     flat = effects.influence.reshape(len(effects.influence), -1)
     gram = flat @ flat.T
     diagonal = np.diag(gram).copy()
@@ -302,7 +305,8 @@ def structure_p(effects: FactorEffects, signs: np.ndarray, design: NoiseTraces) 
     cross[np.diag_indices(len(cross))] = 0.0
     spread = ((signs @ cross) * signs).sum(axis=1)
     null = diagonal.sum() + np.sqrt((1 + design.centre_variance) / (1 - design.diagonal_share)) * spread
-    return add_one_share(null >= np.sum(effects.weighted**2))
+    resolution = 2.0 ** (1 - np.count_nonzero(diagonal > 0))
+    return max(add_one_share(null >= np.sum(effects.weighted**2)), resolution)
 
 
 def noise_rank(weighted: np.ndarray, gram: np.ndarray, along: np.ndarray, significance: float,

@@ -116,3 +116,15 @@ def test_a_huge_dimension_shared_within_documents_does_not_set_the_share_of_the_
     monkeypatch.setattr("orthosphere.analyze.layer.noise_whitening", lambda covariance, n_samples: None)
     raw = FactorSubspaces(factors=["parity"], seed=1).fit(open_for_analysis(url)).to_dataset()
     assert raw["unit_shared_noise"].values[0] > 0.12
+
+
+def test_with_few_units_the_structure_p_value_is_never_below_what_their_signs_can_resolve(tmp_path):
+    """Three documents give the signs 2^2 different draws: a null factor's p-value is at least 1/4 (with
+    the measurement beyond every draw it read 1 / (1 + n_null) and false structure was 22 % at 3 units)."""
+    rng = np.random.default_rng(3)
+    stores = [packed_store(tmp_path / f"three-{seed}.zarr", windows_of([7 * 10] * 3), seed=seed) for seed in range(4)]
+    for url in stores:
+        result = FactorSubspaces(factors=["parity"], rank=1, n_bootstrap=0, n_null=999, seed=int(rng.integers(100))).fit(
+            open_for_analysis(url)).to_dataset()
+        assert result.attrs["occupied_groups"] == 3
+        assert float(result["structure_p"].min()) >= 0.25
