@@ -134,6 +134,9 @@ Every p-value and interval's description says the correction it enters or that i
                                          (a random effect per document), estimated from the groups' residual
                                          sums (whitened where the tests are); the influences' correction
                                          assumes it (joint estimator)
+  effective_groups (layer)               Kish's effective number of bootstrap groups at that share; where the
+                                         share is above 0 and this below 10 the layer's relations and sphere
+                                         verdicts are withheld (undetermined) and logged
   significance_rank (layer, factor)      directions standing above noise (deflated parallel analysis of the
                                          effects, whitened where the noise is anisotropic; each step at
                                          rank_significance), before the floor

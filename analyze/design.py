@@ -124,6 +124,29 @@ class Counts:
         n = self.gram.shape[0]
         return self.unit_grams[group * n: (group + 1) * n]
 
+    def effective_groups(self, layout: Layout, share: float) -> float:
+        """Kish's effective number of bootstrap groups, (sum_g v_g)^2 / sum_g v_g^2, v_g the variance of a
+        group's noise sum per unit of token variance: (1 - share) n_g + share sum_(u in g) m_u^2 (n_g its tokens,
+        m_u a unit's). A few groups carrying most of the noise (one document holding half the store, a handful
+        of long ones) leave the sign flips too few independent draws, whatever the number of groups."""
+        cells = len(layout.patterns)
+        tokens = np.array([self.group_gram(g)[:cells, :cells].diagonal().sum() for g in range(self.n_groups)])
+        variance = tokens
+        if share > 0 and self.unit_grams is not None:
+            squares = np.array([self.unit_gram(g)[:cells, :cells].sum() for g in range(self.n_groups)])
+            variance = (1 - share) * tokens + share * squares
+        return float(variance.sum() ** 2 / (variance**2).sum()) if variance.sum() > 0 else 0.0
+
+    def tokens_per_unit(self, layout: Layout) -> float:
+        """The token-weighted mean tokens of a resampling unit, sum_u m_u^2 / sum_u m_u (each token is in one
+        intercept cell, the layout's first columns); 1 without units."""
+        cells = len(layout.patterns)
+        tokens = np.diag(self.gram)[:cells].sum()
+        if self.unit_grams is None or not tokens > 0:
+            return 1.0
+        squares = sum(self.unit_gram(g)[:cells, :cells].sum() for g in range(self.n_groups))
+        return float(squares / tokens)
+
     def working_covariances(self, share: float) -> list[np.ndarray]:
         """Per group, the covariance of its sums Z_g'e per unit of noise variance when `share` of each
         token's noise is shared by the tokens of its resampling unit (a random effect per unit) and the

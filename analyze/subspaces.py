@@ -81,7 +81,7 @@ from .inputs import (
     store_url,
     token_mask,
 )
-from .layer import DrawSettings, LayerFit, fit_layer
+from .layer import MIN_EFFECTIVE_GROUPS, DrawSettings, LayerFit, fit_layer
 from .multiplicity import state_multiplicity
 from .options import CONFIDENCE, FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
@@ -322,6 +322,7 @@ class FactorSubspaces:
             self.n_tokens_ = {name: int(classes[name].counts.sum()) for name in names}
             self.fits_ = {layer: fit for layer, (_, fit) in computed.items()}
             _warn_rounding(self.fits_, dataset.attrs.get("dtype"), url)
+            _warn_few_groups(self.fits_, url)
             self.has_weights_ = bool(heads)
             self.d_model_ = dataset.sizes["d_model"]
             self.heads_ = {"q": dataset["head"].values, "k": dataset["kv_head"].values}
@@ -443,6 +444,18 @@ def _warn_rounding(fits: dict[int, LayerFit | None], dtype: str | None, url: str
             "subspaces of %s: in layers %s the %s rounding of the stored values can move a class mean up to %.3g times "
             "its noise (rounding_bias): their draws carry that rounding (rounding_inflation), so their intervals are "
             "wider than the noise alone makes them; store float32 activations to narrow them", url, biased, dtype, worst)
+
+
+def _warn_few_groups(fits: dict[int, LayerFit | None], url: str) -> None:
+    """Say which layers' claims were withheld for too few effective groups (``layer.MIN_EFFECTIVE_GROUPS``)."""
+    few = [layer for layer, fit in fits.items()
+           if fit is not None and fit.shared_noise > 0 and fit.effective_groups < MIN_EFFECTIVE_GROUPS]
+    if few:
+        log.warning(
+            "subspaces of %s: in layers %s the noise, partly shared within units, is carried by about %.3g effective groups (effective_groups; at least "
+            "%g needed): their relations and sphere verdicts are withheld (undetermined), and their structure tests and "
+            "ranks may find structure in noise; analyse more (or shorter) documents, or group_by a label with more values",
+            url, few, min(fits[layer].effective_groups for layer in few), MIN_EFFECTIVE_GROUPS)
 
 
 def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
@@ -605,6 +618,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "explained": (fd + ("component",), explained),
         "outlier_tokens": (("layer",), [fits[layer].outlier_tokens for layer in layers]),
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
+        "effective_groups": (("layer",), [fits[layer].effective_groups for layer in layers]),
         "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
         "rounding_bias": (("layer",), [fits[layer].rounding_bias for layer in layers]),
         "rounding_inflation": (("layer",), [fits[layer].rounding_inflation for layer in layers]),
@@ -684,6 +698,9 @@ DESCRIPTIONS = {
     "unit_shared_noise": "the share of each token's noise that the tokens of its resampling unit share (a random "
                          "effect per document), estimated from the groups' residual sums (whitened where the tests are); the corrections of the "
                          "influences assume it (0: tokens independent; joint estimator only)",
+    "effective_groups": "Kish's effective number of bootstrap groups, (sum v_g)^2 / sum v_g^2 with v_g a group's noise "
+                        "variance at unit_shared_noise; where that share is above 0 and this below MIN_EFFECTIVE_GROUPS (10) the layer's "
+                        "claims are withheld (relations and spheres undetermined): few groups carrying most of the noise make the sign flips too coarse",
     "rounding_bias": "how far the store dtype's rounding can move a class mean, over that mean's noise (the largest "
                      "over factors, classes and coordinates; a class mean averages the roundings of its cells of labels; "
                      "inference.rounding_bias): above 1 the rounding, not the noise, sets the class means' error, and "

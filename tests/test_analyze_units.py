@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from orthosphere.analyze import AnalysisError, open_for_analysis
+from orthosphere.analyze import analyze as orthosphere_analyze
 from orthosphere.analyze.subspaces import FactorSubspaces
 from orthosphere.analyze.units import bootstrap_group, main_units, resampling_units, token_groups, token_units
 from tests.synthetic import NOT_APPLICABLE, write_store
@@ -128,3 +129,50 @@ def test_with_few_units_the_structure_p_value_is_never_below_what_their_signs_ca
             open_for_analysis(url)).to_dataset()
         assert result.attrs["occupied_groups"] == 3
         assert float(result["structure_p"].min()) >= 0.25
+
+
+def shared_noise_store(url, windows_per_document: list[int], *, layers: int = 4, d: int = 16, seed: int = 0) -> str:
+    """Documents of the given numbers of windows, each token's noise half shared by its document; a null label
+    `topic` (4 classes) that half of each document's tokens take from their document, and a label `b` of
+    4 classes with a clear effect in 2 directions."""
+    rng = np.random.default_rng(seed)
+    documents = np.repeat(np.arange(len(windows_per_document)), windows_per_document)
+    n_samples = len(documents)
+    offsets = np.arange(n_samples) - np.searchsorted(documents, documents)  # each window's place in its document
+    own = rng.integers(0, 4, size=len(windows_per_document))[documents][:, None]
+    topic = np.where(rng.random((n_samples, N_POS)) < 0.5, own, rng.integers(0, 4, size=(n_samples, N_POS)))
+    b = rng.integers(0, 4, size=(n_samples, N_POS))
+    effects = 3.0 * rng.normal(size=(layers, 4, 2)) @ np.linalg.qr(rng.normal(size=(d, 2)))[0].T
+    shared = rng.normal(size=(layers, len(windows_per_document), d))
+    x = np.stack([effects[layer][b] + np.sqrt(0.5) * (shared[layer][documents][:, None] + rng.normal(size=(n_samples, N_POS, d)))
+                  for layer in range(layers)], axis=1)
+    labels = {"document": np.repeat(documents[:, None], N_POS, axis=1).astype("int16"), "topic": topic.astype("int16"),
+              "b": b.astype("int16"), "offset": (offsets[:, None] * N_POS + np.arange(N_POS)).astype("int64")}
+    return write_store(url, {"resid_pre": x}, labels=labels, with_weights=False, label_dtypes={"offset": "int64"})
+
+
+def test_a_few_documents_shared_noise_is_not_taken_for_anisotropy_by_the_whitening(tmp_path):
+    """Sixteen documents of 16 windows, half of each token's noise shared by its document: their 16 shared
+    vectors make the tokens' covariance look anisotropic in d 32, and a whitening fitted as if every token were
+    independent shrank exactly those directions (here the share read 0.26-0.41 and the null label "structure"
+    in 5 of 6 layers). The design effect on the covariance keeps the share near its 0.5."""
+    url = shared_noise_store(tmp_path / "sixteen.zarr", [16] * 16, layers=6, d=32)
+    result = FactorSubspaces(factors=["topic", "b"], seed=2).fit(open_for_analysis(url)).to_dataset()
+    assert result.attrs["n_units"] == 16
+    assert 0.35 < float(result["unit_shared_noise"].mean()) < 0.8
+    assert float(result["effective_groups"].min()) >= 10
+    assert int((result["structure_q"].sel(factor="topic") <= 0.05).sum()) <= 1
+
+
+def test_claims_are_withheld_where_shared_noise_sits_in_a_few_groups(tmp_path, caplog):
+    """One document holding half the windows, the rest one window each: the shared noise sits in one group
+    (effective_groups about 1), and no resampling of the groups recovers it, so the layers' relations and
+    sphere verdicts read undetermined, and the log says why."""
+    url = shared_noise_store(tmp_path / "one-huge.zarr", [64] + [1] * 64, layers=2)
+    with caplog.at_level(logging.WARNING, logger="orthosphere.analyze"):
+        tree = orthosphere_analyze(url, analyses=["subspaces", "spheres"], factors=["topic", "b"])
+    subspaces, spheres = tree["subspaces"].to_dataset(), tree["spheres"].to_dataset()
+    assert (subspaces["unit_shared_noise"] > 0).all() and (subspaces["effective_groups"] < 3).all()
+    assert set(subspaces["relation"].sel(factor="b", other="topic").values) <= {"undetermined", "no structure"}
+    assert set(spheres["sphere"].sel(factor="b").values) == {"undetermined"}
+    assert "effective groups" in caplog.text and "withheld" in caplog.text
