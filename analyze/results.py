@@ -2,6 +2,7 @@
 store, and the results DataTree on disk."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import warnings
@@ -132,10 +133,17 @@ def _tree(analysis: Analysis, result, config: Config, dataset: xr.Dataset) -> xr
     tree.attrs.update({
         "analysis": analysis.name,
         "options": as_attrs(config.as_dict()),
-        "store": dataset.attrs.get("url"),
+        "store": store_url(dataset),
         "provenance": provenance(),
     })
     return tree
+
+
+def store_url(dataset: xr.Dataset) -> str | None:
+    """Where the analysed store lives, as the results record it: a local path made absolute, so that
+    the results name one store whatever folder they are read from; a URL as it is."""
+    url = dataset.attrs.get("url")
+    return as_location(url).local_path if url is not None and as_location(url).is_local else url
 
 
 def results_tree(dataset: xr.Dataset, results: dict[str, xr.DataTree], command: str | None = None) -> xr.DataTree:
@@ -145,7 +153,7 @@ def results_tree(dataset: xr.Dataset, results: dict[str, xr.DataTree], command: 
         dataset=xr.Dataset(
             attrs={
                 "orthosphere_results": RESULTS_FORMAT,
-                "store": dataset.attrs.get("url"),
+                "store": store_url(dataset),
                 "model": model,
                 "task": task,
                 "store_provenance": dataset.attrs.get("provenance", {}),
@@ -184,7 +192,7 @@ def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None
                 "choose a new path for the results"
             )
         existing = open_results(location.url, storage_options)
-        if existing.attrs.get("store") != tree.attrs.get("store") and not overwrite:
+        if not _same_store(existing.attrs.get("store"), tree.attrs.get("store")) and not overwrite:
             raise AnalysisError(
                 f"{location.url} holds results of store {existing.attrs.get('store')!r}, not of "
                 f"{tree.attrs.get('store')!r}: choose another path, or overwrite them (overwrite=True)"
@@ -202,6 +210,13 @@ def write_results(tree: xr.DataTree, out, *, storage_options: dict | None = None
                 _write_group(location, tree[name])
         commit_metadata(location, attributes)
     return tree
+
+
+def _same_store(first, second) -> bool:
+    """Whether two recorded stores are one: equal, or one local path (results written before stores were
+    recorded as absolute paths hold the path as given)."""
+    local = [as_location(url).local_path for url in (first, second) if url is not None and as_location(url).is_local]
+    return first == second or (len(local) == 2 and local[0] == local[1])
 
 
 def _keep_only(location, keep: list[str], attributes: dict) -> None:
@@ -222,24 +237,109 @@ def _keep_only(location, keep: list[str], attributes: dict) -> None:
             location.remove_entry(name)
 
 
+EVERY_CHUNK = "every_chunk_written"
+"""An analysis group's attribute: each chunk of its arrays is on disk, those of fill values alone too (so a
+missing one is damage; groups written before it may lack such chunks)."""
+
+
 def _write_group(location, subtree: xr.DataTree) -> None:
     """One analysis's group and its sub-groups, not yet listed in the root's metadata."""
     store = location.zarr_store(read_only=False)
     for node in subtree.subtree:
-        node.to_dataset(inherit=node is subtree).to_zarr(store, group=node.path.lstrip("/"), mode="w",
-                                                         consolidated=False, zarr_format=3)
+        dataset = node.to_dataset(inherit=node is subtree)
+        if node is subtree:
+            dataset.attrs[EVERY_CHUNK] = True
+        dataset.to_zarr(store, group=node.path.lstrip("/"), mode="w", consolidated=False, zarr_format=3,
+                        write_empty_chunks=True)
 
 
 def open_results(url, storage_options: dict | None = None) -> xr.DataTree:
     """The results tree at `url` (lazy), as written by `analyze`: the groups its root lists, never one
     that an analysis stopped while writing (zarr lists every group on disk once the root's
-    consolidated metadata is empty)."""
+    consolidated metadata is empty). Refuses a store (analyze it first), anything else that is not
+    results, and results whose listed groups or arrays have lost their metadata."""
     location = as_location(url, storage_options)
     if not location.is_zarr():
         raise AnalysisError(f"no results at {location.url}: analyze a store with out={location.url!r} first")
+    root = _root_metadata(location)
+    attributes = root.get("attributes", {})
+    if "orthosphere_results" not in attributes:
+        if "schema" in attributes:
+            raise AnalysisError(f"{location.url} is a store, not analysis results: analyze it first "
+                                f"(orthosphere analyze {location.url} --out RESULTS) and pass RESULTS")
+        raise AnalysisError(f"{location.url} is not orthosphere results (its zarr.json has no 'orthosphere_results' "
+                            "attribute): pass results written by `orthosphere analyze`")
+    _check_metadata(location, root)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*consolidated metadata.*", category=RuntimeWarning)
         tree = xr.open_datatree(location.zarr_store(read_only=True), engine="zarr")
     listed = tree.attrs.get("analyses")
     unlisted = [name for name in tree.children if listed is not None and name not in listed]
     return tree.drop_nodes(unlisted) if unlisted else tree
+
+
+def load_results(url, storage_options: dict | None = None) -> xr.DataTree:
+    """The results tree at `url` read into memory (``open_results``, then every array): an array
+    whose chunks do not decode is an error naming the results and the array."""
+    tree = open_results(url, storage_options)
+    try:
+        return tree.load()
+    except (OSError, AnalysisError):
+        raise
+    except Exception as error:  # whatever the codecs raise on bytes that are not theirs
+        raise _undecodable(url, open_results(url, storage_options), error) from None
+
+
+def _undecodable(url, tree: xr.DataTree, error: Exception) -> Exception:
+    """The error naming the first array of `tree` that does not decode (`error` where each one does)."""
+    for node in tree.subtree:
+        for name, variable in node.dataset.variables.items():
+            try:
+                variable.load()
+            except Exception as found:  # noqa: BLE001 - the codecs' own errors
+                path = f"{node.path.strip('/')}/{name}".lstrip("/")
+                return AnalysisError(
+                    f"results {url} are damaged: array {path} does not decode ({type(found).__name__}: {found}); re-run "
+                    f"`orthosphere analyze {tree.attrs.get('store') or 'STORE'} --out {url} --only {path.split('/')[0]}` "
+                    "to write that analysis again")
+    return error
+
+
+def _chunk_keys(node: dict) -> list[str]:
+    """The chunk files an array's metadata promises (regular grid, default key encoding; none for a group)."""
+    if node.get("node_type") != "array" or node.get("chunk_grid", {}).get("name") != "regular" \
+            or node.get("chunk_key_encoding", {}).get("name") != "default":
+        return []
+    separator = node["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+    counts = [-(-size // chunk) for size, chunk in zip(node["shape"], node["chunk_grid"]["configuration"]["chunk_shape"])]
+    return [separator.join(["c", *map(str, coords)]) for coords in itertools.product(*map(range, counts))]
+
+
+def _root_metadata(location) -> dict:
+    """The results' root zarr.json, read; a damaged one is an error naming it."""
+    try:
+        return json.loads(location.fs.cat_file(location.key("zarr.json")))
+    except ValueError as error:  # not JSON, or not text
+        raise AnalysisError(f"results {location.url} are damaged: their root metadata {location.key('zarr.json')} does not "
+                            f"parse ({error}); re-run `orthosphere analyze STORE --out NEW_RESULTS` (what the results "
+                            "hold is described only there, so they cannot be repaired in place)") from None
+
+
+def _check_metadata(location, root: dict) -> None:
+    """Every group and array of the listed analyses that the root's consolidated metadata describes has
+    its own zarr.json on disk, and each array of a group written with EVERY_CHUNK its chunks (one listing
+    of the files): a deleted group, array or chunk is an error naming it."""
+    listed = root.get("attributes", {}).get("analyses")
+    described = (root.get("consolidated_metadata") or {}).get("metadata", {})
+    files = location.list_files()
+    checked = {path: node for path, node in described.items() if listed is None or path.split("/")[0] in listed}
+    whole = {path for path in checked if checked.get(path.split("/")[0], {}).get("attributes", {}).get(EVERY_CHUNK)}
+    lost = [f"{path}/{key}" for path, node in checked.items()
+            for key in ["zarr.json", *(_chunk_keys(node) if path in whole else [])] if f"{path}/{key}" not in files]
+    if lost:
+        analyses = sorted({path.split("/")[0] for path in lost})
+        shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        store = root.get("attributes", {}).get("store") or "STORE"
+        raise AnalysisError(f"results {location.url} are damaged: {shown} {'is' if len(lost) == 1 else 'are'} missing; re-run "
+                            f"`orthosphere analyze {store} --out {location.url} --only {','.join(analyses)}` to write "
+                            f"{'that analysis' if len(analyses) == 1 else 'those analyses'} again")

@@ -6,7 +6,7 @@ torch)::
     import orthosphere
     store = orthosphere.extract(model, orthosphere.corpus.jsonl("c.jsonl", context=128), "runs/store.zarr")
     tree = orthosphere.analyze("runs/store.zarr", "runs/results.zarr", analyses=["norms", "subspaces"])
-    orthosphere.report(["runs/results.zarr"], "runs/report")
+    orthosphere.report("runs/results.zarr", out="runs/report")   # or a list of results
 
 - ``extract(model, data, out, ...)``: ``orthosphere.extract.api``; ``analyze(store, out, ...)``:
   ``orthosphere.analyze.api``; ``corpus`` and ``tasks``: the data objects ``extract`` reads;

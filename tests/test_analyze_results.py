@@ -233,9 +233,10 @@ def test_the_report_tabulates_label_association_beside_the_angles_and_their_null
     subspaces = tree["subspaces"].to_dataset().sel(factor="alpha", other="beta")
     assert f"{subspaces.label_nmi.item():.2f}" in cells and f"{subspaces.min_angle.mean('layer').item():.1f}" in cells
     assert f"{subspaces.null_min_angle.mean('layer').item():.1f}" in cells and "null (°)" in cells
-    per_layer = [f"{e:.0f} [{lo:.0f}, {hi:.0f}] {r}" for e, (lo, hi), r in
-                 zip(subspaces.min_angle_estimate.values, subspaces.min_angle_ci.values, subspaces.relation.values)]
-    assert "; ".join(per_layer) in cells  # each layer's estimate, interval and relation
+    per_layer = [f"{layer}: {e:.0f} [{lo:.0f}, {hi:.0f}] {r}" for layer, e, (lo, hi), r in
+                 zip(subspaces.layer.values, subspaces.min_angle_estimate.values, subspaces.min_angle_ci.values,
+                     subspaces.relation.values)]
+    assert "; ".join(per_layer) in cells  # each layer's estimate, interval and relation, named by its layer
 
 
 @pytest.mark.slow
@@ -256,3 +257,19 @@ def test_the_report_draws_each_layers_angle_and_sphere_statistics_with_their_int
     radius_panel, cross_panel = spheres.axes[0], spheres.axes[1]
     assert len([c for c in radius_panel.containers if isinstance(c, ErrorbarContainer)]) == 2  # one per factor
     assert len([c for c in cross_panel.containers if isinstance(c, ErrorbarContainer)]) == 1  # one per pair
+
+
+def test_results_record_a_local_store_by_its_absolute_path(tmp_path, monkeypatch):
+    import os
+
+    from orthosphere.analyze.results import results_tree, write_results
+
+    monkeypatch.chdir(tmp_path)
+    tree = results_tree(xr.Dataset(attrs={"url": "store.zarr"}), {})
+    assert tree.attrs["store"] == os.path.join(os.getcwd(), "store.zarr")
+    assert results_tree(xr.Dataset(attrs={"url": "s3://bucket/store.zarr"}), {}).attrs["store"] == "s3://bucket/store.zarr"
+    earlier = results_tree(xr.Dataset(attrs={"url": "store.zarr"}), {})
+    earlier.attrs["store"] = "store.zarr"  # as results written before recorded it
+    write_results(earlier, "results.zarr")
+    write_results(tree, "results.zarr")  # the same store: its results are added to, not refused
+    assert open_results("results.zarr").attrs["store"] == os.path.join(os.getcwd(), "store.zarr")

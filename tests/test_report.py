@@ -12,7 +12,8 @@ SPEC = {"train_counts": [3, 4, 6], "digit_lengths": [1, 2]}
 
 
 def results_tree(source: str, sha: str, placement: str, split: str, accuracy: float, band: float = 0.2,
-                 sparse: int = 50, d_model: int = 64, recall: float = 0.9, precision: float = 0.8) -> xr.DataTree:
+                 sparse: int = 50, d_model: int = 64, recall: float = 0.9, precision: float = 0.8,
+                 collapse_target: float = 0.01, sparse_threshold: float = 0.95) -> xr.DataTree:
     """A results tree holding what the headline reads, for one (model, data) pair."""
     per_head = placement == "qkv"  # what a store's description says of the placement, beyond its name
     norms = [{"site": site, "type": "layer", "scope": "head" if per_head else "d_model"}
@@ -28,7 +29,8 @@ def results_tree(source: str, sha: str, placement: str, split: str, accuracy: fl
         "n_instances": (("layer", "head"), np.full((2, 4), 100)),
         "theory_recall_pooled": ("level", [np.nan, recall]),  # nothing collapses at 5 %
         "theory_precision_pooled": ("level", [0.0, precision]),
-    }, coords={"definition": ["collapse", "strict"], "level": [0.05, 0.1], **layer_head})
+    }, coords={"definition": ["collapse", "strict"], "level": [0.05, 0.1], **layer_head},
+        attrs={"collapse_target": collapse_target, "sparse_threshold": sparse_threshold, "min_keys": 4})
     tree = xr.DataTree.from_dict({
         "/accuracy": xr.Dataset({"token_accuracy": accuracy}),
         "/norms/resid_pre": norms_group(band, layer_head),
@@ -266,3 +268,152 @@ def test_a_run_is_named_by_the_options_that_differ_from_the_defaults_and_configu
     for run in runs:
         run.tree["norms"].attrs["options"] = defaults
     assert "every option at its default" in report._provenance(runs)[0]
+
+
+def written(tree: xr.DataTree, path) -> str:
+    """`tree` written as results of a store at /stores/s.zarr; returns its path."""
+    from orthosphere.analyze.results import write_results
+
+    tree.attrs |= {"orthosphere_results": 1, "store": "/stores/s.zarr"}
+    write_results(tree, path)
+    return str(path)
+
+
+def test_a_store_given_as_results_is_refused_with_what_to_do(tmp_path):
+    import zarr
+
+    zarr.create_group(str(tmp_path / "s.zarr"), zarr_format=3, attributes={"schema": 1})
+    with pytest.raises(report.AnalysisError, match=r"s.zarr is a store, not analysis results: analyze it first \(orthosphere "
+                       r"analyze .*s.zarr --out RESULTS\)"):
+        report.write_report(str(tmp_path / "s.zarr"), tmp_path / "report")
+    zarr.create_group(str(tmp_path / "other.zarr"), zarr_format=3)
+    with pytest.raises(report.AnalysisError, match="other.zarr is not orthosphere results"):
+        report.write_report(str(tmp_path / "other.zarr"), tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+
+
+def test_report_takes_one_path_or_a_list_and_the_keyword_out(tmp_path):
+    results = written(results_tree("/models/pre", "1" * 64, "pre", "test", 0.9), tmp_path / "r.zarr")
+    assert (report.write_report(results, tmp_path / "one") / "report.md").is_file()
+    assert (report.write_report([results], out=tmp_path / "list") / "report.md").is_file()
+    with pytest.raises(TypeError, match="results of type DataTree: .* pass the path that `orthosphere.analyze"):
+        report.write_report(results_tree("/models/pre", "1" * 64, "pre", "test", 0.9), tmp_path / "tree")
+    with pytest.raises(TypeError, match="results of type int: expected the path or URL of results"):
+        report.write_report([results, 3], tmp_path / "int")
+
+
+def test_a_report_into_an_earlier_reports_folder_removes_only_its_stale_figures(tmp_path):
+    results = written(results_tree("/models/pre", "1" * 64, "pre", "test", 0.9), tmp_path / "r.zarr")
+    out = tmp_path / "report"
+    (out / "figures").mkdir(parents=True)
+    for name in ("angles.png", "mine.png"):
+        (out / "figures" / name).write_bytes(b"old")
+    report.write_report(results, out)
+    drawn = {path.name for path in (out / "figures").iterdir()}
+    assert "angles.png" not in drawn and "mine.png" in drawn and "norm_spread.png" in drawn
+
+
+def test_two_results_of_one_model_on_one_data_are_refused_not_dropped():
+    trees = [results_tree("/models/pre", "1" * 64, "pre", "test", accuracy) for accuracy in (0.9, 0.8)]
+    with pytest.raises(report.AnalysisError, match=r"results a.zarr and b.zarr are both of model pre on data 'test': .*"
+                       "report them separately"):
+        run_model.name_runs([run_model.Run("a.zarr", trees[0]), run_model.Run("b.zarr", trees[1])])
+
+
+def test_damaged_results_are_refused_naming_the_results_and_the_array_and_no_report_is_left(tmp_path):
+    import shutil
+
+    results = written(results_tree("/models/pre", "1" * 64, "pre", "test", 0.9), tmp_path / "r.zarr")
+    shutil.copytree(results, tmp_path / "fine.zarr")
+    shutil.rmtree(tmp_path / "r.zarr" / "replay" / "n_sparse")
+    with pytest.raises(report.AnalysisError, match=r"r.zarr are damaged: replay/n_sparse/zarr.json, replay/n_sparse/c/0/0 are "
+                       r"missing; re-run `orthosphere analyze /stores/s.zarr --out .*r.zarr --only replay`"):
+        report.write_report(results, tmp_path / "report")
+    shutil.copytree(tmp_path / "fine.zarr", tmp_path / "chunk.zarr")
+    (tmp_path / "chunk.zarr" / "accuracy" / "token_accuracy" / "c").unlink()
+    with pytest.raises(report.AnalysisError, match=r"damaged: accuracy/token_accuracy/c is missing; .* --only accuracy`"):
+        report.write_report(str(tmp_path / "chunk.zarr"), tmp_path / "report")
+    chunk = next(path for path in (tmp_path / "fine.zarr" / "replay" / "n_instances").rglob("*") if path.is_file()
+                 and path.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    with pytest.raises(report.AnalysisError, match=r"fine.zarr are damaged: array replay/n_instances does not decode"):
+        report.write_report(str(tmp_path / "fine.zarr"), tmp_path / "report")
+    (tmp_path / "fine.zarr" / "zarr.json").write_text('{"attributes": {')
+    with pytest.raises(report.AnalysisError, match=r"fine.zarr are damaged: their root metadata .*zarr.json does not parse"):
+        report.write_report(str(tmp_path / "fine.zarr"), tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+
+
+def test_headline_and_figures_word_each_runs_settings_and_say_where_the_compared_runs_differ():
+    runs = runs_of({"pre": [0.9]}, collapse_target=0.05, sparse_threshold=0.8) + runs_of({"qkv": [0.7]})
+    runs = run_model.name_runs(runs)
+    runs[0].tree["norms/resid_pre"].attrs |= {"mass": 0.5, "weighting": "uniform"}
+    quantities = [row[0] for row in report.headline_rows(runs)]
+    assert any("band holding 50 % / 90 % (Pre-Norm / QKV-Norm) of |x| / median (each head's ratios to its own median, "
+               "unweighted (every token alike) / attention-weighted (Pre-Norm / QKV-Norm)," in quantity for quantity in quantities)
+    assert any("at which 5 % / 1 % (Pre-Norm / QKV-Norm) of sparse (query, head) instances collapse" in quantity
+               for quantity in quantities)
+    assert any("max attention ≥ 0.8 / 0.95 (Pre-Norm / QKV-Norm) (sparse)" in quantity for quantity in quantities)
+    notes = run_model.setting_differences(runs)
+    assert len(notes) == 4 and notes[0].startswith("The runs compared differ in the share of |x| a norm band holds "
+                                                   "(norms mass): 50 % (pre-s0); 90 % (qkv-s0).")
+    spread = figures.figure_norm_spread(runs)
+    assert [axis.get_ylabel() for axis in spread.axes] == ["share of tokens", "share of attention"]
+    assert "bands hold 50 % or 90 %" in spread.get_suptitle()
+    for run in runs:
+        replay = run.tree["replay"].to_dataset()
+        replay["collapse_rate"] = xr.zeros_like(replay.n_sparse * replay.level * replay.definition.size)
+        replay["collapse_rate"] = replay.collapse_rate.expand_dims(definition=replay.definition)
+        replay["predicted_collapse_rate"] = replay.collapse_rate.sel(definition="collapse", drop=True)
+        run.tree["replay"] = xr.DataTree(replay)
+    collapse = figures.figure_collapse(runs).axes[0]
+    assert sorted(line.get_ydata()[0] for line in collapse.get_lines() if line.get_label().startswith("collapse level")) == [1, 5]
+    assert run_model.setting_differences(runs_of({"pre": [0.9], "qkv": [0.7]})) == []
+
+
+def test_verdicts_without_an_estimate_are_marked_at_the_foot_of_the_panel():
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    figures._with_interval(axis, [0, 1, 2], [10.0, np.nan, np.nan], [[8, 12], [np.nan, np.nan], [np.nan, np.nan]],
+                           ["orthogonal", "undetermined", "no structure"], figures.RELATION_MARKERS, "C0", "a / b")
+    markers = [line.get_marker() for line in axis.get_lines() if line.get_marker() not in ("None", "_")]  # no caps
+    assert markers == ["o", "x", "."]
+    plt.close(figure)
+
+
+def subspaces_group(estimator: str) -> xr.Dataset:
+    """/subspaces with two factors over layers 3 and 4, the second layer's estimate undetermined."""
+    pair = (("factor", "other", "layer"), np.full((2, 2, 2), 40.0))
+    group = xr.Dataset({
+        "min_angle": pair, "min_angle_estimate": pair, "label_nmi": (("factor", "other"), np.zeros((2, 2))),
+        "min_angle_ci": (("factor", "other", "layer", "bound"), np.full((2, 2, 2, 2), 35.0)),
+        "relation": (("factor", "other", "layer"), np.full((2, 2, 2), "independent", dtype=object)),
+    }, coords={"factor": ["a", "b"], "other": ["a", "b"], "layer": [3, 4]}, attrs={"estimator": estimator, "intercepts": "role"})
+    group["min_angle_estimate"][0, 1, 1] = np.nan
+    group["relation"][0, 1, 1] = "undetermined"
+    return group
+
+
+def test_the_association_table_names_each_layer_and_every_runs_fit():
+    runs = runs_of({"pre": [0.9], "qkv": [0.7]})
+    for run, estimator in zip(run_model.in_distribution(runs), ("joint", "separate")):
+        run.tree["subspaces"] = xr.DataTree(subspaces_group(estimator))
+    axis = figures.figure_association(runs).axes[0]
+    cells = [cell.get_text().get_text() for cell in axis.tables[0].get_celld().values()]
+    assert "3: 40 [35, 35] independent; 4: undetermined" in cells
+    assert axis.get_title() == ("Label association and angles against chance (estimator: joint, intercepts: role (pre-s0); "
+                                "estimator: separate, intercepts: role (qkv-s0))")
+
+
+def test_the_report_says_which_sites_norms_it_shows_and_which_it_leaves_out(tmp_path):
+    runs = runs_of({"pre": [0.9]})
+    assert report.site_notes(runs) == []
+    runs[0].tree["norms/q"] = xr.DataTree(runs[0].tree["norms/resid_pre"].to_dataset())
+    (note,) = report.site_notes(runs)
+    assert note.startswith("Norms: the results hold those of q, resid_pre; the report shows those of resid_pre (the "
+                           "attention input) and leaves out q")
+    tree = results_tree("/models/pre", "1" * 64, "pre", "test", 0.9)
+    tree["norms/attn_in"] = xr.DataTree(tree["norms/resid_pre"].to_dataset())
+    out = report.write_report(written(tree, tmp_path / "r.zarr"), tmp_path / "report")
+    assert "leaves out attn_in" in (out / "report.md").read_text() and "leaves out attn_in" in (out / "report.html").read_text()

@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import xarray as xr  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from .runs import (  # noqa: E402
     SPLIT_ORDER,
@@ -15,6 +16,8 @@ from .runs import (  # noqa: E402
     accuracy_table,
     groups,
     in_distribution,
+    setting,
+    setting_words,
     training_history,
     variant_labels,
     variants,
@@ -50,11 +53,13 @@ def figure_norm_spread(runs: list[Run]):
             axis.plot(curve.ratio, curve / curve.sum(), label=f"layer {layer}: band ±{band:.0f} %")
         axis.axvspan(0.8, 1.2, color="0.9", zorder=0, label="±20 % (paper)")
         axis.set(title=f"{run.name}: band ±{float(norms.band_pooled) * 100:.0f} % (layers and heads pooled)",
-                 xlabel="|resid_pre| / median", ylabel="share of attention", xlim=(0, float(curve.ratio.max())))
+                 xlabel="|resid_pre| / median", xlim=(0, float(curve.ratio.max())),
+                 ylabel="share of attention" if setting(run, "weighting") == "attention" else "share of tokens")
         axis.legend(fontsize=7)
     pooled = ", each head's |x| over its own median, heads pooled" if "head" in norms.band.dims else ""
-    figure.suptitle(f"Norm spread of the attention input ({norms.attrs['weighting']} weighting{pooled}; "
-                    f"bands hold {norms.attrs['mass'] * 100:.0f} %)")
+    shown = [run for run, _ in panels]
+    figure.suptitle(f"Norm spread of the attention input ({setting_words(shown, 'weighting')}{pooled}; "
+                    f"bands hold {setting_words(shown, 'mass')})")
     return figure
 
 
@@ -69,13 +74,18 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
 
 
 def _with_interval(axis, x, estimate, interval, verdicts, markers, colour, label):
-    """A line of estimates per layer with their intervals as error bars, each point marked by its verdict."""
+    """A line of estimates per layer with their intervals as error bars, each point marked by its verdict; a
+    verdict without an estimate (undetermined, no structure) is marked at the foot of the panel."""
     estimate, low, high = np.asarray(estimate, float), *np.asarray(interval, float).T
     axis.errorbar(x, estimate, yerr=[np.maximum(estimate - low, 0), np.maximum(high - estimate, 0)], color=colour,
                   capsize=2, lw=1, label=label)
+    foot = blended_transform_factory(axis.transData, axis.transAxes)
     for layer, value, verdict in zip(x, estimate, verdicts):
+        style = {"color": colour, "ms": 6, "mfc": "none" if verdict == "undetermined" else colour}
         if np.isfinite(value):
-            axis.plot(layer, value, markers.get(str(verdict), "."), color=colour, ms=6, mfc="none" if verdict == "undetermined" else colour)
+            axis.plot(layer, value, markers.get(str(verdict), "."), **style)
+        elif str(verdict):
+            axis.plot(layer, 0.03, markers.get(str(verdict), "."), transform=foot, clip_on=False, **style)
 
 
 def figure_angles(runs: list[Run]):
@@ -114,8 +124,9 @@ def figure_association(runs: list[Run]):
     for run, subspaces in panels:
         for first, second in _pairs([str(name) for name in subspaces.factor.values]):
             pair = subspaces.sel(factor=first, other=second)
-            layers = "; ".join(_angle_cell(estimate, interval, relation) for estimate, interval, relation in
-                               zip(pair.min_angle_estimate.values, pair.min_angle_ci.values, pair.relation.values))
+            layers = "; ".join(f"{layer}: {_angle_cell(estimate, interval, relation)}" for layer, estimate, interval, relation
+                               in zip(subspaces.layer.values, pair.min_angle_estimate.values, pair.min_angle_ci.values,
+                                      pair.relation.values))
             null = pair.null_min_angle.mean("layer").item() if "null_min_angle" in pair else np.nan
             rows.append([run.name, first, second, f"{pair.label_nmi.item():.2f}",
                          f"{pair.min_angle.mean('layer').item():.1f}", f"{null:.1f}", layers])
@@ -123,12 +134,16 @@ def figure_association(runs: list[Run]):
     axis.axis("off")
     table = axis.table(cellText=rows, loc="upper center", cellLoc="left",
                        colLabels=["model", "factor", "other", "label NMI", "smallest angle (°)", "null (°)",
-                                  "per layer: estimate [interval] relation"])
+                                  "layer: estimate [interval] relation"])
     table.auto_set_font_size(False)
     table.set_fontsize(6)
     table.auto_set_column_width(list(range(7)))
-    axis.set_title(f"Label association and angles against chance (estimator: {panels[0][1].attrs.get('estimator')}, "
-                   f"intercepts: {panels[0][1].attrs.get('intercepts', 'none')})")
+    fits: dict[str, list[str]] = {}
+    for run, subspaces in panels:
+        fit = f"estimator: {subspaces.attrs.get('estimator')}, intercepts: {subspaces.attrs.get('intercepts', 'none')}"
+        fits.setdefault(fit, []).append(run.name)
+    shown = [fit if len(fits) == 1 else f"{fit} ({', '.join(names)})" for fit, names in fits.items()]
+    axis.set_title(f"Label association and angles against chance ({'; '.join(shown)})")
     return figure
 
 
@@ -200,7 +215,8 @@ def figure_collapse(runs: list[Run]):
         axis.plot(replay.level * 100, measured * 100, marker="o", color=color, label=f"{run.name} measured")
         axis.plot(replay.level * 100, predicted * 100, ls="--", color=color, label=f"{run.name} Theorem 7")
     if len(without) < len(lines):
-        axis.axhline(1, color="0.5", lw=0.8)
+        for target in sorted({setting(run, "collapse_target") for run, _ in lines} - {None}):
+            axis.axhline(target * 100, color="0.5", lw=0.8, label=f"collapse level's {target * 100:g} %")
         axis.set_xscale("log")
         axis.legend(fontsize=7)
     if without:

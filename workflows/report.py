@@ -28,6 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import xarray as xr  # noqa: E402
 
 from orthosphere.analyze.description import describe_norms  # noqa: E402
 from orthosphere.analyze.options import as_attrs  # noqa: E402
@@ -37,11 +38,14 @@ from orthosphere.errors import AnalysisError  # noqa: E402
 from .figures import FIGURES  # noqa: E402
 from .runs import (  # noqa: E402
     PLACEMENT_KEYS,
+    SETTINGS,
     SPLIT_ORDER,
     Run,
     accuracy_table,
     load_runs,
     model_size,
+    setting_differences,
+    setting_words,
     variants,
 )
 
@@ -187,16 +191,16 @@ def _online_drop(run: Run) -> float | None:
 
 
 HEADLINE = (
-    ("half-width of the band holding 90 % of |x| / median (each head's ratios to its own median, "
-     "attention-weighted, pooled over layers and heads)",
+    ("half-width of the band holding {mass} of |x| / median (each head's ratios to its own median, "
+     "{weighting}, pooled over layers and heads)",
      _band, "±20 % / much wider", -1, None),
-    ("noise RMS at which 1 % of sparse (query, head) instances collapse, counted over instances and noise draws",
-     _collapse_level("collapse"), "11 % (Pre-Norm)", 0, _collapse_level_interval("collapse")),
-    ("noise RMS at which 1 % of sparse (query, head) instances strictly collapse, counted over instances and noise "
-     "draws", _collapse_level("strict"), "17 % (Pre-Norm)", 0, _collapse_level_interval("strict")),
+    ("noise RMS at which {collapse_target} of sparse (query, head) instances collapse, counted over instances and noise "
+     "draws", _collapse_level("collapse"), "11 % (Pre-Norm)", 0, _collapse_level_interval("collapse")),
+    ("noise RMS at which {collapse_target} of sparse (query, head) instances strictly collapse, counted over instances "
+     "and noise draws", _collapse_level("strict"), "17 % (Pre-Norm)", 0, _collapse_level_interval("strict")),
     ("per-token accuracy drop with 1 % noise in all layers (online check)", _online_drop, "≳10 % (Pre-Norm)", 0, None),
-    ("share of queries and heads with max attention ≥ 0.95 (sparse), among queries with at least the replay's "
-     "min_keys allowed keys", _sparse_share, "peaks at 1 / does not", 1, None),
+    ("share of queries and heads with max attention ≥ {sparse_threshold} (sparse), among queries with at least the "
+     "replay's min_keys allowed keys", _sparse_share, "peaks at 1 / does not", 1, None),
     (f"Theorem 7's first-order condition at {THEORY_LEVEL * 100:g} % noise, (query, head, draw) instances of every "
      "layer and head pooled: recall (share of the measured collapses it predicted)", _theory("recall"), "—", 0,
      _theory_interval("recall")),
@@ -204,7 +208,7 @@ HEADLINE = (
      "layer and head pooled: precision (share of its predicted collapses that happened)", _theory("precision"), "—", 0,
      _theory_interval("precision")),
 )
-"""(quantity, measure of one model's in-distribution run, the paper's figure, the paper's
+"""(quantity, with SETTINGS' names in braces for the runs' values, measure of one model's in-distribution run, the paper's figure, the paper's
 direction: +1 Pre-Norm above QKV-Norm, -1 below, 0 no comparison, the measure's interval within one
 run (from resampling documents) or None)."""
 
@@ -217,6 +221,13 @@ def _with_interval(text: str, interval: tuple[float, float, float] | None) -> st
     return f"{text} ({interval[2] * 100:g} % interval {low}–{high}, documents resampled)"
 
 
+def _placement_words(placements: tuple[list[Run], list[Run]], name: str) -> str:
+    """A setting in words for the headline's Pre-Norm / QKV-Norm pair: one value, or each placement's in that order."""
+    each = [setting_words(members, name) for members in placements]
+    return each[0] if each[0] == each[1] or not placements[1] else each[1] if not placements[0] else \
+        f"{each[0]} / {each[1]} (Pre-Norm / QKV-Norm)"
+
+
 def headline_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
     """(quantity, ours: Pre-Norm / QKV-Norm as mean [min–max] over seeds, paper, whether the
     paper's direction holds beyond the seed spread) rows of the headline table."""
@@ -226,12 +237,13 @@ def headline_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
     for family in found:
         pre, qkv = family.get("pre", []), family.get("qkv", [])
         prefix = f"{model_size((pre or qkv)[0].model)}: " if len(found) > 1 else ""
+        words = {name: _placement_words((pre, qkv), name) for name in SETTINGS}
         for quantity, measure, paper, direction, interval in HEADLINE:
             values = [[measure(run) for run in members] for members in (pre, qkv)]
             if any(v is not None for v in values[0] + values[1]):
                 shown = [_with_interval(_spread(v), interval(members[0]) if interval and len(members) == 1 else None)
                          for v, members in zip(values, (pre, qkv))]
-                rows.append((f"{prefix}Pre-Norm / QKV-Norm: {quantity}", " / ".join(shown),
+                rows.append((f"{prefix}Pre-Norm / QKV-Norm: {quantity.format(**words)}", " / ".join(shown),
                              paper, direction_verdict(*values, direction)))
         for split in SPLIT_ORDER:
             values = [[accuracy.get(run.name, {}).get(split, np.nan) / 100 for run in members] for members in (pre, qkv)]
@@ -305,34 +317,69 @@ def _shown(location: str) -> str:
     return location if relative.startswith("..") else relative
 
 
-def write_report(results, out_dir, title: str = "orthosphere report") -> Path:
-    """Write report.html and report.md (with figures/) for the given results; returns out_dir."""
-    runs = load_runs(results)
-    out_dir = Path(out_dir)
-    (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+def write_report(results, out, title: str = "orthosphere report") -> Path:
+    """Write report.html, report.md (with figures/) and configuration.json for the given results (one
+    path or URL, or a list of them) into the folder `out`; returns it. Everything is computed before
+    anything is written, and figures an earlier report wrote there that this one does not draw are removed."""
+    runs = load_runs(result_paths(results))
     figures = {}
     for name, (caption, draw) in FIGURES.items():
         figure = draw(runs)
         if figure is not None:
             figures[name] = (caption, _png(figure))
-            (out_dir / "figures" / f"{name}.png").write_bytes(figures[name][1])
     rows = headline_rows(runs)
     made = f"orthosphere {metadata.version('orthosphere')}, {datetime.now(UTC).isoformat(timespec='seconds')}"
     provenance = _provenance(runs)
-    (out_dir / "report.md").write_text(_markdown(title, rows, figures, provenance, made))
-    (out_dir / "report.html").write_text(_html(title, rows, figures, provenance, made))
-    (out_dir / "configuration.json").write_text(json.dumps(_configuration(runs), indent=2, default=str) + "\n")
-    return out_dir
+    notes = setting_differences(runs) + site_notes(runs)
+    files = {"report.md": _markdown(title, rows, notes, figures, provenance, made),
+             "report.html": _html(title, rows, notes, figures, provenance, made),
+             "configuration.json": json.dumps(_configuration(runs), indent=2, default=str) + "\n"}
+    out = Path(out)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    for name in FIGURES:
+        path = out / "figures" / f"{name}.png"
+        if name in figures:
+            path.write_bytes(figures[name][1])
+        else:
+            path.unlink(missing_ok=True)  # an earlier report's, stale beside this one
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return out
+
+
+def site_notes(runs: list[Run]) -> list[str]:
+    """Which analysed sites' norms the report shows (the attention input, resid_pre) and which it leaves out."""
+    sites = {site for run in runs if "norms" in run.tree.children for site in run.tree["norms"].children}
+    if not sites - {"resid_pre"}:
+        return []
+    shown = "shows those of resid_pre (the attention input)" if "resid_pre" in sites else "shows none (only resid_pre's are drawn)"
+    return [f"Norms: the results hold those of {', '.join(sorted(sites))}; the report {shown} and leaves out "
+            f"{', '.join(sorted(sites - {'resid_pre'}))} (read them with orthosphere.open_results(RESULTS)['norms/SITE'])."]
+
+
+def result_paths(results) -> list[str]:
+    """The results' paths or URLs: one, or a list of them."""
+    if isinstance(results, (str, os.PathLike)):
+        return [os.fspath(results)]
+    if isinstance(results, (list, tuple)) and all(isinstance(result, (str, os.PathLike)) for result in results):
+        return [os.fspath(result) for result in results]
+    given = results if isinstance(results, (list, tuple)) else [results]
+    wrong = next(result for result in given if not isinstance(result, (str, os.PathLike)))
+    hint = ("; a results tree in memory cannot be reported: pass the path that `orthosphere.analyze(store, out)` wrote "
+            "it to" if isinstance(wrong, xr.DataTree) else "")
+    raise TypeError(f"results of type {type(wrong).__name__}: expected the path or URL of results written by "
+                    f"`orthosphere analyze`, or a list of them{hint}")
 
 
 HEADLINE_COLUMNS = ("quantity", "here: mean [min–max] over seeds (one seed: its value and its interval within the run)",
                     "paper", "paper's direction beyond the seed spread?")
 
 
-def _markdown(title, rows, figures, provenance, made) -> str:
+def _markdown(title, rows, notes, figures, provenance, made) -> str:
     lines = [f"# {title}", "", f"Made by {made}.", "", "## Headline: this project beside the paper", "",
              f"| {' | '.join(HEADLINE_COLUMNS)} |", "|---|---|---|---|"]
     lines += [f"| {' | '.join(_cell(text) for text in row)} |" for row in rows]
+    lines += [line for note in notes for line in ("", note)]
     for name, (caption, _) in figures.items():
         lines += ["", f"## {caption}", "", f"![{caption}](figures/{name}.png)"]
     lines += ["", "## What produced this report", "", "Every option of every run: configuration.json.", ""]
@@ -345,7 +392,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _html(title, rows, figures, provenance, made) -> str:
+def _html(title, rows, notes, figures, provenance, made) -> str:
     table = "".join("<tr>" + "".join(f"<td>{html.escape(text)}</td>" for text in row) + "</tr>" for row in rows)
     header = "".join(f"<th>{html.escape(text)}</th>" for text in HEADLINE_COLUMNS)
     sections = "".join(
@@ -362,6 +409,7 @@ li{{font-size:0.85em;margin-bottom:0.4em}}</style></head><body>
 <h1>{html.escape(title)}</h1><p>Made by {html.escape(made)}.</p>
 <h2>Headline: this project beside the paper</h2>
 <table><tr>{header}</tr>{table}</table>
+{"".join(f"<p>{html.escape(note)}</p>" for note in notes)}
 {sections}
 <h2>What produced this report</h2><p>Every option of every run: configuration.json.</p><ul>{sources}</ul>
 </body></html>

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import xarray as xr
 
-from orthosphere.analyze import open_results
+from orthosphere.analyze.results import load_results
 from orthosphere.errors import AnalysisError
 
 SPLIT_ORDER = ("test", "interpolation", "extrapolation")
@@ -44,8 +44,10 @@ class Run:
 
     @property
     def split(self) -> str:
+        """The data the run read: a task's split, or a corpus's task and file (text:NAME), so that two corpora differ."""
         task = self.tree.attrs.get("task", {})
-        return str(task.get("split") or task.get("name") or "data")
+        corpus = f"{task.get('name')}:{Path(str(task['path'])).stem}" if task.get("path") and not task.get("split") else None
+        return str(task.get("split") or corpus or task.get("name") or "data")
 
     @property
     def label(self) -> str:
@@ -75,7 +77,7 @@ def load_runs(urls) -> list[Run]:
     that hold no complete analysis (``analyze`` stopped before writing its first) are refused."""
     runs = []
     for url in urls:
-        tree = open_results(url).load()
+        tree = load_results(url)
         if not tree.children:
             raise AnalysisError(f"results {url} hold no complete analysis (was `orthosphere analyze` stopped while "
                                 "writing them?): run the analyses again with the same --out")
@@ -95,10 +97,23 @@ def name_runs(runs: list[Run]) -> list[Run]:
         name = _model_name(run.model)
         clash = len(identities[name]) > 1
         run.name = f"{name}@{str(run.model.get('weights_sha256'))[:8]}" if clash else name
+    _refuse_twins(runs)
     order = {name: i for i, name in enumerate(PLACEMENT_ORDER)}
     splits = {name: i for i, name in enumerate(SPLIT_ORDER)}
     return sorted(runs, key=lambda run: (order.get(run.placement, 99), run.placement, run.name,
                                          splits.get(run.split, 99), run.split))
+
+
+def _refuse_twins(runs: list[Run]) -> None:
+    """Refuse two results of one model on one data label: a report shows each model once per data."""
+    seen: dict[str, Run] = {}
+    for run in runs:
+        other = seen.setdefault(run.label, run)
+        if other is not run:
+            raise AnalysisError(
+                f"results {other.url} and {run.url} are both of model {run.name} on data {run.split!r}: a report shows "
+                "one results of each model on each data (the figures and the headline would show only one of them); "
+                "report them separately, one `orthosphere report RESULTS --out DIR` each")
 
 
 def groups(runs: list[Run], path: str, variable: str) -> list[tuple[Run, xr.Dataset]]:
@@ -132,6 +147,50 @@ def accuracy_table(runs: list[Run]) -> dict[str, dict[str, float]]:
         if accuracy is not None:
             table.setdefault(run.name, {})[run.split] = float(accuracy.token_accuracy) * 100
     return table
+
+
+SETTINGS = {
+    "mass": ("norms/resid_pre", "mass", lambda value: f"{value * 100:g} %", "the share of |x| a norm band holds (norms mass)"),
+    "weighting": ("norms/resid_pre", "weighting",
+                  lambda value: "attention-weighted" if value == "attention" else "unweighted (every token alike)",
+                  "the norms' weighting (--uniform)"),
+    "collapse_target": ("replay", "collapse_target", lambda value: f"{value * 100:g} %",
+                        "the share of collapsed instances that defines the collapse level (replay collapse_target)"),
+    "sparse_threshold": ("replay", "sparse_threshold", lambda value: f"{value:g}",
+                         "the max attention that makes an instance sparse (replay sparse_threshold)"),
+}
+"""Analysis settings the report's words depend on: name -> (group, attribute, its words, what it is)."""
+
+
+def setting(run: Run, name: str):
+    """The value of SETTINGS[name] that the run's results record (None where they hold none)."""
+    path, key = SETTINGS[name][:2]
+    try:
+        return run.tree[path].attrs.get(key)
+    except KeyError:
+        return None
+
+
+def setting_words(runs: list[Run], name: str) -> str:
+    """The setting in words as the runs hold it: one value, or each of theirs joined by "or" (see
+    ``setting_differences``); "?" where none records it."""
+    values = sorted({setting(run, name) for run in runs} - {None}, key=str)
+    return " or ".join(SETTINGS[name][2](value) for value in values) or "?"
+
+
+def setting_differences(runs: list[Run]) -> list[str]:
+    """A sentence for each setting in which the compared (in-distribution) runs differ."""
+    sentences = []
+    for name, (_, _, words, what) in SETTINGS.items():
+        holders: dict = {}
+        for run in in_distribution(runs):
+            if setting(run, name) is not None:
+                holders.setdefault(setting(run, name), []).append(run.name)
+        if len(holders) > 1:
+            shown = "; ".join(f"{words(value)} ({', '.join(names)})" for value, names in holders.items())
+            sentences.append(f"The runs compared differ in {what}: {shown}. Their figures and headline values that depend "
+                             "on it are not like for like.")
+    return sentences
 
 
 NORM_TYPE_WORDS = {"rms": "RMSNorm", "layer": "LayerNorm"}
