@@ -132,7 +132,21 @@ class VerificationError(StoreError):
 
 
 class JobMismatchError(StoreError):
-    """A store made by a different job than the one asked to resume it."""
+    """A store made by a different job than the one asked to resume it: `difference` says what differs,
+    `advice` what to do (a workflow that makes its stores itself gives its own with ``advised``)."""
+
+    ADVICE = 'resume with the original model, task, sites, layers, dtype, pred and n_samples, or pass mode="overwrite" to replace the store'
+
+    def __init__(self, difference: str, advice: str = ADVICE):
+        self.difference, self.advice = difference, advice
+        super().__init__(f"{difference}; {advice}")
+
+    def advised(self, advice: str) -> JobMismatchError:
+        """The same difference with another `advice`."""
+        return type(self)(self.difference, advice)
+
+    def __reduce__(self):
+        return type(self), (self.difference, self.advice)
 
 
 class AnalysisError(OrthosphereError):

@@ -174,11 +174,7 @@ def check_same_job(url: str, attrs: dict, identity: dict) -> None:
         difference = _first_difference(stored, wanted, key)
         if difference is not None:
             name, old, new = difference
-            raise JobMismatchError(
-                f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is "
-                f"{_short(new)}; resume with the original model, task, sites, layers, dtype, pred and n_samples, "
-                'or pass mode="overwrite" to replace the store'
-            )
+            raise JobMismatchError(f"store {url} was made by a different job: its {name} is {_short(old)}, this job's is {_short(new)}")
 
 
 def _reopen(location: Location, break_lock: bool) -> StoreWriter | None:

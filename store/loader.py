@@ -6,10 +6,18 @@ windows of `window_tokens` (`buffer_tokens` rounded down to a multiple of `batch
 window holds the rest), and each window's tokens are permuted (seeded by seed, epoch and window).
 The epoch's stream is the windows' permuted tokens one after another; batch b is tokens
 [b * batch_size, (b + 1) * batch_size) of it, so a batch never spans two windows and only the
-epoch's last batch may be short. Ranks take contiguous, even ranges of batches; a rank's DataLoader
-workers take contiguous shares of whole windows (cut inside a window only when the range holds
-fewer windows than workers), so every selected token comes once per epoch in all and each window
-is read by one worker.
+stream's last batch may be short. Ranks take contiguous ranges of batches whose lengths
+(``len(loader)``) differ by one at most: a distributed loop that needs every rank to take the same
+number of steps skips the batches beyond the smallest (with ``continue``, not ``break``, so that the
+epoch ends). A rank's DataLoader workers take contiguous shares of whole windows (cut inside a
+window only when the range holds fewer windows than workers), so every selected token comes once per
+epoch in all and each window is read by one worker. The DataLoader takes the workers' batches in
+turn, so the short batch (the last of the last worker's share) comes last only when that share is
+at least as long as each other one, and otherwise before the other workers' last batches.
+
+An iteration left early (``break``) leaves the epoch unfinished: the next iteration continues it with
+the batches not delivered yet (as ``state_dict()`` does), and only an iteration that ends starts the
+next epoch.
 
 Reading: a chunk file of a local, uncompressed store goes straight into the window (``chunk_read``),
 and the kernel is asked to read the next window's files ahead while batches are gathered. Memory
@@ -139,7 +147,7 @@ class TokenLoader(torch.utils.data.IterableDataset):
     site by the constant making its mean squared norm its width (SAE trainers' scaling);
     both are computed once from the store (`summary`). `dtype`: float32, or `stored` (bfloat16 stays
     bfloat16, bit for bit). Iterate directly or through `dataloader(num_workers=...)`, which keeps
-    `state_dict()` exact."""
+    `state_dict()` exact (a DataLoader with workers made otherwise is refused: its epochs would repeat)."""
 
     def __init__(self, store, sites, *, batch_size: int, buffer_tokens: int, seed: int, where: str | None = None,
                  max_norm_ratio: float | None = None, exclude_start: bool = True, rank: int | None = None,
@@ -475,8 +483,10 @@ class TokenLoader(torch.utils.data.IterableDataset):
                 yield batch
             self._end_epoch()
             return
-        if self._given is None or len(self._given) != info.num_workers:  # a DataLoader not made by dataloader()
-            self._begin(info.num_workers)
+        if self._ring is None:  # its workers' copies cannot tell this loader that an epoch ended
+            raise ConfigError(f"a TokenLoader in a DataLoader with {info.num_workers} workers that it did not make: every epoch "
+                              "would repeat the first one's order and state_dict() would not follow the batches; iterate "
+                              f"loader.dataloader(num_workers={info.num_workers}, ...) instead")
         yield from self._batches(self._epoch, self._given[info.id], info.id)
 
     def _end_epoch(self) -> None:

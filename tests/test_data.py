@@ -149,9 +149,12 @@ def test_resume_with_another_number_of_workers_gives_each_token_once(store, firs
     assert sorted(seen + rest) == expected()
 
 
-def test_a_plain_dataloader_yields_each_token_once(store):
+def test_a_dataloader_with_workers_that_the_loader_did_not_make_is_refused(store):
+    """Its workers would read every epoch in the first epoch's order, and state_dict would not follow them."""
     tokens = loader(store)
-    assert sorted(ids(torch.utils.data.DataLoader(tokens, batch_size=None, num_workers=2))) == expected()
+    with pytest.raises(ValueError, match=r"with 2 workers .* iterate loader.dataloader\(num_workers=2, ...\) instead"):
+        list(torch.utils.data.DataLoader(tokens, batch_size=None, num_workers=2))
+    assert sorted(ids(torch.utils.data.DataLoader(tokens, batch_size=None))) == expected()  # no workers: the loader itself
 
 
 @pytest.mark.parametrize("workers", [0, 2])

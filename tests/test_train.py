@@ -91,6 +91,21 @@ def test_a_killed_run_resumes_from_its_checkpoint_exactly(tmp_path, monkeypatch)
     assert training.train(config, tmp_path / "killed", resume=True, progress=False)["final"] == expected["final"]
 
 
+def test_resuming_with_another_number_of_threads_warns(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "c.toml", train__steps=6, train__warmup_steps=1, train__checkpoint_every=3)
+    save = training._save_checkpoint
+    monkeypatch.setattr(training, "_save_checkpoint", lambda *args: save(*args) or (_ for _ in ()).throw(Killed()))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(Killed):
+            training.train(config, tmp_path / "run", progress=False, threads=1)
+        monkeypatch.setattr(training, "_save_checkpoint", save)
+        with pytest.warns(UserWarning, match=r"checkpoint was trained with 1 torch thread\(s\), and resumes with 2: .* --threads 1"):
+            training.train(config, tmp_path / "run", resume=True, progress=False, threads=2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_learning_rate_warms_up_then_decays():
     settings = training.TrainConfig(steps=100, batch_size=1, learning_rate=1.0,
                                     warmup_steps=10, min_lr_ratio=0.1)
@@ -147,7 +162,9 @@ def test_a_seed_replaces_the_configs_seed_in_the_run_and_its_saved_copy(tmp_path
     ({"task__max_digits": "3"}, "unknown task keys \\['max_digits'\\]"),
     ({"model__vocab_size": "20"}, "vocab_size = 20"),
     ({"train__warmup_steps": "100"}, r"\[train\] warmup_steps = 100: expected an integer from 0 to steps = "),
-    ({"train__beta2": "1.5"}, r"\[train\] beta2 = 1.5: expected a number in \[0, 1\]"),
+    ({"train__beta2": "1.5"}, r"\[train\] beta2 = 1.5: expected a number in \[0, 1\)"),
+    ({"train__beta1": "1.0"}, r"\[train\] beta1 = 1.0: expected a number in \[0, 1\)"),
+    ({"train__beta2": "1.0"}, r"\[train\] beta2 = 1.0: expected a number in \[0, 1\)"),
     ({"model__positions": '"learned"', "model__max_position_offset": "0", "model__max_len": "20"},
      "max_len = 20 is shorter than the task's longest sequence"),
 ])
@@ -188,6 +205,25 @@ def test_an_output_directory_holding_something_else_is_refused(tmp_path):
         training.train(config, tmp_path / "stranger", progress=False)
     with pytest.raises(ConfigError, match="unknown device 'tpu'"):
         training.train(config, tmp_path / "new", device="tpu", progress=False)
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_leaves_the_folder_to_a_corrected_config(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "c.toml", train__steps=2, train__warmup_steps=1)
+    broken = write_config(tmp_path / "broken.toml", train__steps=3, train__warmup_steps=1)
+    build = training.build
+    monkeypatch.setattr(training, "build", lambda *args: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        training.train(broken, tmp_path / "run", progress=False)
+    monkeypatch.setattr(training, "build", build)
+    training.train(config, tmp_path / "run", progress=False)
+    assert training.load_config(tmp_path / "run" / training.CONFIG_COPY).train.steps == 2
+
+
+def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "run"
+    with pytest.raises(ConfigError, match=rf"cannot write the output folder {out} \(--out\): Not a directory; pass a folder"):
+        training.train(TINY, out, progress=False)
 
 
 def test_the_tiny_config_parses_to_the_documented_task():

@@ -13,9 +13,11 @@ from click.testing import CliRunner
 
 from orthosphere.analyze import open_results
 from orthosphere.extract.model import ConfigError
+from orthosphere.store.lifecycle import IDENTITY_KEYS
 from orthosphere.workflows.backend import Backend
 from orthosphere.workflows.cli import main
-from orthosphere.workflows.pipeline import load_pipeline, run_pipeline
+from orthosphere.workflows.pipeline import _analysed, load_pipeline, run_pipeline
+from tests.synthetic import write_store
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TRAINING = REPO / "workflows" / "configs" / "tiny.toml"
@@ -133,10 +135,30 @@ def test_rerun_skips_complete_steps_and_force_redoes_them(tiny_run, tmp_path, ca
     assert (tmp_path / "out" / "results" / "pre-test.zarr" / "zarr.json").stat().st_mtime_ns > stamps[1]
 
 
+def test_changed_analysis_options_make_the_results_again_and_the_same_ones_keep_them(tmp_path, caplog):
+    q = np.random.default_rng(0).normal(size=(6, 1, 5, 2, 4)).astype("float32")
+    store = write_store(tmp_path / "store.zarr", {"resid_pre": q.reshape(6, 1, 5, 8), "q": q, "k": q})
+    out = str(tmp_path / "results.zarr")
+    config = tmp_path / "p.toml"
+
+    def analyse(mass: float) -> str:
+        config.write_text(f"[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n[analyze]\nonly=['norms']\n"
+                          f"[analyze.options]\n'norms.mass'={mass}\n")
+        caplog.clear()
+        with caplog.at_level("INFO", logger="orthosphere.pipeline"):
+            _analysed(store, out, load_pipeline(config), False, None)
+        return caplog.text
+
+    first, same, changed = analyse(0.5), analyse(0.5), analyse(0.6)
+    assert "analysing" in first and "analysing" not in same
+    assert "analysing" in changed and open_results(out)["norms"].attrs["options"]["mass"] == 0.6
+    assert "with the same analyses and options: kept" in same
+
+
 @pytest.mark.slow
 def test_report_verb(tiny_run, tmp_path):
     _, out = tiny_run
-    results = [str(p) for p in sorted((out / "results").iterdir())]
+    results = [str(p) for p in sorted((out / "results").glob("*.zarr"))]
     outcome = CliRunner().invoke(main, ["report", *results, "--out", str(tmp_path / "report")])
     assert outcome.exit_code == 0, outcome.output
     assert (tmp_path / "report" / "report.html").exists()
@@ -251,6 +273,34 @@ def test_a_pipelines_task_specs_are_parsed_when_it_is_loaded(tmp_path):
     corpus, arithmetic = (entry.task for entry in load_pipeline(folder / "p.toml").data)
     assert (corpus.source, corpus.path, corpus.layout, corpus.length) == ("text", str(folder / "corpus.txt"), "packed", 8)
     assert (arithmetic.split, arithmetic.seed) == ("interpolation", 3)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("train='bad.toml'", r"p.toml \[models.b\]: .*bad.toml: \[train\] steps = 0: expected a positive integer"),
+    ("train='nowhere.toml'", r"p.toml \[models.b\]: .*nowhere.toml not found"),
+    (f"train='{TINY_TRAINING}'\nseed=-3", r"p.toml \[models.b\] seed = -3: expected a non-negative integer"),
+])
+def test_every_models_training_config_is_checked_when_the_pipeline_is_loaded(tmp_path, entry, message):
+    (tmp_path / "bad.toml").write_text(TINY_TRAINING.read_text().replace("steps = 40", "steps = 0"))
+    (tmp_path / "p.toml").write_text(f"[models.a]\ntrain='{TINY_TRAINING}'\n[models.b]\n{entry}\n"
+                                     "[data.t]\ntask='arithmetic:split=test'\n")
+    with pytest.raises(ConfigError, match=message):
+        load_pipeline(tmp_path / "p.toml")
+
+
+def test_a_store_made_with_other_samples_gives_the_pipelines_advice(tmp_path, monkeypatch):
+    import orthosphere.extract.job as job_module
+    from orthosphere.store.lifecycle import check_same_job
+
+    def mismatch(job, **_):
+        check_same_job(job.out, {"n_samples": 16}, {**dict.fromkeys(IDENTITY_KEYS), "n_samples": 24})
+
+    monkeypatch.setattr(job_module, "run_job", mismatch)
+    (tmp_path / "p.toml").write_text(f"root='{tmp_path}'\n[models.a]\npath='x'\n[data.t]\ntask='arithmetic:split=test'\n")
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "p.toml")])
+    assert result.exit_code != 0 and "its n_samples is 16, this job's is 24" in result.output
+    assert "orthosphere run --force" in result.output and f"delete {tmp_path}/stores/a-t.zarr" in result.output
+    assert "orthosphere extract" not in result.output and "overwrite" not in result.output
 
 
 def test_missing_pipeline_config(tmp_path):

@@ -4,13 +4,16 @@ Kept apart from the online check so that analysing needs no PyTorch: the online 
 the model) is imported only when it is asked for."""
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 
 import xarray as xr
 
 from orthosphere.analyze.inputs import open_for_analysis
 from orthosphere.analyze.results import chosen_analyses, configure, results_tree, run_analyses, write_results
 from orthosphere.errors import ReplayError
+from orthosphere.store.location import Location, as_location
 
 log = logging.getLogger("orthosphere.online_check")
 
@@ -34,3 +37,42 @@ def analyze_with_online_check(store, out, *, analyses=None, options: dict | None
         tree = with_online_check(tree, store, str(online_model), configs["replay"], all_layers=True,
                                  max_samples=online_samples, device=online_device)
     return write_results(tree, out, overwrite=overwrite)
+
+
+def analysis_request(**asked) -> str:
+    """What makes a run's results (the analyses, their options, the online check ...), as the text
+    recorded beside them: results are kept only for the same text."""
+    return json.dumps(asked, sort_keys=True, default=repr)
+
+
+def _request_file(results) -> tuple[Location, str]:
+    """The folder of `results` (a path or fsspec URL) and the name of the file beside them,
+    NAME.zarr.request.json, that records the request that made them."""
+    folder, _, name = str(results).rstrip("/").rpartition("/")
+    return as_location(folder or "."), f"{name}.request.json"
+
+
+def kept_results(results, request: str, wanted, online: bool = False) -> bool:
+    """Whether the results at `results` were made by the same `request` (recorded beside them once
+    complete) and hold every `wanted` analysis (and the online check with `online`)."""
+    from orthosphere.analyze import open_results
+
+    folder, name = _request_file(results)
+    try:
+        if not folder.fs.isfile(folder.key(name)) or folder.fs.cat_file(folder.key(name)).decode() != request:
+            return False
+        tree = open_results(str(results))
+    except (OSError, ValueError, KeyError):
+        return False
+    has_online = "replay" in tree.children and "online" in tree["replay"].children
+    return set(wanted) <= set(tree.attrs.get("analyses", [])) and (not online or has_online)
+
+
+def analyse_and_record(results, request: str, analyse: Callable[[], object]) -> None:
+    """Run `analyse` (which writes `results`), then record `request` beside them; the old record is
+    removed first, so results that a stopped run left half made are never kept."""
+    folder, name = _request_file(results)
+    if folder.fs.isfile(folder.key(name)):
+        folder.remove_entry(name)
+    analyse()
+    folder.write_atomic(name, request.encode())

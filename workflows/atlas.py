@@ -35,7 +35,6 @@ A config::
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from orthosphere.errors import ConfigError
 
+from .analysis import analyse_and_record, analysis_request, kept_results
 from .pipeline import (
     _analysis_options,
     _check_keys,
@@ -193,7 +193,7 @@ def run_atlas(atlas: Atlas, *, force: bool = False, client=None) -> Path:
 def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -> dict:
     """The model's store and results (each made unless complete, or with `force`), and the seconds each took
     (NaN for a step skipped)."""
-    from orthosphere.analyze import analyze
+    from orthosphere.analyze import ANALYSES, analyze
     from orthosphere.errors import JobMismatchError
     from orthosphere.extract.job import ExtractJob, run_job
 
@@ -205,21 +205,17 @@ def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -
     try:
         extracted = run_job(job, client=client, progress=False)
     except JobMismatchError as error:
-        raise JobMismatchError(f"{error}. In the atlas: rerun with --force (force=True from Python) to redo every model "
-                               "with this config, or give another root") from None
+        raise error.advised("in the atlas: rerun with --force (force=True from Python) to redo every model with this "
+                            "config, or give another root") from None
     log.info("%s", extracted.summary())
     extract_seconds = float("nan") if extracted.already_complete else extracted.seconds
     analyse_seconds = float("nan")
     request = _request(atlas)
-    if force or not _complete(results, atlas.only, request):
+    if force or not kept_results(results, request, atlas.only or set(ANALYSES) - {"accuracy"}):
         started = time.perf_counter()
-        _request_file(results).unlink(missing_ok=True)
-        analyze(str(store), str(results), analyses=list(atlas.only) if atlas.only else None, overwrite=True,
-                command=f"orthosphere atlas ({atlas.name})", **atlas.options)
+        analyse_and_record(results, request, lambda: analyze(str(store), str(results), analyses=list(atlas.only) if atlas.only else None,
+                                                             overwrite=True, command=f"orthosphere atlas ({atlas.name})", **atlas.options))
         analyse_seconds = time.perf_counter() - started
-        partial = _request_file(results).with_suffix(".partial")
-        partial.write_text(request)
-        partial.rename(_request_file(results))
     else:
         log.info("atlas %s: model %s: the results at %s are complete, with the same analyses and options: kept",
                  atlas.name, model.name, results)
@@ -228,27 +224,7 @@ def _extract_and_analyse(atlas: Atlas, model: AtlasModel, force: bool, client) -
 
 def _request(atlas: Atlas) -> str:
     """The analyses and options asked for, as the text recorded beside each model's results."""
-    return json.dumps({"only": atlas.only, "options": atlas.options}, sort_keys=True, default=repr)
-
-
-def _request_file(results: Path) -> Path:
-    """Where the analyses and options that made `results` are recorded (written once the results are complete)."""
-    return results.with_name(results.name + ".request.json")
-
-
-def _complete(results: Path, only, request: str) -> bool:
-    """Whether results at `results` hold every analysis asked for (all that the store feeds by default),
-    made with the same request (analyses and options; a changed option makes them again)."""
-    from orthosphere.analyze import ANALYSES, open_results
-
-    recorded = _request_file(results)
-    if not results.exists() or not recorded.is_file() or recorded.read_text() != request:
-        return False
-    try:
-        written = set(open_results(str(results)).attrs.get("analyses", []))
-    except (OSError, ValueError, KeyError):
-        return False
-    return set(only or set(ANALYSES) - {"accuracy"}) <= written
+    return analysis_request(only=atlas.only, options=atlas.options)
 
 
 def atlas(models, corpus, out, *, samples: int | None = None, analyses=None, options: dict | None = None,

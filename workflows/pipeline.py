@@ -9,6 +9,7 @@ Layout under the output root:
     models/NAME/                 trained checkpoints (models with `train = ...`)
     stores/NAME-DATA.zarr        one store per model and data set
     results/NAME-DATA.zarr       the analyses of that store (an xarray DataTree)
+    results/NAME-DATA.zarr.request.json   the analyses and options that made them (changed: made again)
     report/                      report.html, report.md and the figures
 
 Paths of models and training configs are relative to the pipeline config's folder; the output
@@ -246,9 +247,24 @@ def _model_entry(name: str, entry: dict, here: Path, path: Path) -> ModelEntry:
         raise ConfigError(f"{path} [models.{name}]: give `path` (a checkpoint) or `train` (a training config)")
     if "seed" in entry and "train" not in entry:
         raise ConfigError(f"{path} [models.{name}]: `seed` replaces a training config's seed; give it with `train`")
-    train = here / entry["train"] if "train" in entry else None
+    train = _training_config(here / entry["train"], entry.get("seed"), f"{path} [models.{name}]") if "train" in entry else None
     return ModelEntry(name=name, path=here / entry["path"] if "path" in entry else Path(), train=train,
                       seed=entry.get("seed"))
+
+
+def _training_config(train: Path, seed, where: str) -> Path:
+    """The model's training config, checked now with the model's seed as the train step will read it
+    (so that a bad one stops the pipeline before any model trains)."""
+    from .train import load_config
+
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ConfigError(f"{where} seed = {seed!r}: expected a non-negative integer (it replaces the seed of the training "
+                          f"config {train})")
+    try:
+        load_config(train, seed)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    return train
 
 
 def _data_entry(name: str, entry: dict, here: Path, path: Path) -> DataEntry:
@@ -280,7 +296,7 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                  break_lock: bool = False) -> Path:
     """Run every step that is not complete yet (all of them with `force`); returns the report folder.
     `break_lock` breaks the locks of the stores even where their holders look alive."""
-    from orthosphere.extract.job import ExtractJob, run_job
+    from orthosphere.extract.job import ExtractJob
 
     from .report import write_report
     from .train import train
@@ -295,10 +311,23 @@ def run_pipeline(pipeline: Pipeline, force: bool = False, backend: Backend | Non
                     model=str(model.path), task=data.task, out=store, n_samples=data.samples, **pipeline.extract,
                     mode="overwrite" if force else "resume", break_lock=break_lock, command=f"orthosphere run ({pipeline.name})",
                 )
-                log.info(run_job(job, client=client, progress=False).summary())
+                log.info(_extracted(job, client).summary())
                 online = model.path if data.name in pipeline.online else None
                 results.append(_analysed(store, pipeline.results_url(model, data), pipeline, force, online))
     return write_report(results, pipeline.report_dir, title=pipeline.title)
+
+
+def _extracted(job, client):
+    """The pipeline's extraction job run (resumed); a store made by another job (its model, data or
+    samples changed in the config) gets the pipeline's advice."""
+    from orthosphere.errors import JobMismatchError
+    from orthosphere.extract.job import run_job
+
+    try:
+        return run_job(job, client=client, progress=False)
+    except JobMismatchError as error:
+        raise error.advised(f"in a pipeline: rerun with `orthosphere run --force` (force=True from Python) to redo every "
+                            f"step, or delete {job.out} to make only this store again") from None
 
 
 def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> ModelEntry:
@@ -314,31 +343,23 @@ def _trained(model: ModelEntry, pipeline: Pipeline, force: bool, train) -> Model
 
 
 def _analysed(store: str, out: str, pipeline: Pipeline, force: bool, online_model: Path | None) -> str:
-    """Run the analyses (and the online check with `online_model`) unless complete results of
-    this store are already there."""
+    """Run the analyses (and the online check with `online_model`) unless results of this store made
+    with the same analyses and options are complete (the request recorded beside them, as the atlas does)."""
+    from orthosphere.analyze import ANALYSES
     from orthosphere.extract.job import ExtractJob
 
-    from .analysis import analyze_with_online_check
+    from .analysis import analyse_and_record, analysis_request, analyze_with_online_check, kept_results
 
-    if not force and _complete(out, pipeline, online_model is not None):
-        log.info("results %s are complete: skipping the analyses", out)
+    online = online_model is not None
+    request = analysis_request(only=pipeline.analyze_only, options=pipeline.analyze_options, online=online,
+                               online_samples=pipeline.online_samples if online else None)
+    if not force and kept_results(out, request, pipeline.analyze_only or ANALYSES, online):
+        log.info("results %s are complete, with the same analyses and options: kept (skipping the analyses)", out)
         return out
     log.info("analysing %s into %s", store, out)
-    analyze_with_online_check(store, out, online_model=online_model, online_samples=pipeline.online_samples,
-                              online_device=pipeline.extract.get("device", ExtractJob.defaults()["device"]), overwrite=True,
-                              analyses=list(pipeline.analyze_only) if pipeline.analyze_only else None,
-                              options=pipeline.analyze_options, command=f"orthosphere run ({pipeline.name})")
+    analyse_and_record(out, request, lambda: analyze_with_online_check(
+        store, out, online_model=online_model, online_samples=pipeline.online_samples,
+        online_device=pipeline.extract.get("device", ExtractJob.defaults()["device"]), overwrite=True,
+        analyses=list(pipeline.analyze_only) if pipeline.analyze_only else None, options=pipeline.analyze_options,
+        command=f"orthosphere run ({pipeline.name})"))
     return out
-
-
-def _complete(out: str, pipeline: Pipeline, online: bool) -> bool:
-    """Whether results at `out` hold every analysis the pipeline asks for (and the online check)."""
-    from orthosphere.analyze import ANALYSES, open_results
-
-    try:
-        tree = open_results(out)
-    except ValueError:
-        return False
-    wanted = set(pipeline.analyze_only or ANALYSES)
-    has_online = "replay" in tree.children and "online" in tree["replay"].children
-    return wanted <= set(tree.attrs.get("analyses", [])) and (not online or has_online)
