@@ -28,6 +28,8 @@ from .schema import WEIGHT_VARIABLES
 from .state import INDEX_ARRAYS
 
 FIXED_SIZE_CODECS = {"bytes", "crc32c"}
+DIRECTORY_PROBLEM = "a directory where the chunk file should be: remove it"
+LINK_PROBLEM = "a symbolic link where a chunk file should be: replace it with the file it points to, or remove it"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class Damage:
     """The job shard that wrote the chunk (None: written with the store or the weight maps)."""
     listed: bool = True
     """Whether a listing of the store shows it (missing, wrong size); if not, only a read does."""
+    obstacle: bool = False
+    """Whether a directory stands where the chunk file should be: no job can write the chunk until it is removed."""
 
     def __str__(self) -> str:
         return f"array {self.array!r} chunk {self.chunk} ({self.where}): {self.problem}"
@@ -112,8 +116,18 @@ class ArrayPromise:
         """The promised chunks' coordinates."""
         return (coords for coords in product(*(range(n) for n in self.grid)) if self.promised(coords))
 
-    def damage(self, coords: tuple[int, ...], problem: str, listed: bool = True) -> Damage:
-        return Damage(self.name, coords, self.where(coords), problem, self.shard(coords), listed)
+    def damage(self, coords: tuple[int, ...], problem: str, listed: bool = True, obstacle: bool = False) -> Damage:
+        return Damage(self.name, coords, self.where(coords), problem, self.shard(coords), listed, obstacle)
+
+    def check_listed(self, coords: tuple[int, ...], files: dict[str, int]) -> Damage | None:
+        """The damage of the chunk as the store's listing (location.Listing) shows it: a directory or a
+        symbolic link where its file should be, missing, or of the wrong size."""
+        key = self.key(coords)
+        if key in getattr(files, "links", ()):
+            return self.damage(coords, LINK_PROBLEM)
+        if key in getattr(files, "directories", ()):
+            return self.damage(coords, DIRECTORY_PROBLEM, obstacle=True)
+        return self.check_size(coords, files.get(key))
 
     def check_size(self, coords: tuple[int, ...], size: int | None) -> Damage | None:
         """The damage of a chunk of `size` encoded bytes (None: missing), if any."""
@@ -193,12 +207,24 @@ def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dic
         decoded = decode or (decode_strings and promise.size is None)
         array = group[name] if decoded else None
         for coords in promise.chunks():
-            found = promise.check_size(coords, files.get(promise.key(coords)))
+            found = promise.check_listed(coords, files)
             if found is None and decoded:
                 found = _decode_damage(array, promise, coords)
             if found is not None:
                 damage.append(found)
     return damage
+
+
+def obstacles(promised: dict[str, ArrayPromise], files: dict[str, int]) -> list[str]:
+    """The paths inside the store of the directories that stand where any chunk of its arrays
+    goes, promised or not (`files`: its location.Listing): a job writing that chunk would fail."""
+    found = []
+    for directory in sorted(getattr(files, "directories", ())):
+        name, _, chunk_key = directory.partition("/")
+        promise = promised.get(name)
+        if promise is not None and promise.coords_of(chunk_key) is not None:
+            found.append(directory)
+    return found
 
 
 def _decode_damage(array: zarr.Array, promise: ArrayPromise, coords: tuple[int, ...]) -> Damage | None:

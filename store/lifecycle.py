@@ -144,13 +144,18 @@ def _refuse_foreign(location: Location, found: Found) -> None:
 
 def _exists_message(location: Location, found: Found) -> str:
     """What to do about a store (or a remnant of one) where a new one was to be created."""
+    holder = live_holder(location)
+    if found.kind == REMNANT and holder is not None:
+        return (
+            f"a store is being created at {location.url} now by a running writer: {holder_text(holder)}; wait for it to "
+            'finish (mode="resume" then completes whatever it left), or write elsewhere'
+        )
     if found.kind == REMNANT:
         return (
             f"{location.url} holds a store whose creation or replacement was interrupted (nothing in it can be resumed): "
             'pass mode="resume" to create it afresh, or mode="overwrite"'
         )
     state = "complete" if found.attrs.get("complete") else "incomplete"
-    holder = live_holder(location)
     if holder is not None:
         return (
             f"a store is being written at {location.url} now ({state}) by a running writer: {holder_text(holder)}; "
@@ -181,6 +186,12 @@ def _reopen(location: Location, break_lock: bool) -> StoreWriter | None:
     """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
     when the store is complete and whole."""
     writer = open_writer(location, lock=True, break_lock=break_lock)
+    blocked = writer.obstacles()
+    if blocked:
+        writer.close()
+        shown = ", ".join(blocked[:3]) + (", ..." if len(blocked) > 3 else "")
+        raise StoreError(f"store {location.url} cannot be resumed: {len(blocked)} chunk path(s) inside it hold a directory "
+                         f"where the chunk file should be ({shown}): remove them, then resume the job again (mode=\"resume\")")
     restored = writer.restore_metadata()
     if restored:
         log.warning("%s: the metadata of array(s) %s was missing; restored from the store's consolidated metadata",

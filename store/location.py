@@ -16,6 +16,16 @@ from .faults import crash_point
 from .names import REPLACING_NAME, temporary_path
 
 
+class Listing(dict):
+    """A store's files, path inside the store -> bytes (a symbolic link: its own size), with the
+    paths of its folders and of its symbolic links (a link to a folder is a link, not a folder)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.directories: set[str] = set()
+        self.links: set[str] = set()
+
+
 @dataclass(frozen=True)
 class Location:
     """A store's URL with the filesystem options that reach it."""
@@ -57,21 +67,33 @@ class Location:
             store = FsspecStore.from_url(self.url, storage_options=self.storage_options or None, read_only=read_only)
         return NamedFailuresStore(store, self.url)
 
+    @property
+    def at_filesystem_root(self) -> bool:
+        """Whether the store is the whole of its filesystem (a zip file's root, reference://): its root is ""."""
+        return not self.is_local and not self.root.strip("/")
+
     def key(self, name: str) -> str:
         """Path of a file inside the store."""
+        if self.at_filesystem_root:
+            return f"{self.root}{name}"  # "" + name (zip, reference://), "/" + name (memory://)
         return f"{self.root.rstrip('/')}/{name}"
 
     def is_link_to_nothing(self) -> bool:
         return os.path.islink(self.local_path) and not os.path.exists(self.local_path)
 
     def exists(self) -> bool:
-        return self.fs.exists(self.root)
+        """Whether anything is there; a filesystem's root always is (ReferenceFileSystem says "" does not exist)."""
+        return self.at_filesystem_root or self.fs.exists(self.root)
+
+    def is_dir(self) -> bool:
+        """Whether it is a folder; a filesystem's root always is."""
+        return self.at_filesystem_root or self.fs.isdir(self.root)
 
     def is_zarr(self) -> bool:
         return self.fs.exists(self.key("zarr.json"))
 
     def is_empty_dir(self) -> bool:
-        return self.fs.isdir(self.root) and not self.fs.ls(self.root)
+        return self.is_dir() and not self.fs.ls(self.root)
 
     def entries(self) -> list[str]:
         """The names directly inside the store's folder."""
@@ -79,23 +101,38 @@ class Location:
             return sorted(os.listdir(self.local_path))
         return sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False))
 
-    def list_files(self) -> dict[str, int]:
-        """Every file under the store (symbolic links not followed): path inside the store -> bytes."""
+    def list_files(self) -> Listing:
+        """Every file under the store (symbolic links not followed): path inside the store -> bytes,
+        with the folders and symbolic links inside it."""
         with naming_failures(self.url, "its listing", writing=False):
             return self._list_files()
 
-    def _list_files(self) -> dict[str, int]:
+    def _list_files(self) -> Listing:
+        listing = Listing()
         if self.is_local:
-            files = {}
-            for folder, _, names in os.walk(self.local_path):
+            for folder, folders, names in os.walk(self.local_path):
                 inside = os.path.relpath(folder, self.local_path).replace(os.sep, "/")
-                for name in names:
+                for name in names + folders:
                     key = name if inside == "." else f"{inside}/{name}"
-                    files[key] = os.lstat(os.path.join(folder, name)).st_size
-            return files
-        prefix = self.root.rstrip("/") + "/"
+                    path = os.path.join(folder, name)
+                    if os.path.islink(path):
+                        listing.links.add(key)
+                    if name in names or os.path.islink(path):  # a link to a folder is not walked into
+                        listing[key] = os.lstat(path).st_size
+                    else:
+                        listing.directories.add(key)
+            return listing
         found = self.fs.find(self.root, detail=True)
-        return {path[len(prefix):]: int(entry.get("size") or 0) for path, entry in found.items() if path.startswith(prefix)}
+        if self.at_filesystem_root:  # a zip's or reference://'s paths have no leading "/", memory://'s have one
+            files = {path.lstrip("/"): entry for path, entry in found.items() if entry.get("type") != "directory"}
+        else:
+            prefix = self.root.rstrip("/") + "/"
+            files = {path[len(prefix):]: entry for path, entry in found.items() if path.startswith(prefix)}
+        for key, entry in files.items():
+            listing[key] = int(entry.get("size") or 0)
+            parts = key.split("/")
+            listing.directories.update("/".join(parts[:end]) for end in range(1, len(parts)))  # object stores: key prefixes
+        return listing
 
     def clear(self, keep=()) -> None:
         """Remove everything inside the store but the names in `keep`. The marker REPLACING_NAME is

@@ -12,6 +12,7 @@ from .bfloat16 import is_bfloat16
 from .errors import DamagedStoreError, IncompleteStoreError, StorageFailureError, StoreError, StoreNotFoundError
 from .integrity import GuardedStore, find_damage, guarded_group, promises
 from .location import Location, as_location, group_arrays, zarr_quietly
+from .lock import holder_text, live_holder
 from .names import PROGRESS_GROUP
 from .schema import (
     DIM_NAMES,
@@ -32,6 +33,66 @@ if TYPE_CHECKING:
     import xarray
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
+OPTIONAL_ATTRS = ("with_weights", "samples_per_chunk", "codec", "pred", "complete")
+"""Root attributes a store may lack (written before they existed); checked when present."""
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+ATTR_TYPES = {
+    "model": (lambda v: isinstance(v, dict), "a dict (the model description)"),
+    "task": (lambda v: isinstance(v, dict), "a dict (the task description)"),
+    "sites": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v), "a non-empty list of site names"),
+    "layers": (lambda v: isinstance(v, list) and bool(v) and all(_index(x) for x in v), "a non-empty list of layer indices"),
+    "dtype": (lambda v: isinstance(v, str), "a dtype name"),
+    "labels": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), "a dict of label name -> dtype"),
+    "n_samples": (_count, "a positive integer"),
+    "n_pos": (_count, "a positive integer"),
+    "shards": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, list) and len(x) == 2 and all(_index(i) for i in x)
+                                                                 for x in v), "a non-empty list of [start, stop) sample ranges"),
+    "provenance": (lambda v: isinstance(v, dict), "a dict"),
+    "with_weights": (lambda v: isinstance(v, bool), "true or false"),
+    "samples_per_chunk": (_count, "a positive integer"),
+    "codec": (lambda v: isinstance(v, str), "a codec name"),
+    "pred": (lambda v: isinstance(v, bool), "true or false"),
+    "complete": (lambda v: isinstance(v, bool), "true or false"),
+}
+"""What each root attribute but `schema` must be (store/SCHEMA.md): a test, and the expectation in words."""
+
+
+def root_attribute_problems(attrs: dict) -> list[str]:
+    """Every root attribute that schema v1 promises and the store lacks, or holds with the wrong type or value."""
+    problems = [f"root attribute {key!r} is missing" for key in REQUIRED_ATTRS if key not in attrs]
+    for key, (fits, expected) in ATTR_TYPES.items():
+        if key in attrs and not fits(attrs[key]):
+            problems.append(f"root attribute {key!r} is {_shown(attrs[key])}, expected {expected}")
+    if problems:
+        return problems
+    for key, check in (("sites", check_sites), ("model", check_model), ("dtype", check_dtype)):
+        try:
+            check(attrs[key])
+        except StoreError as error:
+            problems.append(f"root attribute {key!r}: {error}")
+    return problems
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def damaged_root_error(location: Location, problems: list[str]) -> StoreError:
+    """The error for a store whose root attributes depart from the schema."""
+    return StoreError(
+        f"{location.url}: the store's root metadata (zarr.json) is damaged: {'; '.join(problems)}; "
+        "restore its zarr.json from a copy, or replace the store (rerun the job that made it with mode=\"overwrite\")"
+    )
 
 
 def open_group_checked(location: Location, mode: str = "r", consolidated: bool | None = None) -> zarr.Group:
@@ -63,6 +124,9 @@ def open_group_checked(location: Location, mode: str = "r", consolidated: bool |
             f"{location.url} has schema version {version!r}, newer than the {SCHEMA_VERSION} "
             "this orthosphere reads: upgrade orthosphere"
         )
+    problems = root_attribute_problems(dict(group.attrs))
+    if problems:
+        raise damaged_root_error(location, problems)
     return group
 
 
@@ -72,6 +136,10 @@ def not_a_store_error(location: Location, kind: str) -> StoreError:
         return StoreNotFoundError(
             f"no store at {location.url}: the path does not exist; check it, or create a store with `orthosphere extract`"
         )
+    holder = live_holder(location) if kind == REMNANT else None
+    if holder is not None:
+        return StoreError(f"{location.url} is a store being created now by a running writer: {holder_text(holder)}; wait for "
+                          "it to finish, then read it")
     what = {
         REMNANT: "is a store whose creation or replacement was interrupted (nothing in it can be resumed): rerun the "
                  'job that makes it, with mode="resume" (or mode="overwrite")',
@@ -105,7 +173,9 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
     Every chunk the store promises (every chunk of each complete shard, the weight maps, the index
     coordinates) is checked to be there and of its size first (one listing of the store;
     check_chunks=False skips it), and reads raise DamagedStoreError, naming the array and chunk,
-    where a promised chunk is missing, truncated or fails its checksum."""
+    where a promised chunk is missing, truncated or fails its checksum. An incomplete store opened
+    with allow_incomplete holds only the samples of its complete shards (attribute
+    `samples_written`), and the weight maps only once they were written."""
     location = as_location(url, storage_options)
     group = open_group_checked(location)
     state = completeness(group)
@@ -133,7 +203,22 @@ def open_store(url, *, allow_incomplete: bool = False, storage_options: dict | N
         dataset = xr.open_zarr(guarded, consolidated=state["complete"] or None, zarr_format=3, chunks=chunks)
     widened = {name: variable.astype(np.float32) for name, variable in dataset.data_vars.items() if is_bfloat16(variable.dtype)}
     dataset = dataset.assign(widened)
+    if not state["complete"]:
+        dataset = _written_part(dataset, group)
     dataset.attrs["url"] = location.url  # where it was opened from: for messages, and readers that reopen it
+    return dataset
+
+
+def _written_part(dataset: xarray.Dataset, group: zarr.Group) -> xarray.Dataset:
+    """An incomplete store's samples of complete shards only, and its weight maps only once written:
+    what was never written would read as fill values (zeros), indistinguishable from data."""
+    progress = group[PROGRESS_GROUP]
+    done = progress["shard_complete"][:]
+    written = [index for shard, (start, stop) in zip(done, group.attrs["shards"]) if shard for index in range(start, stop)]
+    dataset = dataset.isel(sample=np.asarray(written, dtype=np.int64))
+    if not bool(progress["weights_written"][0]):
+        dataset = dataset.drop_vars([name for name in WEIGHT_VARIABLES if name in dataset.data_vars])
+    dataset.attrs["samples_written"] = f"{len(written)} of {group.attrs['n_samples']} (the job did not finish)"
     return dataset
 
 
@@ -153,16 +238,9 @@ def validate(url, storage_options: dict | None = None, full: bool = False) -> li
         raise  # the storage failed, not the store
     except StoreError as error:
         return [str(error)]
-    attrs = dict(group.attrs)
-    problems = [f"root attribute {key!r} is missing" for key in REQUIRED_ATTRS if key not in attrs]
-    if problems:
-        return problems
-    try:
-        sites = check_sites(attrs["sites"])
-        model = check_model(attrs["model"])
-        check_dtype(attrs["dtype"])
-    except StoreError as error:
-        return [str(error)]
+    attrs = dict(group.attrs)  # open_group_checked checked them (root_attribute_problems)
+    sites, model = check_sites(attrs["sites"]), check_model(attrs["model"])
+    problems = []
     sizes = dim_sizes(model, attrs["n_samples"], attrs["n_pos"], len(attrs["layers"]))
     described = consolidated_arrays(location)
     for name, var in variables_for(sites, attrs.get("with_weights", True), holds_pred(attrs)).items():
@@ -272,6 +350,8 @@ def _per_token(summary: dict) -> str:
     if summary["bytes_per_real_token"] is None:
         return "no real tokens written yet"
     per_token, sites = summary["bytes_per_real_token"], summary["site_bytes_per_position"]
+    if not sites:  # no site array there (validate names what is missing)
+        return f"{per_token / 1e3:,.2f} kB per real token besides the weight maps"
     return (f"{per_token / 1e3:,.2f} kB per real token besides the weight maps "
             f"({per_token / sites:.3f}x the sites' {sites / 1e3:,.2f} kB a position)")
 

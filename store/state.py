@@ -52,7 +52,7 @@ def _inspect(location: Location) -> Found:
         raise StoreError(f"{location.url} is a symbolic link to a path that does not exist: fix or remove the link")
     if not location.exists():
         return Found(ABSENT)
-    if not location.fs.isdir(location.root):
+    if not location.is_dir():
         return Found(FOREIGN)
     names = location.entries()
     if not names:

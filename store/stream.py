@@ -252,7 +252,9 @@ def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool, direct: 
 
 
 def _write_bytes(path: str, data: np.ndarray, offset: int, truncate: bool, mode: int) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0) | mode
+    if truncate and os.path.islink(path):  # a link where the chunk goes: replaced by the chunk, never written through
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0) | os.O_NOFOLLOW | mode
     descriptor = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
     try:
         view, written = memoryview(data), 0

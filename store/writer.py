@@ -28,7 +28,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreLockedError
 from .failures import release_after_failure
 from .faults import crash_point
-from .integrity import Damage, find_damage, guarded_group, promises
+from .integrity import Damage, find_damage, guarded_group, obstacles, promises
 from .location import Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, release_lock
 from .names import PROGRESS_GROUP, is_lock_file
@@ -121,6 +121,8 @@ def new_store(
     """The store of schema v1 these arguments describe, or the error that names the first one that
     is wrong. pred=False leaves the model's predictions out (a job that stops the forward pass early
     has none)."""
+    if not isinstance(task, dict):
+        raise StoreError(f"task={task!r}: expected a dict describing the samples' data (the store's root attribute `task`)")
     model = check_model(model)
     sites = check_sites(sites)
     dtype = check_dtype(dtype)
@@ -316,6 +318,10 @@ class StoreWriter:
         promised = promises(self.group, self.attrs, self.shard_complete(), self.weights_written())
         group = guarded_group(self.location, promised) if decode else self.group
         return find_damage(group, promised, files, decode=decode, decode_strings=decode_strings)
+
+    def obstacles(self) -> list[str]:
+        """The directories that stand where chunk files of the store go (paths inside it): no write can replace them."""
+        return obstacles(promises(self.group, self.attrs, self.shard_complete(), self.weights_written()), self.location.list_files())
 
     def restore_metadata(self) -> list[str]:
         """Write back the metadata (NAME/zarr.json) of every array that the root's consolidated metadata

@@ -14,7 +14,7 @@ from orthosphere.store.location import as_location
 from orthosphere.store.lock import LOCK_NAME, STALE_SECONDS
 from orthosphere.workflows.cli import layer_list, main
 from tests.test_extract_models import write_arithmetic_model, write_hf_model
-from tests.test_store import fill, foreign_lock, make_store, sample_block
+from tests.test_store import edit_root_attributes, fill, foreign_lock, make_store, sample_block
 
 
 @pytest.fixture
@@ -52,6 +52,16 @@ def test_info_on_missing_store_is_one_clear_line(tmp_path):
     result = CliRunner().invoke(main, ["info", str(tmp_path / "missing.zarr")])
     assert result.exit_code == 1
     assert result.output.startswith("Error: no store at") and "Traceback" not in result.output
+
+
+def test_info_on_a_store_without_its_sites_attribute_is_one_clear_line(store):
+    """A root attribute deleted from zarr.json is named as damaged root metadata, not an unexpected ZeroDivisionError."""
+    edit_root_attributes(store, lambda attrs: attrs.pop("sites"))
+    expected = f"{store}: the store's root metadata (zarr.json) is damaged: root attribute 'sites' is missing"
+    line = error_line(run("info", store))
+    assert line.startswith(f"Error: {expected}") and "`orthosphere extract ... --overwrite`" in line, line
+    checked = run("validate", store)
+    assert checked.output.startswith(expected) and error_line(checked) == f"Error: store {store} has 1 problem(s), listed above"
 
 
 def test_workers_and_scheduler_are_exclusive(store):

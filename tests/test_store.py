@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -177,7 +178,9 @@ def test_incomplete_store_is_refused_until_finished(tmp_path):
     with pytest.raises(IncompleteStoreError, match="2 of 3 shards are not complete"):
         writer.finish()
     partial = open_store(url, allow_incomplete=True)
-    np.testing.assert_array_equal(partial.tokens.isel(sample=slice(start, stop)).values, sample_block(start, stop)["tokens"])
+    assert list(partial.sample.values) == list(range(start, stop)) and partial.attrs["samples_written"].startswith(f"{stop - start} of")
+    np.testing.assert_array_equal(partial.tokens.values, sample_block(start, stop)["tokens"])
+    assert "w_q" not in partial  # the weight maps were never written: not read as zeros
     assert any("incomplete" in problem for problem in validate(url))
     writer.close()
 
@@ -219,6 +222,23 @@ def test_s3_round_trip(s3_bucket):
     assert_round_trip(open_store(url), written)
     assert validate(url) == []
     assert info(url)["size_bytes"] > 0
+
+def test_store_at_the_root_of_a_zip_file_or_a_reference_filesystem(tmp_path):
+    """A store that is a whole filesystem (its root ""): every chunk found, read, validated and described."""
+    import zipfile
+
+    url = str(tmp_path / "store.zarr")
+    written = fill(make_store(url))
+    files = {os.path.relpath(os.path.join(folder, name), url).replace(os.sep, "/"): os.path.join(folder, name)
+             for folder, _, names in os.walk(url) for name in names}
+    with zipfile.ZipFile(tmp_path / "store.zip", "w") as archive:
+        for key, path in files.items():
+            archive.write(path, key)
+    references = {"version": 1, "refs": {key: [path, 0, os.path.getsize(path)] for key, path in files.items()}}
+    for root, options in [(f"zip://::{tmp_path / 'store.zip'}", {}), ("reference://", {"fo": references})]:
+        assert validate(root, storage_options=options, full=True) == [], root
+        assert_round_trip(open_store(root, storage_options=options), written)
+        assert info(root, storage_options=options)["complete"], root
 
 
 # Locking -------------------------------------------------------------------------------
@@ -490,6 +510,29 @@ def test_folder_holding_only_a_lock_taken_half_way_is_a_remnant(tmp_path, name):
     assert read_attrs(str(folder))["complete"]
 
 
+def test_store_being_created_by_a_running_writer_is_said_to_be_so_not_interrupted(tmp_path):
+    """A live writer's lock on a store whose progress record is not written yet: creation is under way, so a
+    second job, validate and the readers say to wait for that writer, not to create the store afresh."""
+    url = str(tmp_path / "store.zarr")
+    make_store(url).close()
+    shutil.rmtree(os.path.join(url, "_progress"))
+    foreign_lock(url, seconds_ago=3)
+    assert inspect(as_location(url)).kind == REMNANT
+    running = r"by a running writer: pid 4242 on gpu-node-7.*wait for it to finish"
+    with pytest.raises(StoreExistsError, match=rf"a store is being created at {re.escape(url)} now {running}") as refused:
+        make_store(url)
+    assert "interrupted" not in str(refused.value)
+    for reading in (open_store, info, read_attrs):
+        with pytest.raises(StoreError, match=rf"{re.escape(url)} is a store being created now {running}, then read it"):
+            reading(url)
+    assert re.search(running, validate(url)[0]) and "interrupted" not in validate(url)[0]
+    foreign_lock(url, seconds_ago=STALE_SECONDS + 5)  # its writer died: the creation was interrupted after all
+    with pytest.raises(StoreExistsError, match="creation or replacement was interrupted"):
+        make_store(url)
+    with pytest.raises(StoreError, match="creation or replacement was interrupted"):
+        open_store(url)
+
+
 def test_lock_files_written_aside_in_a_created_store_are_removed_when_its_writer_finishes(tmp_path):
     """A resume killed while taking the lock, or a writer killed while beating, leaves a copy
     written aside; the next writer removes them when it gives the lock back."""
@@ -628,6 +671,36 @@ def test_newer_schema_version(tmp_path):
         open_store(url)
 
 
+def edit_root_attributes(url, edit):
+    """Apply `edit` to the root attributes in the store's zarr.json, as damage or a hand edit would."""
+    path = os.path.join(url, "zarr.json")
+    with open(path) as handle:
+        document = json.load(handle)
+    edit(document["attributes"])
+    with open(path, "w") as handle:
+        json.dump(document, handle)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda attrs: attrs.pop("sites"), "root attribute 'sites' is missing"),
+    (lambda attrs: attrs.update(n_samples="sixty"), "root attribute 'n_samples' is 'sixty', expected a positive integer"),
+    (lambda attrs: attrs.update(sites=[]), "root attribute 'sites' is [], expected a non-empty list of site names"),
+    (lambda attrs: attrs.update(shards=[[0, 4], "x"]), "root attribute 'shards' is [[0, 4], 'x'], expected a non-empty list"),
+    (lambda attrs: attrs.update(model={"n_layers": 3}), "root attribute 'model': model description lacks"),
+], ids=["sites deleted", "n_samples a word", "no sites", "shards not ranges", "model without sizes"])
+def test_root_attributes_of_the_wrong_type_or_missing_are_refused_as_damaged_root_metadata(tmp_path, edit, expected):
+    """open_store, validate, info and read_attrs refuse a root attribute the schema promises that is missing or of
+    the wrong type, naming it, rather than crash or go on."""
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    edit_root_attributes(url, edit)
+    message = rf"{re.escape(url)}: the store's root metadata \(zarr.json\) is damaged: {re.escape(expected)}.*replace the store"
+    for reading in (open_store, info, read_attrs):
+        with pytest.raises(StoreError, match=message):
+            reading(url)
+    assert len(validate(url)) == 1 and re.match(message, validate(url)[0])
+
+
 def test_validate_reports_missing_variables_and_mismatched_shapes(tmp_path):
     url = str(tmp_path / "store.zarr")
     fill(make_store(url))
@@ -663,6 +736,7 @@ def test_validate_reports_wrong_dtype(tmp_path):
         ({"model": {"n_layers": 2}}, r"model description lacks"),
         ({"model": dict(MODEL, n_kv_heads=3)}, r"not a multiple of n_kv_heads=3"),
         ({"codec": "gzip"}, r"codec 'gzip'"),
+        ({"task": "arithmetic"}, r"task='arithmetic': expected a dict"),
     ],
 )
 def test_bad_create_arguments(tmp_path, overrides, message):
@@ -740,6 +814,57 @@ def test_missing_or_truncated_chunk_is_reported_on_open_with_its_array_and_chunk
         lazy.q.isel(sample=slice(2, 4)).load()
 
 
+def test_directory_where_a_chunk_file_should_be_is_named_and_resume_says_to_remove_it(tmp_path):
+    """A directory in a chunk's place is no missing chunk: validate names it, and resume, which cannot write
+    over it, says to remove it (and gives the lock back) rather than fail on IsADirectoryError every time."""
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "q", (1, 2, 0, 0, 0))
+    os.unlink(path)
+    os.makedirs(os.path.join(path, "stray"))
+    expected = "array 'q' chunk (1, 2, 0, 0, 0) (samples 2-3, layer 2): a directory where the chunk file should be: remove it"
+    assert validate(url) == [expected]
+    with pytest.raises(DamagedStoreError, match=re.escape(expected)):
+        open_store(url)
+    with pytest.raises(StoreError, match=rf"store {re.escape(url)} cannot be resumed: 1 chunk path\(s\) inside it hold a directory "
+                                         r"where the chunk file should be \(q/c/1/2/0/0/0\): remove them, then resume"):
+        job_store(url, "resume")
+    assert not os.path.exists(os.path.join(url, LOCK_NAME))
+    shutil.rmtree(path)
+    resumed = job_store(url, "resume").writer
+    assert resumed.pending_shards() == [0]
+    fill(resumed, order=resumed.pending_shards())
+    assert validate(url, full=True) == []
+
+
+def test_symbolic_link_where_a_chunk_file_should_be_is_named_and_never_written_through(tmp_path):
+    """A chunk file that is a link is named as one (not as truncated), and resume replaces the link by the
+    chunk, leaving the file it pointed to, outside the store, as it was; so does a streamed write."""
+    from orthosphere.store.stream import _write_at
+
+    url = str(tmp_path / "store.zarr")
+    fill(make_store(url))
+    path = chunk_path(url, "q", (1, 2, 0, 0, 0))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not a chunk")
+    os.unlink(path)
+    os.symlink(outside, path)
+    expected = ("array 'q' chunk (1, 2, 0, 0, 0) (samples 2-3, layer 2): a symbolic link where a chunk file should be: replace "
+                "it with the file it points to, or remove it")
+    assert validate(url) == [expected]
+    with pytest.raises(DamagedStoreError, match=re.escape(expected)):
+        open_store(url)
+    resumed = job_store(url, "resume").writer
+    assert resumed.pending_shards() == [0]
+    fill(resumed, order=resumed.pending_shards())
+    assert validate(url, full=True) == [] and not os.path.islink(path)
+    assert outside.read_bytes() == b"not a chunk"
+    os.unlink(path)
+    os.symlink(outside, path)
+    _write_at(path, np.zeros(8, np.uint8), 0, truncate=True)
+    assert not os.path.islink(path) and outside.read_bytes() == b"not a chunk"
+
+
 @pytest.mark.slow
 def test_overwritten_chunk_fails_its_checksum_when_read_and_in_full_validation(tmp_path):
     url = str(tmp_path / "store.zarr")
@@ -768,7 +893,7 @@ def test_only_complete_shards_promise_their_chunks(tmp_path):
     writer.mark_shard_complete(1)
     writer.close()
     partial = open_store(url, allow_incomplete=True)
-    assert float(partial.resid_pre.isel(sample=slice(0, 4)).sum()) == 0  # shard 0 never written: fill values
+    assert list(partial.sample.values) == list(range(start, stop))  # shards 0 and 2 never written: left out, not zeros
     os.unlink(chunk_path(url, "k", (2, 0, 0, 0, 0)))
     with pytest.raises(DamagedStoreError, match=r"array 'k' chunk \(2, 0, 0, 0, 0\) \(samples 4-5, layer 0\): missing"):
         open_store(url, allow_incomplete=True)
