@@ -23,6 +23,17 @@ class AccuracyConfig(AnalysisConfig):
     """``accuracy`` has no options."""
 
 
+DESCRIPTIONS = {
+    "token_accuracy": "share of the scored valid tokens (the answer tokens of the arithmetic task, every next-token "
+                      "prediction of text) whose arg-max prediction (pred) equals the target, in [0, 1]",
+    "answer_accuracy": "share of the answers (samples with at least one scored valid token) whose scored tokens are all "
+                       "right, in [0, 1]; NaN without answers",
+    "n_scored_tokens": "scored valid tokens counted by token_accuracy",
+    "n_answers": "samples with at least one scored valid token, counted by answer_accuracy",
+}
+"""The attrs description of each result variable."""
+
+
 def compute_accuracy(dataset: xr.Dataset, config: AccuracyConfig) -> xr.Dataset:
     """Per-token and whole-answer accuracy of the model's predictions over the scored tokens."""
     if "pred" not in dataset.variables:
@@ -38,13 +49,14 @@ def compute_accuracy(dataset: xr.Dataset, config: AccuracyConfig) -> xr.Dataset:
     )
     if n_scored == 0:
         raise AnalysisError("no scored token in the store: accuracy needs a task that marks scored positions")
+    values = {
+        "token_accuracy": float(n_right) / float(n_scored),
+        "answer_accuracy": float(n_all_right) / float(n_answers) if n_answers else np.nan,
+        "n_scored_tokens": int(n_scored),
+        "n_answers": int(n_answers),
+    }
     return xr.Dataset(
-        {
-            "token_accuracy": ((), float(n_right) / float(n_scored)),
-            "answer_accuracy": ((), float(n_all_right) / float(n_answers) if n_answers else np.nan),
-            "n_scored_tokens": ((), int(n_scored)),
-            "n_answers": ((), int(n_answers)),
-        },
+        {name: ((), value, {"description": DESCRIPTIONS[name]}) for name, value in values.items()},
         attrs={"definition": "arg-max prediction == target over scored valid tokens; answers: every scored token right"},
     )
 

@@ -103,12 +103,28 @@ def plan_neighbours(dataset: xr.Dataset, config: NeighboursConfig) -> Plan:
             for name, value in zip(names, (*collapse, *angle, *log_ratio, int(s["sequences"]), int(s["tokens"]))):
                 values[name].append(value)
         return xr.Dataset(
-            {name: (("layer",), np.asarray(value)) for name, value in values.items()},
+            {name: (("layer",), np.asarray(value), {"description": DESCRIPTIONS[name]}) for name, value in values.items()},
             coords={"layer": layers},
             attrs={"site": site, "step_site": step_site, "angle_unit": "degrees", "exclude_start": exclude_start},
         )
 
     return Plan(lazy, finish)
+
+
+DESCRIPTIONS = {
+    "rank_collapse": "rank collapse at `site` (Dong et al. 2021): per sequence ||X - 1 xbar^T|| / ||X|| (Frobenius) over "
+                     "its analysed tokens, in [0, 1], 0 when every token is the same vector; mean over sequences",
+    "rank_collapse_std": "standard deviation of the per-sequence rank collapse over sequences",
+    "angular_step": "angular step (Karagodin et al. 2025): per analysed token, the angle in degrees between its vector at "
+                    "`site` (the stream the block reads) and at `step_site` (the stream it writes); mean over tokens",
+    "angular_step_std": "standard deviation of the angular step over tokens, in degrees",
+    "log_norm_ratio": "per analysed token, the natural log of |x at step_site| / |x at site| (above 0: the block grows "
+                      "the norm); mean over tokens",
+    "log_norm_ratio_std": "standard deviation of log_norm_ratio over tokens",
+    "n_sequences": "sequences in rank_collapse: those with an analysed token of non-zero norm",
+    "n_tokens": "analysed tokens in angular_step and log_norm_ratio: those of non-zero norm at both sites",
+}
+"""The attrs description of each result variable."""
 
 
 neighbours = Analysis("neighbours", NeighboursConfig, plan_neighbours, reads=(*D_MODEL_SITES, "valid"),

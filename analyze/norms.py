@@ -173,8 +173,37 @@ def _site_summary(dataset, site, layers, counts, group_dim, spread, by_attention
     data["band_layer"] = (("layer",), ratio_band(cumulative, total, spread["mass"]), {"description": by_layer})
     data["band_pooled"] = ((), ratio_band(cumulative.sum(axis=0, keepdims=True), total.sum(keepdims=True),
                                           spread["mass"])[0], {"description": everywhere})
-    return xr.Dataset(data, coords=coords,
-                      attrs={"site": site, "group": group_dim or "layer", "ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
+    result = xr.Dataset(data, coords=coords,
+                        attrs={"site": site, "group": group_dim or "layer", "ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
+    for name, description in _site_descriptions(group_dim, by_attention).items():
+        result[name].attrs.setdefault("description", description)
+    return result
+
+
+DESCRIPTIONS = {
+    "median_norm": "weighted median of the L2 norm |x| of the site's analysed tokens, {per}, in the site's units; "
+                   "{weight}",
+    "band": "half-width p such that |x| / median_norm within [1 - p, 1 + p] holds `mass` (attrs) of the weight, {per} "
+            "(the paper's '90 % within +-20 %': p = 0.2); {weight}",
+    "ratio_quantile": "quantiles (coordinate quantile) of |x| / median_norm, {per}; {weight}",
+    "histogram": "share of the weight per bin of |x| / median_norm (coordinate ratio: bin centres, width attrs "
+                 "ratio_bin_width, over [0, ratio_max]), {per}; {weight}",
+    "beyond": "share of the weight whose |x| / median_norm lies past ratio_max (the histogram's last edge), {per}",
+    "weight_total": "total weight of the analysed tokens, {per}: {total}",
+    "quantile": "the quantile levels of ratio_quantile",
+    "ratio": "bin centres of |x| / median_norm of the histogram",
+}
+"""The attrs description of each variable and coordinate of a site's group (``_site_descriptions`` fills in the
+group and the weighting); band_layer and band_pooled: ``_pooled_band_descriptions``."""
+
+
+def _site_descriptions(group_dim: str | None, by_attention: bool) -> dict[str, str]:
+    """DESCRIPTIONS for a site grouped by `group_dim` (None: per layer), weighted by attention or not."""
+    per = f"per layer and {group_dim}" if group_dim else "per layer"
+    weight = ("each key token weighted by the attention it receives from the head's analysed queries"
+              if by_attention else "each token counting once")
+    total = "the attention the analysed tokens receive" if by_attention else "the number of analysed tokens"
+    return {name: text.format(per=per, weight=weight, total=total) for name, text in DESCRIPTIONS.items()}
 
 
 def _pooled_band_descriptions(group_dim: str | None, by_attention: bool) -> tuple[str, str]:

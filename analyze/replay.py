@@ -164,6 +164,79 @@ PREDICTED_RATE = {"theory": "predicted_collapse_rate", "exact": "exact_predicted
 """The result holding each condition's share of sparse instances and draws predicted to collapse."""
 _LLH = ("level", "layer", "head")
 
+_OVER_DRAWS = "over the sparse instances and the n_draws noise draws at each level"
+_CONDITIONS = {"theory": "Theorem 7's first-order condition (Menary et al. 2024)", "exact": "the exact condition"}
+
+
+def _interval(of: str) -> str:
+    return f"confidence interval (dim bound) of {of}"
+
+
+def _condition_descriptions(rule: str) -> dict[str, str]:
+    """The descriptions of one condition's predictions (PREDICTIONS: theory, exact)."""
+    condition = _CONDITIONS[rule]
+    return {
+        PREDICTED_RATE[rule]: f"share of the sparse instances and draws that {condition} predicts to collapse",
+        f"{rule}_recall": f"share of the measured collapses (definition collapse) that {condition} predicted, "
+                          f"{_OVER_DRAWS}; NaN where nothing collapsed",
+        f"{rule}_precision": f"share of the collapses {condition} predicted that happened, {_OVER_DRAWS}; NaN where "
+                             "none was predicted",
+        f"{rule}_missed": f"measured collapses (definition collapse) that {condition} did not predict, {_OVER_DRAWS}",
+        f"{rule}_false_alarm": f"collapses {condition} predicted that did not happen, {_OVER_DRAWS}",
+        f"{rule}_recall_pooled": f"{rule}_recall pooled over every layer and head",
+        f"{rule}_precision_pooled": f"{rule}_precision pooled over every layer and head",
+        f"{rule}_recall_pooled_ci": _interval(f"{rule}_recall_pooled"),
+        f"{rule}_precision_pooled_ci": _interval(f"{rule}_precision_pooled"),
+    }
+
+
+DESCRIPTIONS = {
+    "n_instances": "instances of the head: (sample, query position) pairs with a valid query and at least min_keys "
+                   "allowed keys",
+    "n_sparse": "sparse instances: instances whose clean largest attention reaches sparse_threshold",
+    "n_instances_trivial": "trivial instances: queries with 2 to min_keys - 1 allowed keys, counted apart and left out "
+                           "of every other result",
+    "n_sparse_trivial": "trivial instances whose clean largest attention reaches sparse_threshold",
+    "sparse_fraction": "n_sparse / n_instances: the share of the head's instances that are sparse (NaN without instances)",
+    "entropy": "mean over the head's instances of the clean attention's entropy -sum_j a_ij log a_ij, in nats",
+    "max_attention_hist": "instances of the head per bin of their clean largest attention max_j a_ij (coordinate "
+                          "max_attention_bin: bin centres over [0, 1])",
+    "collapses": f"collapse counts {_OVER_DRAWS}: the arg-max over allowed keys moves to another key under the noise "
+                 "(definition collapse), and the new arg-max also holds at least sparse_threshold (strict)",
+    "collapse_rate": "collapses / (n_sparse n_draws): the share of the sparse instances and draws that collapse",
+    **{name: text for rule in PREDICTIONS for name, text in _condition_descriptions(rule).items()},
+    "tv_distance": "total variation distance 1/2 sum_j |a'_ij - a_ij| between the noisy and the clean attention of a "
+                   "query, in [0, 1], averaged over the instances of the set (dim instances) and the first smooth_draws "
+                   "draws",
+    "tv_distance_mc_error": "Monte Carlo standard error of tv_distance",
+    "output_change": "relative RMS change of the head's output o_i = sum_j a_ij m_j under the noise, sqrt(sum |o'_i - "
+                     "o_i|^2 / sum |o_i|^2) pooled over the instances of the set (dim instances) and the first "
+                     "smooth_draws draws",
+    "output_change_mc_error": "Monte Carlo standard error of output_change (delta method)",
+    "collapse_level": "the noise level at which collapse_target of the layer's sparse instances and draws collapse: the "
+                      "first curve_level reaching it (definition collapse), the first swept level (strict); no "
+                      "interpolation; inf when the sweep never reaches it, NaN without sparse instances",
+    "collapse_level_pooled": "collapse_level over the sparse instances of every layer",
+    "collapse_level_ci": _interval("collapse_level") + " (inf: the resamples' curves stay below collapse_target)",
+    "collapse_level_pooled_ci": _interval("collapse_level_pooled"),
+    "collapse_rate_pooled": "collapse_rate over the sparse instances and draws of every layer and head",
+    "collapse_rate_pooled_ci": _interval("collapse_rate_pooled"),
+    "collapse_rate_curve": "collapse rate (definition collapse) of the layer's sparse instances and draws, its heads "
+                           "pooled, at each curve_level (from the critical levels: no level-by-level replay)",
+    "collapse_rate_curve_pooled": "collapse_rate_curve over every layer",
+    "definition": "what counts as a collapse: collapse (the arg-max moves to another key), strict (and the new arg-max "
+                  "holds at least sparse_threshold)",
+    "level": "the swept noise levels s: the RMS of the relative noise kappa on the norms of the targets (x -> "
+             "(1 + kappa) x; 0.01: 1 % noise)",
+    "instances": "the instances averaged over: sparse (the sparse instances), all (every instance)",
+    "max_attention_bin": "bin centres of the clean largest attention max_j a_ij (attrs edges: the bin edges)",
+    "curve_level": "the noise levels of the collapse-rate curve: the swept levels and 64 log-spaced levels an octave "
+                   "(1.1 % apart) from a quarter of the lowest swept level to the highest",
+    "bound": "the low and the high end of an interval",
+}
+"""The attrs description of each result variable and coordinate (definitions: the module docstring); the
+multiplicity of the intervals is appended (``multiplicity.state_multiplicity``)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # The study over a store: Dask tasks per (layer, sample chunk, range of draws), reduced, computed once.
@@ -217,6 +290,9 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig, share: AttentionShare | No
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
+        for name, description in DESCRIPTIONS.items():  # before state_multiplicity appends to them
+            if name in result.variables:  # output_change only with messages
+                result[name].attrs["description"] = description
         return state_multiplicity(result, "replay")
 
     return Plan(graphs, finish)

@@ -146,7 +146,7 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
              **{name: getattr(fitted, name) for name in ("radius_cv_tolerance", "confidence", "significance", "n_bootstrap")}}
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
-        result[name].attrs["description"] = description
+        result[name].attrs["description"] = description  # min_angle, its estimate and interval, relation: as in /subspaces
     return state_multiplicity(result, "spheres")
 
 
@@ -171,6 +171,10 @@ def _verdicts(rank: np.ndarray, claim_q: np.ndarray, significance: float, drawn:
 
 
 DESCRIPTIONS = {
+    "subspace_rank": "the rank of the factor's fitted subspace, as in /subspaces (0: no structure, no sphere statistics)",
+    "sphere": "the verdict on the factor's radius spread (the paper's Theorem 2: Pre-Norm keeps factor subspaces "
+              "independent only on orthogonal spheres): 'on sphere', 'off sphere', 'undetermined', 'no structure', or "
+              "'' without noise draws (attrs sphere_rule)",
     "radius_mean": "token-weighted mean norm of the factor's class points (projections of its class means onto its "
                    "subspace), each class effect's noise taken from its radius squared",
     "radius_cv": "coefficient of variation of those norms over classes (token-weighted): 0 on a sphere",
@@ -189,4 +193,7 @@ DESCRIPTIONS = {
     "cross_term_ci": "basic bootstrap interval of the cross term (draws around the fit)",
     "cross_term_null_ci": "central 1 - significance range of the cross term when the subspaces are orthogonal",
     "cross_term_p": "p-value of 'the subspaces are orthogonal' from the cross term (draws around orthogonal subspaces)",
+    "other": "the factors again: the second factor of each pair",
+    "bound": "the low and the high end of an interval",
+    "sphere_claim": "the claims on a factor's radius spread: on (radius_cv below radius_cv_tolerance), off (above it)",
 }

@@ -670,11 +670,64 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     }
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
     for name, description in DESCRIPTIONS.items():
-        result[name].attrs["description"] = description
+        if name in result.variables:  # the head angles only with weights
+            result[name].attrs["description"] = description
     return state_multiplicity(result, "subspaces")
 
 
+_HEAD_SPACE = {"q": "each head's read subspace, the column space of w_q[head] in d_model (the directions of the "
+                    "attention's input, attn_in, that its queries read)",
+               "k": "each kv_head's read subspace, the column space of w_k[kv_head] in d_model (the directions of the "
+                    "attention's input, attn_in, that its keys read)"}
+
 DESCRIPTIONS = {
+    "n_classes": "classes the factor is read with, the pooled class (attrs classes: '<N other classes>') included",
+    "n_tokens": "analysed tokens the factor is read on (those its label applies to)",
+    "pooled_classes": "classes pooled into one: beyond max_classes (the rarest), or whose tokens lie in too few groups "
+                      "of samples for their noise to be resampled; 0 when none is",
+    "pooled_tokens": "tokens of the pooled class (0 without one)",
+    "label_nmi": "normalised mutual information of the two factors' labels on the tokens both read (arithmetic-mean "
+                 "normalisation): 0 unrelated, 1 each determines the other; NaN on the diagonal and without shared tokens",
+    "shared_tokens": "analysed tokens both factors are read on",
+    "variance_inflation": "noise variance of the joint fit's centred effects of the factor over that of a fit of the factor "
+                          "alone: 1 for a balanced crossed design, larger the more the labels are correlated; NaN with "
+                          "the marginal estimator",
+    "condition_number": "condition number of the joint fit's unit-diagonal Z'Z beyond its trivial null directions (above "
+                        "CONDITION_WARNING, 100, a warning is logged: the factors' labels are strongly associated); NaN "
+                        "with the marginal estimator",
+    "singular_value": "singular values, descending, of the factor's count-weighted centred effects sqrt(n_c) E[c] (class x "
+                      "d_model; joint or marginal estimator), in the site's units; NaN pads the components the factor lacks (at most classes - 1)",
+    "explained": "cumulative share of the factor's between-class variance (its squared singular values) carried by the "
+                 "leading components",
+    "between_fraction": "the factor's between-class variance (sum of its squared singular values) over the total variance "
+                        "of its tokens around their mean, in [0, 1]",
+    "basis": "orthonormal basis of the factor's subspace in d_model (coordinate basis_vector: the leading right singular "
+             "vectors of its weighted effects, estimated whitened and mapped back where the layer is whitened); NaN "
+             "beyond subspace_rank",
+    "angles": "principal angles in degrees, ascending (dim angle), between the two factors' subspaces; NaN beyond the "
+              "smaller rank, on the diagonal and where either factor's rank is 0",
+    "min_angle": "the smallest principal angle between the two factors' subspaces, in degrees (0: a shared direction)",
+    "min_angle_estimate": "the smallest angle corrected for the noise's bias (median-unbiased), in degrees",
+    "max_angle": "the largest principal angle between the two factors' subspaces, in degrees (90: orthogonal)",
+    "max_angle_estimate": "the largest angle corrected for the noise's bias (median-unbiased), in degrees",
+    "overlap": "mean squared cosine of the principal angles: 0 for orthogonal subspaces, 1 when one lies inside the other",
+    "null_angles_ci": "central 1 - significance interval (dim bound) of the null angles: the principal angles, in degrees, "
+                      "between the factor's noise-only subspaces (same rank) and the other's fitted one",
+    "null_min_angle": "median smallest angle, in degrees, between the factor's noise-only subspaces (same rank) and the "
+                      "other's fitted one: the smallest angle chance gives",
+    "null_min_angle_ci": "central 1 - significance interval of that null smallest angle, in degrees",
+    "relation": "the pair's relation: 'no structure', 'orthogonal', 'dependent', 'independent', 'undetermined', or '' "
+                "without noise draws (attrs relation_rule)",
+    **{f"{kind}_angles": f"principal angles in degrees, ascending (dim angle), between the factor's subspace and "
+                         f"{_HEAD_SPACE[kind]}" for kind in "qk"},
+    **{f"{kind}_min_angle": f"the smallest of {kind}_angles: the smallest angle, in degrees, between the factor's subspace "
+                            f"and {_HEAD_SPACE[kind]}" for kind in "qk"},
+    **{f"{kind}_overlap": f"mean squared cosine of {kind}_angles (0: the head reads nothing of the factor's subspace, 1: "
+                          "its read subspace holds it or lies inside it)" for kind in "qk"},
+    "other": "the factors again: the second factor of each pair",
+    "bound": "the low and the high end of an interval",
+    "claim": "the claims on a pair: orthogonal (every principal angle above 90 - orthogonality_deg), dependent (the "
+             "smallest angle below independence_deg), independent (the smallest angle shown between the two)",
     "subspace_rank": "the rank that decides the factor's basis, angles, claims and spheres (attrs rank_rule): the "
                      "fixed rank, or the significant directions reaching the relevance floor, 0 when the structure "
                      "test is not shown",
@@ -723,7 +776,8 @@ DESCRIPTIONS = {
                     "for the lower bound, at an upper estimate of their spread for the upper)",
     "claim_p": "p-value of each claim (orthogonal, dependent, independent) at its null's boundary, on the smallest angle",
     "claim_q": "claim_p adjusted for the false-discovery rate over every claim of the run (Benjamini-Hochberg)",
-    "null_angles": "median angles between the factor's noise-only subspaces (same rank) and the other's fitted one",
+    "null_angles": "median angles between the factor's noise-only subspaces (same rank) and the other's fitted one, in "
+                   "degrees: what chance gives",
 }
 
 
