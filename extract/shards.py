@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from orthosphere.errors import Float16OverflowError
+from orthosphere.errors import ClusterError, Float16OverflowError
 from orthosphere.store import open_writer
 from orthosphere.store.bfloat16 import bfloat16_dtype
 from orthosphere.store.faults import crash_point
@@ -209,17 +209,54 @@ def run_shard(plan: ShardPlan, index: int) -> ShardReport:
     return ShardReport(index, stop - start, tokens)
 
 
+NO_WORKERS_SECONDS = 120.0
+"""How long a job waits on a cluster that has no worker before it stops, saying so (workers that die as they
+start, or a cluster never given any, would leave it waiting forever)."""
+POLL_SECONDS = 0.5
+
+
 def run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
+    """Run the shards as Dask tasks; a cluster left without workers for NO_WORKERS_SECONDS, or a shard
+    that kills the workers running it, stops the job with a ClusterError (its complete shards are kept)."""
     from distributed import as_completed
 
-    futures = [client.submit(run_shard, plan, index, pure=False) for index in pending]
+    futures = {client.submit(run_shard, plan, index, pure=False): index for index in pending}
+    waiting = as_completed(list(futures))
+    since = time.monotonic()
     try:
-        for future in as_completed(futures):
-            report = future.result()
-            meter.update(report.n_samples, report.tokens)
+        while not waiting.is_empty():
+            done = waiting.next_batch(block=False)
+            for future in done:
+                meter.update(*_shard_result(future, futures[future], client))
+            since = time.monotonic() if done or _has_workers(client) else since
+            if time.monotonic() - since > NO_WORKERS_SECONDS:
+                raise ClusterError(f"the Dask cluster at {client.scheduler.address} has had no worker for "
+                                   f"{NO_WORKERS_SECONDS:g} s while {len(pending)} shard(s) wait: start workers (or find why "
+                                   "they die as they start), then resume the job (--resume); its complete shards are kept")
+            if not done:
+                time.sleep(POLL_SECONDS)
     except BaseException:
-        client.cancel(futures)
+        client.cancel(list(futures))
         raise
+
+
+def _has_workers(client) -> bool:
+    return bool(client.scheduler_info().get("workers"))
+
+
+def _shard_result(future, index: int, client) -> tuple[int, int]:
+    """The shard's samples and tokens; a worker killed while running it, as often as the cluster allows, is
+    named as such (a worker out of memory, or a crash in the model), not as an unexpected KilledWorker."""
+    from distributed import KilledWorker
+
+    try:
+        report = future.result()
+    except KilledWorker as error:
+        raise ClusterError(
+            f"shard {index}'s task killed the Dask workers that ran it, as often as the cluster allows "
+            f"(distributed.scheduler.allowed-failures): {error}; a worker out of memory is the usual cause: give "
+            "workers more memory or fewer threads (or a smaller --batch-size), then resume the job (--resume)") from error
+    return report.n_samples, report.tokens
 
 
 # --- writing behind compute ---------------------------------------------------------------

@@ -8,7 +8,8 @@ was expected and what to do.
     │   │   └── AnalysisParameterError (also an AnalysisError): an analysis's option
     │   ├── UnsupportedModelError: an architecture or configuration extraction cannot make exact
     │   ├── CorpusError: a corpus that cannot be read as asked
-    │   └── Float16OverflowError: activations beyond float16's range
+    │   ├── Float16OverflowError: activations beyond float16's range
+    │   └── ClusterError: a Dask cluster that cannot run a job's tasks (no workers, workers killed)
     ├── StoreError: a store that cannot be created, written or read as asked
     │   ├── StoreNotFoundError, StoreExistsError, IncompleteStoreError, StoreLockedError,
     │   │   DamagedStoreError
@@ -74,6 +75,11 @@ class CorpusError(ConfigError):
 
 class Float16OverflowError(ConfigError):
     """Activations beyond float16's range: stored as float16 they would be inf."""
+
+
+class ClusterError(ConfigError):
+    """A Dask cluster that cannot run a job's tasks: it has no workers, or a task kills the workers
+    that run it."""
 
 
 class StoreError(OrthosphereError):

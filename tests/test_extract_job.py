@@ -242,6 +242,46 @@ def test_coordinator_never_needs_the_workers_device(tmp_path, monkeypatch):
     assert_same_arrays(arrays_of(out), arrays_of(reference))
 
 
+def test_a_cluster_without_workers_stops_the_job_saying_so_and_the_job_resumes(tmp_path, arithmetic_dir, monkeypatch):
+    """A cluster that has no worker (never given any, or all died) does not leave the job waiting forever:
+    after NO_WORKERS_SECONDS it stops, naming the scheduler; the store is left to resume, lock released."""
+    from distributed import Client, LocalCluster
+
+    from orthosphere.errors import ClusterError
+    from orthosphere.extract import shards as shards_module
+
+    monkeypatch.setattr(shards_module, "NO_WORKERS_SECONDS", 1.0)
+    out = tmp_path / "store.zarr"
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        with pytest.raises(ClusterError, match=rf"the Dask cluster at {cluster.scheduler_address} has had no worker for 1 s "
+                                               r"while 2 shard\(s\) wait: start workers .*resume the job \(--resume\)"):
+            run_job(job(arithmetic_dir, out, n_shards=2, samples_per_chunk=2), client=client, progress=False)
+    assert not read_attrs(str(out))["complete"] and not (out / ".lock").exists()
+    run_job(job(arithmetic_dir, out, n_shards=2, samples_per_chunk=2, mode="resume"), progress=False)
+    assert_same_arrays(arrays_of(out), arrays_of(run_job(job(arithmetic_dir, tmp_path / "plain.zarr", n_shards=2,
+                                                              samples_per_chunk=2), progress=False).url))
+
+
+def test_a_shard_that_kills_its_workers_is_named_not_reported_as_unexpected(tmp_path, arithmetic_dir, monkeypatch):
+    """A worker killed while running a shard (here by the fault injection; out of memory in practice), as often
+    as the cluster allows, stops the job with a ClusterError naming the shard and what to do."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    from orthosphere.errors import ClusterError
+    from orthosphere.store.faults import CRASH_VARIABLE
+
+    monkeypatch.setenv(CRASH_VARIABLE, "chunk-written")  # the workers inherit it; the coordinator writes no chunk
+    out = tmp_path / "store.zarr"
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        with pytest.raises(ClusterError, match=r"shard 0's task killed the Dask workers that ran it.*allowed-failures.*"
+                                               r"out of memory.*resume the job \(--resume\)"):
+            run_job(job(arithmetic_dir, out, n_shards=1, samples_per_chunk=2), client=client, progress=False)
+    assert not read_attrs(str(out))["complete"]
+
+
 def test_model_dtype_runs_the_extraction_in_that_dtype(tmp_path):
     model_dir = write_hf_model(tmp_path / "llama", "llama")
     text = write_text(tmp_path / "text.txt")
