@@ -1,6 +1,8 @@
 """Where a store came from: package, commit, torch, command line, time."""
 from __future__ import annotations
 
+import hashlib
+import importlib
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -27,6 +29,23 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+PACKAGES = ("orthosphere", "orthosphere.extract", "orthosphere.extract.adapters", "orthosphere.store", "orthosphere.analyze",
+            "orthosphere.workflows")
+"""The package's modules (pyproject's packages), whose sources ``code_fingerprint`` reads."""
+
+
+def code_fingerprint() -> str:
+    """A SHA-256 over the package's Python sources, as installed here: two processes running different
+    orthosphere code (another version, another commit, an edit not committed) differ in it."""
+    digest = hashlib.sha256()
+    for name in PACKAGES:
+        folder = Path(importlib.import_module(name).__file__).resolve().parent
+        for path in sorted(folder.glob("*.py")):
+            digest.update(f"{name}/{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def provenance(command: str | None = None) -> dict:

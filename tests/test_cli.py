@@ -260,3 +260,31 @@ def test_unexpected_errors_are_one_line_and_traceback_with_verbose(store, monkey
                                               "traceback; please report it)")
     verbose = run("-v", "info", store)
     assert verbose.exit_code == 1 and isinstance(verbose.exception, RuntimeError)
+
+
+def test_workers_running_other_orthosphere_code_are_refused(tmp_path, monkeypatch):
+    """A cluster's workers must run this process's orthosphere: results and stores carry its provenance. Workers
+    on the same code pass; others (another fingerprint) are refused, named, with what to do."""
+    from distributed import LocalCluster
+
+    from orthosphere.errors import ClusterError
+    from orthosphere.store import provenance
+    from orthosphere.workflows.backend import Backend, check_worker_code, dask_client
+
+    with LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster:
+        address = cluster.scheduler_address
+        with dask_client(Backend(scheduler=address)) as client:
+            assert len(client.scheduler_info()["workers"]) == 2  # same code: accepted
+            with pytest.raises(ClusterError, match=rf"2 of the 2 Dask workers at {re.escape(address)} \(.*\) run other orthosphere "
+                                                   r"code than this process \(source fingerprint \w{12} there, 0{12} here\).*"
+                                                   "install the same orthosphere on them"):
+                check_worker_code(client, address, expected="0" * 64)
+    package = tmp_path / "fingerprinted"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(provenance, "PACKAGES", ("fingerprinted",))
+    before = provenance.code_fingerprint()
+    assert provenance.code_fingerprint() == before
+    (package / "__init__.py").write_text("VALUE = 2\n")  # an edit not committed
+    assert provenance.code_fingerprint() != before
