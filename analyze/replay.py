@@ -85,7 +85,9 @@ Definitions (every count below is over these instances and draws):
   collapse, without interpolation: for collapse, the first level of the collapse-rate curve
   (``curve_level``: the swept levels and 64 levels an octave from a quarter of the lowest to the
   highest, 1.1 % apart) where its rate reaches the target; for strict collapse, the first swept
-  level. inf when the sweep never reaches it, NaN without sparse instances.
+  level. inf when the sweep never reaches it, NaN without sparse instances. The crossing lies between
+  that level and the one before, so an interval's low end is the grid level below its low percentile
+  (on the swept levels one level is no zero-width interval).
 - **Intervals** of the collapse levels, the pooled collapse rates and each condition's pooled recall
   and precision: percentile intervals of one seeded cluster bootstrap over the resampling units
   (``orthosphere.analyze.units``: documents when the store has them, each window with the document
@@ -217,7 +219,8 @@ DESCRIPTIONS = {
                       "first curve_level reaching it (definition collapse), the first swept level (strict); no "
                       "interpolation; inf when the sweep never reaches it, NaN without sparse instances",
     "collapse_level_pooled": "collapse_level over the sparse instances of every layer",
-    "collapse_level_ci": _interval("collapse_level") + " (inf: the resamples' curves stay below collapse_target)",
+    "collapse_level_ci": _interval("collapse_level") + " holding the resamples' crossings: its low end is the grid level "
+                         "below the low percentile (inf: the resamples' curves stay below collapse_target)",
     "collapse_level_pooled_ci": _interval("collapse_level_pooled"),
     "collapse_rate_pooled": "collapse_rate over the sparse instances and draws of every layer and head",
     "collapse_rate_pooled_ci": _interval("collapse_rate_pooled"),
@@ -519,6 +522,8 @@ def _add_collapse_levels(result, per_layer, settings, target, units: Units, n_bo
     points = [statistic[0] for statistic in statistics_for(np.ones((1, sparse.shape[0])))]
     unit = np.unique(units.sample_key, return_inverse=True)[1].ravel()
     intervals = _bootstrap_intervals(statistics_for, unit, n_bootstrap, confidence, settings.seed, points)
+    for which in (0, 1):  # the levels: (definition, [layer,] bound)
+        intervals[which] = np.stack([_holding_the_crossing(grid, part) for grid, part in zip(grids, intervals[which])])
     by_layer, pooled = points[:2]
     result.coords["bound"] = _names(("low", "high"))
     result["collapse_level"] = (("definition", "layer"), by_layer)
@@ -532,6 +537,21 @@ def _add_collapse_levels(result, per_layer, settings, target, units: Units, n_bo
             result[f"{rule}_{measure}_pooled_ci"] = (("level", "bound"), interval[r])
     result["collapse_rate_curve"] = (("layer", "curve_level"), _rate(curves[0].sum(axis=0), sparse.sum(axis=0)[:, None]))
     result["collapse_rate_curve_pooled"] = (("curve_level",), _rate(curves[0].sum(axis=(0, 1)), sparse.sum()))
+
+
+def _holding_the_crossing(grid, interval: np.ndarray) -> np.ndarray:
+    """An interval (..., bound) of levels read off `grid` (the first level where a rate reaches the target)
+    with its low bound moved to the grid level below (0 below the first): each resample's crossing lies
+    between its level and the one before, so the interval holds the crossings, and a coarse grid (the
+    swept levels of strict collapse) no longer gives one level as a zero-width interval."""
+    grid = np.asarray(grid, float)
+    low = interval[..., 0]
+    on_grid = np.isfinite(low)
+    index = np.searchsorted(grid, np.where(on_grid, low, grid[0]))
+    below = np.where(index > 0, grid[np.maximum(index - 1, 0)], 0.0)
+    widened = interval.copy()
+    widened[..., 0] = np.where(on_grid, below, low)
+    return widened
 
 
 def _bootstrap_intervals(statistics_for, unit: np.ndarray, n_bootstrap, confidence, seed, points) -> list[np.ndarray]:

@@ -87,3 +87,22 @@ def test_the_replay_resamples_the_stores_documents_and_says_a_single_one_gives_n
         single = run_analyses(one, {"replay": REPLAY})["replay"]
     assert "holds 1 resampling unit" in caplog.text and "the replay's intervals are NaN" in caplog.text
     assert single.attrs["resamples"] == 0 and np.isnan(single.collapse_rate_pooled_ci.values).all()
+
+
+def test_a_collapse_level_read_off_a_coarse_grid_has_an_interval_that_holds_the_crossing():
+    """Every resample reaches the target at the second swept level: the crossing lies between the first and the
+    second, so the interval is [first, second], not the zero-width [second, second]; at the first level, [0, first]."""
+    levels = np.array([0.05, 0.1, 0.3])
+    n_samples = 12
+    for counts, expected in (([0, 25, 50], [0.05, 0.1]), ([25, 50, 50], [0.0, 0.05])):
+        collapsed = np.tile(np.asarray(counts, float), (n_samples, 1))  # (sample, level)
+        part = {"sample_sparse": np.full(n_samples, float(INSTANCES)), "sample_curve": collapsed,
+                "sample_collapses": np.stack([collapsed, collapsed], axis=1),
+                "sample_predictions": np.zeros((n_samples, 2, 3, len(levels)))}
+        units = Units("document", np.arange(n_samples), np.arange(n_samples))
+        settings = SimpleNamespace(n_draws=1, curve_levels=levels, levels=tuple(levels), seed=0)
+        result = xr.Dataset()
+        _add_collapse_levels(result, [part], settings, 0.01, units, 50, 0.9)
+        np.testing.assert_array_equal(result.collapse_level.values, [[expected[1]], [expected[1]]])
+        np.testing.assert_array_equal(result.collapse_level_ci.values, [[expected], [expected]])
+        np.testing.assert_array_equal(result.collapse_level_pooled_ci.values, [expected, expected])
