@@ -288,7 +288,8 @@ def _variable_problems(group, name, dims, dtype, sizes, described=(), kind="vari
 
 
 def info(url, storage_options: dict | None = None) -> dict:
-    """A summary of the store: model, task, sites, shapes, dtype, chunking, size, completeness."""
+    """A summary of the store: model, task, sites, shapes, dtype, chunking, size, completeness, and the
+    promised chunks that one listing shows missing or of the wrong size (``damaged_chunks``)."""
     location = as_location(url, storage_options)
     group = open_group_checked(location)
     attrs = dict(group.attrs)
@@ -324,6 +325,8 @@ def info(url, storage_options: dict | None = None) -> dict:
         "size_bytes": size,
         **_token_bytes(group, attrs, size),
         **completeness(group),
+        "damaged_chunks": [str(damage) for damage in find_damage(group, _promises(group), location.list_files(),
+                                                                   decode_strings=False)],
         "provenance": attrs.get("provenance"),
     }
 
@@ -379,9 +382,12 @@ def format_info(summary: dict) -> str:
     """The info summary as text for a terminal."""
     model = summary["model"] or {}
     state = "complete" if summary["complete"] else "INCOMPLETE"
+    damaged = summary.get("damaged_chunks") or []
     lines = [
         f"store     {summary['url']}  (schema {summary['schema']}, {state}: "
-        f"{summary['shards_done']}/{summary['shards_total']} shards)",
+        f"{summary['shards_done']}/{summary['shards_total']} shards{', DAMAGED' if damaged else ''})",
+        *([f"damage    {len(damaged)} chunk(s) missing, of the wrong size or not files, e.g. {damaged[0]}; `validate` "
+           "lists them, resuming the job that wrote the store rewrites them"] if damaged else []),
         "model     " + ", ".join(f"{k}={v}" for k, v in _shown_model(model).items()),
         "task      " + ", ".join(f"{k}={v}" for k, v in (summary["task"] or {}).items()),
         f"sites     {', '.join(summary['sites'] or [])}",

@@ -768,7 +768,14 @@ def test_info_summary_and_text(tmp_path):
     assert summary["arrays"]["q"]["chunks"] == [2, 1, 5, 4, 2]
     assert summary["size_bytes"] > 11 * 3 * 5 * 8 * 4
     text = format_info(summary)
-    assert "complete: 3/3 shards" in text and "q           float32" in text and "labels    role, operand" in text
+    assert "complete: 3/3 shards)" in text and "q           float32" in text and "labels    role, operand" in text
+    assert summary["damaged_chunks"] == [] and "damage" not in text
+    os.unlink(chunk_path(url, "k", (2, 0, 0, 0, 0)))  # the flag still says complete: the listing does not
+    summary = info(url)
+    assert summary["complete"] and summary["damaged_chunks"] == ["array 'k' chunk (2, 0, 0, 0, 0) (samples 4-5, layer 0): missing"]
+    text = format_info(summary)
+    assert "complete: 3/3 shards, DAMAGED)" in text
+    assert "damage    1 chunk(s) missing, of the wrong size or not files, e.g. array 'k' chunk (2, 0, 0, 0, 0)" in text
 
 
 @pytest.mark.parametrize("score,message", [
