@@ -341,6 +341,9 @@ def _withhold_claims(layer: LayerFit) -> None:
 
 SHARE_ROUNDS = 4
 """Rounds of the shared-noise share and the whitening that judges it (``_shared_noise``); they settle in two."""
+SETTLED_DESIGN_EFFECT = 0.01
+"""A whitening judged with a token count within this fraction of the next round's is kept: OAS's shrinkage
+moves by as little, and the rounds' products of every token's residuals cost most of a layer's share."""
 
 
 def _shared_noise(shared: SharedNoise, residuals: np.ndarray, covariance: np.ndarray | None, n_tokens: int,
@@ -354,9 +357,12 @@ def _shared_noise(shared: SharedNoise, residuals: np.ndarray, covariance: np.nda
     share = shared.estimate(residuals if whitening is None else residuals @ whitening)
     if whitening is not None:  # from the larger of the two readings: the iteration keeps a low one it starts from
         share = max(share, shared.estimate(residuals))
+    judged_with = n_tokens  # the tokens `whitening` was shrunk for
     for _ in range(SHARE_ROUNDS if covariance is not None else 0):
         effective = n_tokens / (1 + share**2 * (unit_tokens - 1))
-        whitening = noise_whitening(covariance, effective)
+        if abs(effective / judged_with - 1) < SETTLED_DESIGN_EFFECT:
+            break
+        whitening, judged_with = noise_whitening(covariance, effective), effective
         again = shared.estimate(residuals if whitening is None else residuals @ whitening)
         if again == share:
             break
