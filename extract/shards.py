@@ -227,12 +227,12 @@ def run_on_dask(client, plan: ShardPlan, pending, meter: Meter) -> None:
         while not waiting.is_empty():
             done = waiting.next_batch(block=False)
             for future in done:
-                meter.update(*_shard_result(future, futures[future], client))
+                meter.update(*_shard_result(future, futures[future]))
             since = time.monotonic() if done or _has_workers(client) else since
             if time.monotonic() - since > NO_WORKERS_SECONDS:
                 raise ClusterError(f"the Dask cluster at {client.scheduler.address} has had no worker for "
-                                   f"{NO_WORKERS_SECONDS:g} s while {len(pending)} shard(s) wait: start workers (or find why "
-                                   "they die as they start), then resume the job (--resume); its complete shards are kept")
+                                   f"{NO_WORKERS_SECONDS:g} s while {waiting.count()} shard(s) wait: start workers (or find why "
+                                   'they die as they start), then resume the job (mode="resume"); its complete shards are kept')
             if not done:
                 time.sleep(POLL_SECONDS)
     except BaseException:
@@ -244,7 +244,7 @@ def _has_workers(client) -> bool:
     return bool(client.scheduler_info().get("workers"))
 
 
-def _shard_result(future, index: int, client) -> tuple[int, int]:
+def _shard_result(future, index: int) -> tuple[int, int]:
     """The shard's samples and tokens; a worker killed while running it, as often as the cluster allows, is
     named as such (a worker out of memory, or a crash in the model), not as an unexpected KilledWorker."""
     from distributed import KilledWorker
@@ -255,7 +255,7 @@ def _shard_result(future, index: int, client) -> tuple[int, int]:
         raise ClusterError(
             f"shard {index}'s task killed the Dask workers that ran it, as often as the cluster allows "
             f"(distributed.scheduler.allowed-failures): {error}; a worker out of memory is the usual cause: give "
-            "workers more memory or fewer threads (or a smaller --batch-size), then resume the job (--resume)") from error
+            'workers more memory, fewer threads or a smaller batch, then resume the job (mode="resume")') from error
     return report.n_samples, report.tokens
 
 

@@ -254,7 +254,7 @@ def test_a_cluster_without_workers_stops_the_job_saying_so_and_the_job_resumes(t
     out = tmp_path / "store.zarr"
     with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
         with pytest.raises(ClusterError, match=rf"the Dask cluster at {cluster.scheduler_address} has had no worker for 1 s "
-                                               r"while 2 shard\(s\) wait: start workers .*resume the job \(--resume\)"):
+                                               r'while 2 shard\(s\) wait: start workers .*resume the job \(mode="resume"\)'):
             run_job(job(arithmetic_dir, out, n_shards=2, samples_per_chunk=2), client=client, progress=False)
     assert not read_attrs(str(out))["complete"] and not (out / ".lock").exists()
     run_job(job(arithmetic_dir, out, n_shards=2, samples_per_chunk=2, mode="resume"), progress=False)
@@ -277,7 +277,7 @@ def test_a_shard_that_kills_its_workers_is_named_not_reported_as_unexpected(tmp_
             LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         with pytest.raises(ClusterError, match=r"shard 0's task killed the Dask workers that ran it.*allowed-failures.*"
-                                               r"out of memory.*resume the job \(--resume\)"):
+                                               r'out of memory.*resume the job \(mode="resume"\)'):
             run_job(job(arithmetic_dir, out, n_shards=1, samples_per_chunk=2), client=client, progress=False)
     assert not read_attrs(str(out))["complete"]
 
