@@ -51,7 +51,7 @@ from .inputs import (
 from .kernels import attention_block
 from .options import DEVICE, FLAG, LAYERS, NAMES, POSITIVE, SHARE, SHARES, AnalysisConfig, integer
 from .plan import Deferred, Plan
-from .registry import Analysis
+from .registry import Analysis, describe
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 
@@ -175,9 +175,7 @@ def _site_summary(dataset, site, layers, counts, group_dim, spread, by_attention
                                           spread["mass"])[0], {"description": everywhere})
     result = xr.Dataset(data, coords=coords,
                         attrs={"site": site, "group": group_dim or "layer", "ratio_bin_width": spread["ratio_max"] / spread["ratio_bins"]})
-    for name, description in _site_descriptions(group_dim, by_attention).items():
-        result[name].attrs.setdefault("description", description)
-    return result
+    return describe(result, _site_descriptions(group_dim, by_attention), keep=True)
 
 
 DESCRIPTIONS = {

@@ -7,7 +7,7 @@ Each analysis module makes one ``Analysis`` (``norms.norm_spread``, ``replay.rep
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,21 @@ from orthosphere.params import Config
 
 from .attention import AttentionShare
 from .plan import Plan, run_plans
+
+SHARED_DESCRIPTIONS = {
+    "bound": "the low and the high end of an interval",
+    "other": "the factors again: the second factor of each pair",
+}
+"""The descriptions of coordinates several analyses' results share."""
+
+
+def describe(result: xr.Dataset, descriptions: Mapping[str, str], keep: bool = False) -> xr.Dataset:
+    """Set the ``description`` of each of the result's variables and coordinates that `descriptions` (or
+    SHARED_DESCRIPTIONS) names; with `keep`, those that have one keep it. In place; returns `result`."""
+    for name, text in {**SHARED_DESCRIPTIONS, **descriptions}.items():
+        if name in result.variables and not (keep and result[name].attrs.get("description")):
+            result[name].attrs["description"] = text
+    return result
 
 
 @dataclass(frozen=True, eq=False)

@@ -146,7 +146,7 @@ from .kernels import replay_block
 from .multiplicity import state_multiplicity
 from .options import CONFIDENCE, LAYERS, integer
 from .plan import Plan
-from .registry import Analysis
+from .registry import Analysis, describe
 from .replay_blocks import (
     DEFINITIONS,
     INSTANCE_SETS,
@@ -235,7 +235,6 @@ DESCRIPTIONS = {
     "max_attention_bin": "bin centres of the clean largest attention max_j a_ij (attrs edges: the bin edges)",
     "curve_level": "the noise levels of the collapse-rate curve: the swept levels and 64 log-spaced levels an octave "
                    "(1.1 % apart) from a quarter of the lowest swept level to the highest",
-    "bound": "the low and the high end of an interval",
 }
 """The attrs description of each result variable and coordinate (definitions: the module docstring); the
 multiplicity of the intervals is appended (``multiplicity.state_multiplicity``)."""
@@ -293,10 +292,7 @@ def plan_replay(ds: xr.Dataset, config: ReplayConfig, share: AttentionShare | No
             "attn_scale": model["attn_scale"], "causal": int(model["causal"]),
             "n_samples": int(ds.sizes["sample"]),
         })
-        for name, description in DESCRIPTIONS.items():  # before state_multiplicity appends to them
-            if name in result.variables:  # output_change only with messages
-                result[name].attrs["description"] = description
-        return state_multiplicity(result, "replay")
+        return state_multiplicity(describe(result, DESCRIPTIONS), "replay")
 
     return Plan(graphs, finish)
 

@@ -34,7 +34,7 @@ from .inference import SPHERE_CLAIMS, benjamini_hochberg
 from .multiplicity import state_multiplicity
 from .options import as_attrs
 from .plan import Plan
-from .registry import Analysis
+from .registry import Analysis, describe
 from .subspaces import BOUNDS, FactorSubspaces, SubspacesConfig, factor_subspaces
 
 SPHERE_RULE = ("no structure: the factor has rank 0 (subspaces' subspace_rank); on sphere / off sphere: the claim that radius_cv is below / above "
@@ -145,9 +145,7 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
                                 if fitted.classes_[name].sphere_refusal},
              **{name: getattr(fitted, name) for name in ("radius_cv_tolerance", "confidence", "significance", "n_bootstrap")}}
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
-    for name, description in DESCRIPTIONS.items():
-        result[name].attrs["description"] = description  # min_angle, its estimate and interval, relation: as in /subspaces
-    return state_multiplicity(result, "spheres")
+    return state_multiplicity(describe(result, DESCRIPTIONS), "spheres")  # min_angle ... relation: described in /subspaces
 
 
 def directional_q(claim_p: np.ndarray) -> np.ndarray:
@@ -193,7 +191,5 @@ DESCRIPTIONS = {
     "cross_term_ci": "basic bootstrap interval of the cross term (draws around the fit)",
     "cross_term_null_ci": "central 1 - significance range of the cross term when the subspaces are orthogonal",
     "cross_term_p": "p-value of 'the subspaces are orthogonal' from the cross term (draws around orthogonal subspaces)",
-    "other": "the factors again: the second factor of each pair",
-    "bound": "the low and the high end of an interval",
     "sphere_claim": "the claims on a factor's radius spread: on (radius_cv below radius_cv_tolerance), off (above it)",
 }

@@ -85,7 +85,7 @@ from .layer import MIN_EFFECTIVE_GROUPS, DrawSettings, LayerFit, fit_layer
 from .multiplicity import state_multiplicity
 from .options import CONFIDENCE, FLAG, FLOOR, LAYERS, NAMES, POSITIVE, PROBABILITY, SITE, TOLERANCE_DEG, AnalysisConfig, as_attrs, choice, integer
 from .plan import Plan, run_plans
-from .registry import Analysis
+from .registry import Analysis, describe
 from .units import GROUP_BY, GROUP_BY_HELP, Units, bootstrap_group, check_units, resampling_units, token_groups, token_units, warn_fewer_units_than_groups
 
 log = logging.getLogger("orthosphere.analyze")
@@ -669,10 +669,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
                                                     "seed", "independence_deg", "orthogonality_deg", "relevance_floor")},
     }
     result = xr.Dataset(data, coords=coords, attrs=as_attrs(attrs))
-    for name, description in DESCRIPTIONS.items():
-        if name in result.variables:  # the head angles only with weights
-            result[name].attrs["description"] = description
-    return state_multiplicity(result, "subspaces")
+    return state_multiplicity(describe(result, DESCRIPTIONS), "subspaces")
 
 
 _HEAD_SPACE = {"q": "each head's read subspace, the column space of w_q[head] in d_model (the directions of the "
@@ -724,8 +721,6 @@ DESCRIPTIONS = {
                             f"and {_HEAD_SPACE[kind]}" for kind in "qk"},
     **{f"{kind}_overlap": f"mean squared cosine of {kind}_angles (0: the head reads nothing of the factor's subspace, 1: "
                           "its read subspace holds it or lies inside it)" for kind in "qk"},
-    "other": "the factors again: the second factor of each pair",
-    "bound": "the low and the high end of an interval",
     "claim": "the claims on a pair: orthogonal (every principal angle above 90 - orthogonality_deg), dependent (the "
              "smallest angle below independence_deg), independent (the smallest angle shown between the two)",
     "subspace_rank": "the rank that decides the factor's basis, angles, claims and spheres (attrs rank_rule): the "
