@@ -22,7 +22,7 @@ import zarr
 from zarr.storage import WrapperStore
 
 from .errors import DamagedStoreError, StorageFailureError
-from .location import group_arrays, zarr_quietly
+from .location import Listing, group_arrays, zarr_quietly
 from .names import PROGRESS_GROUP
 from .schema import WEIGHT_VARIABLES
 from .state import INDEX_ARRAYS
@@ -44,8 +44,6 @@ class Damage:
     """The job shard that wrote the chunk (None: written with the store or the weight maps)."""
     listed: bool = True
     """Whether a listing of the store shows it (missing, wrong size); if not, only a read does."""
-    obstacle: bool = False
-    """Whether a directory stands where the chunk file should be: no job can write the chunk until it is removed."""
 
     def __str__(self) -> str:
         return f"array {self.array!r} chunk {self.chunk} ({self.where}): {self.problem}"
@@ -116,17 +114,17 @@ class ArrayPromise:
         """The promised chunks' coordinates."""
         return (coords for coords in product(*(range(n) for n in self.grid)) if self.promised(coords))
 
-    def damage(self, coords: tuple[int, ...], problem: str, listed: bool = True, obstacle: bool = False) -> Damage:
-        return Damage(self.name, coords, self.where(coords), problem, self.shard(coords), listed, obstacle)
+    def damage(self, coords: tuple[int, ...], problem: str, listed: bool = True) -> Damage:
+        return Damage(self.name, coords, self.where(coords), problem, self.shard(coords), listed)
 
-    def check_listed(self, coords: tuple[int, ...], files: dict[str, int]) -> Damage | None:
+    def check_listed(self, coords: tuple[int, ...], files: Listing) -> Damage | None:
         """The damage of the chunk as the store's listing (location.Listing) shows it: a directory or a
         symbolic link where its file should be, missing, or of the wrong size."""
         key = self.key(coords)
-        if key in getattr(files, "links", ()):
+        if key in files.links:
             return self.damage(coords, LINK_PROBLEM)
-        if key in getattr(files, "directories", ()):
-            return self.damage(coords, DIRECTORY_PROBLEM, obstacle=True)
+        if key in files.directories:
+            return self.damage(coords, DIRECTORY_PROBLEM)
         return self.check_size(coords, files.get(key))
 
     def check_size(self, coords: tuple[int, ...], size: int | None) -> Damage | None:
@@ -195,7 +193,7 @@ def _shard_of_chunks(n_samples: int, chunk: int, shards: list[tuple[int, int]], 
     return np.where(whole, first, -1)
 
 
-def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dict[str, int],
+def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: Listing,
                 decode: bool = False, decode_strings: bool = True) -> list[Damage]:
     """Every promised chunk that is missing or of the wrong size (`files`: the store's listing),
     and with `decode`, every one that does not decode (`group` opened on a GuardedStore, so that
@@ -215,11 +213,11 @@ def find_damage(group: zarr.Group, promised: dict[str, ArrayPromise], files: dic
     return damage
 
 
-def obstacles(promised: dict[str, ArrayPromise], files: dict[str, int]) -> list[str]:
+def obstacles(promised: dict[str, ArrayPromise], files: Listing) -> list[str]:
     """The paths inside the store of the directories that stand where any chunk of its arrays
     goes, promised or not (`files`: its location.Listing): a job writing that chunk would fail."""
     found = []
-    for directory in sorted(getattr(files, "directories", ())):
+    for directory in sorted(files.directories):
         name, _, chunk_key = directory.partition("/")
         promise = promised.get(name)
         if promise is not None and promise.coords_of(chunk_key) is not None:

@@ -186,17 +186,18 @@ def _reopen(location: Location, break_lock: bool) -> StoreWriter | None:
     """The store's writer, holding its lock, with the shards of damaged chunks reopened; None
     when the store is complete and whole."""
     writer = open_writer(location, lock=True, break_lock=break_lock)
-    blocked = writer.obstacles()
+    restored = writer.restore_metadata()
+    if restored:
+        log.warning("%s: the metadata of array(s) %s was missing; restored from the store's consolidated metadata",
+                    location.url, restored)
+    files = location.list_files()
+    blocked = writer.obstacles(files)
     if blocked:
         writer.close()
         shown = ", ".join(blocked[:3]) + (", ..." if len(blocked) > 3 else "")
         raise StoreError(f"store {location.url} cannot be resumed: {len(blocked)} chunk path(s) inside it hold a directory "
                          f"where the chunk file should be ({shown}): remove them, then resume the job again (mode=\"resume\")")
-    restored = writer.restore_metadata()
-    if restored:
-        log.warning("%s: the metadata of array(s) %s was missing; restored from the store's consolidated metadata",
-                    location.url, restored)
-    damage = writer.find_damage()
+    damage = writer.find_damage(files=files)
     if damage:
         shards = writer.reopen(damage)
         log.warning("%s: %d chunk(s) of complete shards are missing or damaged, e.g. %s; rewriting %s",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import warnings
 from dataclasses import dataclass, field
 
@@ -110,28 +111,25 @@ class Location:
     def _list_files(self) -> Listing:
         listing = Listing()
         if self.is_local:
-            for folder, folders, names in os.walk(self.local_path):
+            for folder, folders, names in os.walk(self.local_path):  # a link to a folder is listed, not walked into
                 inside = os.path.relpath(folder, self.local_path).replace(os.sep, "/")
-                for name in names + folders:
+                for name, is_folder in [*((name, False) for name in names), *((name, True) for name in folders)]:
                     key = name if inside == "." else f"{inside}/{name}"
-                    path = os.path.join(folder, name)
-                    if os.path.islink(path):
+                    status = os.lstat(os.path.join(folder, name))
+                    if stat.S_ISLNK(status.st_mode):
                         listing.links.add(key)
-                    if name in names or os.path.islink(path):  # a link to a folder is not walked into
-                        listing[key] = os.lstat(path).st_size
-                    else:
+                    elif is_folder:
                         listing.directories.add(key)
+                        continue
+                    listing[key] = status.st_size
             return listing
-        found = self.fs.find(self.root, detail=True)
+        found = self.fs.find(self.root, detail=True)  # object stores: no folder can stand where a file goes
         if self.at_filesystem_root:  # a zip's or reference://'s paths have no leading "/", memory://'s have one
             files = {path.lstrip("/"): entry for path, entry in found.items() if entry.get("type") != "directory"}
         else:
             prefix = self.root.rstrip("/") + "/"
             files = {path[len(prefix):]: entry for path, entry in found.items() if path.startswith(prefix)}
-        for key, entry in files.items():
-            listing[key] = int(entry.get("size") or 0)
-            parts = key.split("/")
-            listing.directories.update("/".join(parts[:end]) for end in range(1, len(parts)))  # object stores: key prefixes
+        listing.update((key, int(entry.get("size") or 0)) for key, entry in files.items())
         return listing
 
     def clear(self, keep=()) -> None:
@@ -176,9 +174,6 @@ class Location:
                 os.unlink(path)
         else:
             self.fs.rm(self.key(name), recursive=True)
-
-    def size_bytes(self) -> int:
-        return int(self.fs.du(self.root, total=True))
 
 
 def as_location(url, storage_options: dict | None = None) -> Location:

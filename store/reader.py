@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     import xarray
 
 REQUIRED_ATTRS = ("schema", "model", "task", "sites", "layers", "dtype", "labels", "n_samples", "n_pos", "shards", "provenance")
-OPTIONAL_ATTRS = ("with_weights", "samples_per_chunk", "codec", "pred", "complete")
-"""Root attributes a store may lack (written before they existed); checked when present."""
 
 
 def _count(value) -> bool:
@@ -63,7 +61,8 @@ ATTR_TYPES = {
     "pred": (lambda v: isinstance(v, bool), "true or false"),
     "complete": (lambda v: isinstance(v, bool), "true or false"),
 }
-"""What each root attribute but `schema` must be (store/SCHEMA.md): a test, and the expectation in words."""
+"""What each root attribute but `schema` must be (store/SCHEMA.md): a test, and the expectation in words;
+those not in REQUIRED_ATTRS may be absent (stores written before they existed)."""
 
 
 def root_attribute_problems(attrs: dict) -> list[str]:
@@ -306,7 +305,8 @@ def info(url, storage_options: dict | None = None) -> dict:
         for name, array in sorted(group_arrays(group))
         if name not in DIM_NAMES
     }
-    size = location.size_bytes()
+    files = location.list_files()  # one listing: the size, and the promised chunks it lacks
+    size = sum(files.values())
     return {
         "url": location.url,
         "schema": attrs["schema"],
@@ -325,8 +325,7 @@ def info(url, storage_options: dict | None = None) -> dict:
         "size_bytes": size,
         **_token_bytes(group, attrs, size),
         **completeness(group),
-        "damaged_chunks": [str(damage) for damage in find_damage(group, _promises(group), location.list_files(),
-                                                                   decode_strings=False)],
+        "damaged_chunks": [str(damage) for damage in find_damage(group, _promises(group), files, decode_strings=False)],
         "provenance": attrs.get("provenance"),
     }
 

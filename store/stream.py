@@ -252,10 +252,14 @@ def _write_at(path: str, data: np.ndarray, offset: int, truncate: bool, direct: 
 
 
 def _write_bytes(path: str, data: np.ndarray, offset: int, truncate: bool, mode: int) -> None:
-    if truncate and os.path.islink(path):  # a link where the chunk goes: replaced by the chunk, never written through
-        os.unlink(path)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0) | os.O_NOFOLLOW | mode
-    descriptor = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
+    try:
+        descriptor = os.open(path, flags, 0o666)  # as open(path, "wb"): the umask decides
+    except OSError as error:  # a link where the chunk goes: replaced by the chunk, never written through
+        if error.errno != errno.ELOOP or not truncate:
+            raise
+        os.unlink(path)
+        descriptor = os.open(path, flags, 0o666)
     try:
         view, written = memoryview(data), 0
         while written < len(view):

@@ -29,7 +29,7 @@ from .errors import DamagedStoreError, IncompleteStoreError, StoreError, StoreLo
 from .failures import release_after_failure
 from .faults import crash_point
 from .integrity import Damage, find_damage, guarded_group, obstacles, promises
-from .location import Location, as_location, commit_metadata, group_arrays
+from .location import Listing, Location, as_location, commit_metadata, group_arrays
 from .lock import Heartbeat, acquire_lock, release_lock
 from .names import PROGRESS_GROUP, is_lock_file
 from .provenance import provenance
@@ -306,12 +306,12 @@ class StoreWriter:
         """Whether the job finished: `complete` set, with the metadata consolidated."""
         return bool(self.group.attrs.get("complete")) and self.group.metadata.consolidated_metadata is not None
 
-    def find_damage(self, decode: bool = False, decode_strings: bool = True) -> list[Damage]:
+    def find_damage(self, decode: bool = False, decode_strings: bool = True, files: Listing | None = None) -> list[Damage]:
         """The chunks that complete shards (and written weights) promise but that are missing or
-        of the wrong size (with `decode`: that do not decode; strings: see integrity.find_damage). The lock holder also removes the
-        temporary files of writes that a kill interrupted (the lock's own are left to it: releasing the
-        lock removes them)."""
-        files = self.location.list_files()
+        of the wrong size (with `decode`: that do not decode; strings: see integrity.find_damage), in
+        `files` (default: a listing taken now). The lock holder also removes the temporary files of
+        writes that a kill interrupted (the lock's own are left to it: releasing the lock removes them)."""
+        files = self.location.list_files() if files is None else files
         if self.holds_lock:
             for key in [key for key in files if key.endswith(".partial") and not is_lock_file(key)]:
                 self.location.remove_entry(key)
@@ -319,9 +319,10 @@ class StoreWriter:
         group = guarded_group(self.location, promised) if decode else self.group
         return find_damage(group, promised, files, decode=decode, decode_strings=decode_strings)
 
-    def obstacles(self) -> list[str]:
-        """The directories that stand where chunk files of the store go (paths inside it): no write can replace them."""
-        return obstacles(promises(self.group, self.attrs, self.shard_complete(), self.weights_written()), self.location.list_files())
+    def obstacles(self, files: Listing) -> list[str]:
+        """The directories in `files` (the store's listing) that stand where chunk files of the store go: no
+        write can replace them."""
+        return obstacles(promises(self.group, self.attrs, self.shard_complete(), self.weights_written()), files)
 
     def restore_metadata(self) -> list[str]:
         """Write back the metadata (NAME/zarr.json) of every array that the root's consolidated metadata
