@@ -273,9 +273,23 @@ class SharedNoise:
 
     def estimate(self, residuals: np.ndarray) -> float:
         """The share, from the groups' residual sums (groups, columns, d), on the grid."""
+        return self.share_of(self.readings(residuals))
+
+    def readings(self, residuals: np.ndarray, basis: np.ndarray | None = None) -> np.ndarray:
+        """(2, d) what the two models read along each column e of an orthonormal `basis` (d, d; the store's
+        coordinates when None): sum_g <V_g, (R_g u_e)(R_g u_e)'> for V_g of independent and of shared noise.
+        Residuals whitened by P = U diag(w)^(1/2) U' have R_g P^2 R_g' = sum_e w_e (R_g u_e)(R_g u_e)', so
+        ``share_of`` reads them under any such whitening from these (d,) sums alone."""
         residuals = residuals.astype("float32")
-        products = np.matmul(residuals, np.swapaxes(residuals, 1, 2))  # R_g R_g'
-        projected = [float(np.sum(part * products)) for part in (self.independent, self.shared)]
+        if basis is not None:
+            residuals = residuals @ basis.astype("float32")
+        return np.stack([np.einsum("gie,gie->e", np.matmul(part, residuals), residuals, dtype="float64")
+                         for part in (self.independent, self.shared)])
+
+    def share_of(self, readings: np.ndarray, weights: np.ndarray | None = None) -> float:
+        """The share from ``readings``, under the whitening of squared eigenvalues `weights` along their basis
+        (none when None), on the grid."""
+        projected = readings.sum(axis=1) if weights is None else readings @ weights
         independent, shared = np.maximum(np.linalg.solve(self.normal, projected), 0.0)
         share = shared / (independent + shared) if independent + shared > 0 else 0.0
         if share < SHARE_FLOOR:

@@ -162,21 +162,45 @@ def noise_whitening(covariance: np.ndarray, n_samples: int) -> np.ndarray | None
     every analysed token, not from the groups' influences that the tests draw: whitened by their own
     estimate, the influences under-state the noise of the effects in the directions that estimate
     happens to shrink (by 20 % on planted rogue dimensions), and the tests find structure in noise."""
-    d = len(covariance)
-    level = np.trace(covariance) / d
-    if not level > 0:
-        return None
-    square = np.trace(covariance @ covariance) / d
-    numerator = square + level**2 * d  # OAS in scikit-learn's form: tr(S^2)/d + tr(S)^2/d
-    denominator = (n_samples + 1) * (square - level**2)
-    shrinkage = 1.0 if denominator == 0 else min(numerator / denominator, 1.0)
-    values, vectors = np.linalg.eigh(covariance)
-    shrunk = (1 - shrinkage) * np.maximum(values, 0.0) + shrinkage * level
-    if not shrunk.min() > NUMERICAL_ZERO * level:
-        return None
-    if shrunk[-1] <= ANISOTROPY * np.median(shrunk):
-        return None
-    return (vectors / np.sqrt(shrunk)) @ vectors.T
+    spectrum = NoiseSpectrum.of(covariance)
+    return None if spectrum is None else spectrum.whitening(spectrum.shrunk(n_samples))
+
+
+@dataclass(frozen=True)
+class NoiseSpectrum:
+    """A noise covariance S (d, d) as its eigen-decomposition, from which ``noise_whitening``'s map is built
+    for any token count without decomposing S again: OAS keeps S's eigenvectors and moves its eigenvalues
+    towards their mean by a shrinkage that depends on the count only."""
+
+    values: np.ndarray  # ascending, clipped at 0
+    vectors: np.ndarray  # (d, d), columns
+    level: float  # tr(S) / d
+    square: float  # tr(S^2) / d
+
+    @classmethod
+    def of(cls, covariance: np.ndarray) -> NoiseSpectrum | None:
+        """None without noise."""
+        d = len(covariance)
+        level = np.trace(covariance) / d
+        if not level > 0:
+            return None
+        values, vectors = np.linalg.eigh(covariance)
+        return cls(np.maximum(values, 0.0), vectors, float(level), float(np.sum(covariance * covariance.T) / d))
+
+    def shrunk(self, n_samples: float) -> np.ndarray | None:
+        """The OAS-shrunk eigenvalues for `n_samples` tokens (scikit-learn's form: tr(S^2)/d + tr(S)^2/d over
+        (n + 1)(tr(S^2)/d - (tr(S)/d)^2)); None where the noise is nearly isotropic (no whitening)."""
+        numerator = self.square + self.level**2 * len(self.values)
+        denominator = (n_samples + 1) * (self.square - self.level**2)
+        shrinkage = 1.0 if denominator == 0 else min(numerator / denominator, 1.0)
+        shrunk = (1 - shrinkage) * self.values + shrinkage * self.level
+        if not shrunk.min() > NUMERICAL_ZERO * self.level or shrunk[-1] <= ANISOTROPY * np.median(shrunk):
+            return None
+        return shrunk
+
+    def whitening(self, shrunk: np.ndarray | None) -> np.ndarray | None:
+        """P = V diag(shrunk)^(-1/2) V' (None for None)."""
+        return None if shrunk is None else (self.vectors / np.sqrt(shrunk)) @ self.vectors.T
 
 
 ROUNDING_BITS = {"float16": 10, "bfloat16": 7}
@@ -318,11 +342,13 @@ def noise_rank(weighted: np.ndarray, gram: np.ndarray, along: np.ndarray, signif
     followed by failing ones (the singular values fall faster than the deflated noise's edge)."""
     left, singular, _ = np.linalg.svd(weighted)
     thresholds = np.full(limit, np.nan)
+    gram_left = left.T @ gram @ left  # the draws in W's left singular vectors: each step is a corner of them
+    along_left = left.T @ along
 
     def stands_above(step: int) -> bool:
-        kept = left[:, step:]  # the class directions left once the leading ones are projected out
-        rest = gram - along[..., :step] @ np.swapaxes(along[..., :step], -1, -2)
-        top = np.linalg.eigvalsh(kept.T @ rest @ kept)[:, -1]
+        kept = along_left[:, step:, :step]  # the class directions left once the leading ones are projected out
+        rest = gram_left[:, step:, step:] - kept @ np.swapaxes(kept, -1, -2)
+        top = np.linalg.eigvalsh(rest)[:, -1]
         thresholds[step] = np.sqrt(max(np.quantile(top, 1 - significance), 0.0))
         return singular[step] > max(thresholds[step], NUMERICAL_ZERO * singular[0])
 
@@ -449,20 +475,27 @@ def drawn_subspaces(truth: np.ndarray, gram: np.ndarray, noise: np.ndarray, rank
         rows = complement.basis.T @ truth
         mixed = rows @ np.swapaxes(complement.noise, -1, -2)
         try:
-            lower = np.linalg.cholesky(rows @ rows.T + mixed + np.swapaxes(mixed, -1, -2) + complement.gram)
+            lower = np.linalg.cholesky(_drawn_gram(rows @ rows.T, mixed, complement.gram))
         except np.linalg.LinAlgError:  # some draw spans fewer directions (little noise, d < k - 1)
             lower = None
         if lower is not None:
             inverse = np.stack([dtrtri(factor, lower=1)[0] for factor in lower])
             return Drawn(complement.basis @ np.swapaxes(inverse, -1, -2), truth, noise, lambda: complement.basis @ lower)
-    mixed = truth @ np.swapaxes(noise, -1, -2)
-    total = truth @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + gram
+    total = _drawn_gram(truth @ truth.T, truth @ np.swapaxes(noise, -1, -2), gram)
     estimated_from = total
     if whitened is not None:
-        mixed = truth @ np.swapaxes(whitened.noise, -1, -2)
-        estimated_from = truth @ whitened.span @ truth.T + mixed + np.swapaxes(mixed, -1, -2) + whitened.gram
+        estimated_from = _drawn_gram(truth @ whitened.span @ truth.T, truth @ np.swapaxes(whitened.noise, -1, -2), whitened.gram)
     scaled = _orthonormalising(_leading_vectors(estimated_from, rank), total)
     return Drawn(scaled, truth, noise, lambda: total @ scaled)
+
+
+def _drawn_gram(square: np.ndarray, mixed: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """(T + N)(T + N)' (draws, k, k) = T T' + T N' + N T' + N N' from T T' (`square`), T N' (`mixed`) and
+    N N' (`gram`), summed in that order into one new array."""
+    total = square + mixed
+    total += np.swapaxes(mixed, -1, -2)
+    total += gram
+    return total
 
 
 def _leading_vectors(matrices: np.ndarray, rank: int) -> np.ndarray:

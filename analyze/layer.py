@@ -30,6 +30,7 @@ from .inference import (
     Complement,
     Drawn,
     FamilySearch,
+    NoiseSpectrum,
     WhitenedDraws,
     add_one_share,
     basic_interval,
@@ -43,7 +44,6 @@ from .inference import (
     interval_levels,
     noise_parts,
     noise_rank,
-    noise_whitening,
     rademacher,
     relevant_rank,
     rounding_bias,
@@ -199,12 +199,13 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     share, whitening, bias, inflation, rounding, n_tokens = 0.0, None, np.nan, np.nan, None, 0
     if solution is not None:
         theta, residuals = joint_fit(sums, counts, solution)
-        covariance = None
+        covariance = spectrum = None
         if "gram" in parts:  # the tokens' covariance around the fit: whitening and the rounding's weight
             covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
-            whitening = noise_whitening(covariance, n_tokens)
+            spectrum = NoiseSpectrum.of(covariance)
+            whitening = None if spectrum is None else spectrum.whitening(spectrum.shrunk(n_tokens))
         if shared is not None:  # judged whitened where the tests are: a few huge dimensions do not set it
-            share, whitening = _shared_noise(shared, residuals, covariance, n_tokens, whitening, counts.tokens_per_unit(layout))
+            share, whitening = _shared_noise(shared, residuals, spectrum, n_tokens, counts.tokens_per_unit(layout))
         if covariance is not None:
             rounding = cell_rounding(covariance, sums, counts, layout, dtype)
             per_class = None if rounding is None else [cells.class_variance for cells in rounding]
@@ -343,31 +344,35 @@ SHARE_ROUNDS = 4
 """Rounds of the shared-noise share and the whitening that judges it (``_shared_noise``); they settle in two."""
 SETTLED_DESIGN_EFFECT = 0.01
 """A whitening judged with a token count within this fraction of the next round's is kept: OAS's shrinkage
-moves by as little, and the rounds' products of every token's residuals cost most of a layer's share."""
+moves by as little."""
 
 
-def _shared_noise(shared: SharedNoise, residuals: np.ndarray, covariance: np.ndarray | None, n_tokens: int,
-                  whitening: np.ndarray | None, unit_tokens: float) -> tuple[float, np.ndarray | None]:
+def _shared_noise(shared: SharedNoise, residuals: np.ndarray, spectrum: NoiseSpectrum | None, n_tokens: int,
+                  unit_tokens: float) -> tuple[float, np.ndarray | None]:
     """The share of each token's noise that its unit shares, judged whitened, and the whitening it is judged
-    with. Noise shared within units makes the tokens' covariance 1 + share^2 (m - 1) times noisier (m: the
-    token-weighted mean tokens of a unit; the design effect on a second moment), so the whitening is
-    shrunk as for that many times fewer tokens: a few units' shared vectors read as anisotropy otherwise,
-    which the whitening then shrinks, and the share and every test's noise read low (over 16 documents a
-    share of 0.5 read 0.28, and a label clustered by document read "structure" in 75 % of null layers)."""
-    share = shared.estimate(residuals if whitening is None else residuals @ whitening)
-    if whitening is not None:  # from the larger of the two readings: the iteration keeps a low one it starts from
-        share = max(share, shared.estimate(residuals))
-    judged_with = n_tokens  # the tokens `whitening` was shrunk for
-    for _ in range(SHARE_ROUNDS if covariance is not None else 0):
+    with (from the noise covariance's `spectrum`; none without one). Noise shared within units makes the
+    tokens' covariance 1 + share^2 (m - 1) times noisier (m: the token-weighted mean tokens of a unit; the
+    design effect on a second moment), so the whitening is shrunk as for that many times fewer tokens: a few
+    units' shared vectors read as anisotropy otherwise, which the whitening then shrinks, and the share and
+    every test's noise read low (over 16 documents a share of 0.5 read 0.28, and a label clustered by
+    document read "structure" in 75 % of null layers). The residuals are read once along the spectrum's
+    eigenvectors (``SharedNoise.readings``): every whitening of a round shares them."""
+    readings = shared.readings(residuals, None if spectrum is None else spectrum.vectors)
+    shrunk = None if spectrum is None else spectrum.shrunk(n_tokens)
+    share = shared.share_of(readings, None if shrunk is None else 1 / shrunk)
+    if shrunk is not None:  # from the larger of the two readings: the iteration keeps a low one it starts from
+        share = max(share, shared.share_of(readings))
+    judged_with = n_tokens  # the tokens `shrunk` was shrunk for
+    for _ in range(SHARE_ROUNDS if spectrum is not None else 0):
         effective = n_tokens / (1 + share**2 * (unit_tokens - 1))
         if abs(effective / judged_with - 1) < SETTLED_DESIGN_EFFECT:
             break
-        whitening, judged_with = noise_whitening(covariance, effective), effective
-        again = shared.estimate(residuals if whitening is None else residuals @ whitening)
+        shrunk, judged_with = spectrum.shrunk(effective), effective
+        again = shared.share_of(readings, None if shrunk is None else 1 / shrunk)
         if again == share:
             break
         share = again
-    return share, whitening
+    return share, None if spectrum is None else spectrum.whitening(shrunk)
 
 
 def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, counts: Counts,

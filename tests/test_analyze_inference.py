@@ -145,6 +145,29 @@ def test_the_shared_share_of_the_noise_is_estimated_from_the_groups_residual_sum
     assert SharedNoise.of(counts, layout, solution).estimate(sums) == pytest.approx(share, abs=0.1)
 
 
+def test_the_share_read_along_the_noise_spectrum_is_the_share_of_the_whitened_residuals():
+    """``readings`` along the eigenvectors of an anisotropic covariance, weighted by the inverse shrunk
+    eigenvalues, give the share of the residual sums whitened by that spectrum's map, at every token count."""
+    from orthosphere.analyze.inference import NoiseSpectrum
+
+    design, groups, counts, layout, covariance = with_units()
+    solution = solve_joint(counts, layout, "test")
+    rng = np.random.default_rng(5)
+    root = np.linalg.cholesky(covariance(0.8) + 1e-12 * np.eye(len(design)))
+    noise = np.hstack([30.0 * root @ rng.normal(size=(len(design), 4)),  # a few huge dimensions, shared within units
+                       rng.normal(size=(len(design), 36))])  # the rest independent
+    residuals = (np.eye(len(design)) - design @ solution.g_inverse @ design.T) @ noise
+    sums = np.stack([design[groups == g].T @ residuals[groups == g] for g in range(counts.n_groups)])
+    shared = SharedNoise.of(counts, layout, solution)
+    spectrum = NoiseSpectrum.of(residuals.T @ residuals / len(design))
+    readings = shared.readings(sums, spectrum.vectors)
+    assert shared.share_of(readings) == shared.estimate(sums)
+    for n_tokens in (len(design), len(design) / 8):
+        shrunk = spectrum.shrunk(n_tokens)
+        assert shared.share_of(readings, 1 / shrunk) == shared.estimate(sums @ spectrum.whitening(shrunk))
+    assert shared.share_of(readings, 1 / spectrum.shrunk(len(design))) < shared.estimate(sums) / 2  # the whitening matters
+
+
 def test_units_of_one_token_leave_nothing_to_estimate():
     design, groups, counts, layout = small_design()
     columns = np.argwhere(design > 0)[:, 1].reshape(len(design), -1)

@@ -114,7 +114,7 @@ def test_a_huge_dimension_shared_within_documents_does_not_set_the_share_of_the_
     url = write_store(tmp_path / "rogue-documents.zarr", {"resid_pre": x}, labels=labels, with_weights=False)
     whitened = FactorSubspaces(factors=["parity"], seed=1).fit(open_for_analysis(url)).to_dataset()
     assert bool(whitened["whitened"].values[0]) and whitened["unit_shared_noise"].values[0] < 0.08
-    monkeypatch.setattr("orthosphere.analyze.layer.noise_whitening", lambda covariance, n_samples: None)
+    monkeypatch.setattr("orthosphere.analyze.inference.NoiseSpectrum.shrunk", lambda spectrum, n_samples: None)
     raw = FactorSubspaces(factors=["parity"], seed=1).fit(open_for_analysis(url)).to_dataset()
     assert raw["unit_shared_noise"].values[0] > 0.12
 
