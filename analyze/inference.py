@@ -691,10 +691,17 @@ class FamilySearch:
         self.cache: dict = {}
 
     def at(self, family: str, value: float) -> np.ndarray:
-        key = (family, round(float(np.clip(value, self.low, self.high)), 6))
+        key = self._key(family, value)
         if key not in self.cache:
             self.cache[key] = self.draw(family, key[1])
         return self.cache[key]
+
+    def given(self, family: str, value: float, drawn: np.ndarray) -> None:
+        """Record the draws at a truth that were drawn elsewhere (a factor's draws around its fitted truth)."""
+        self.cache[self._key(family, value)] = drawn
+
+    def _key(self, family: str, value: float) -> tuple[str, float]:
+        return family, round(float(np.clip(value, self.low, self.high)), 6)
 
     def curve(self, family: str, column, level: float) -> tuple[np.ndarray, np.ndarray]:
         """The truths drawn so far in a family (ascending) and the `level` quantiles of their draws

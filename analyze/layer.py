@@ -597,8 +597,9 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
     drawn_angles = {}
 
     def draw(target):
-        """(draws, Drawn first, Drawn second, cosines) around the truths turned to `target`."""
-        drawn_moving = moving.drawn(turned(moving.truth_y, moving.basis_y, fixed.basis_y, target))
+        """(draws, Drawn first, Drawn second, cosines) around the truths turned to `target` (None: the fitted
+        truths, whose angles are the measured ones)."""
+        drawn_moving = moving.at_truth if target is None else moving.drawn(turned(moving.truth_y, moving.basis_y, fixed.basis_y, target))
         cosines = against_fixed(drawn_moving)
         if fixed is first:
             return cosine_angles(cosines), fixed.at_truth, drawn_moving, cosines
@@ -610,7 +611,7 @@ def _pair(first: _Source, second: _Source, cross: np.ndarray, contingency: np.nd
             drawn_angles[key] = draw(target)[0]
         return drawn_angles[key]
 
-    fitted = draw(pair.angles)
+    fitted = draw(None)
     drawn_angles[tuple(np.round(pair.angles, 6))] = fitted_angles = fitted[0]
     families = AngleFamilies(_bias_corrected(pair.angles, pair.angles, fitted_angles))
 
@@ -740,6 +741,9 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
     mean_radius = radii @ weights
     directions = points / np.maximum(radii, np.finfo(float).tiny)[:, None]
 
+    def spreads(drawn, mean):
+        return weighted_cv(corrected_radii(source.drawn_points(drawn, mean), variance), weights)
+
     def draw(family, value):
         """Radius spreads of draws around the truth whose radii are spread to a spread of `value` (the
         classes outside the radius statistics, such as a pooled one, stay where they are)."""
@@ -747,10 +751,10 @@ def _spheres(source: _Source, settings: DrawSettings) -> None:
         moved = np.where(view.radial[:, None], scaled, points)
         centre = view.weights @ moved
         mean = view.mean + fit.basis @ (centre - view.mean @ fit.basis)
-        truth = np.sqrt(view.counts)[:, None] * ((moved - centre) @ source.basis_y.T)
-        return weighted_cv(corrected_radii(source.drawn_points(source.drawn(truth), mean), variance), weights)
+        return spreads(source.drawn(np.sqrt(view.counts)[:, None] * ((moved - centre) @ source.basis_y.T)), mean)
 
     search = FamilySearch(draw, 0.0, max(4 * fit.radius_cv, 4 * spread, 4 * settings.radius_cv_tolerance), CV_TOLERANCE)
+    search.given("spread", spread, spreads(source.at_truth, view.mean))  # at its own spread the truth is the fitted one
     fitted = search.at("spread", spread)
     guess_low, guess_high = basic_interval(fit.radius_cv, fitted, settings.confidence)
     low, high = interval_levels(settings.confidence, settings.n_groups)
