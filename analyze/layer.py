@@ -19,7 +19,7 @@ from .design import (
     joint_fit,
     marginal_effects,
 )
-from .geometry import principal_angles
+from .geometry import column_space, principal_angles
 from .inference import (
     ANGLE_TOLERANCE,
     CLAIMS,
@@ -186,12 +186,14 @@ class FactorView:
 
 def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solution: JointSolution | None,
               traces: list[NoiseTraces] | None, shared: SharedNoise | None, settings: DrawSettings,
-              heads: dict[str, list[np.ndarray]], radial: list[np.ndarray], dtype: str | None = None) -> LayerFit | None:
+              heads: dict[str, np.ndarray], radial: list[np.ndarray], dtype: str | None = None) -> LayerFit | None:
     """Every factor's subspace at one layer and what its draws say (None when the layer holds NaN or
     Inf: the finite check then names them). traces: ``design.noise_traces`` of independent tokens (None
     without groups); shared: the layer's share of noise shared within units is estimated with it, and
-    the influences and traces follow it (None: tokens independent); radial: per factor, which classes
-    enter the radius statistics; dtype: the store's, whose rounding is weighed against the noise."""
+    the influences and traces follow it (None: tokens independent); heads: the layer's read weights w_q
+    and w_k (heads, d_model, d_head), whose column spaces the subspaces are compared with; radial: per
+    factor, which classes enter the radius statistics; dtype: the store's, whose rounding is weighed
+    against the noise."""
     parts = packer.unpack(vector)
     if parts["nonfinite"]:
         return None
@@ -234,11 +236,12 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         _infer(layer, drawn_views, counts, layout, pairs, drawn_settings, whitening)
         if share > 0 and effective < MIN_EFFECTIVE_GROUPS:
             _withhold_claims(layer)
+    spaces = {kind: [column_space(matrix) for matrix in weights] for kind, weights in heads.items()} if any(f.rank for f in fits) else {}
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
-        for kind, spaces in heads.items():
-            for h, space in enumerate(spaces):
+        for kind, kind_spaces in spaces.items():
+            for h, space in enumerate(kind_spaces):
                 if fit.rank:
                     layer.head_angles[kind, a, h] = principal_angles(fit.basis, space)
     for a, b in pairs:

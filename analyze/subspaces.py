@@ -68,7 +68,6 @@ from .design import (
 )
 from .errors import AnalysisError
 from .factors import Discovery, FactorClasses, design_columns, discover_classes, parse_factors, parse_intercepts
-from .geometry import column_space
 from .inference import CLAIMS, TAIL_DRAWS, benjamini_hochberg, rademacher
 from .inputs import (
     D_MODEL_SITES,
@@ -302,7 +301,7 @@ class FactorSubspaces:
         packer = Packer(shapes)
         kernel = partial(_design_sums, packer=packer, n_columns=layout.n_columns, n_groups=n_groups)
         settings = self._draw_settings(n_groups)
-        heads = head_read_spaces(dataset, layers)
+        heads = head_read_weights(dataset, layers)
         shared = dask.delayed(design, pure=True)
         finite = FiniteCheck(dataset)
         lazy = {}
@@ -458,16 +457,13 @@ def _warn_few_groups(fits: dict[int, LayerFit | None], url: str) -> None:
             url, few, min(fits[layer].effective_groups for layer in few), MIN_EFFECTIVE_GROUPS)
 
 
-def head_read_spaces(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, list[np.ndarray]]]:
-    """Per layer, orthonormal bases of each head's read subspaces in d_model (column spaces of w_q[h],
-    w_k[g]); empty without weights."""
+def head_read_weights(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[str, np.ndarray]]:
+    """Per layer, each head's read weights w_q[h] and w_k[g] (heads, d_model, d_head), whose column spaces
+    the layer's task compares the factors' subspaces with (``layer.fit_layer``); empty without weights."""
     if "w_q" not in dataset.data_vars:
         return {}
     weights = dataset[["w_q", "w_k"]].sel(layer=layers).compute()
-    return {
-        layer: {name: [column_space(matrix) for matrix in weights[f"w_{name}"].sel(layer=layer).values] for name in "qk"}
-        for layer in layers
-    }
+    return {layer: {name: weights[f"w_{name}"].sel(layer=layer).values for name in "qk"} for layer in layers}
 
 
 # ---------------------------------------------------------------------------------------------
