@@ -150,6 +150,9 @@ Every p-value and interval's description says the correction it enters or that i
   whitened (layer)                       whether the layer's noise is anisotropic: structure tests and ranks
                                          judged, and bases estimated, whitened and mapped back, the noise
                                          draws' too (inference.ANISOTROPY)
+  whitening_understatement (layer)       the factor raising the structure test's null and the rank's noise
+                                         there: whitened by their own covariance, the residuals' influences
+                                         understate the effects' noise by m / (m - d_eff - 1); 1 unwhitened
   noise_singular_value (layer, factor, component)   what each step of the rank's test compared the
                                          whitened singular value with
   explained (layer, factor, component)   cumulative share of their variance

@@ -146,6 +146,7 @@ class LayerFit:
     shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
     effective_groups: float = np.nan  # Kish's effective number of bootstrap groups at that share (Counts.effective_groups)
     whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.noise_whitening)
+    understatement: float = 1.0  # the noise's factor the whitened tests add back (inference.NoiseSpectrum.understatement)
     rounding_bias: float = np.nan  # the store's rounding of a class mean over its noise (inference.rounding_bias)
     rounding_inflation: float = np.nan  # the draws' variance factor that carries that rounding (inference.rounding_inflation)
     pairs: dict = field(default_factory=dict)
@@ -198,16 +199,19 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
     if parts["nonfinite"]:
         return None
     sums = parts["sums"]
-    share, whitening, bias, inflation, rounding, n_tokens = 0.0, None, np.nan, np.nan, None, 0
+    share, whitening, understated, bias, inflation, rounding, n_tokens = 0.0, None, 1.0, np.nan, np.nan, None, 0
     if solution is not None:
         theta, residuals = joint_fit(sums, counts, solution)
         covariance = spectrum = None
         if "gram" in parts:  # the tokens' covariance around the fit: whitening and the rounding's weight
             covariance, n_tokens = noise_covariance(parts["gram"], sums.sum(axis=0), theta, counts, layout)
             spectrum = NoiseSpectrum.of(covariance)
-            whitening = None if spectrum is None else spectrum.whitening(spectrum.shrunk(n_tokens))
+        judged_with = n_tokens  # the tokens the whitening is shrunk for
         if shared is not None:  # judged whitened where the tests are: a few huge dimensions do not set it
-            share, whitening = _shared_noise(shared, residuals, spectrum, n_tokens, counts.tokens_per_unit(layout))
+            share, judged_with = _shared_noise(shared, residuals, spectrum, n_tokens, counts.tokens_per_unit(layout))
+        if spectrum is not None:
+            whitening = spectrum.whitening(spectrum.shrunk(judged_with))
+            understated = spectrum.understatement(judged_with, layout.n_columns)
         if covariance is not None:
             rounding = cell_rounding(covariance, sums, counts, layout, dtype)
             per_class = None if rounding is None else [cells.class_variance for cells in rounding]
@@ -227,13 +231,13 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         left, _, right_t = np.linalg.svd(factor.weighted, full_matrices=False)
         views.append(FactorView(factor, n, total / n.sum(), left, right_t.T, radial[a]))
     fits = [_factor_fit(view, parts["squares"][layout.block(a)], layout.sizes[a], settings,
-                        None if traces is None else traces[a], whitening) for a, view in enumerate(views)]
+                        None if traces is None else traces[a], whitening, understated) for a, view in enumerate(views)]
     effective = counts.effective_groups(layout, share) if solution is not None else np.nan
-    layer = LayerFit(fits, int(parts["outliers"]), share, effective, whitening is not None, bias, inflation)
+    layer = LayerFit(fits, int(parts["outliers"]), share, effective, whitening is not None, understated, bias, inflation)
     pairs = [(a, b) for a in range(len(fits)) for b in range(a + 1, len(fits))]
     if len(settings.draws):
         drawn_views, drawn_settings = _with_rounding(views, settings, rounding)
-        _infer(layer, drawn_views, counts, layout, pairs, drawn_settings, whitening)
+        _infer(layer, drawn_views, counts, layout, pairs, drawn_settings, whitening, understated)
         if share > 0 and effective < MIN_EFFECTIVE_GROUPS:
             _withhold_claims(layer)
     spaces = {kind: [column_space(matrix) for matrix in weights] for kind, weights in heads.items()} if any(f.rank for f in fits) else {}
@@ -351,9 +355,9 @@ moves by as little."""
 
 
 def _shared_noise(shared: SharedNoise, residuals: np.ndarray, spectrum: NoiseSpectrum | None, n_tokens: int,
-                  unit_tokens: float) -> tuple[float, np.ndarray | None]:
-    """The share of each token's noise that its unit shares, judged whitened, and the whitening it is judged
-    with (from the noise covariance's `spectrum`; none without one). Noise shared within units makes the
+                  unit_tokens: float) -> tuple[float, float]:
+    """The share of each token's noise that its unit shares, judged whitened, and the token count its
+    whitening is shrunk for (from the noise covariance's `spectrum`; none without one). Noise shared within units makes the
     tokens' covariance 1 + share^2 (m - 1) times noisier (m: the token-weighted mean tokens of a unit; the
     design effect on a second moment), so the whitening is shrunk as for that many times fewer tokens: a few
     units' shared vectors read as anisotropy otherwise, which the whitening then shrinks, and the share and
@@ -375,7 +379,7 @@ def _shared_noise(shared: SharedNoise, residuals: np.ndarray, spectrum: NoiseSpe
         if again == share:
             break
         share = again
-    return share, None if spectrum is None else spectrum.whitening(shrunk)
+    return share, judged_with
 
 
 def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, counts: Counts,
@@ -389,7 +393,7 @@ def noise_covariance(gram: np.ndarray, total: np.ndarray, theta: np.ndarray, cou
 
 
 def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings: DrawSettings,
-                traces: NoiseTraces | None, whitening: np.ndarray | None) -> FactorFit:
+                traces: NoiseTraces | None, whitening: np.ndarray | None, understated: float) -> FactorFit:
     """Singular values, between-class fraction and structure test of one factor (judged in coordinates
     whitened by the noise covariance where it is anisotropic); its rank when fixed."""
     weighted = view.effects.weighted
@@ -399,7 +403,7 @@ def _factor_fit(view: FactorView, squares: np.ndarray, n_classes: int, settings:
     fit = FactorFit(singular, rank, view.directions[:, :rank],
                     float((singular**2).sum() / spread) if spread > 0 else np.nan, float(spread))
     if len(settings.null):
-        fit.structure_p = structure_p(whitened(view.effects, whitening), settings.null, traces)
+        fit.structure_p = structure_p(whitened(view.effects, whitening), settings.null, traces, understated)
     return fit
 
 
@@ -429,7 +433,7 @@ def _with_rounding(views: list[FactorView], settings: DrawSettings, rounding: li
 
 
 def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Layout, pairs, settings: DrawSettings,
-           whitening: np.ndarray | None) -> None:
+           whitening: np.ndarray | None, understated: float) -> None:
     """Ranks, then intervals, claims and spheres, from one set of noise draws. Where the noise is
     anisotropic (`whitening` P), ranks are judged and subspaces estimated in whitened coordinates and
     mapped back (``_whitened_bases``); the draws estimate theirs the same way, so that the intervals
@@ -447,14 +451,16 @@ def _infer(layer: LayerFit, views: list[FactorView], counts: Counts, layout: Lay
     white_along = [white_noise.along[a][..., white_starts[a]: white_starts[a + 1]] for a in range(len(views))]
     for a, (fit, view) in enumerate(zip(layer.factors, views)):
         n = len(fit.singular)
-        significance = noise_rank(white[a].weighted, white_noise.gram[a], white_along[a], settings.rank_significance, n)
+        gram, along = white_noise.gram[a], white_along[a]
+        if understated != 1.0:  # the rank is judged against the noise the whitened effects hold
+            gram, along = gram * understated, along * np.sqrt(understated)
+        significance = noise_rank(white[a].weighted, gram, along, settings.rank_significance, n)
         judged = None  # the shares the relevance floor reads: those of the coordinates the rank is judged in
         fit.white_singular = fit.singular
         if whitening is not None:
             left, singular, _ = svds[a]
             fit.white_singular = singular[:n]
-            judged = shares_of(shrunk_variances(left[:, :n], singular[:n], white_noise.gram[a], white_along[a][..., :n]),
-                               significance[0])
+            judged = shares_of(shrunk_variances(left[:, :n], singular[:n], gram, along[..., :n]), significance[0])
         _rank(fit, view, significance, noise.gram[a], noise.along[a][..., starts[a]: starts[a + 1]], settings, judged)
     structured = [a for a, fit in enumerate(layer.factors) if fit.rank]
     if not structured:

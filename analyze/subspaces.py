@@ -616,6 +616,7 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
         "unit_shared_noise": (("layer",), [fits[layer].shared_noise for layer in layers]),
         "effective_groups": (("layer",), [fits[layer].effective_groups for layer in layers]),
         "whitened": (("layer",), [fits[layer].whitened for layer in layers]),
+        "whitening_understatement": (("layer",), [fits[layer].understatement for layer in layers]),
         "rounding_bias": (("layer",), [fits[layer].rounding_bias for layer in layers]),
         "rounding_inflation": (("layer",), [fits[layer].rounding_inflation for layer in layers]),
         "between_fraction": (fd, np.array([[f.between_fraction for f in fits[layer].factors] for layer in layers])),
@@ -757,6 +758,11 @@ DESCRIPTIONS = {
     "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
                 "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
                 "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",
+    "whitening_understatement": "the factor by which the structure test's null and the rank's noise are raised in a whitened "
+                                "layer: whitened by their own covariance, the residuals' influences understate the noise of the "
+                                "effects by m / (m - d_eff - 1) in expectation (an inverse Wishart's mean; m the tokens' degrees of "
+                                "freedom, d_eff the dimensions the shrunk whitening takes from the data: inference.NoiseSpectrum."
+                                "understatement); 1 where the layer is not whitened",
     "structure_q": "structure_p adjusted for the false-discovery rate over every layer and factor (Benjamini-Hochberg)",
     "angles_estimate": "the principal angles corrected for the noise's bias: the truth whose drawn angles have the "
                        "measured ones as their medians (the smallest and largest kept inside their intervals)",

@@ -565,6 +565,32 @@ def test_a_class_mean_averages_the_roundings_of_its_cells_and_two_factors_share_
     assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "float32") == []  # stored as computed
     assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "int8") is None
 
+@pytest.mark.parametrize("n_tokens", [60, 400])
+def test_the_understatement_is_what_whitening_by_the_residuals_own_covariance_takes_from_their_noise(n_tokens):
+    """Over many samples of residuals with rogue dimensions, the noise of a statistic independent of them
+    (tr P Sigma P) exceeds that of the residuals themselves (tr P S P), both whitened by the residuals' own
+    OAS-shrunk covariance S, by the mean understatement (Monte Carlo, within 2 %); barely shrunk it is
+    m / (m - d - 1), the mean of an inverse Wishart."""
+    from orthosphere.analyze.inference import NoiseSpectrum
+
+    rng = np.random.default_rng(8)
+    d = 16
+    spreads = np.ones(d)
+    spreads[:2] = 8.0
+    ratios, understatements = [], []
+    for _ in range(400):
+        tokens = rng.normal(size=(n_tokens, d)) * spreads
+        spectrum = NoiseSpectrum.of(tokens.T @ tokens / n_tokens)
+        whitening = spectrum.whitening(spectrum.shrunk(n_tokens))
+        ratios.append(np.sum(whitening**2 * spreads**2) / np.trace(whitening @ (tokens.T @ tokens / n_tokens) @ whitening))
+        understatements.append(spectrum.understatement(n_tokens, 0))
+    assert np.mean(understatements) > 1.03
+    assert np.mean(ratios) == pytest.approx(np.mean(understatements), rel=0.02)
+    values = np.geomspace(1.0, 100.0, d)  # anisotropic; a huge tr(S^2) below: shrinkage 1 / (n + 1)
+    barely_shrunk = NoiseSpectrum(values, np.eye(d), float(values.mean()), 1e9)
+    assert barely_shrunk.understatement(n_tokens, 4) == pytest.approx((n_tokens - 4) / (n_tokens - 4 - d - 1), rel=0.04)
+
+
 def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic_noise():
     """P S_oas P = I for S_oas scikit-learn's OAS estimate from the tokens' covariance; none for isotropic
     noise; two dimensions of 8 times the others' spread are whitened."""

@@ -191,7 +191,7 @@ def test_factors_beside_rogue_dimensions_and_sink_tokens_keep_their_ranks(tmp_pa
     result = factor_subspaces(open_for_analysis(url), factors=["a", "b"], seed=1)
     assert np.all(result["structure_q"].values <= 0.05)
     assert np.sum(result["subspace_rank"].values == [2, 3]) >= 15  # of 16 (judged in raw coordinates: 5 of 16)
-    assert result["whitened"].values.all()
+    assert result["whitened"].values.all() and (result["whitening_understatement"].values > 1).all()
     pair = result.sel(factor="a", other="b")
     exact = (result["subspace_rank"].values == [2, 3]).all(axis=1)
     assert np.isfinite(pair["min_angle_ci"].values[exact]).all()  # the whitened estimate's draws give intervals
