@@ -15,7 +15,9 @@ layer, so that the draws keep the correlation of factors read on the same tokens
   quantile of the largest singular value of the noise draws with W's k leading directions (left
   and right) projected out; the rank is the first step whose singular value does not stand above
   (found by bisection over the steps). Where the noise is anisotropic (``noise_whitening``) W and
-  the draws are whitened by its covariance first (for the structure test too); directions carrying
+  the draws are whitened by its covariance first (for the structure test too), and the draws' noise
+  raised by what that whitening, estimated from the residuals the draws come from, takes from it
+  (``NoiseSpectrum.understatement``); directions carrying
   less than the relevance floor of the factor's noise-corrected between-class variance
   (``shrunk_variances``, in the coordinates the rank is judged in) end the count.
 - **Draws of subspaces around a truth**: a truth T (class x d, in the span Y of the fitted bases)
