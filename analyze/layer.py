@@ -240,7 +240,9 @@ def fit_layer(vector, *, packer: Packer, counts: Counts, layout: Layout, solutio
         _infer(layer, drawn_views, counts, layout, pairs, drawn_settings, whitening, understated)
         if share > 0 and effective < MIN_EFFECTIVE_GROUPS:
             _withhold_claims(layer)
-    spaces = {kind: [column_space(matrix) for matrix in weights] for kind, weights in heads.items()} if any(f.rank for f in fits) else {}
+    spaces = {}  # each head's read subspace, where some factor has a subspace to compare it with
+    if any(fit.rank for fit in fits):
+        spaces = {kind: [column_space(matrix) for matrix in weights] for kind, weights in heads.items()}
     for a, fit in enumerate(fits):
         if fit.rank and fit.radii is None:
             _class_radii(views[a], fit)
@@ -357,13 +359,13 @@ moves by as little."""
 def _shared_noise(shared: SharedNoise, residuals: np.ndarray, spectrum: NoiseSpectrum | None, n_tokens: int,
                   unit_tokens: float) -> tuple[float, float]:
     """The share of each token's noise that its unit shares, judged whitened, and the token count its
-    whitening is shrunk for (from the noise covariance's `spectrum`; none without one). Noise shared within units makes the
-    tokens' covariance 1 + share^2 (m - 1) times noisier (m: the token-weighted mean tokens of a unit; the
-    design effect on a second moment), so the whitening is shrunk as for that many times fewer tokens: a few
-    units' shared vectors read as anisotropy otherwise, which the whitening then shrinks, and the share and
-    every test's noise read low (over 16 documents a share of 0.5 read 0.28, and a label clustered by
-    document read "structure" in 75 % of null layers). The residuals are read once along the spectrum's
-    eigenvectors (``SharedNoise.readings``): every whitening of a round shares them."""
+    whitening is shrunk for (from the noise covariance's `spectrum`; none without one). Noise shared within
+    units makes the tokens' covariance 1 + share^2 (m - 1) times noisier (m: the token-weighted mean tokens
+    of a unit; the design effect on a second moment), so the whitening is shrunk as for that many times
+    fewer tokens: a few units' shared vectors read as anisotropy otherwise, which the whitening then
+    shrinks, and the share and every test's noise read low (over 16 documents a share of 0.5 read 0.28, and
+    a label clustered by document read "structure" in 75 % of null layers). The residuals are read once
+    along the spectrum's eigenvectors (``SharedNoise.readings``): every whitening of a round shares them."""
     readings = shared.readings(residuals, None if spectrum is None else spectrum.vectors)
     shrunk = None if spectrum is None else spectrum.shrunk(n_tokens)
     share = shared.share_of(readings, None if shrunk is None else 1 / shrunk)
