@@ -173,8 +173,9 @@ Every p-value and interval's description says the correction it enters or that i
   null_min_angle, null_min_angle_ci (layer, factor, other[, bound])   the same for the smallest angle
   claim_p, claim_q (layer, factor, other, claim)   p-value of each claim at its null's boundary, and
                                          adjusted over every claim of the run (Benjamini-Hochberg)
-  relation (layer, factor, other)        "no structure" | "orthogonal" | "dependent" | "independent" |
-                                         "undetermined" | "" without draws (attrs relation_rule)
+  relation (layer, factor, other)        "no structure" | "below relevance floor" | "orthogonal" |
+                                         "dependent" | "independent" | "undetermined" | "" without draws
+                                         (attrs relation_rule)
   q_angles, q_min_angle, q_overlap (layer, factor, head, ...)
   k_angles, ... (layer, factor, kv_head, ...)   the same with each head's read subspace, the column
                                          space of w_q[h] (w_k[g]) in the space of attn_in; present
@@ -196,7 +197,8 @@ Every p-value and interval's description says the correction it enters or that i
   sphere_claim_p, sphere_claim_q (layer, factor, sphere_claim)   the claims radius_cv below / above
                                          radius_cv_tolerance; q: the claim on the side of the measurement
                                          adjusted over layers and factors (Benjamini-Hochberg), NaN for the other
-  sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" | ""
+  sphere (layer, factor)                 "on sphere" | "off sphere" | "undetermined" | "no structure" |
+                                         "below relevance floor" | ""
   sphere_classes (factor)                classes in the radius statistics: all but a pooled one; 0 when
                                          the factor's classes are ranges of positions or fewer than three
                                          (attrs sphere_refused)

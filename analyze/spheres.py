@@ -12,7 +12,8 @@ fit's noise draws (``inference``):
   (token-weighted): 0 on a sphere. ``sphere``: "on sphere" when the spread is shown below
   ``radius_cv_tolerance``, "off sphere" when above: the claim on the side of the measurement is
   tested, after Benjamini-Hochberg's correction over every layer and factor (``directional_q``;
-  "undetermined" otherwise, "no structure" without a subspace);
+  "undetermined" otherwise, "no structure" without a subspace, "below relevance floor" when its structure
+  is shown but no significant direction reaches ``relevance_floor``);
 - **departure from orthogonality** of each pair: the smallest principal angle of the two fitted
   subspaces, with its noise-corrected estimate and interval (as in ``/subspaces``);
 - **cross term** of each pair: the RMS cosine between the class points of the two components over
@@ -35,9 +36,11 @@ from .multiplicity import state_multiplicity
 from .options import as_attrs
 from .plan import Plan
 from .registry import Analysis, describe
-from .subspaces import BOUNDS, FactorSubspaces, SubspacesConfig, factor_subspaces
+from .subspaces import BELOW_FLOOR, BOUNDS, FactorSubspaces, SubspacesConfig, below_floor, factor_subspaces
 
-SPHERE_RULE = ("no structure: the factor has rank 0 (subspaces' subspace_rank); on sphere / off sphere: the claim that radius_cv is below / above "
+SPHERE_RULE = ("no structure: the factor has rank 0 (subspaces' subspace_rank) and no direction above noise, or its "
+               "structure is not shown; below relevance floor: rank 0 because its significant directions each carry less "
+               "than relevance_floor of its between-class variance; on sphere / off sphere: the claim that radius_cv is below / above "
                "radius_cv_tolerance, the one on the side of the measurement (the smaller p-value), shown at "
                "significance after Benjamini-Hochberg's correction over every layer and factor, over the classes of "
                "sphere_classes (a pooled class never enters the radius statistics); undetermined: neither, or the "
@@ -128,7 +131,9 @@ def sphere_dataset(fitted: FactorSubspaces, source: str) -> xr.Dataset:
         "radius_cv_ci": (lf + ("bound",), radius_cv_ci),
         "sphere_claim_p": (lf + ("sphere_claim",), claim_p),
         "sphere_claim_q": (lf + ("sphere_claim",), claim_q),
-        "sphere": (lf, _verdicts(rank, claim_q, fitted.significance, bool(fitted.n_bootstrap))),
+        "sphere": (lf, _verdicts(rank, claim_q, fitted.significance, bool(fitted.n_bootstrap),
+                                 below_floor(rank, subspaces["significance_rank"].values, subspaces["structure_q"].values,
+                                             fitted.significance))),
         "class_radius": (lf + ("class_index",), class_radius),
         "cross_term": (lfo, pairs["cross_term"]),
         "cross_term_ci": (lfo + ("bound",), pairs["cross_term_ci"]),
@@ -160,18 +165,19 @@ def directional_q(claim_p: np.ndarray) -> np.ndarray:
     return benjamini_hochberg(np.where(tested & chosen, claim_p, np.nan))
 
 
-def _verdicts(rank: np.ndarray, claim_q: np.ndarray, significance: float, drawn: bool) -> np.ndarray:
-    """(layer, factor) sphere verdicts (see SPHERE_RULE)."""
+def _verdicts(rank: np.ndarray, claim_q: np.ndarray, significance: float, drawn: bool, floored: np.ndarray) -> np.ndarray:
+    """(layer, factor) sphere verdicts (see SPHERE_RULE); floored: the factors below the relevance floor."""
     shown = claim_q <= significance
     verdict = np.select([shown[..., 0], shown[..., 1]], ["on sphere", "off sphere"], "undetermined")
-    verdict = np.where(rank > 0, verdict, "no structure")
+    verdict = np.where(rank > 0, verdict, np.where(floored, BELOW_FLOOR, "no structure"))
     return np.where(drawn, verdict, "").astype(object)
 
 
 DESCRIPTIONS = {
     "subspace_rank": "the rank of the factor's fitted subspace, as in /subspaces (0: no structure, no sphere statistics)",
     "sphere": "the verdict on the factor's radius spread (the paper's Theorem 2: Pre-Norm keeps factor subspaces "
-              "independent only on orthogonal spheres): 'on sphere', 'off sphere', 'undetermined', 'no structure', or "
+              "independent only on orthogonal spheres): 'on sphere', 'off sphere', 'undetermined', 'no structure', "
+              "'below relevance floor', or "
               "'' without noise draws (attrs sphere_rule)",
     "radius_mean": "token-weighted mean norm of the factor's class points (projections of its class means onto its "
                    "subspace), each class effect's noise taken from its radius squared",

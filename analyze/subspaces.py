@@ -35,7 +35,9 @@ methods):
 
 The relation of a pair is the claim shown at ``significance`` after Benjamini-Hochberg's
 correction over every claim of the run ("undetermined" when none is; "no structure" when either
-factor shows none, after the same correction of the structure tests over layers and factors).
+factor shows none, after the same correction of the structure tests over layers and factors; "below
+relevance floor" when both show structure but a factor's significant directions each carry less than
+``relevance_floor`` of its between-class variance).
 """
 from __future__ import annotations
 
@@ -470,16 +472,28 @@ def head_read_weights(dataset: xr.Dataset, layers: list[int]) -> dict[int, dict[
 # The results group.
 
 
+BELOW_FLOOR = "below relevance floor"
+"""The verdict of a factor whose structure is shown and whose directions are significant, but none of them
+carries ``relevance_floor`` of its between-class variance (its rank is 0 by the floor alone)."""
+
+
+def below_floor(rank: np.ndarray, significance_rank: np.ndarray, structure_q: np.ndarray, significance: float) -> np.ndarray:
+    """(layer, factor) factors of rank 0 whose structure is shown and whose significance rank is not 0."""
+    return (rank == 0) & (significance_rank > 0) & ~(structure_q > significance)
+
+
 def relations(rank: np.ndarray, structure_q: np.ndarray, claim_q: np.ndarray, significance: float,
-              drawn: bool) -> np.ndarray:
+              drawn: bool, floored: np.ndarray) -> np.ndarray:
     """(layer, factor, other) relation from the ranks (layer, factor), the structure tests' adjusted
-    p-values (NaN without a null) and the claims' adjusted p-values (layer, factor, other, claim;
-    NaN without draws): see ``RELATION_RULE``."""
+    p-values (NaN without a null), the claims' adjusted p-values (layer, factor, other, claim; NaN
+    without draws) and the factors below the relevance floor (``below_floor``): see ``RELATION_RULE``."""
     structured = (rank > 0) & ~(structure_q > significance)
     both = structured[:, :, None] & structured[:, None, :]
     shown = claim_q <= significance
     relation = np.select([shown[..., i] for i in range(len(CLAIMS))], list(CLAIMS), "undetermined")
     relation = np.where(both, relation, "no structure")
+    present = structured | floored  # structure shown, relevant or not
+    relation = np.where(present[:, :, None] & present[:, None, :] & ~both, BELOW_FLOOR, relation)
     tested = ~both | drawn  # with draws every structured pair has claims (NaN where withheld: undetermined)
     n = rank.shape[1]
     relation = np.where(tested & ~np.eye(n, dtype=bool)[None], relation, "")
@@ -494,7 +508,9 @@ RANK_RULE = (
 )
 
 RELATION_RULE = (
-    "no structure: either factor has rank 0 or its structure_q > significance; else the claim whose "
+    "no structure: either factor's structure_q > significance, or its subspace_rank is 0 with no significant direction; "
+    "below relevance floor: else either factor's subspace_rank is 0 because its significant directions each carry less "
+    "than relevance_floor of its between-class variance; else the claim whose "
     "claim_q <= significance (Benjamini-Hochberg over every claim of the run): orthogonal (every principal "
     "angle above 90 - orthogonality_deg), dependent (the smallest angle below independence_deg), "
     "independent (neither: the smallest angle shown between them); undetermined when no claim is shown; "
@@ -592,7 +608,8 @@ def subspace_dataset(fitted: FactorSubspaces) -> xr.Dataset:
     null_median = _padded({index: value[0] for index, value in null_angles.items()}, pair_shape, max_rank)
     null_ci = _padded({index: value[1] for index, value in null_angles.items()}, pair_shape, max_rank, 2)
     null_median[~both], null_ci[~both] = np.nan, np.nan
-    relation = relations(rank, structure_q, claim_q, fitted.significance, bool(fitted.n_bootstrap))
+    floored = below_floor(rank, significance_rank, structure_q, fitted.significance)
+    relation = relations(rank, structure_q, claim_q, fitted.significance, bool(fitted.n_bootstrap), floored)
     fd, pair = ("layer", "factor"), ("layer", "factor", "other")
     solution = design.solution
     data = {
@@ -710,7 +727,8 @@ DESCRIPTIONS = {
     "null_min_angle": "median smallest angle, in degrees, between the factor's noise-only subspaces (same rank) and the "
                       "other's fitted one: the smallest angle chance gives",
     "null_min_angle_ci": "central 1 - significance interval of that null smallest angle, in degrees",
-    "relation": "the pair's relation: 'no structure', 'orthogonal', 'dependent', 'independent', 'undetermined', or '' "
+    "relation": "the pair's relation: 'no structure', 'below relevance floor', 'orthogonal', 'dependent', 'independent', "
+                "'undetermined', or '' "
                 "without noise draws (attrs relation_rule)",
     **{f"{kind}_angles": f"principal angles in degrees, ascending (dim angle), between the factor's subspace and "
                          f"{_HEAD_SPACE[kind]}" for kind in "qk"},

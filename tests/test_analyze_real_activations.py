@@ -96,6 +96,18 @@ def test_a_relevance_floor_of_zero_keeps_every_significant_direction(faint):
     assert result.attrs["relevance_floor"] == 0.0
 
 
+def test_a_factor_whose_significant_directions_all_fall_below_the_floor_reads_below_relevance_floor(faint):
+    """With a floor above every direction's share, the factors keep their significant directions and shown
+    structure, but no subspace: their relation and sphere verdicts say so, not "no structure"."""
+    result = factor_subspaces(faint, factors=["alpha", "beta"], seed=1, relevance_floor=0.95)
+    assert result["subspace_rank"].values[0].tolist() == [0, 0]
+    assert result["significance_rank"].values[0].tolist() == [7, 4] and (result["structure_q"].values[0] <= 0.05).all()
+    assert result["relation"].values[0, 0, 1] == "below relevance floor"
+    spheres = sphere_structure(faint, factors=["alpha", "beta"], seed=1, relevance_floor=0.95)
+    assert spheres["sphere"].values[0].tolist() == ["below relevance floor"] * 2
+    assert "below relevance floor" in result.attrs["relation_rule"] and "below relevance floor" in spheres.attrs["sphere_rule"]
+
+
 @pytest.mark.parametrize("floor", [1.0, -0.1, "high"])
 def test_a_relevance_floor_outside_zero_to_one_is_refused(rounded, floor):
     with pytest.raises(AnalysisError, match=rf"relevance_floor={floor!r}: expected a share in \[0, 1\)"):

@@ -63,10 +63,11 @@ def figure_norm_spread(runs: list[Run]):
     return figure
 
 
-RELATION_MARKERS = {"orthogonal": "o", "independent": "s", "dependent": "v", "undetermined": "x", "no structure": "."}
+RELATION_MARKERS = {"orthogonal": "o", "independent": "s", "dependent": "v", "undetermined": "x", "no structure": ".",
+                    "below relevance floor": "_"}
 
 
-SPHERE_MARKERS = {"on sphere": "o", "off sphere": "s", "undetermined": "x", "no structure": "."}
+SPHERE_MARKERS = {"on sphere": "o", "off sphere": "s", "undetermined": "x", "no structure": ".", "below relevance floor": "_"}
 
 
 def _pairs(names: list[str]) -> list[tuple[str, str]]:
