@@ -491,6 +491,28 @@ def test_edit_qkv_changes_the_attention_as_it_enters_the_score(model_type):
     np.testing.assert_allclose(edited["pattern"][:, 1].numpy(), expected, rtol=0, atol=attention_atol(largest))
 
 
+def _falcon_split(attention, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Falcon's own split of a fused projection (batch, seq, out) into q, k, v (batch, seq, heads, head_dim): its
+    ``_split_heads`` where transformers has one, else what its forward hands the attention function (transformers
+    5.25 splits inline), the projection replaced by the identity so that the forward splits `fused` itself."""
+    if hasattr(attention, "_split_heads"):
+        return attention._split_heads(fused)
+    from unittest import mock
+
+    from transformers.models.falcon import modeling_falcon
+
+    seen = {}
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.update(q=query.transpose(1, 2), k=key.transpose(1, 2), v=value.transpose(1, 2))
+        return torch.zeros(*query.shape[:1], query.shape[2], query.shape[1], query.shape[3]), None
+
+    attention.query_key_value = torch.nn.Identity()
+    with mock.patch.object(modeling_falcon, "eager_attention_forward", recording):
+        attention(fused, None)
+    return seen["q"], seen["k"], seen["v"]
+
+
 @pytest.mark.parametrize("variant", [dict(new_decoder_architecture=True, num_kv_heads=2), dict(multi_query=True),
                                      dict(multi_query=False)])
 def test_grouped_layout_splits_a_fused_projection_as_falcon_does(variant):
@@ -500,10 +522,10 @@ def test_grouped_layout_splits_a_fused_projection_as_falcon_does(variant):
 
     from orthosphere.extract.families import split_heads_rows
 
-    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, **variant)
+    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, alibi=True, **variant)
     attention = transformers.models.falcon.modeling_falcon.FalconAttention(config, layer_idx=0)
     fused = torch.randn(2, 5, attention.query_key_value.out_features)
-    q, k, v = attention._split_heads(fused)
+    q, k, v = _falcon_split(attention, fused)
     n_kv = attention.num_kv_heads
     rows = split_heads_rows("grouped", 4, n_kv, 8)
     torch.testing.assert_close(fused[..., torch.as_tensor(rows["q"])], q, rtol=0, atol=0)
