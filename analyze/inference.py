@@ -14,7 +14,7 @@ layer, so that the draws keep the correlation of factors read on the same tokens
   Dobriban & Owen 2019). Step k compares the (k+1)-th singular value of W with the (1 - rank_significance)
   quantile of the largest singular value of the noise draws with W's k leading directions (left
   and right) projected out; the rank is the first step whose singular value does not stand above
-  (found by bisection over the steps). Where the noise is anisotropic (``noise_whitening``) W and
+  (found by bisection over the steps). Where the noise is anisotropic (``NoiseSpectrum``) W and
   the draws are whitened by its covariance first (for the structure test too), and the draws' noise
   raised by what that whitening, estimated from the residuals the draws come from, takes from it
   (``NoiseSpectrum.understatement``); directions carrying
@@ -155,24 +155,18 @@ multiple of its median (a dimension with twice the others' spread): noise that i
 judged as it is, and its results are those of the unwhitened tests exactly."""
 
 
-def noise_whitening(covariance: np.ndarray, n_samples: int) -> np.ndarray | None:
-    """A symmetric map P (d, d) with P S P = I, S the layer's noise covariance per token (the tokens'
-    covariance around the fit, ``layer.noise_covariance``) shrunk towards a multiple of the identity by the
-    oracle approximating shrinkage (OAS, Chen et al. 2010, as scikit-learn's), so that a few dimensions of
-    huge variance (massive activations, sink tokens) do not hide directions that stand above the noise
-    elsewhere; None without noise or when the noise is nearly isotropic (``ANISOTROPY``). S comes from
-    every analysed token, not from the groups' influences that the tests draw: whitened by their own
-    estimate, the influences under-state the noise of the effects in the directions that estimate
-    happens to shrink (by 20 % on planted rogue dimensions), and the tests find structure in noise."""
-    spectrum = NoiseSpectrum.of(covariance)
-    return None if spectrum is None else spectrum.whitening(spectrum.shrunk(n_samples))
-
-
 @dataclass(frozen=True)
 class NoiseSpectrum:
-    """A noise covariance S (d, d) as its eigen-decomposition, from which ``noise_whitening``'s map is built
-    for any token count without decomposing S again: OAS keeps S's eigenvectors and moves its eigenvalues
-    towards their mean by a shrinkage that depends on the count only."""
+    """A layer's noise covariance S (d, d) per token (the tokens' covariance around the fit,
+    ``layer.noise_covariance``) as its eigen-decomposition, from which ``whitening`` builds a symmetric map P
+    with P S' P = I, S' shrunk towards a multiple of the identity by the oracle approximating shrinkage (OAS,
+    Chen et al. 2010, as scikit-learn's), for any token count without decomposing S again (OAS keeps S's
+    eigenvectors and moves its eigenvalues by a shrinkage that depends on the count only). A few dimensions
+    of huge variance (massive activations, sink tokens) then do not hide directions that stand above the
+    noise elsewhere; no whitening when the noise is nearly isotropic (``ANISOTROPY``). S comes from every
+    analysed token, not from the groups' influences that the tests draw: whitened by their own estimate, the
+    influences under-state the noise of the effects in the directions that estimate happens to shrink (by
+    20 % on planted rogue dimensions), and the tests find structure in noise."""
 
     values: np.ndarray  # ascending, clipped at 0
     vectors: np.ndarray  # (d, d), columns

@@ -145,7 +145,7 @@ class LayerFit:
     outlier_tokens: int = 0  # analysed tokens of outlying norm (subspaces.OUTLIER_NORM)
     shared_noise: float = 0.0  # the share of a token's noise its resampling unit shares (design.SharedNoise)
     effective_groups: float = np.nan  # Kish's effective number of bootstrap groups at that share (Counts.effective_groups)
-    whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.noise_whitening)
+    whitened: bool = False  # the noise is anisotropic: structure and ranks judged whitened (inference.NoiseSpectrum)
     understatement: float = 1.0  # the noise's factor the whitened tests add back (inference.NoiseSpectrum.understatement)
     rounding_bias: float = np.nan  # the store's rounding of a class mean over its noise (inference.rounding_bias)
     rounding_inflation: float = np.nan  # the draws' variance factor that carries that rounding (inference.rounding_inflation)

@@ -745,7 +745,7 @@ DESCRIPTIONS = {
                          "effects, whitened where the noise is anisotropic, each step at rank_significance), before the relevance floor; NaN without "
                          "noise draws",
     "whitened_singular_value": "singular values of the weighted effects in coordinates whitened by the noise "
-                               "covariance where it is anisotropic (inference.noise_whitening; else singular_value): "
+                               "covariance where it is anisotropic (inference.NoiseSpectrum; else singular_value): "
                                "what the rank's test compares",
     "variance_share": "each direction's share of the factor's between-class variance: its squared singular value "
                       "without the noise's inflation (inference.shrunk_variances) over that of the significant "
@@ -775,7 +775,7 @@ DESCRIPTIONS = {
                           "the noise alone)",
     "whitened": "the layer's noise is anisotropic (inference.ANISOTROPY): the structure tests and ranks are judged, and "
                 "the bases estimated, in coordinates whitened by the analysed tokens' covariance around the fit "
-                "(inference.noise_whitening) and mapped back; the noise draws estimate theirs the same way",
+                "(inference.NoiseSpectrum) and mapped back; the noise draws estimate theirs the same way",
     "whitening_understatement": "the factor by which the structure test's null and the rank's noise are raised in a whitened "
                                 "layer: whitened by their own covariance, the residuals' influences understate the noise of the "
                                 "effects by m / (m - d_eff - 1) in expectation (an inverse Wishart's mean; m the tokens' degrees of "

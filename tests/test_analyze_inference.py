@@ -596,7 +596,11 @@ def test_the_whitening_shrinks_as_scikit_learns_oas_and_whitens_only_anisotropic
     noise; two dimensions of 8 times the others' spread are whitened."""
     from sklearn.covariance import oas
 
-    from orthosphere.analyze.inference import noise_whitening
+    from orthosphere.analyze.inference import NoiseSpectrum
+
+    def noise_whitening(covariance, n_tokens):
+        spectrum = NoiseSpectrum.of(covariance)
+        return spectrum.whitening(spectrum.shrunk(n_tokens))
 
     rng = np.random.default_rng(4)
     tokens = rng.normal(size=(300, 12))
