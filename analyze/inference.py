@@ -327,7 +327,7 @@ def whitened(effects: FactorEffects, whitening: np.ndarray | None) -> FactorEffe
 # Structure and rank.
 
 
-def structure_p(effects: FactorEffects, signs: np.ndarray, design: NoiseTraces, understated: float = 1.0) -> float:
+def structure_p(effects: FactorEffects, signs: np.ndarray, design: NoiseTraces, understated: float) -> float:
     """p-value of "the factor's labels carry no information": the share of noise draws whose
     between-class variance reaches the fit's |W|^2 (add-one). A draw is |N|^2 = s' Gamma s with
     Gamma_gh = <I_g, I_h>; its cross products Gamma_gh (g != h) lose what the correlation of the
