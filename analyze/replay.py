@@ -70,7 +70,9 @@ Definitions (every count below is over these instances and draws):
   softmax of the collapsed (instance, draw, level) only. A score that soft-caps and adds a position
   bias is refused (no family does both).
 - **Total variation** 1/2 sum_j |a'_ij - a_ij| per instance, averaged over instances and the first
-  ``smooth_draws`` draws (2 by default, 2 at least), with its Monte Carlo standard error
+  ``smooth_draws`` draws (2 by default, 2 at least; 0 leaves out both smooth summaries, and with them
+  the perturbed softmax of every instance at every level, most of the replay's time on a language
+  model's store), with its Monte Carlo standard error
   (``*_mc_error``: the error over noise draws only, of these samples; not a standard error over
   documents or samples): samples draw independent noise, so each sample's sum over its instances varies
   between draws independently of the others', and the error is sqrt(sum over samples of that
@@ -113,7 +115,7 @@ sparse/all, max_attention_bin, bound = low/high):
                                          (level, layer, head): the exact condition
   theory_recall_pooled, theory_precision_pooled, exact_recall_pooled, exact_precision_pooled
                                          (level): over layers and heads
-  tv_distance, output_change and their *_mc_error (instances, level, layer, head)
+  tv_distance, output_change and their *_mc_error (instances, level, layer, head); absent with smooth_draws=0
   collapse_rate_pooled (definition, level) over layers and heads
   collapse_rate_curve (layer, curve_level), collapse_rate_curve_pooled (curve_level): collapse only
   collapse_level (definition, layer), collapse_level_pooled (definition) with their *_ci (..., bound)
@@ -416,7 +418,6 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
     collapses = stack("collapses")
     lh = ("layer", "head")
     edges = np.linspace(0.0, 1.0, n_bins + 1)
-    tv, tv_error = _smooth_mean(stack("tv"), stack("tv_within"), totals[:, None], draws=settings.smooth_draws)
     variables = {
         **{name: (lh, stack(name).astype(np.int64))
            for name in ("n_instances", "n_sparse", "n_instances_trivial", "n_sparse_trivial")},
@@ -424,12 +425,14 @@ def _assemble(per_layer, ds, layers, settings, n_bins) -> xr.Dataset:
         "collapses": (("definition",) + _LLH, collapses.astype(np.int64)),
         "collapse_rate": (("definition",) + _LLH, _rate(collapses, sparse_draws)),
         **_prediction_variables(stack, collapses[DEFINITIONS.index("collapse")], sparse_draws),
-        "tv_distance": (("instances",) + _LLH, tv),
-        "tv_distance_mc_error": (("instances",) + _LLH, tv_error),
         "entropy": (lh, _rate(stack("entropy"), n_instances)),
         "max_attention_hist": (("layer", "head", "max_attention_bin"),
                                np.stack([part["max_attention_hist"] for part in per_layer]).astype(np.int64)),
     }
+    if "tv" in per_layer[0]:  # the smooth summaries, unless smooth_draws is 0
+        tv, tv_error = _smooth_mean(stack("tv"), stack("tv_within"), totals[:, None], draws=settings.smooth_draws)
+        variables["tv_distance"] = (("instances",) + _LLH, tv)
+        variables["tv_distance_mc_error"] = (("instances",) + _LLH, tv_error)
     if "output_change_sq" in per_layer[0]:
         square, square_error = _smooth_mean(stack("output_change_sq"), stack("output_change_sq_within"),
                                             stack("output_sq")[:, None], draws=settings.smooth_draws)

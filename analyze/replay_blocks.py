@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse
 
-from orthosphere.params import Interval, Items, parameter
+from orthosphere.params import Interval, Items, Rule, parameter
 
 from .attention import BlockAttention, ScoreTerms, ScoreWindow, per_head
 from .critical import clean_differences, collapsed_at, linear_critical, near_keys, noise_slopes, quadratic_critical
@@ -36,6 +36,12 @@ DEFINITIONS = ("collapse", "strict")
 DEFAULT_SMOOTH_DRAWS = 2
 """Draws of the smooth summaries (total variation, output change) by default: means over every
 instance, whose Monte Carlo error (reported) is small after a few draws."""
+
+
+SMOOTH_DRAWS = Rule(lambda value: isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value >= 2),
+                    "0 (no smooth summaries: the perturbed softmax of every instance, most of the replay's time, is "
+                    "skipped) or an integer >= 2, the fewest that state a Monte Carlo error of the total variation "
+                    "and output change")
 
 
 CURVE_STEPS_PER_OCTAVE = 64
@@ -98,8 +104,8 @@ class ReplaySettings(AnalysisConfig):
                                         help="a query is a sparse instance when its largest attention reaches this")
     min_keys: int = parameter(DEFAULT_MIN_KEYS, MIN_KEYS, help="the fewest allowed keys of an instance")
     smooth_draws: int | None = parameter(
-        None, integer(2, "the fewest that state a Monte Carlo error of the total variation and output change"), None,
-        help=f"draws of the smooth summaries (default {DEFAULT_SMOOTH_DRAWS}, at most n_draws)")
+        None, SMOOTH_DRAWS, None,
+        help=f"draws of the smooth summaries (default {DEFAULT_SMOOTH_DRAWS}, at most n_draws; 0: none)")
     device: str = parameter("cpu", DEVICE, help="where the dense attention work runs (device.py), resolved here")
 
     def check(self) -> None:
@@ -107,7 +113,7 @@ class ReplaySettings(AnalysisConfig):
         if self.smooth_draws is None:
             object.__setattr__(self, "smooth_draws", min(DEFAULT_SMOOTH_DRAWS, self.n_draws))
         elif self.smooth_draws > self.n_draws:
-            raise self.error("smooth_draws", self.smooth_draws, f"an integer from 2 to n_draws = {self.n_draws}")
+            raise self.error("smooth_draws", self.smooth_draws, f"0 or an integer from 2 to n_draws = {self.n_draws}")
         object.__setattr__(self, "device", resolve_device(self.device))
 
     @property
@@ -366,10 +372,10 @@ def replay_sub_block(block, *, samples, layer: int, draws: range, settings: Repl
         "sample_curve": np.zeros((n_samples, len(settings.curve_levels))),
         "sample_predictions": np.zeros((n_samples, len(PREDICTIONS), len(PREDICTION_COUNTS), n_levels)),
     }
-    smooth = ("tv", "output_change_sq") if block.messages is not None else ("tv",)
+    smooth = () if not n_smooth else ("tv", "output_change_sq") if block.messages is not None else ("tv",)
     for name in smooth:  # per sample, over the task's smooth draws: the sum and the sum of squares
         sums[f"sample_smooth_{name}"] = np.zeros((n_samples, 2, len(INSTANCE_SETS), n_levels, n_heads))
-    if block.messages is not None:
+    if "output_change_sq" in smooth:
         sums["output_sq"] = once * (sets * block.output_sq).sum(axis=(1, 3))
     rows = SparseRows(block, settings)
     for draw in draws:

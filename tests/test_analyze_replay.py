@@ -599,6 +599,21 @@ def test_the_smooth_summaries_monte_carlo_error_covers_their_value_over_every_dr
     np.testing.assert_array_equal(few.collapses, every.collapses)  # collapses use every draw either way
 
 
+def test_no_smooth_draws_leaves_out_the_smooth_summaries_and_nothing_else(tmp_path):
+    """smooth_draws=0 (the atlas's default): no total variation or output change, and every other
+    result as with the smooth summaries (the collapses come from the same draws)."""
+    q, k, v, w_o = random_heads(n_samples=16, n_pos=12)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=2.0, samples_per_chunk=8)
+    options = dict(levels=(0.05, 0.2), n_draws=6, seed=4, n_bootstrap=20)
+    with_smooth, without = replay(ds, **options), replay(ds, smooth_draws=0, **options)
+    smooth = {"tv_distance", "tv_distance_mc_error", "output_change", "output_change_mc_error"}
+    assert set(with_smooth.data_vars) - set(without.data_vars) == smooth
+    assert set(without.data_vars) < set(with_smooth.data_vars) and without.attrs["smooth_draws"] == 0
+    assert with_smooth.n_sparse.sum() > 0 and with_smooth.collapses.sum() > 0  # the counts compared are not all zero
+    for name in without.data_vars:
+        np.testing.assert_array_equal(without[name].values, with_smooth[name].values, err_msg=name)
+
+
 def test_two_draws_state_an_error_of_the_size_of_the_distance_to_the_mean_over_every_draw(tmp_path):
     """At the default two smooth draws, the error comes from the samples' spread between the draws
     (n_samples degrees of freedom): the distances to the mean over 48 draws, over their combined
@@ -619,7 +634,7 @@ def test_option_assignments_refuse_levels_that_do_not_increase_and_too_few_smoot
 
     with pytest.raises(AnalysisError, match="option replay.levels=.*non-empty list of strictly increasing items"):
         parse_assignment("replay.levels=[0.1,0.05]", ANALYSES.values())
-    with pytest.raises(AnalysisError, match="replay.smooth_draws=1: expected an integer >= 2"):
+    with pytest.raises(AnalysisError, match=r"replay.smooth_draws=1: expected 0 \(no smooth summaries"):
         parse_assignment("replay.smooth_draws=1", ANALYSES.values())
 
 
@@ -744,8 +759,10 @@ def small_store(tmp_path_factory):
     ({"levels": (0.2, 0.1)}, "strictly increasing"),
     ({"levels": (0.1, 0.1)}, "strictly increasing"),
     ({"levels": (-0.1, 0.1)}, "strictly between 0 and 1"),
-    ({"smooth_draws": 1, "n_draws": 8}, "smooth_draws=1: expected an integer >= 2, the fewest .* Monte Carlo error"),
-    ({"smooth_draws": 9, "n_draws": 8}, "smooth_draws=9: expected an integer from 2 to n_draws = 8"),
+    ({"smooth_draws": 1, "n_draws": 8}, r"smooth_draws=1: expected 0 \(no smooth summaries.*\) or an integer >= 2, the "
+                                        "fewest .* Monte Carlo error"),
+    ({"smooth_draws": True, "n_draws": 8}, "smooth_draws=True: expected 0"),
+    ({"smooth_draws": 9, "n_draws": 8}, "smooth_draws=9: expected 0 or an integer from 2 to n_draws = 8"),
     ({"seed": -1}, "seed=-1: expected an integer >= 0"),
     ({"sparse_threshold": "high"}, "in \\(0, 1\\]"),
     ({"sparse_threshold": 0.0}, "in \\(0, 1\\]"),

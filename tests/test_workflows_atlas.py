@@ -132,7 +132,7 @@ def test_a_model_loaded_in_python_joins_the_atlas(tmp_path):
 def test_the_shipped_atlas_config_loads():
     atlas = load_atlas(MODELS.parent / "configs" / "atlas.toml")
     assert [model.name for model in atlas.models] == ["demo-llama", "arithmetic-pre", "arithmetic-qkv"]
-    assert atlas.samples == 4 and atlas.options == {"replay": {"n_draws": 8}}
+    assert atlas.samples == 4 and atlas.options == {"replay": {"n_draws": 8, "smooth_draws": 0}}
 
 
 def test_the_shipped_size_series_is_three_sizes_of_the_pre_norm_family_that_the_atlas_finds():

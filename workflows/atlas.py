@@ -61,8 +61,12 @@ log = logging.getLogger("orthosphere.atlas")
 TOP_LEVEL_KEYS = {"name", "root", "corpus", "models", "extract", "analyze"}
 MODEL_KEYS = {"name", "path", "task", "samples"}
 CORPUS_KEYS = {"task", "samples"}
-DEFAULT_OPTIONS = {"replay": {"n_draws": 8}}
-"""The analyses' options unless the config sets them: the replay's draws kept few, as the atlas runs many models."""
+DEFAULT_OPTIONS = {"replay": {"n_draws": 8, "smooth_draws": 0}}
+"""The analyses' options unless the config sets them: the replay's draws kept few, as the atlas runs many models,
+and its smooth summaries (total variation, output change) left out: the atlas compares collapse levels, Theorem 7's
+recall and precision and the share of sparse attention, and the perturbed softmax of every instance at every level
+that the summaries need was about 40 % of a language model's analyses (``replay.smooth_draws=2`` in
+[analyze.options] brings them back)."""
 
 
 @dataclass(frozen=True)
