@@ -340,6 +340,22 @@ def attention_inputs(dataset: xr.Dataset, layer: int) -> list[tuple]:
     return list(zip(*(array.to_delayed(optimize_graph=False).ravel() for array in arrays)))
 
 
+def query_sums(attention: np.ndarray, valid: np.ndarray, terms: ScoreTerms, sparse_threshold: float,
+               min_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (sample, head) of a block, float64: the attention its analysed queries (valid, not the sequence's
+    start token) put on the start token, summed over them; and how many of them may see at least
+    `min_keys` keys and put at least `sparse_threshold` on one. `attention` is key-major (kpos, sample,
+    head, qpos), a numpy array or a view (norm_geometry's sinks and sparse share)."""
+    valid = np.asarray(valid, bool)
+    start = valid & (np.cumsum(valid, axis=1) == 1)
+    other = valid & ~start
+    enough = other & (allowed_keys(valid, terms).sum(axis=-1) >= min_keys)
+    on_start = attention[np.argmax(start, axis=1), np.arange(len(valid))]  # (sample, head, qpos)
+    sparse = attention.max(axis=0) >= sparse_threshold
+    return (np.einsum("shq,sq->sh", on_start, other.astype("float64")),
+            np.einsum("shq,sq->sh", sparse.astype("float64"), enough.astype("float64")))
+
+
 def token_norms(block) -> np.ndarray:
     """|x| (float32) of each token (and head) of a block of a site (sample, pos, ..., width)."""
     return np.sqrt(square_norms(as_float32(np.asarray(single_block(block)))))
@@ -350,31 +366,50 @@ SHARED_SITES = ("q", "k", "v")
 hand to the norms of the call (``AttentionShare``)."""
 
 
+@dataclass(frozen=True)
+class Wish:
+    """What the analyses of a call wish from the attention's tasks of one layer and device: the attention
+    each key receives, per value of ``exclude_start`` (`received`); |x| of the shared `sites`; the start
+    token's attention and the sparse queries, per (sparse_threshold, min_keys) (`queries`, ``query_sums``)."""
+
+    received: tuple[bool, ...] = ()
+    sites: tuple[str, ...] = ()
+    queries: tuple[tuple[float, int], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.received or self.sites or self.queries)
+
+
 class AttentionShare:
     """One ``run_analyses`` call's sharing of the tasks that read a block's q, k and v and compute its
     clean attention, handed to the plans of the analyses that share it (``Analysis.shares_attention``:
-    the norms and the replay; an analysis run alone gets none): the norms, planned first, ``wish`` for the attention each key receives and for |x| of
-    the shared sites they summarise; the replay's block tasks, which read those blocks and compute the
-    attention anyway, compute these too (``kernels.attention_sums``) and ``provide`` them; the norms' work,
-    built when its pass computes (a deferred ``Plan``), reads the ``provider`` tasks' outputs. Each
-    block's attention is computed once a call, and each block of q, k and v has one reader: a second
-    one, which Dask may run long after the first, would hold the block in memory until then (every q
-    block of every layer, on a language model's store)."""
+    the norms, norm_geometry and the replay; an analysis run alone gets none): the norms and
+    norm_geometry, planned first, ``wish`` for what they read of the attention (the attention each key
+    receives, |x| of the shared sites, the start token's attention and the sparse queries); the replay's
+    block tasks, which read those blocks and compute the attention anyway, compute these too
+    (``kernels.attention_sums``) and ``provide`` them; the wishers' work, built when its pass computes (a
+    deferred ``Plan``), reads the ``provider`` tasks' outputs. Each block's attention is computed once a
+    call, and each block of q, k and v has one reader: a second one, which Dask may run long after the
+    first, would hold the block in memory until then (every q block of every layer, on a language model's
+    store)."""
 
     def __init__(self):
-        self.wishes: dict[tuple[int, str], tuple[set[bool], set[str]]] = {}
+        self.wishes: dict[tuple[int, str], Wish] = {}
         self.providers: dict[tuple[int, str], tuple[list, tuple[str, ...]]] = {}
 
-    def wish(self, layer: int, device: str, exclude_start: bool, norm_sites: tuple[str, ...]) -> None:
-        masks, sites = self.wishes.setdefault((layer, device), (set(), set()))
-        masks.add(exclude_start)
-        sites.update(norm_sites)
+    def wish(self, layer: int, device: str, *, exclude_start: bool | None = None, norm_sites: tuple[str, ...] = (),
+             queries: tuple[float, int] | None = None) -> None:
+        """Add to the layer's wish: the received attention for `exclude_start`, the norms of `norm_sites`, the
+        query sums for `queries` (sparse_threshold, min_keys)."""
+        before = self.wishes.get((layer, device), Wish())
+        self.wishes[layer, device] = Wish(
+            tuple(sorted(set(before.received) | ({exclude_start} if exclude_start is not None else set()))),
+            tuple(site for site in SHARED_SITES if site in before.sites or site in norm_sites),
+            tuple(sorted(set(before.queries) | ({queries} if queries is not None else set()))))
 
-    def wished(self, layer: int, device: str) -> tuple[tuple[bool, ...], tuple[str, ...]]:
-        """The masks (``exclude_start``) whose received attention, and the sites whose norms, are wished
-        for at this layer and device."""
-        masks, sites = self.wishes.get((layer, device), ((), ()))
-        return tuple(sorted(masks)), tuple(site for site in SHARED_SITES if site in sites)
+    def wished(self, layer: int, device: str) -> Wish:
+        """What is wished for at this layer and device."""
+        return self.wishes.get((layer, device), Wish())
 
     def provide(self, layer: int, device: str, tasks: list, norm_sites: tuple[str, ...]) -> None:
         """Per block of samples, a delayed ``kernels.attention_sums`` dict, holding the norms of `norm_sites`."""

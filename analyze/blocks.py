@@ -46,6 +46,13 @@ def sample_block_vectors(kernel, size: int, *inputs: da.Array) -> da.Array:
     )
 
 
+def from_tasks(tasks: list, pick, shape: tuple[int, ...], samples: tuple[int, ...], dtype: str = "float32") -> da.Array:
+    """Lazy (sample, *shape) array of what `pick` takes from each block's task (`samples`: the blocks' sizes)."""
+    return da.concatenate([da.from_delayed(dask.delayed(pick, pure=True)(task), (n, *shape), dtype=dtype,
+                                           meta=np.empty((0,) * (1 + len(shape)), dtype))
+                           for task, n in zip(tasks, samples)])
+
+
 def single_block(block):
     """The one block that blockwise hands over, nested in lists, for an axis taken whole (no copy,
     unlike concatenate=True)."""

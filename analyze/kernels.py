@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import BlockAttention, ScoreTerms, analysed_tokens, token_norms
+from .attention import BlockAttention, ScoreTerms, analysed_tokens, query_sums, token_norms
 from .blocks import single_block
 from .inputs import as_float32
 from .replay_blocks import HeadBlock, ReplaySettings, in_sample_order, replay_sub_block
@@ -42,7 +42,7 @@ class CleanAttention:
 
             def attention_of(*arrays):
                 return TorchAttention(*arrays, device)
-        self.device, self.valid = device, valid
+        self.device, self.valid, self.terms = device, valid, terms
         self.parts = [(start, attention_of(q[start:start + step], k[start:start + step], valid[start:start + step], terms))
                       for start in range(0, len(q), step)]
 
@@ -52,13 +52,30 @@ class CleanAttention:
         mask = analysed_tokens(self.valid, exclude_start)
         return np.concatenate([part.received(mask[start:start + len(part.valid)]) for start, part in self.parts])
 
+    def query_sums(self, sparse_threshold: float, min_keys: int) -> tuple[np.ndarray, np.ndarray]:
+        """``attention.query_sums`` of the block, (sample, head) each."""
+        sums = [query_sums(_host(part.attention), part.valid, self.terms, sparse_threshold, min_keys) for _, part in self.parts]
+        return tuple(np.concatenate(parts) for parts in zip(*sums))
 
-def attention_sums(clean: CleanAttention, received_for: tuple[bool, ...], read: dict) -> dict:
-    """What a block's attention task hands to the norms of its call: "received", the attention each
-    analysed key receives for each value of ``exclude_start`` in `received_for`, and "norms", |x| of
-    each site block in `read` (``token_norms``)."""
+
+def _host(attention) -> np.ndarray:
+    """A part's key-major attention as numpy (a torch kernel's comes back from its device)."""
+    return attention if isinstance(attention, np.ndarray) else attention.cpu().numpy()
+
+
+SHARED_SUMS = ("received", "norms", "queries")
+"""What ``attention_sums`` hands on (the replay's own sums leave them out)."""
+
+
+def attention_sums(clean: CleanAttention, received_for: tuple[bool, ...], read: dict,
+                   queries_for: tuple[tuple[float, int], ...] = ()) -> dict:
+    """What a block's attention task hands to the norms and norm_geometry of its call: "received", the
+    attention each analysed key receives for each value of ``exclude_start`` in `received_for`; "norms", |x|
+    of each site block in `read` (``token_norms``); "queries", the start token's attention and the sparse
+    queries per (sample, head) for each (sparse_threshold, min_keys) in `queries_for` (``query_sums``)."""
     return {"received": {exclude_start: clean.received(exclude_start) for exclude_start in received_for},
-            "norms": {site: token_norms(block) for site, block in read.items()}}
+            "norms": {site: token_norms(block) for site, block in read.items()},
+            "queries": {thresholds: clean.query_sums(*thresholds) for thresholds in queries_for}}
 
 
 def attention_block(q, k, valid, terms: ScoreTerms, device: str, exclude_start: bool, norm_sites: tuple[str, ...]) -> dict:
@@ -81,7 +98,7 @@ def head_block(attention, sparse_threshold: float, v=None, frame=None, *, min_ke
 
 def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, settings: ReplaySettings,
                  terms: ScoreTerms, n_bins: int, received_for: tuple[bool, ...] = (),
-                 norms_for: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+                 norms_for: tuple[str, ...] = (), queries_for: tuple[tuple[float, int], ...] = ()) -> dict[str, np.ndarray]:
     """Partial sums of the study for one layer, one block of samples and a range of draws.
 
     Head-level sums (float64) and per-sample counts for the bootstrap; the clean attention's
@@ -90,7 +107,8 @@ def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, se
     comes in sub-blocks of samples whose arrays stay in cache: the kernel's passes over them then run
     from cache, not memory; every instance's result is the same either way. With `received_for`
     (values of ``exclude_start``) and `norms_for` (of q, k, v), what the norms of the same call read
-    from this task (``attention.attention_sums``, ``attention.AttentionShare``).
+    from this task (``attention_sums``, ``attention.AttentionShare``); with `queries_for`, what norm_geometry
+    reads.
     """
     clean = CleanAttention(q, k, valid, terms, settings.device)
     v = None if v is None else np.asarray(single_block(v))
@@ -103,7 +121,7 @@ def replay_block(q, k, valid, v, frame, *, samples, layer: int, draws: range, se
             parts.append(replay_sub_block(block, samples=samples[start:stop], layer=layer, draws=draws,
                                            settings=settings, n_bins=n_bins))
     sums = in_sample_order(parts)
-    if received_for or norms_for:
+    if received_for or norms_for or queries_for:
         blocks = {"q": q, "k": k, "v": v}
-        sums.update(attention_sums(clean, received_for, {site: blocks[site] for site in norms_for}))
+        sums.update(attention_sums(clean, received_for, {site: blocks[site] for site in norms_for}, queries_for))
     return sums

@@ -35,15 +35,15 @@ import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import ScoreTerms, allowed_keys, attention_source
-from .blocks import Packer, sample_block_vectors
+from .attention import AttentionShare, ScoreTerms, allowed_keys, attention_source, query_sums
+from .blocks import Packer, from_tasks, sample_block_vectors, single_block
 from .device import resolve_device
 from .errors import AnalysisError
 from .histogram import N_SLOTS, log_histogram, summarise
 from .inputs import D_MODEL_SITES, FiniteCheck, check_layers, layer_data, sample_values, square_norms
 from .kernels import CleanAttention
 from .options import CONFIDENCE, DEVICE, LAYERS, SHARE, SITE, AnalysisConfig, integer
-from .plan import Plan
+from .plan import Deferred, Plan
 from .registry import Analysis
 from .replay_blocks import DEFAULT_MIN_KEYS, MIN_KEYS, SPARSE_THRESHOLD
 
@@ -111,7 +111,7 @@ def _block_sums(x, valid, samples, *rest, summed: Packer, maximised: Packer, gro
             "norm_histogram": log_histogram(norms[other])[0],
         }
         sums.update(_scale_sums(scale, other, per_group, n_groups))
-        sums.update(_attention_sums(rest, valid, start, other, groups, n_groups, n_heads, terms, source, thresholds, device))
+        sums.update(_attention_sums(rest, valid, other, groups, n_groups, n_heads, terms, source, thresholds, device))
         masked = np.where(valid[..., None], np.abs(x), 0)
         maxima = {"dimension_max": masked.max(axis=(0, 1)), "position_max": masked.max(axis=(0, 2))}
     return np.concatenate([summed.pack(sums), maximised.pack(maxima)])
@@ -131,28 +131,24 @@ def _scale_sums(scale, other, per_group, n_groups: int) -> dict:
             "scale_sequences": per_group(counted)}
 
 
-def _attention_sums(inputs, valid, start, other, groups, n_groups, n_heads, terms, source, thresholds, device) -> dict:
+def _attention_sums(inputs, valid, other, groups, n_groups, n_heads, terms, source, thresholds, device) -> dict:
     """Per group and head, the attention the analysed queries put on the start token and the sparse
-    queries among those that may see at least min_keys keys; per group, the numbers of queries."""
+    queries among those that may see at least min_keys keys (``attention.query_sums``: from the stored
+    pattern, the attention recomputed from q and k, or the replay's tasks of the call, "provided"); per
+    group, the numbers of queries."""
     zeros = {"sink_attention": np.zeros((n_groups, n_heads)), "sparse": np.zeros((n_groups, n_heads)),
              "sparse_queries": np.zeros(n_groups), "queries": np.zeros(n_groups)}
     if source == "none":
         return zeros
-    sparse_threshold, min_keys = thresholds
-    enough = other & (allowed_keys(valid, terms).sum(axis=-1) >= min_keys)  # (sample, qpos)
-    first = np.argmax(start, axis=1)  # each sequence's start position
-    if source == "pattern":
-        patterns = [(0, np.asarray(inputs[0]))]
+    if source == "provided":
+        on_start, sparse = (np.asarray(single_block(block)) for block in inputs)
+    elif source == "pattern":  # (sample, head, qpos, kpos) read key-major
+        on_start, sparse = query_sums(np.moveaxis(np.asarray(inputs[0]), 3, 0), valid, terms, *thresholds)
     else:
-        clean = CleanAttention(inputs[0], inputs[1], valid, terms, device)
-        patterns = [(offset, np.asarray(part.pattern)) for offset, part in clean.parts]
-    for offset, pattern in patterns:  # (sample, head, qpos, kpos)
-        rows = slice(offset, offset + len(pattern))
-        on_start = pattern[np.arange(len(pattern)), :, :, first[rows]]  # (sample, head, qpos)
-        sparse = pattern.max(axis=-1) >= sparse_threshold
-        g = groups[rows]
-        np.add.at(zeros["sink_attention"], g, np.einsum("shq,sq->sh", on_start, other[rows].astype("float64")))
-        np.add.at(zeros["sparse"], g, np.einsum("shq,sq->sh", sparse.astype("float64"), enough[rows].astype("float64")))
+        on_start, sparse = CleanAttention(inputs[0], inputs[1], valid, terms, device).query_sums(*thresholds)
+    np.add.at(zeros["sink_attention"], groups, on_start)
+    np.add.at(zeros["sparse"], groups, sparse)
+    enough = other & (allowed_keys(valid, terms).sum(axis=-1) >= thresholds[1])  # (sample, qpos)
     zeros["queries"] = np.bincount(groups, weights=other.sum(axis=1).astype("float64"), minlength=n_groups)
     zeros["sparse_queries"] = np.bincount(groups, weights=enough.sum(axis=1).astype("float64"), minlength=n_groups)
     return zeros
@@ -228,9 +224,11 @@ DESCRIPTIONS = {
 }
 
 
-def plan_norm_geometry(dataset: xr.Dataset, config: NormGeometryConfig) -> Plan:
+def plan_norm_geometry(dataset: xr.Dataset, config: NormGeometryConfig, share: AttentionShare | None = None) -> Plan:
     """The measures of the module docstring at `site`, per layer: one pass over the site, norm_scale
-    (when stored) and the attention (stored, or recomputed from q and k)."""
+    (when stored) and the attention (stored, or recomputed from q and k). With `share`, the call's
+    ``attention.AttentionShare``, the attention recomputed from q and k comes from the replay's tasks
+    when the call runs the replay too (each block's attention is then computed once)."""
     if config.site not in D_MODEL_SITES:
         raise AnalysisError(f"norm_geometry site={config.site!r}: expected a residual site, one of {list(D_MODEL_SITES)}")
     if config.site not in dataset.data_vars:
@@ -244,27 +242,48 @@ def plan_norm_geometry(dataset: xr.Dataset, config: NormGeometryConfig) -> Plan:
     n_groups = min(config.interval_groups, n_samples)
     summed, maximised = _packers(n_groups, n_heads, dataset.sizes["d_model"], dataset.sizes["pos"])
     group_of = _group_of(n_samples, n_groups, np.asarray(dataset["sample"].values))
+    thresholds = (config.sparse_threshold, config.min_keys)
+    share = share if source == "q,k" else None
+    for layer in layers if share is not None else ():
+        share.wish(layer, device, queries=thresholds)
     finite = FiniteCheck(dataset)
-    lazy = {}
     for layer in layers:
-        x = layer_data(dataset[config.site], layer)
-        inputs = [x, dataset["valid"].data, sample_values(dataset, x)]
-        inputs += [layer_data(dataset["norm_scale"], layer)] if has_scale else []
-        inputs += [layer_data(dataset[name], layer) for name in ATTENTION_READS[source]]
-        terms = ScoreTerms.of_layer(dataset.attrs["model"], layer) if source != "none" else None
-        kernel = partial(_block_sums, summed=summed, maximised=maximised, group_of=group_of, n_heads=n_heads,
-                         terms=terms, source=source, has_scale=has_scale,
-                         thresholds=(config.sparse_threshold, config.min_keys), device=device)
-        vectors = sample_block_vectors(kernel, summed.size + maximised.size, *inputs)
-        lazy[layer] = (vectors[:, :summed.size].sum(axis=0, split_every=8), vectors[:, summed.size:].max(axis=0))
         finite.reads(layer, (config.site, layer))
+
+    def attention_inputs_of(layer: int) -> tuple[str, list]:
+        """Where the layer's attention sums come from, and the inputs the block kernel reads for them."""
+        provided = None if share is None else share.provider(layer, device)
+        if provided is None:
+            return source, [layer_data(dataset[name], layer) for name in ATTENTION_READS[source]]
+        samples = dataset["q"].sel(layer=layer).data.chunks[0]
+        return "provided", [from_tasks(provided[0], partial(_provided_queries, thresholds=thresholds, which=which),
+                                       (n_heads,), samples, dtype="float64") for which in (0, 1)]
+
+    def lazy():  # built when the pass computes: the replay of the call may provide the attention (AttentionShare)
+        work = {}
+        for layer in layers:
+            x = layer_data(dataset[config.site], layer)
+            inputs = [x, dataset["valid"].data, sample_values(dataset, x)]
+            inputs += [layer_data(dataset["norm_scale"], layer)] if has_scale else []
+            layer_source, attention = attention_inputs_of(layer)
+            terms = ScoreTerms.of_layer(dataset.attrs["model"], layer) if source != "none" else None
+            kernel = partial(_block_sums, summed=summed, maximised=maximised, group_of=group_of, n_heads=n_heads,
+                             terms=terms, source=layer_source, has_scale=has_scale, thresholds=thresholds, device=device)
+            vectors = sample_block_vectors(kernel, summed.size + maximised.size, *inputs, *attention)
+            work[layer] = [vectors[:, :summed.size].sum(axis=0, split_every=8), vectors[:, summed.size:].max(axis=0)]
+        return work
 
     def finish(computed):
         finite.check({layer: summed.unpack(sums)["nonfinite"] for layer, (sums, _) in computed.items()})
         per_layer = [(summed.unpack(computed[layer][0]), maximised.unpack(computed[layer][1])) for layer in layers]
         return _result(dataset, config, layers, per_layer, source, has_scale, n_groups)
 
-    return Plan({layer: list(pair) for layer, pair in lazy.items()}, finish)
+    return Plan(Deferred(lazy), finish)
+
+
+def _provided_queries(sums: dict, thresholds: tuple[float, int], which: int) -> np.ndarray:
+    """The start token's attention (`which` 0) or the sparse queries (1) per (sample, head) from a replay task."""
+    return sums["queries"][thresholds][which]
 
 
 def _source(dataset: xr.Dataset) -> str:
@@ -363,4 +382,5 @@ def _result(dataset, config, layers, per_layer, source, has_scale, n_groups) -> 
 norm_geometry = Analysis(
     "norm_geometry", NormGeometryConfig, plan_norm_geometry,
     reads=(*D_MODEL_SITES, "norm_scale", "q", "k", "pattern", "valid"), needs=("resid_pre",),
-    summary="massive activations, attention sinks, residual norm growth, norm_scale spread, sparse attention")
+    summary="massive activations, attention sinks, residual norm growth, norm_scale spread, sparse attention",
+    shares_attention=True)

@@ -32,7 +32,7 @@ from .attention import (
     attention_source,
     token_norms,
 )
-from .blocks import sample_block_sums, single_block
+from .blocks import from_tasks, sample_block_sums, single_block
 from .description import normalised_by
 from .device import resolve_device
 from .errors import AnalysisError
@@ -93,13 +93,6 @@ def attention_tasks(dataset: xr.Dataset, layer: int, exclude_start: bool, device
     own = tuple(site for site in norm_sites if site in ("q", "k"))
     return [dask.delayed(attention_block, pure=True)(*inputs, terms, device, exclude_start, own)
             for inputs in attention_inputs(dataset, layer)], own
-
-
-def from_tasks(tasks: list, pick, shape: tuple[int, ...], samples: tuple[int, ...]) -> da.Array:
-    """Lazy (sample, *shape) float32 array of what `pick` takes from each block's task."""
-    return da.concatenate([da.from_delayed(dask.delayed(pick, pure=True)(task), (n, *shape), dtype="float32",
-                                           meta=np.empty((0,) * (1 + len(shape)), "float32"))
-                           for task, n in zip(tasks, samples)])
 
 
 def _provided_received(sums: dict, exclude_start: bool) -> np.ndarray:
@@ -256,7 +249,7 @@ def plan_norm_spread(dataset: xr.Dataset, config: NormsConfig, share: AttentionS
     shared_sites = tuple(site for site in SHARED_SITES if site in sites) if source == "q,k" else ()
     share = share if source == "q,k" else None
     for layer in layers if share is not None else ():
-        share.wish(layer, device, exclude_start, shared_sites)
+        share.wish(layer, device, exclude_start=exclude_start, norm_sites=shared_sites)
 
     def attention_and_norms(layer: int) -> tuple[tuple, dict]:
         """The attention each key receives (none without weighting), and the sites' norms that the

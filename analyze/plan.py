@@ -2,8 +2,8 @@
 runs the plans of every chosen analysis together, so that work reading the same chunks shares the
 reads (Dask merges tasks with the same keys: one read of a chunk feeds every kernel that needs it).
 Work that reads what a plan built after it provides is ``Deferred``: built when the pass computes
-(the norms read the attention each key receives from the replay's tasks, ``attention.AttentionShare``,
-handed to both plans by ``run_analyses``).
+(the norms and norm_geometry read what they need of the attention from the replay's tasks,
+``attention.AttentionShare``, handed to the three plans by ``run_analyses``).
 
 An analysis that needs a second pass (the spheres, when they fit their own subspaces, finish that
 fit into their results) finishes its first Plan into another Plan (or its result). Every pass logs its progress (share of tasks

@@ -41,8 +41,8 @@ class Analysis:
     name: its results group; config: its configuration class (the options, their defaults and
     constraints); start(dataset, config, **earlier) -> Plan or result, where `earlier` holds the
     results of the analyses named in `takes` that ran (spheres take the fitted subspaces), and
-    `share`, the call's ``attention.AttentionShare``, when `shares_attention` (the norms read each
-    block's attention from the replay's tasks: one computation, not two); reads:
+    `share`, the call's ``attention.AttentionShare``, when `shares_attention` (the norms and norm_geometry
+    read each block's attention from the replay's tasks: one computation, not three); reads:
     the store variables it may read; needs: those without which the default set leaves it out;
     summary: one line for listings.
     """

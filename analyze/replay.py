@@ -142,9 +142,9 @@ import xarray as xr
 from orthosphere.errors import AnalysisError, ReplayError  # noqa: F401
 from orthosphere.params import Interval, parameter
 
-from .attention import AttentionShare, ScoreTerms, attention_inputs
+from .attention import AttentionShare, ScoreTerms, Wish, attention_inputs
 from .inputs import FiniteCheck, check_layers, store_url
-from .kernels import replay_block
+from .kernels import SHARED_SUMS, replay_block
 from .multiplicity import state_multiplicity
 from .options import CONFIDENCE, LAYERS, integer
 from .plan import Plan
@@ -349,9 +349,9 @@ def _sample_blocks(data: xr.DataArray, chunks: tuple[int, ...]) -> list:
 
 
 def _layer_graph(ds, layer, settings, model, with_messages, n_bins, share: AttentionShare | None):
-    """A delayed dict of one layer's reduced partial sums. When the norms of the call wish, in `share`, for
-    the attention each key receives and the norms of q, k, v, the tasks of the first range of draws
-    compute those too and provide them (``attention.AttentionShare``)."""
+    """A delayed dict of one layer's reduced partial sums. When the norms or norm_geometry of the call wish,
+    in `share`, for what they read of the attention (``attention.Wish``), the tasks of the first range of
+    draws compute that too and provide it (``attention.AttentionShare``)."""
     q = ds["q"].sel(layer=layer)
     chunks = q.chunks[0] if q.chunks else (ds.sizes["sample"],)
     values = _sample_blocks(ds["v"].sel(layer=layer), chunks) if with_messages else [None] * len(chunks)
@@ -360,18 +360,18 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins, share: Atten
     starts = np.concatenate([[0], np.cumsum(chunks)])
     draw_ranges = [range(first, min(first + DRAWS_PER_TASK, settings.n_draws))
                    for first in range(0, settings.n_draws, DRAWS_PER_TASK)]
-    masks, norm_sites = ((), ()) if share is None else share.wished(layer, settings.device)
-    norm_sites = tuple(site for site in norm_sites if site != "v" or with_messages)  # the sites its tasks read
+    wish = Wish() if share is None else share.wished(layer, settings.device)
+    norm_sites = tuple(site for site in wish.sites if site != "v" or with_messages)  # the sites its tasks read
     terms = ScoreTerms.of_layer(model, layer)
     partials = [
         [dask.delayed(replay_block, pure=True)(
             *inputs, values[i], frame, samples=sample_ids[starts[i]:starts[i + 1]], layer=layer, draws=draws,
-            settings=settings, terms=terms, n_bins=n_bins, received_for=masks if draws.start == 0 else (),
-            norms_for=norm_sites if draws.start == 0 else ())
+            settings=settings, terms=terms, n_bins=n_bins, received_for=wish.received if draws.start == 0 else (),
+            norms_for=norm_sites if draws.start == 0 else (), queries_for=wish.queries if draws.start == 0 else ())
          for draws in draw_ranges]
         for i, inputs in enumerate(attention_inputs(ds, layer))
     ]
-    if masks:
+    if wish:
         share.provide(layer, settings.device, [ranges[0] for ranges in partials], norm_sites)
     return dask.delayed(_combine)(partials, settings.smooth_draws)
 
@@ -379,7 +379,7 @@ def _layer_graph(ds, layer, settings, model, with_messages, n_bins, share: Atten
 def _combine(partials: list[list[dict]], smooth_draws: int) -> dict:
     """Partial sums per sample block and draw range -> one layer's."""
     return in_sample_order([_within_samples({name: np.sum([p[name] for p in ranges], axis=0) for name in ranges[0]
-                                              if name not in ("received", "norms")}, smooth_draws)
+                                              if name not in SHARED_SUMS}, smooth_draws)
                              for ranges in partials])
 
 

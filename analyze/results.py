@@ -97,8 +97,8 @@ def run_analyses(dataset: xr.Dataset, configs: Mapping[str, Config]) -> dict[str
     per pass, so each chunk of the store is read once in a pass whatever the number of analyses that
     need it. Analyses that take an earlier one's result (spheres: the fitted subspaces) are planned once
     it is there, in the next pass; analyses without a plan (accuracy, which reads no activations)
-    compute on their own. The norms and the replay share one ``AttentionShare``: each block's
-    attention is computed once, in the replay's tasks."""
+    compute on their own. The norms, norm_geometry and the replay share one ``AttentionShare``: each
+    block's attention is computed once, in the replay's tasks."""
     analyses = sorted((get_analysis(name) for name in configs), key=lambda analysis: list(ANALYSES).index(analysis.name))
     waiting = list(analyses)
     share = AttentionShare()

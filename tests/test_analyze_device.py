@@ -150,6 +150,32 @@ def test_norms_weighted_by_attention_recomputed_on_the_device(tmp_path):
     np.testing.assert_allclose(found["band"], expected["band"], rtol=0, atol=found.attrs["ratio_bin_width"])
 
 
+def test_norm_geometry_on_the_device_reads_what_a_stored_float64_pattern_gives(tmp_path):
+    """Sinks and sparse queries from the attention recomputed with torch equal those of the stored float64
+    pattern of the same q, k: the start token's attention within float32's tolerance over the queries
+    summed, the sparse share exactly (no largest attention of the fixture lies within 1e-4 of 0.95)."""
+    from orthosphere.analyze.norm_geometry import norm_geometry
+
+    q, k, _, _ = random_heads(n_samples=8, scale=2.0)
+    valid = np.ones((8, 8), bool)
+    valid[:3, 6:] = False
+    resid = np.random.default_rng(2).normal(size=(8, 2, 8, 16)).astype(np.float32)  # d_model: n_heads x d_head
+    patterns = [attention_float64(q[:, layer], k[:, layer], valid, attn_scale=0.5, causal=True) for layer in range(2)]
+    pattern = np.stack([found[0] for found in patterns], axis=1)
+    largest = pattern.max(axis=-1)[np.broadcast_to(valid[:, None, None, :], pattern.shape[:-1])]
+    assert np.abs(largest - 0.95).min() > 1e-4 and (largest >= 0.95).any() and (largest < 0.95).any()
+    recomputed = write_store(tmp_path / "qk.zarr", q=q, k=k, valid=valid, attn_scale=0.5, resid_pre=resid)
+    stored = write_store(tmp_path / "pattern.zarr", q=q, k=k, valid=valid, pattern=pattern.astype(np.float32),
+                         attn_scale=0.5, resid_pre=resid)
+    found = norm_geometry(open_for_analysis(recomputed.attrs["url"]), device="cpu-torch", interval_groups=4)
+    expected = norm_geometry(open_for_analysis(stored.attrs["url"]), interval_groups=4)
+    assert found.attrs["attention_source"] == "recomputed from q, k" and expected.attrs["attention_source"] == "stored pattern"
+    allowed = 8 * attention_atol(max(largest_logit for _, largest_logit in patterns))
+    np.testing.assert_allclose(found.sink_attention, expected.sink_attention, rtol=0, atol=allowed)
+    np.testing.assert_array_equal(found.sparse_share, expected.sparse_share)
+    assert 0 < float(expected.sparse_share.min()) and 0 < float(expected.sink_attention.min())
+
+
 @pytest.mark.parametrize("value, message", [
     ("tpu", "option device='tpu': expected auto, cpu \\(numpy\\), cpu-torch"),
     ("cuda:x", "option device='cuda:x': expected auto"),

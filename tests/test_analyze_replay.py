@@ -27,17 +27,19 @@ RELATIVE_BIAS = tuple(tuple(float(b) for b in row) for row in np.random.default_
 
 
 def write_store(path, *, q, k, v=None, w_o=None, valid=None, pattern=None, attn_scale=1.0, causal=True,
-                samples_per_chunk=4):
-    """A complete store holding the given (sample, layer, pos, head, d_head) arrays."""
+                samples_per_chunk=4, resid_pre=None):
+    """A complete store holding the given (sample, layer, pos, head, d_head) arrays (and resid_pre,
+    (sample, layer, pos, d_model), when given)."""
     n_samples, n_layers, n_pos, n_heads, d_head = q.shape
     d_model = w_o.shape[-1] if w_o is not None else n_heads * d_head
     model = {"family": "synthetic", "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads,
              "n_kv_heads": k.shape[3], "d_head": d_head, "attn_scale": attn_scale, "causal": causal}
-    sites = ("q", "k") + (("v",) if v is not None else ()) + (("pattern",) if pattern is not None else ())
+    sites = ("q", "k") + tuple(name for name, value in (("v", v), ("pattern", pattern), ("resid_pre", resid_pre))
+                               if value is not None)
     writer = create_store(path, model=model, task={"name": "synthetic"}, n_samples=n_samples, n_pos=n_pos,
                           sites=sites, with_weights=w_o is not None, samples_per_chunk=samples_per_chunk)
     arrays = {"q": q, "k": k, "valid": np.ones((n_samples, n_pos), bool) if valid is None else valid}
-    arrays |= {name: value for name, value in (("v", v), ("pattern", pattern)) if value is not None}
+    arrays |= {name: value for name, value in (("v", v), ("pattern", pattern), ("resid_pre", resid_pre)) if value is not None}
     writer.write(0, arrays)
     if w_o is not None:
         weights = {name: np.zeros(writer.group[name].shape, np.float32) for name in WEIGHT_NAMES}
@@ -503,14 +505,17 @@ def test_sub_blocks_sized_for_the_cache_give_the_results_of_one_block(tmp_path, 
         _assert_same_replay(whole, split)
 
 
-def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_their_results_alone(tmp_path,
-                                                                                                   monkeypatch):
-    """One clean attention per (layer, block of samples) for both analyses of a call, built inside the
+def test_norms_norm_geometry_and_replay_of_one_call_compute_each_blocks_attention_once_with_their_results_alone(
+        tmp_path, monkeypatch):
+    """One clean attention per (layer, block of samples) for the three analyses of a call, built inside the
     replay's tasks (never held between tasks), and each analysis's results identical to those it
     gives alone."""
     q, k, v, w_o = random_heads(n_samples=10)
-    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)  # 3 blocks a layer
-    options = {"norms": {"sites": ["k", "v"]}, "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
+    resid = np.random.default_rng(5).normal(size=(10, 2, q.shape[2], w_o.shape[-1])).astype(np.float32)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4,  # 3 blocks a layer
+                     resid_pre=resid)
+    options = {"norms": {"sites": ["k", "v"]}, "norm_geometry": {"interval_groups": 5},
+               "replay": {"levels": [0.1, 0.3], "n_draws": 3, "n_bootstrap": 10}}
     alone = {name: run_analyses(ds, {name: ANALYSES[name].configure(options[name])})[name] for name in options}
     built = []
     build = kernels.CleanAttention.__init__
@@ -525,6 +530,8 @@ def test_norms_and_replay_of_one_call_compute_each_blocks_attention_once_with_th
     for name in options:
         xr.testing.assert_equal(together[name], alone[name])  # every value bit for bit (attrs hold the time of the run)
     assert alone["replay"]["/"].dataset.tv_distance.max() > 0
+    geometry = alone["norm_geometry"]["/"].dataset
+    assert 0 < geometry.sparse_share.min() and 0 < geometry.sink_attention.min()  # the shared sums are not all zero
 
 
 class _Readers(Callback):
@@ -539,13 +546,14 @@ class _Readers(Callback):
             self.counts.append(len(state["dependents"][key]))
 
 
-@pytest.mark.parametrize("only", [["norms", "replay"], ["norms"]])
+@pytest.mark.parametrize("only", [["norms", "replay"], ["norms"], ["norm_geometry", "replay"]])
 def test_each_block_of_q_k_v_has_one_reader_in_a_call(tmp_path, only):
     """The norms take |q|, |k| (and |v|) from the tasks that read those blocks for the attention (the
-    replay's, or their own when alone): a second reader, run long after, would keep every block in
-    memory until then."""
+    replay's, or their own when alone), and norm_geometry its attention sums: a second reader, run long
+    after, would keep every block in memory until then."""
     q, k, v, w_o = random_heads(n_samples=10)
-    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4)
+    resid = np.random.default_rng(5).normal(size=(10, 2, q.shape[2], w_o.shape[-1])).astype(np.float32)
+    ds = write_store(tmp_path / "s", q=q, k=k, v=v, w_o=w_o, attn_scale=0.5, samples_per_chunk=4, resid_pre=resid)
     readers = _Readers()
     with dask.config.set(scheduler="synchronous"), readers:
         run_analyses(ds, configure([ANALYSES[name] for name in only],
