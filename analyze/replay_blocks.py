@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ DEFAULT_SMOOTH_DRAWS = 2
 instance, whose Monte Carlo error (reported) is small after a few draws."""
 
 
-SMOOTH_DRAWS = Rule(lambda value: isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value >= 2),
+SMOOTH_DRAWS = Rule(lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool) and (value == 0 or value >= 2),
                     "0 (no smooth summaries: the perturbed softmax of every instance, most of the replay's time, is "
                     "skipped) or an integer >= 2, the fewest that state a Monte Carlo error of the total variation "
                     "and output change")
