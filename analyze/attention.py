@@ -347,13 +347,16 @@ def query_sums(attention: np.ndarray, valid: np.ndarray, terms: ScoreTerms, spar
     `min_keys` keys and put at least `sparse_threshold` on one. `attention` is key-major (kpos, sample,
     head, qpos), a numpy array or a view (norm_geometry's sinks and sparse share)."""
     valid = np.asarray(valid, bool)
-    start = valid & (np.cumsum(valid, axis=1) == 1)
-    other = valid & ~start
-    enough = other & (allowed_keys(valid, terms).sum(axis=-1) >= min_keys)
-    on_start = attention[np.argmax(start, axis=1), np.arange(len(valid))]  # (sample, head, qpos)
+    on_start = attention[np.argmax(valid, axis=1), np.arange(len(valid))]  # (sample, head, qpos): each start token's
     sparse = attention.max(axis=0) >= sparse_threshold
-    return (np.einsum("shq,sq->sh", on_start, other.astype("float64")),
-            np.einsum("shq,sq->sh", sparse.astype("float64"), enough.astype("float64")))
+    return (np.einsum("shq,sq->sh", on_start, analysed_tokens(valid, True).astype("float64")),
+            np.einsum("shq,sq->sh", sparse.astype("float64"), sparse_candidates(valid, terms, min_keys).astype("float64")))
+
+
+def sparse_candidates(valid: np.ndarray, terms: ScoreTerms, min_keys: int) -> np.ndarray:
+    """(sample, qpos) the analysed queries (``analysed_tokens`` without the start token) that may see at
+    least `min_keys` keys: those whose sparse attention norm_geometry counts."""
+    return analysed_tokens(valid, True) & (allowed_keys(valid, terms).sum(axis=-1) >= min_keys)
 
 
 def token_norms(block) -> np.ndarray:

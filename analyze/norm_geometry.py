@@ -35,7 +35,7 @@ import xarray as xr
 
 from orthosphere.params import parameter
 
-from .attention import AttentionShare, ScoreTerms, allowed_keys, attention_source, query_sums
+from .attention import AttentionShare, ScoreTerms, attention_source, query_sums, sparse_candidates
 from .blocks import Packer, from_tasks, sample_block_vectors, single_block
 from .device import resolve_device
 from .errors import AnalysisError
@@ -148,7 +148,7 @@ def _attention_sums(inputs, valid, other, groups, n_groups, n_heads, terms, sour
         on_start, sparse = CleanAttention(inputs[0], inputs[1], valid, terms, device).query_sums(*thresholds)
     np.add.at(zeros["sink_attention"], groups, on_start)
     np.add.at(zeros["sparse"], groups, sparse)
-    enough = other & (allowed_keys(valid, terms).sum(axis=-1) >= thresholds[1])  # (sample, qpos)
+    enough = sparse_candidates(valid, terms, thresholds[1])
     zeros["queries"] = np.bincount(groups, weights=other.sum(axis=1).astype("float64"), minlength=n_groups)
     zeros["sparse_queries"] = np.bincount(groups, weights=enough.sum(axis=1).astype("float64"), minlength=n_groups)
     return zeros

@@ -565,6 +565,7 @@ def test_a_class_mean_averages_the_roundings_of_its_cells_and_two_factors_share_
     assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "float32") == []  # stored as computed
     assert cell_rounding(np.eye(3) * 1e-12, sums, counts, layout, "int8") is None
 
+
 @pytest.mark.parametrize("n_tokens", [60, 400])
 def test_the_understatement_is_what_whitening_by_the_residuals_own_covariance_takes_from_their_noise(n_tokens):
     """Over many samples of residuals with rogue dimensions, the noise of a statistic independent of them
